@@ -1,0 +1,15 @@
+#pragma once
+// The whole public API of comb.
+#include "comb/chat_template.hpp"
+#include "comb/config.hpp"
+#include "comb/decoder.hpp"
+#include "comb/error.hpp"
+#include "comb/gguf.hpp"
+#include "comb/log.hpp"
+#include "comb/model.hpp"
+#include "comb/safetensors.hpp"
+#include "comb/sampler.hpp"
+#include "comb/tensor_source.hpp"
+#include "comb/tokenizer.hpp"
+#include "comb/version.hpp"
+#include "comb/weights.hpp"

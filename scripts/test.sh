@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds, and runs the whole test suite (oracles included).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+bash "$root/scripts/build.sh"
+ctest --test-dir "${COMB_BUILD_DIR:-$root/build}" --output-on-failure "$@"

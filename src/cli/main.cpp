@@ -1,0 +1,261 @@
+// The `comb` command-line tool: generate and bench.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "comb/comb.hpp"
+
+namespace {
+
+using comb::Error;
+
+constexpr const char* kUsage = R"(usage: comb <command> [options]
+
+commands:
+  generate   answer a prompt with a model
+  bench      measure prefill and decode throughput
+  version    print the version
+
+common options:
+  --model FILE        model file (.gguf) or Hugging Face directory
+                      (default: $COMB_MODEL, else the model the set-up installed)
+  --device DEV        cpu (default), cuda, cuda:N
+  --dtype T           float32 (default), bfloat16, float16 (CUDA only)
+  --threads N         CPU threads (default: LibTorch's choice)
+
+generate options:
+  --prompt TEXT       the user message (sent through the model's chat template)
+  --raw               send the prompt as is, without the chat template
+  --max-tokens N      most tokens to generate (default 128)
+  --temperature T     0 = greedy (default), else sample
+  --top-k N           sample among the N most likely tokens (default 0: all)
+  --top-p P           sample from the smallest set with mass P (default 1)
+  --seed N            random seed for sampling (default 0)
+  --json              print token ids, logprobs and timings as JSON instead of text
+
+bench options:
+  --prompt-tokens LIST   prompt lengths for prefill, comma separated (default 128,512,2048)
+  --decode-tokens N      tokens decoded after a 128-token prompt (default 64)
+  --repeat N             runs per figure; the median is reported (default 3)
+  --json                 one JSON object per figure
+)";
+
+// Parsed "--key value" / "--flag" options, with the positions they came from for messages.
+class Args {
+ public:
+  Args(int argc, char** argv, int first, const std::vector<std::string>& flags) {
+    for (int i = first; i < argc; ++i) {
+      std::string a = argv[i];
+      if (a.rfind("--", 0) != 0) throw Error("unexpected argument '" + a + "' (options start with --)");
+      std::string key = a.substr(2);
+      if (key == "help") throw Error("help");
+      if (std::find(flags.begin(), flags.end(), key) != flags.end()) {
+        values_[key] = "1";
+      } else {
+        if (i + 1 >= argc) throw Error("option --" + key + " needs a value");
+        values_[key] = argv[++i];
+      }
+    }
+  }
+  bool has(const std::string& key) const { return values_.count(key) > 0; }
+  std::string str(const std::string& key, const std::string& fallback = "") {
+    used_.push_back(key);
+    auto it = values_.find(key);
+    return it == values_.end() ? fallback : it->second;
+  }
+  template <typename T>
+  T num(const std::string& key, T fallback) {
+    std::string s = str(key);
+    if (s.empty()) return fallback;
+    try {
+      size_t end = 0;
+      double v = std::stod(s, &end);
+      if (end != s.size()) throw std::invalid_argument(s);
+      return static_cast<T>(v);
+    } catch (const std::exception&) {
+      throw Error("option --" + key + " expects a number, found '" + s + "'");
+    }
+  }
+  // Rejects options no one asked for (typos).
+  void check_all_used() const {
+    for (const auto& [k, v] : values_)
+      if (std::find(used_.begin(), used_.end(), k) == used_.end()) throw Error("unknown option --" + k);
+  }
+
+ private:
+  std::map<std::string, std::string> values_;
+  std::vector<std::string> used_;
+};
+
+std::string default_model() {
+  if (const char* env = std::getenv("COMB_MODEL"); env && *env) return env;
+  return COMB_DEFAULT_MODEL;
+}
+
+comb::Model load_model(Args& args) {
+  std::string path = args.str("model", default_model());
+  if (path.empty()) throw Error("no model: pass --model FILE or set COMB_MODEL");
+  comb::Options options;
+  options.device = args.str("device", "cpu");
+  options.dtype = args.str("dtype", "float32");
+  options.threads = args.num<int>("threads", 0);
+  auto t0 = std::chrono::steady_clock::now();
+  comb::Model model = comb::Model::load(path, options);
+  double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const auto& c = model.config();
+  fmt::print(stderr, "[comb] loaded {} ({} layers, {} heads / {} kv, vocab {}) on {} {} in {:.0f} ms, {} threads\n",
+             path, c.n_layer, c.n_head, c.n_head_kv, c.n_vocab, options.device, options.dtype, ms,
+             at::get_num_threads());
+  return model;
+}
+
+int cmd_generate(Args& args) {
+  comb::Model model = load_model(args);
+  std::string prompt = args.str("prompt");
+  if (!args.has("prompt")) throw Error("generate needs --prompt TEXT");
+  bool raw = args.has("raw"), json = args.has("json");
+  args.str("raw"), args.str("json");
+  comb::GenerateOptions options;
+  options.max_tokens = args.num<int64_t>("max-tokens", 128);
+  options.sampling.temperature = args.num<float>("temperature", 0.0f);
+  options.sampling.top_k = args.num<int64_t>("top-k", 0);
+  options.sampling.top_p = args.num<float>("top-p", 1.0f);
+  options.sampling.seed = args.num<uint64_t>("seed", 0);
+  args.check_all_used();
+  std::vector<int32_t> ids = raw ? model.tokenizer().encode(prompt) : model.chat_prompt(prompt);
+  if (raw && model.tokenizer().add_bos() && model.tokenizer().bos_id()) ids.insert(ids.begin(), *model.tokenizer().bos_id());
+  if (!json) {
+    options.on_token = [](int32_t, const std::string& text) {
+      std::fwrite(text.data(), 1, text.size(), stdout);
+      std::fflush(stdout);
+      return true;
+    };
+  }
+  comb::GenerationResult r = model.generate(ids, options);
+  if (json) {
+    nlohmann::json j = {{"text", r.text},
+                        {"tokens", r.tokens},
+                        {"logprobs", r.logprobs},
+                        {"n_prompt", r.n_prompt},
+                        {"stop_reason", r.stop_reason},
+                        {"timings",
+                         {{"ttft_ms", r.ttft_ms},
+                          {"prefill_tokens_per_s", r.prefill_tokens_per_s()},
+                          {"decode_tokens_per_s", r.decode_tokens_per_s()}}}};
+    std::cout << j.dump() << std::endl;
+  } else {
+    std::cout << std::endl;
+  }
+  fmt::print(stderr, "[comb] {} prompt tokens, {} generated ({}); ttft {:.1f} ms, prefill {:.1f} tok/s, decode {:.1f} tok/s\n",
+             r.n_prompt, r.tokens.size(), r.stop_reason, r.ttft_ms, r.prefill_tokens_per_s(), r.decode_tokens_per_s());
+  return 0;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+int cmd_bench(Args& args) {
+  comb::Model model = load_model(args);
+  std::string lengths = args.str("prompt-tokens", "128,512,2048");
+  int64_t n_decode = args.num<int64_t>("decode-tokens", 64);
+  int repeat = std::max(1, args.num<int>("repeat", 3));
+  bool json = args.has("json");
+  args.str("json");
+  args.check_all_used();
+  c10::InferenceMode guard;
+  const comb::Decoder& dec = model.decoder();
+  // Deterministic prompts of ordinary tokens (ids past the special ones at the start of the vocabulary).
+  std::mt19937_64 rng(1234);
+  auto prompt = [&](int64_t n) {
+    std::uniform_int_distribution<int64_t> pick(1000, model.config().n_vocab - 1);
+    std::vector<int64_t> ids(n);
+    for (auto& id : ids) id = pick(rng);
+    return at::tensor(ids, at::kLong).unsqueeze(0);
+  };
+  auto now = [] { return std::chrono::steady_clock::now(); };
+  auto report = [&](const std::string& what, int64_t tokens, double tps) {
+    if (json) std::cout << nlohmann::json{{"bench", what}, {"tokens", tokens}, {"tokens_per_s", tps}}.dump() << std::endl;
+    else fmt::print("{:<8} {:>6} tokens  {:>10.1f} tokens/s\n", what, tokens, tps);
+  };
+  size_t pos = 0;
+  while (pos < lengths.size()) {
+    size_t comma = lengths.find(',', pos);
+    std::string item = lengths.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    pos = comma == std::string::npos ? lengths.size() : comma + 1;
+    int64_t n = std::stoll(item);
+    if (n <= 0 || n >= model.config().n_ctx) throw Error("--prompt-tokens: " + item + " is outside (0, n_ctx)");
+    at::Tensor ids = prompt(n);
+    std::vector<double> times;
+    for (int r = 0; r <= repeat; ++r) {  // the first run warms up
+      comb::KVCache cache = dec.make_cache(1, n);
+      auto t0 = now();
+      at::Tensor logits = dec.forward(ids, cache);
+      logits.cpu();
+      if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
+    }
+    report("prefill", n, n / median(times));
+  }
+  if (n_decode > 0) {
+    std::vector<double> rates;
+    for (int r = 0; r <= repeat; ++r) {
+      comb::KVCache cache = dec.make_cache(1, 128 + n_decode);
+      at::Tensor logits = dec.forward(prompt(128), cache);
+      int64_t token = logits[0][-1].argmax().item<int64_t>();
+      auto t0 = now();
+      for (int64_t i = 0; i < n_decode; ++i) {
+        logits = dec.forward(at::full({1, 1}, token, at::kLong), cache);
+        token = logits[0][-1].argmax().item<int64_t>();
+      }
+      if (r > 0) rates.push_back(n_decode / std::chrono::duration<double>(now() - t0).count());
+    }
+    report("decode", n_decode, median(rates));
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) == "help" || std::string(argv[1]) == "--help") {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  std::string cmd = argv[1];
+  try {
+    if (cmd == "version" || cmd == "--version") {
+      std::cout << "comb " << COMB_VERSION_STRING << std::endl;
+      return 0;
+    }
+    if (cmd == "generate") {
+      Args args(argc, argv, 2, {"raw", "json"});
+      return cmd_generate(args);
+    }
+    if (cmd == "bench") {
+      Args args(argc, argv, 2, {"json"});
+      return cmd_bench(args);
+    }
+    throw Error("unknown command '" + cmd + "' (expected generate, bench or version)");
+  } catch (const Error& e) {
+    if (std::string(e.what()) == "help") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    fmt::print(stderr, "comb: error: {}\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "comb: error: {}\n", e.what());
+    return 1;
+  }
+}

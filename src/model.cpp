@@ -1,0 +1,621 @@
+// The decoder side: config, weight table, forward pass, sampling and generation.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <numeric>
+
+#include "comb/detail/mapped_file.hpp"
+#include "comb/error.hpp"
+#include "comb/gguf.hpp"
+#include "comb/log.hpp"
+#include "comb/model.hpp"
+#include "comb/weights.hpp"
+
+namespace fs = std::filesystem;
+
+namespace comb {
+
+// ================================================================================================
+// ModelConfig
+// ================================================================================================
+
+void ModelConfig::validate(const std::string& where) const {
+  COMB_CHECK(architecture == "llama", "{}: architecture '{}' is not supported (expected llama)", where, architecture);
+  auto positive = [&](const char* name, int64_t v) {
+    COMB_CHECK(v > 0, "{}: {} must be positive, found {}", where, name, v);
+  };
+  positive("n_vocab", n_vocab);
+  positive("n_embd", n_embd);
+  positive("n_ff", n_ff);
+  positive("n_layer", n_layer);
+  positive("n_head", n_head);
+  positive("n_head_kv", n_head_kv);
+  positive("head_dim", head_dim);
+  positive("n_ctx", n_ctx);
+  COMB_CHECK(n_head % n_head_kv == 0, "{}: {} query heads are not a multiple of {} key/value heads", where, n_head,
+             n_head_kv);
+  COMB_CHECK(head_dim % 2 == 0, "{}: head_dim {} must be even for RoPE", where, head_dim);
+  COMB_CHECK(rms_eps > 0 && rope_theta > 0, "{}: rms_eps ({}) and rope_theta ({}) must be positive", where, rms_eps,
+             rope_theta);
+  COMB_CHECK(rope_scaling.type == "none" || rope_scaling.type == "llama3",
+             "{}: RoPE scaling '{}' is not supported (supported: none, llama3)", where, rope_scaling.type);
+}
+
+ModelConfig ModelConfig::from_gguf(const GgufFile& g) {
+  ModelConfig c;
+  c.architecture = g.get_string("general.architecture");
+  COMB_CHECK(c.architecture == "llama", "'{}': architecture '{}' is not supported (expected llama)", g.where(),
+             c.architecture);
+  const std::string a = c.architecture + ".";
+  c.n_layer = g.get_int(a + "block_count");
+  c.n_embd = g.get_int(a + "embedding_length");
+  c.n_ff = g.get_int(a + "feed_forward_length");
+  c.n_head = g.get_int(a + "attention.head_count");
+  c.n_head_kv = g.has(a + "attention.head_count_kv") ? g.get_int(a + "attention.head_count_kv") : c.n_head;
+  c.head_dim = g.has(a + "attention.key_length")   ? g.get_int(a + "attention.key_length")
+               : g.has(a + "rope.dimension_count") ? g.get_int(a + "rope.dimension_count")
+                                                   : (c.n_head > 0 ? c.n_embd / c.n_head : 0);
+  c.n_ctx = g.get_int(a + "context_length");
+  c.rms_eps = g.get_float(a + "attention.layer_norm_rms_epsilon");
+  if (g.has(a + "rope.freq_base")) c.rope_theta = g.get_float(a + "rope.freq_base");
+  if (g.has(a + "rope.scaling.type")) {
+    std::string t = g.get_string(a + "rope.scaling.type");
+    COMB_CHECK(t == "none", "'{}': RoPE scaling '{}' is not supported", g.where(), t);
+  }
+  if (g.has(a + "vocab_size")) c.n_vocab = g.get_int(a + "vocab_size");
+  else if (g.has("tokenizer.ggml.tokens")) c.n_vocab = static_cast<int64_t>(g.get("tokenizer.ggml.tokens").size());
+  else if (const TensorInfo* t = g.find("token_embd.weight")) c.n_vocab = t->shape[0];
+  c.tie_embeddings = g.find("output.weight") == nullptr;
+  // NOTE: GGUF stores llama3 scaling as the rope_freqs tensor; the decoder applies it from there.
+  if (g.find("rope_freqs.weight")) c.rope_scaling.type = "llama3";
+  c.validate(g.where());
+  return c;
+}
+
+ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const std::string& where) {
+  auto req = [&](const char* key) -> const nlohmann::json& {
+    COMB_CHECK(j.contains(key) && j[key].is_number(), "{}: config key '{}' is missing or not a number", where, key);
+    return j[key];
+  };
+  ModelConfig c;
+  std::string type = j.value("model_type", "");
+  COMB_CHECK(type == "llama", "{}: model_type '{}' is not supported (expected llama)", where, type);
+  COMB_CHECK(!j.value("attention_bias", false) && !j.value("mlp_bias", false),
+             "{}: attention or MLP biases are not supported", where);
+  c.n_vocab = req("vocab_size").get<int64_t>();
+  c.n_embd = req("hidden_size").get<int64_t>();
+  c.n_ff = req("intermediate_size").get<int64_t>();
+  c.n_layer = req("num_hidden_layers").get<int64_t>();
+  c.n_head = req("num_attention_heads").get<int64_t>();
+  c.n_head_kv = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null()
+                    ? j["num_key_value_heads"].get<int64_t>()
+                    : c.n_head;
+  c.head_dim = j.contains("head_dim") && !j["head_dim"].is_null() ? j["head_dim"].get<int64_t>()
+                                                                   : (c.n_head > 0 ? c.n_embd / c.n_head : 0);
+  c.n_ctx = req("max_position_embeddings").get<int64_t>();
+  c.rms_eps = j.value("rms_norm_eps", 1e-6);
+  c.tie_embeddings = j.value("tie_word_embeddings", false);
+  // RoPE: "rope_theta"/"rope_scaling" (older layout) or "rope_parameters" (newer).
+  nlohmann::json rope = j.contains("rope_parameters") && j["rope_parameters"].is_object() ? j["rope_parameters"]
+                        : j.contains("rope_scaling") && j["rope_scaling"].is_object() ? j["rope_scaling"]
+                                                                                        : nlohmann::json::object();
+  c.rope_theta = rope.contains("rope_theta") ? rope["rope_theta"].get<double>() : j.value("rope_theta", 10000.0);
+  std::string rope_type = rope.value("rope_type", rope.value("type", "default"));
+  if (rope_type == "llama3") {
+    c.rope_scaling.type = "llama3";
+    c.rope_scaling.factor = rope.at("factor").get<double>();
+    c.rope_scaling.low_freq_factor = rope.at("low_freq_factor").get<double>();
+    c.rope_scaling.high_freq_factor = rope.at("high_freq_factor").get<double>();
+    c.rope_scaling.original_max_position = rope.at("original_max_position_embeddings").get<int64_t>();
+  } else {
+    COMB_CHECK(rope_type == "default", "{}: RoPE type '{}' is not supported (supported: default, llama3)", where,
+               rope_type);
+  }
+  c.validate(where);
+  return c;
+}
+
+nlohmann::json ModelConfig::to_hf_json() const {
+  nlohmann::json j = {{"model_type", "llama"},
+                      {"architectures", {"LlamaForCausalLM"}},
+                      {"vocab_size", n_vocab},
+                      {"hidden_size", n_embd},
+                      {"intermediate_size", n_ff},
+                      {"num_hidden_layers", n_layer},
+                      {"num_attention_heads", n_head},
+                      {"num_key_value_heads", n_head_kv},
+                      {"head_dim", head_dim},
+                      {"max_position_embeddings", n_ctx},
+                      {"rms_norm_eps", rms_eps},
+                      {"rope_theta", rope_theta},
+                      {"tie_word_embeddings", tie_embeddings},
+                      {"hidden_act", "silu"}};
+  if (rope_scaling.type == "llama3")
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", rope_scaling.factor},
+                         {"low_freq_factor", rope_scaling.low_freq_factor},
+                         {"high_freq_factor", rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings", rope_scaling.original_max_position}};
+  return j;
+}
+
+// ================================================================================================
+// Weights: the name table
+// ================================================================================================
+
+namespace {
+
+enum class Dim { vocab, embd, ff, q, kv, half_head };
+enum class Slot { tok_embd, output_norm, output, rope_freqs, attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down };
+
+struct WeightSpec {
+  const char* gguf;  // "{}" stands for the layer index
+  const char* hf;
+  Slot slot;
+  std::vector<Dim> shape;
+  bool per_layer;
+  bool required;
+};
+
+// NOTE: one table for both layouts. GGUF's attn_q/attn_k rows are un-permuted on load (below).
+const std::vector<WeightSpec>& llama_table() {
+  static const std::vector<WeightSpec> table = {
+      {"token_embd.weight", "model.embed_tokens.weight", Slot::tok_embd, {Dim::vocab, Dim::embd}, false, true},
+      {"output_norm.weight", "model.norm.weight", Slot::output_norm, {Dim::embd}, false, true},
+      {"output.weight", "lm_head.weight", Slot::output, {Dim::vocab, Dim::embd}, false, false},
+      {"rope_freqs.weight", "", Slot::rope_freqs, {Dim::half_head}, false, false},
+      {"blk.{}.attn_norm.weight", "model.layers.{}.input_layernorm.weight", Slot::attn_norm, {Dim::embd}, true, true},
+      {"blk.{}.attn_q.weight", "model.layers.{}.self_attn.q_proj.weight", Slot::wq, {Dim::q, Dim::embd}, true, true},
+      {"blk.{}.attn_k.weight", "model.layers.{}.self_attn.k_proj.weight", Slot::wk, {Dim::kv, Dim::embd}, true, true},
+      {"blk.{}.attn_v.weight", "model.layers.{}.self_attn.v_proj.weight", Slot::wv, {Dim::kv, Dim::embd}, true, true},
+      {"blk.{}.attn_output.weight", "model.layers.{}.self_attn.o_proj.weight", Slot::wo, {Dim::embd, Dim::q}, true, true},
+      {"blk.{}.ffn_norm.weight", "model.layers.{}.post_attention_layernorm.weight", Slot::ffn_norm, {Dim::embd}, true,
+       true},
+      {"blk.{}.ffn_gate.weight", "model.layers.{}.mlp.gate_proj.weight", Slot::w_gate, {Dim::ff, Dim::embd}, true, true},
+      {"blk.{}.ffn_up.weight", "model.layers.{}.mlp.up_proj.weight", Slot::w_up, {Dim::ff, Dim::embd}, true, true},
+      {"blk.{}.ffn_down.weight", "model.layers.{}.mlp.down_proj.weight", Slot::w_down, {Dim::embd, Dim::ff}, true, true},
+  };
+  return table;
+}
+
+int64_t dim_size(Dim d, const ModelConfig& c) {
+  switch (d) {
+    case Dim::vocab: return c.n_vocab;
+    case Dim::embd: return c.n_embd;
+    case Dim::ff: return c.n_ff;
+    case Dim::q: return c.q_dim();
+    case Dim::kv: return c.kv_dim();
+    case Dim::half_head: return c.head_dim / 2;
+  }
+  return 0;
+}
+
+std::string name_for(const char* pattern, int64_t layer) {
+  std::string s = pattern;
+  size_t at = s.find("{}");
+  if (at != std::string::npos) s.replace(at, 2, std::to_string(layer));
+  return s;
+}
+
+// GGUF converters interleave the two rotary halves of each head; restore rotate-half order.
+at::Tensor unpermute_heads(const at::Tensor& w, int64_t n_heads) {
+  int64_t rows = w.size(0), cols = w.size(1);
+  return w.reshape({n_heads, rows / n_heads / 2, 2, cols}).transpose(1, 2).reshape({rows, cols}).contiguous();
+}
+
+}  // namespace
+
+LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& config, c10::ScalarType dtype,
+                                c10::Device device) {
+  struct Found {
+    const WeightSpec* spec;
+    int64_t layer;
+    std::string name;
+    bool gguf_layout;
+  };
+  std::vector<Found> found;
+  std::vector<std::string> problems;
+  for (const auto& spec : llama_table()) {
+    for (int64_t layer = 0; layer < (spec.per_layer ? config.n_layer : 1); ++layer) {
+      std::string gguf = name_for(spec.gguf, layer), hf = spec.hf[0] ? name_for(spec.hf, layer) : "";
+      const TensorInfo* info = source.find(gguf);
+      bool gguf_layout = info != nullptr;
+      if (!info && !hf.empty()) info = source.find(hf);
+      if (!info) {
+        if (spec.required) problems.push_back(fmt::format("missing '{}'", hf.empty() ? gguf : hf));
+        continue;
+      }
+      std::vector<int64_t> want;
+      for (Dim d : spec.shape) want.push_back(dim_size(d, config));
+      if (info->shape != want) {
+        problems.push_back(fmt::format("'{}' has shape [{}], expected [{}]", info->name, fmt::join(info->shape, ", "),
+                                       fmt::join(want, ", ")));
+        continue;
+      }
+      found.push_back({&spec, layer, info->name, gguf_layout});
+    }
+  }
+  COMB_CHECK(problems.empty(), "'{}': {} weight problem(s) for a {}-layer llama (n_embd {}, n_ff {}, {} heads, {} kv "
+             "heads, vocab {}):\n  {}",
+             source.where(), problems.size(), config.n_layer, config.n_embd, config.n_ff, config.n_head,
+             config.n_head_kv, config.n_vocab, fmt::join(problems, "\n  "));
+
+  LlamaWeights w;
+  w.layers.resize(config.n_layer);
+  std::vector<at::Tensor> wq(config.n_layer), wk(config.n_layer), wv(config.n_layer), wg(config.n_layer),
+      wu(config.n_layer);
+  for (const auto& f : found) {
+    at::Tensor t;
+    try {
+      t = source.load(f.name, f.spec->slot == Slot::rope_freqs ? at::kFloat : dtype);
+    } catch (const Error& e) {
+      problems.push_back(e.what());
+      continue;
+    }
+    if (f.gguf_layout && f.spec->slot == Slot::wq) t = unpermute_heads(t, config.n_head);
+    if (f.gguf_layout && f.spec->slot == Slot::wk) t = unpermute_heads(t, config.n_head_kv);
+    t = t.to(device);
+    auto& l = w.layers[f.layer];
+    switch (f.spec->slot) {
+      case Slot::tok_embd: w.tok_embd = t; break;
+      case Slot::output_norm: w.output_norm = t; break;
+      case Slot::output: w.output = t; break;
+      case Slot::rope_freqs: w.rope_freqs = t; break;
+      case Slot::attn_norm: l.attn_norm = t; break;
+      case Slot::wq: wq[f.layer] = t; break;
+      case Slot::wk: wk[f.layer] = t; break;
+      case Slot::wv: wv[f.layer] = t; break;
+      case Slot::wo: l.wo = t; break;
+      case Slot::ffn_norm: l.ffn_norm = t; break;
+      case Slot::w_gate: wg[f.layer] = t; break;
+      case Slot::w_up: wu[f.layer] = t; break;
+      case Slot::w_down: l.w_down = t; break;
+    }
+  }
+  COMB_CHECK(problems.empty(), "'{}': cannot read {} weight(s):\n  {}", source.where(), problems.size(),
+             fmt::join(problems, "\n  "));
+  for (int64_t i = 0; i < config.n_layer; ++i) {
+    w.layers[i].wqkv = at::cat({wq[i], wk[i], wv[i]}, 0);
+    w.layers[i].w_gate_up = at::cat({wg[i], wu[i]}, 0);
+  }
+  if (!w.output.defined()) {
+    COMB_CHECK(config.tie_embeddings, "'{}': no output head ('lm_head.weight' / 'output.weight') and the config does "
+               "not tie embeddings", source.where());
+    w.output = w.tok_embd;
+  }
+  return w;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> llama_weights_hf_named(const LlamaWeights& w, const ModelConfig& c) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.emplace_back("model.embed_tokens.weight", w.tok_embd);
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    const auto& l = w.layers[i];
+    auto p = fmt::format("model.layers.{}.", i);
+    auto qkv = l.wqkv.split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
+    auto gu = l.w_gate_up.split_with_sizes({c.n_ff, c.n_ff}, 0);
+    out.emplace_back(p + "input_layernorm.weight", l.attn_norm);
+    out.emplace_back(p + "self_attn.q_proj.weight", qkv[0]);
+    out.emplace_back(p + "self_attn.k_proj.weight", qkv[1]);
+    out.emplace_back(p + "self_attn.v_proj.weight", qkv[2]);
+    out.emplace_back(p + "self_attn.o_proj.weight", l.wo);
+    out.emplace_back(p + "post_attention_layernorm.weight", l.ffn_norm);
+    out.emplace_back(p + "mlp.gate_proj.weight", gu[0]);
+    out.emplace_back(p + "mlp.up_proj.weight", gu[1]);
+    out.emplace_back(p + "mlp.down_proj.weight", l.w_down);
+  }
+  out.emplace_back("model.norm.weight", w.output_norm);
+  if (!c.tie_embeddings) out.emplace_back("lm_head.weight", w.output);
+  return out;
+}
+
+// ================================================================================================
+// KV cache and RoPE
+// ================================================================================================
+
+KVCache::KVCache(const ModelConfig& c, int64_t batch, int64_t capacity, c10::ScalarType dtype, c10::Device device)
+    : batch_(batch), capacity_(capacity) {
+  COMB_CHECK(batch > 0 && capacity > 0, "KV cache needs a positive batch and capacity, found {} and {}", batch,
+             capacity);
+  auto options = at::TensorOptions().dtype(dtype).device(device);
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    k_.push_back(at::empty({batch, c.n_head_kv, capacity, c.head_dim}, options));
+    v_.push_back(at::empty({batch, c.n_head_kv, capacity, c.head_dim}, options));
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> KVCache::append(int64_t layer, const at::Tensor& k, const at::Tensor& v) {
+  int64_t n = k.size(2);
+  COMB_CHECK(length_ + n <= capacity_, "KV cache full: {} positions held, {} more asked, capacity {}", length_, n,
+             capacity_);
+  k_[layer].narrow(2, length_, n).copy_(k);
+  v_[layer].narrow(2, length_, n).copy_(v);
+  return {k_[layer].narrow(2, 0, length_ + n), v_[layer].narrow(2, 0, length_ + n)};
+}
+
+void KVCache::advance(int64_t n) {
+  COMB_CHECK(length_ + n <= capacity_, "KV cache: cannot advance {} past capacity {}", length_ + n, capacity_);
+  length_ += n;
+}
+
+void KVCache::truncate(int64_t n) {
+  COMB_CHECK(n >= 0 && n <= length_, "KV cache: cannot truncate to {} (length {})", n, length_);
+  length_ = n;
+}
+
+at::Tensor rope_inv_freq(const ModelConfig& c, const at::Tensor& rope_freqs) {
+  // inv_freq[i] = theta^(-2i / head_dim), computed as Hugging Face does (fp32 powers of int64 steps).
+  at::Tensor exponent = at::arange(0, c.head_dim, 2, at::kLong).to(at::kFloat) / static_cast<float>(c.head_dim);
+  at::Tensor inv_freq = 1.0 / at::pow(c.rope_theta, exponent);
+  if (rope_freqs.defined()) return inv_freq / rope_freqs.to(at::kCPU, at::kFloat);
+  if (c.rope_scaling.type == "llama3") {
+    const auto& s = c.rope_scaling;
+    double low_wavelen = s.original_max_position / s.low_freq_factor;
+    double high_wavelen = s.original_max_position / s.high_freq_factor;
+    at::Tensor wavelen = 2 * M_PI / inv_freq;
+    at::Tensor scaled = at::where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq);
+    at::Tensor smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+    at::Tensor smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
+    at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+    inv_freq = at::where(medium, smoothed, scaled);
+  }
+  return inv_freq;
+}
+
+std::pair<at::Tensor, at::Tensor> rope_tables(const ModelConfig& c, const at::Tensor& rope_freqs, int64_t n_pos,
+                                              c10::ScalarType dtype, c10::Device device) {
+  at::Tensor inv_freq = rope_inv_freq(c, rope_freqs);                          // [head_dim / 2]
+  at::Tensor freqs = at::outer(at::arange(n_pos, at::kFloat), inv_freq);       // [n_pos, head_dim / 2]
+  at::Tensor emb = at::cat({freqs, freqs}, -1);                                // [n_pos, head_dim]
+  return {emb.cos().to(device, dtype), emb.sin().to(device, dtype)};
+}
+
+// ================================================================================================
+// Decoder
+// ================================================================================================
+
+Decoder::Decoder(ModelConfig config, LlamaWeights weights, c10::ScalarType dtype, c10::Device device)
+    : config_(std::move(config)), weights_(std::move(weights)), dtype_(dtype), device_(device) {
+  std::tie(rope_cos_, rope_sin_) = rope_tables(config_, weights_.rope_freqs, config_.n_ctx, dtype_, device_);
+}
+
+KVCache Decoder::make_cache(int64_t batch, int64_t capacity) const {
+  return KVCache(config_, batch, capacity, dtype_, device_);
+}
+
+at::Tensor Decoder::rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
+  if (dtype_ == at::kFloat) return at::rms_norm(x, {config_.n_embd}, weight, config_.rms_eps);
+  // Half precision: normalise in fp32, scale in the compute dtype (as the reference does).
+  at::Tensor xf = x.to(at::kFloat);
+  xf = xf * at::rsqrt(xf.pow(2).mean(-1, true) + config_.rms_eps);
+  return weight * xf.to(dtype_);
+}
+
+namespace {
+// x: [batch, heads, n, head_dim]; cos, sin: [n, head_dim]
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * cos + rotated * sin;
+}
+}  // namespace
+
+at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCache& cache) const {
+  const auto& c = config_;
+  const int64_t batch = x.size(0), n = x.size(1), start = cache.length();
+  at::Tensor qkv = at::linear(x, weights_.layers[i].wqkv);  // [batch, n, q_dim + 2 kv_dim]
+  at::Tensor q = qkv.narrow(-1, 0, c.q_dim()).view({batch, n, c.n_head, c.head_dim}).transpose(1, 2);
+  at::Tensor k = qkv.narrow(-1, c.q_dim(), c.kv_dim()).view({batch, n, c.n_head_kv, c.head_dim}).transpose(1, 2);
+  at::Tensor v = qkv.narrow(-1, c.q_dim() + c.kv_dim(), c.kv_dim()).view({batch, n, c.n_head_kv, c.head_dim}).transpose(1, 2);
+  at::Tensor cos = rope_cos_.narrow(0, start, n), sin = rope_sin_.narrow(0, start, n);
+  q = apply_rope(q, cos, sin);
+  k = apply_rope(k, cos, sin);
+  auto [keys, values] = cache.append(i, k, v);  // [batch, n_head_kv, start + n, head_dim]
+  at::Tensor out;
+  if (start == 0 || n == 1) {
+    out = at::scaled_dot_product_attention(q, keys, values, {}, 0.0, /*is_causal=*/n > 1, std::nullopt,
+                                           /*enable_gqa=*/true);
+  } else {  // a chunk after cached positions: query j sees keys [0, start + j]
+    at::Tensor mask = at::arange(start + n, at::TensorOptions().device(device_)).unsqueeze(0) <=
+                      at::arange(start, start + n, at::TensorOptions().device(device_)).unsqueeze(1);
+    out = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, std::nullopt, true);
+  }
+  out = out.transpose(1, 2).reshape({batch, n, c.q_dim()});
+  return at::linear(out, weights_.layers[i].wo);
+}
+
+at::Tensor Decoder::feed_forward(int64_t i, const at::Tensor& x) const {
+  at::Tensor gate_up = at::linear(x, weights_.layers[i].w_gate_up);  // [batch, n, 2 n_ff]
+  auto parts = gate_up.chunk(2, -1);
+  return at::linear(at::silu(parts[0]) * parts[1], weights_.layers[i].w_down);
+}
+
+at::Tensor Decoder::embed(const at::Tensor& tokens) const {
+  return at::embedding(weights_.tok_embd, tokens.to(device_, at::kLong));
+}
+
+at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& cache) const {
+  at::Tensor h = x + attention(i, rms_norm(x, weights_.layers[i].attn_norm), cache);
+  return h + feed_forward(i, rms_norm(h, weights_.layers[i].ffn_norm));
+}
+
+at::Tensor Decoder::logits(const at::Tensor& x, LogitsMode mode) const {
+  at::Tensor h = mode == LogitsMode::last ? x.narrow(1, x.size(1) - 1, 1) : x;
+  return at::linear(rms_norm(h, weights_.output_norm), weights_.output).to(at::kFloat);
+}
+
+at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache, LogitsMode mode) const {
+  COMB_CHECK(tokens.dim() == 2 && tokens.size(1) > 0, "decoder input should be [batch, n>0] token ids, found shape [{}]",
+             fmt::join(tokens.sizes(), ", "));
+  COMB_CHECK(tokens.size(0) == cache.batch(), "decoder input batch {} does not match the KV cache batch {}",
+             tokens.size(0), cache.batch());
+  const int64_t n = tokens.size(1);
+  COMB_CHECK(cache.length() + n <= config_.n_ctx, "{} positions exceed the model's context of {} tokens",
+             cache.length() + n, config_.n_ctx);
+  at::Tensor x = embed(tokens);
+  for (int64_t i = 0; i < config_.n_layer; ++i) x = layer(i, x, cache);
+  cache.advance(n);
+  return logits(x, mode);
+}
+
+// ================================================================================================
+// Sampling
+// ================================================================================================
+
+Sampler::Sampler(SamplingOptions options) : options_(options), rng_(options.seed) {
+  COMB_CHECK(options.temperature >= 0, "temperature must be >= 0, found {}", options.temperature);
+  COMB_CHECK(options.top_k >= 0, "top-k must be >= 0, found {}", options.top_k);
+  COMB_CHECK(options.top_p > 0 && options.top_p <= 1, "top-p must be in (0, 1], found {}", options.top_p);
+}
+
+int32_t Sampler::sample(const at::Tensor& logits) {
+  at::Tensor l = logits.to(at::kCPU, at::kFloat).contiguous();
+  if (options_.temperature == 0) return static_cast<int32_t>(l.argmax().item<int64_t>());
+  at::Tensor sorted, order;
+  std::tie(sorted, order) = (l / options_.temperature).sort(/*dim=*/-1, /*descending=*/true);
+  int64_t keep = sorted.size(0);
+  if (options_.top_k > 0) keep = std::min(keep, options_.top_k);
+  at::Tensor probs = at::softmax(sorted.narrow(0, 0, keep), 0);
+  const float* p = probs.data_ptr<float>();
+  if (options_.top_p < 1) {  // smallest prefix whose mass reaches top_p
+    double mass = 0;
+    int64_t i = 0;
+    while (i < keep && mass < options_.top_p) mass += p[i++];
+    keep = std::max<int64_t>(i, 1);
+  }
+  double total = std::accumulate(p, p + keep, 0.0);
+  double u = std::uniform_real_distribution<double>(0.0, total)(rng_);
+  int64_t pick = 0;
+  for (double acc = p[0]; acc < u && pick + 1 < keep; acc += p[++pick]) {
+  }
+  return static_cast<int32_t>(order[pick].item<int64_t>());
+}
+
+// ================================================================================================
+// Model
+// ================================================================================================
+
+c10::ScalarType parse_dtype(const std::string& name) {
+  if (name == "float32" || name == "fp32") return at::kFloat;
+  if (name == "bfloat16" || name == "bf16") return at::kBFloat16;
+  if (name == "float16" || name == "fp16") return at::kHalf;
+  COMB_FAIL("unknown dtype '{}' (expected float32, bfloat16 or float16)", name);
+}
+
+namespace {
+c10::Device parse_device(const std::string& name) {
+  try {
+    return c10::Device(name);
+  } catch (const c10::Error&) {
+    COMB_FAIL("unknown device '{}' (expected cpu, cuda or cuda:N)", name);
+  }
+}
+}  // namespace
+
+Model Model::load(const std::string& path, const Options& options) {
+  c10::Device device = parse_device(options.device);
+  c10::ScalarType dtype = parse_dtype(options.dtype);
+  COMB_CHECK(!(device.is_cpu() && dtype == at::kHalf), "float16 is supported on CUDA only; use float32 or bfloat16 on CPU");
+  if (device.is_cuda())
+    COMB_CHECK(at::hasCUDA(), "device '{}' asked for, but this machine (or this LibTorch) has no CUDA device",
+               options.device);
+  if (options.threads > 0) at::set_num_threads(options.threads);
+  c10::InferenceMode guard;
+  Model m;
+  std::unique_ptr<TensorSource> source = open_tensor_source(path);
+  ModelConfig config;
+  if (auto* gguf = dynamic_cast<GgufFile*>(source.get())) {
+    config = ModelConfig::from_gguf(*gguf);
+    m.tokenizer_ = std::make_shared<Tokenizer>(Tokenizer::from_gguf(*gguf));
+  } else {
+    fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
+    std::string config_path = (dir / "config.json").string();
+    nlohmann::json j = nlohmann::json::parse(detail::read_text_file(config_path), nullptr, false);
+    COMB_CHECK(!j.is_discarded(), "'{}': not valid JSON", config_path);
+    config = ModelConfig::from_hf_json(j, config_path);
+    m.tokenizer_ = std::make_shared<Tokenizer>(Tokenizer::from_hf_file((dir / "tokenizer.json").string()));
+  }
+  COMB_CHECK(m.tokenizer_->n_vocab() <= config.n_vocab, "'{}': the tokenizer has {} tokens but the model only {}", path,
+             m.tokenizer_->n_vocab(), config.n_vocab);
+  LlamaWeights weights = load_llama_weights(*source, config, dtype, device);
+  m.decoder_ = std::make_shared<Decoder>(std::move(config), std::move(weights), dtype, device);
+  if (!m.tokenizer_->chat_template().empty()) {
+    m.chat_template_ = std::make_shared<ChatTemplate>(ChatTemplate::from_source(m.tokenizer_->chat_template()));
+  }
+  return m;
+}
+
+std::vector<int32_t> Model::chat_prompt(const std::string& user_message) const {
+  COMB_CHECK(chat_template_, "this model ships no chat template; send the prompt raw instead");
+  std::string text = chat_template_->apply({{"user", user_message}}, true);
+  std::vector<int32_t> ids;
+  auto bos = tokenizer_->bos_id();
+  if (tokenizer_->add_bos() && bos && text.rfind(tokenizer_->token_bytes(*bos), 0) != 0) ids.push_back(*bos);
+  auto body = tokenizer_->encode(text);
+  ids.insert(ids.end(), body.begin(), body.end());
+  return ids;
+}
+
+GenerationResult Model::generate(const std::vector<int32_t>& prompt, const GenerateOptions& options) const {
+  using clock = std::chrono::steady_clock;
+  const auto& c = config();
+  COMB_CHECK(!prompt.empty(), "the prompt is empty");
+  COMB_CHECK(static_cast<int64_t>(prompt.size()) < c.n_ctx,
+             "the prompt has {} tokens but the model's context holds {} (one more is needed to answer)", prompt.size(),
+             c.n_ctx);
+  COMB_CHECK(options.max_tokens >= 0, "max tokens must be >= 0, found {}", options.max_tokens);
+  for (int32_t id : prompt)
+    COMB_CHECK(id >= 0 && id < c.n_vocab, "prompt token {} is outside the vocabulary [0, {})", id, c.n_vocab);
+  c10::InferenceMode guard;
+  std::vector<int32_t> stops = options.stop_tokens;
+  if (auto eos = tokenizer_->eos_id()) stops.push_back(*eos);
+  if (chat_template_)
+    if (auto eot = tokenizer_->find_token(chat_template_->end_of_turn())) stops.push_back(*eot);
+
+  GenerationResult r;
+  r.n_prompt = static_cast<int64_t>(prompt.size());
+  KVCache cache = decoder_->make_cache(1, std::min<int64_t>(c.n_ctx, r.n_prompt + options.max_tokens));
+  Sampler sampler(options.sampling);
+  StreamDecoder stream(*tokenizer_);
+  auto t0 = clock::now();
+  at::Tensor input = at::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), at::kLong).unsqueeze(0);
+  at::Tensor logits = decoder_->forward(input, cache);
+  r.stop_reason = "max_tokens";
+  for (int64_t step = 0; step < options.max_tokens; ++step) {
+    at::Tensor last = logits[0][-1];  // [n_vocab] float
+    int32_t token = sampler.sample(last);
+    if (step == 0) {
+      r.prefill_ms = r.ttft_ms = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
+      t0 = clock::now();
+    }
+    if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
+      r.stop_reason = "stop_token";
+      break;
+    }
+    r.tokens.push_back(token);
+    r.logprobs.push_back(at::log_softmax(last, 0)[token].item<float>());
+    std::string piece = stream.push(token);
+    r.text += piece;
+    if (options.on_token && !options.on_token(token, piece)) {
+      r.stop_reason = "callback";
+      break;
+    }
+    if (step + 1 == options.max_tokens) break;
+    if (cache.length() >= c.n_ctx) {
+      r.stop_reason = "context_full";
+      break;
+    }
+    logits = decoder_->forward(at::full({1, 1}, static_cast<int64_t>(token), at::kLong), cache);
+  }
+  std::string rest = stream.flush();
+  r.text += rest;
+  if (!rest.empty() && options.on_token) options.on_token(-1, rest);
+  if (!r.tokens.empty()) r.decode_ms = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
+  return r;
+}
+
+}  // namespace comb

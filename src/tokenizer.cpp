@@ -1,0 +1,558 @@
+// Byte-level BPE tokenizer and chat templates. No LibTorch here: this file compiles quickly.
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include <algorithm>
+#include <array>
+#include <filesystem>
+#include <mutex>
+#include <unordered_map>
+
+#include "comb/chat_template.hpp"
+#include "comb/detail/mapped_file.hpp"
+#include "comb/error.hpp"
+#include "comb/gguf.hpp"
+#include "comb/tokenizer.hpp"
+
+namespace fs = std::filesystem;
+
+namespace comb {
+
+namespace {
+
+// The split patterns of the supported pre-tokenizers.
+constexpr const char* kGpt2Pattern =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+constexpr const char* kLlama3Pattern =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+constexpr const char* kDigitPattern = R"(\p{N})";
+
+// A compiled PCRE2 pattern (UTF-8, Unicode properties, JIT when available).
+class Regex {
+ public:
+  explicit Regex(const std::string& pattern) : pattern_(pattern) {
+    int err = 0;
+    PCRE2_SIZE at = 0;
+    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.c_str()), pattern.size(),
+                          PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &err, &at, nullptr);
+    if (!code_) {
+      std::array<PCRE2_UCHAR, 256> msg{};
+      pcre2_get_error_message(err, msg.data(), msg.size());
+      COMB_FAIL("tokenizer pattern '{}' does not compile at offset {}: {}", pattern, at,
+                reinterpret_cast<const char*>(msg.data()));
+    }
+    pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // falls back to the interpreter on failure
+  }
+  ~Regex() { pcre2_code_free(code_); }
+  Regex(const Regex&) = delete;
+  Regex& operator=(const Regex&) = delete;
+
+  // Calls on_match(begin, end) for each non-overlapping match in text[0, n).
+  template <typename F>
+  void for_each_match(const char* text, size_t n, F&& on_match) const {
+    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
+    size_t pos = 0;
+    while (pos <= n) {
+      int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(text), n, pos, 0, md, nullptr);
+      if (rc < 0) break;
+      PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
+      size_t b = ov[0], e = ov[1];
+      if (e == b) {  // empty match: step over one character
+        pos = e + 1;
+        while (pos < n && (static_cast<unsigned char>(text[pos]) & 0xC0) == 0x80) ++pos;
+        continue;
+      }
+      on_match(b, e);
+      pos = e;
+    }
+    pcre2_match_data_free(md);
+  }
+
+ private:
+  std::string pattern_;
+  pcre2_code* code_ = nullptr;
+};
+
+// One pre-tokenization step. Every step splits pieces further and keeps the matches ("isolated").
+struct PreStep {
+  std::shared_ptr<Regex> regex;
+};
+
+// GPT-2's reversible byte <-> printable-character table.
+struct ByteTable {
+  std::array<std::string, 256> byte_to_char;     // UTF-8 of the stand-in character
+  std::unordered_map<uint32_t, uint8_t> cp_to_byte;
+  ByteTable() {
+    int n = 0;
+    for (int b = 0; b < 256; ++b) {
+      bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
+      uint32_t cp = printable ? b : 256 + n++;
+      byte_to_char[b] = encode_utf8(cp);
+      cp_to_byte[cp] = static_cast<uint8_t>(b);
+    }
+  }
+  static std::string encode_utf8(uint32_t cp) {
+    std::string s;
+    if (cp < 0x80) {
+      s += static_cast<char>(cp);
+    } else if (cp < 0x800) {
+      s += static_cast<char>(0xC0 | (cp >> 6));
+      s += static_cast<char>(0x80 | (cp & 0x3F));
+    } else {
+      s += static_cast<char>(0xE0 | (cp >> 12));
+      s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      s += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+    return s;
+  }
+};
+
+const ByteTable& byte_table() {
+  static const ByteTable table;
+  return table;
+}
+
+// Splits UTF-8 `s` into characters (invalid bytes become one-byte pieces).
+std::vector<std::string_view> utf8_chars(std::string_view s) {
+  std::vector<std::string_view> out;
+  for (size_t i = 0; i < s.size();) {
+    unsigned char c = s[i];
+    size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
+    if (i + len > s.size()) len = 1;
+    out.push_back(s.substr(i, len));
+    i += len;
+  }
+  return out;
+}
+
+// The byte string a byte-level token stands for.
+std::string byte_level_decode(const std::string& token) {
+  const auto& table = byte_table();
+  std::string out;
+  for (auto ch : utf8_chars(token)) {
+    uint32_t cp = 0;
+    unsigned char c0 = ch[0];
+    if (ch.size() == 1) cp = c0;
+    else if (ch.size() == 2) cp = ((c0 & 0x1F) << 6) | (ch[1] & 0x3F);
+    else if (ch.size() == 3) cp = ((c0 & 0x0F) << 12) | ((ch[1] & 0x3F) << 6) | (ch[2] & 0x3F);
+    auto it = ch.size() <= 3 ? table.cp_to_byte.find(cp) : table.cp_to_byte.end();
+    if (it != table.cp_to_byte.end()) out += static_cast<char>(it->second);
+    else out.append(ch);
+  }
+  return out;
+}
+
+uint64_t pair_key(int32_t a, int32_t b) { return (static_cast<uint64_t>(a) << 32) | static_cast<uint32_t>(b); }
+
+}  // namespace
+
+// ================================================================================================
+// Tokenizer
+// ================================================================================================
+
+struct Tokenizer::Impl {
+  std::vector<std::string> tokens;  // as the vocabulary writes them (byte-level characters)
+  std::vector<std::string> bytes;   // what each token decodes to
+  std::vector<bool> special;
+  std::unordered_map<std::string, int32_t> vocab;
+  std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;  // (a, b) -> (rank, merged)
+  std::vector<int32_t> added;       // added tokens, matched in raw text, longest first
+  std::vector<PreStep> steps;
+  bool ignore_merges = false;
+  std::optional<int32_t> bos, eos;
+  bool add_bos = false;
+  std::string chat_template;
+  std::string where;
+
+  mutable std::mutex cache_mutex;
+  mutable std::unordered_map<std::string, std::vector<int32_t>> cache;
+
+  void finish() {
+    bytes.resize(tokens.size());
+    special.resize(tokens.size(), false);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (bytes[i].empty()) bytes[i] = byte_level_decode(tokens[i]);
+      vocab.emplace(tokens[i], static_cast<int32_t>(i));
+    }
+    std::sort(added.begin(), added.end(),
+              [&](int32_t a, int32_t b) { return tokens[a].size() > tokens[b].size(); });
+  }
+
+  void add_merge(const std::string& a, const std::string& b, int32_t rank) {
+    auto ia = vocab.find(a), ib = vocab.find(b), im = vocab.find(a + b);
+    COMB_CHECK(ia != vocab.end() && ib != vocab.end() && im != vocab.end(),
+               "{}: merge {} of '{}' + '{}' names a token the vocabulary lacks", where, rank, a, b);
+    merges.emplace(pair_key(ia->second, ib->second), std::make_pair(rank, im->second));
+  }
+
+  // BPE over one pre-tokenized piece (already in byte-level characters).
+  void bpe(const std::string& word, std::vector<int32_t>& out) const {
+    if (ignore_merges) {
+      auto it = vocab.find(word);
+      if (it != vocab.end()) {
+        out.push_back(it->second);
+        return;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(cache_mutex);
+      auto it = cache.find(word);
+      if (it != cache.end()) {
+        out.insert(out.end(), it->second.begin(), it->second.end());
+        return;
+      }
+    }
+    std::vector<int32_t> symbols;
+    for (auto ch : utf8_chars(word)) {
+      auto it = vocab.find(std::string(ch));
+      COMB_CHECK(it != vocab.end(), "{}: the vocabulary has no token for character '{}'", where, std::string(ch));
+      symbols.push_back(it->second);
+    }
+    while (symbols.size() > 1) {
+      int32_t best_rank = INT32_MAX, best_id = -1;
+      size_t best_at = 0;
+      for (size_t i = 0; i + 1 < symbols.size(); ++i) {
+        auto it = merges.find(pair_key(symbols[i], symbols[i + 1]));
+        if (it != merges.end() && it->second.first < best_rank) {
+          best_rank = it->second.first;
+          best_id = it->second.second;
+          best_at = i;
+        }
+      }
+      if (best_id < 0) break;
+      symbols[best_at] = best_id;
+      symbols.erase(symbols.begin() + best_at + 1);
+    }
+    out.insert(out.end(), symbols.begin(), symbols.end());
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    if (cache.size() > 200000) cache.clear();
+    cache.emplace(word, std::move(symbols));
+  }
+
+  // Pre-tokenizes and encodes text that holds no added token.
+  void encode_plain(std::string_view text, std::vector<int32_t>& out) const {
+    if (text.empty()) return;
+    std::vector<std::pair<size_t, size_t>> pieces{{0, text.size()}};
+    for (const auto& step : steps) {
+      std::vector<std::pair<size_t, size_t>> next;
+      for (auto [b, e] : pieces) {
+        size_t last = b;
+        step.regex->for_each_match(text.data() + b, e - b, [&](size_t mb, size_t me) {
+          if (b + mb > last) next.emplace_back(last, b + mb);
+          next.emplace_back(b + mb, b + me);
+          last = b + me;
+        });
+        if (last < e) next.emplace_back(last, e);
+      }
+      pieces = std::move(next);
+    }
+    const auto& table = byte_table();
+    std::string word;
+    for (auto [b, e] : pieces) {
+      word.clear();
+      for (size_t i = b; i < e; ++i) word += table.byte_to_char[static_cast<unsigned char>(text[i])];
+      bpe(word, out);
+    }
+  }
+};
+
+Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+Tokenizer::~Tokenizer() = default;
+
+namespace {
+std::vector<PreStep> gguf_pre_steps(const std::string& pre, const std::string& where) {
+  auto gpt2 = std::make_shared<Regex>(kGpt2Pattern);
+  if (pre == "gpt2" || pre == "default" || pre == "mpt" || pre == "olmo") return {{gpt2}};
+  if (pre == "smollm" || pre == "starcoder" || pre == "refact" || pre == "codeshell")
+    return {{std::make_shared<Regex>(kDigitPattern)}, {gpt2}};
+  if (pre == "llama3" || pre == "llama-v3" || pre == "llama-bpe" || pre == "smaug-bpe" || pre == "dbrx")
+    return {{std::make_shared<Regex>(kLlama3Pattern)}};
+  COMB_FAIL("{}: pre-tokenizer '{}' is not supported (supported: gpt2, smollm, starcoder, llama-bpe, llama3)", where,
+            pre);
+}
+}  // namespace
+
+Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
+  auto impl = std::make_unique<Impl>();
+  impl->where = gguf.where();
+  std::string model = gguf.get_string("tokenizer.ggml.model");
+  COMB_CHECK(model == "gpt2", "'{}': tokenizer model '{}' is not supported (expected byte-level BPE, 'gpt2')",
+             gguf.where(), model);
+  for (const auto& t : gguf.get("tokenizer.ggml.tokens")) impl->tokens.push_back(t.get<std::string>());
+  impl->special.assign(impl->tokens.size(), false);
+  if (gguf.has("tokenizer.ggml.token_type")) {
+    const auto& types = gguf.get("tokenizer.ggml.token_type");
+    COMB_CHECK(types.size() == impl->tokens.size(), "'{}': {} token types for {} tokens", gguf.where(), types.size(),
+               impl->tokens.size());
+    for (size_t i = 0; i < types.size(); ++i) {
+      int type = types[i].get<int>();
+      if (type == 3 || type == 4) {  // control, user-defined: matched whole in raw text
+        impl->added.push_back(static_cast<int32_t>(i));
+        impl->bytes.resize(impl->tokens.size());
+        impl->bytes[i] = impl->tokens[i];
+        impl->special[i] = type == 3;
+      }
+    }
+  }
+  impl->steps = gguf_pre_steps(gguf.has("tokenizer.ggml.pre") ? gguf.get_string("tokenizer.ggml.pre") : "default",
+                               gguf.where());
+  impl->finish();
+  if (gguf.has("tokenizer.ggml.merges")) {
+    int32_t rank = 0;
+    for (const auto& m : gguf.get("tokenizer.ggml.merges")) {
+      std::string s = m.get<std::string>();
+      size_t sp = s.find(' ', 1);
+      COMB_CHECK(sp != std::string::npos, "'{}': merge {} '{}' has no space", gguf.where(), rank, s);
+      impl->add_merge(s.substr(0, sp), s.substr(sp + 1), rank++);
+    }
+  }
+  auto id = [&](const char* key) -> std::optional<int32_t> {
+    if (!gguf.has(key)) return std::nullopt;
+    int64_t v = gguf.get_int(key);
+    COMB_CHECK(v >= 0 && v < static_cast<int64_t>(impl->tokens.size()), "'{}': {} = {} is outside the vocabulary",
+               gguf.where(), key, v);
+    return static_cast<int32_t>(v);
+  };
+  impl->bos = id("tokenizer.ggml.bos_token_id");
+  impl->eos = id("tokenizer.ggml.eos_token_id");
+  impl->add_bos = gguf.has("tokenizer.ggml.add_bos_token") && gguf.get("tokenizer.ggml.add_bos_token").get<bool>();
+  if (gguf.has("tokenizer.chat_template")) impl->chat_template = gguf.get_string("tokenizer.chat_template");
+  return Tokenizer(std::move(impl));
+}
+
+namespace {
+void parse_pre_tokenizer(const nlohmann::json& p, std::vector<PreStep>& steps, const std::string& where) {
+  if (p.is_null()) return;
+  std::string type = p.value("type", "");
+  if (type == "Sequence") {
+    for (const auto& s : p.at("pretokenizers")) parse_pre_tokenizer(s, steps, where);
+  } else if (type == "ByteLevel") {
+    COMB_CHECK(!p.value("add_prefix_space", false), "{}: ByteLevel add_prefix_space is not supported", where);
+    if (p.value("use_regex", true)) steps.push_back({std::make_shared<Regex>(kGpt2Pattern)});
+  } else if (type == "Digits") {
+    COMB_CHECK(p.value("individual_digits", false), "{}: Digits pre-tokenizer without individual_digits is not supported",
+               where);
+    steps.push_back({std::make_shared<Regex>(kDigitPattern)});
+  } else if (type == "Split") {
+    COMB_CHECK(p.value("behavior", "") == "Isolated" && !p.value("invert", false),
+               "{}: Split pre-tokenizer with behavior '{}' is not supported (expected Isolated)", where,
+               p.value("behavior", ""));
+    const auto& pat = p.at("pattern");
+    std::string regex = pat.contains("Regex") ? pat["Regex"].get<std::string>() : std::string();
+    if (regex.empty()) {  // a literal string: escape it
+      for (char c : pat.at("String").get<std::string>()) {
+        if (std::string("\\^$.|?*+()[]{}").find(c) != std::string::npos) regex += '\\';
+        regex += c;
+      }
+    }
+    steps.push_back({std::make_shared<Regex>(regex)});
+  } else {
+    COMB_FAIL("{}: pre-tokenizer '{}' is not supported (supported: Sequence, ByteLevel, Digits, Split)", where, type);
+  }
+}
+}  // namespace
+
+Tokenizer Tokenizer::from_hf_json(const nlohmann::json& j, const std::string& where) {
+  auto impl = std::make_unique<Impl>();
+  impl->where = where;
+  COMB_CHECK(j.contains("model") && j["model"].value("type", "BPE") == "BPE",
+             "{}: tokenizer model '{}' is not supported (expected BPE)", where,
+             j.contains("model") ? j["model"].value("type", "?") : "missing");
+  COMB_CHECK(!j.contains("normalizer") || j["normalizer"].is_null(), "{}: normalizer '{}' is not supported", where,
+             j["normalizer"].value("type", "?"));
+  const auto& model = j["model"];
+  COMB_CHECK(!model.value("byte_fallback", false), "{}: byte_fallback BPE is not supported", where);
+  const auto& vocab = model.at("vocab");
+  impl->tokens.resize(vocab.size());
+  for (auto& [tok, id] : vocab.items()) {
+    int64_t i = id.get<int64_t>();
+    COMB_CHECK(i >= 0 && i < static_cast<int64_t>(vocab.size()), "{}: token '{}' has id {} outside [0, {})", where,
+               tok, i, vocab.size());
+    impl->tokens[i] = tok;
+  }
+  if (j.contains("added_tokens")) {
+    for (const auto& t : j["added_tokens"]) {
+      int64_t i = t.at("id").get<int64_t>();
+      if (i >= static_cast<int64_t>(impl->tokens.size())) impl->tokens.resize(i + 1);
+      impl->tokens[i] = t.at("content").get<std::string>();
+      impl->bytes.resize(impl->tokens.size());
+      impl->bytes[i] = impl->tokens[i];
+      impl->special.resize(impl->tokens.size(), false);
+      impl->special[i] = t.value("special", false);
+      impl->added.push_back(static_cast<int32_t>(i));
+    }
+  }
+  impl->ignore_merges = model.value("ignore_merges", false);
+  parse_pre_tokenizer(j.value("pre_tokenizer", nlohmann::json()), impl->steps, where);
+  impl->finish();
+  int32_t rank = 0;
+  for (const auto& m : model.at("merges")) {
+    if (m.is_string()) {
+      std::string s = m.get<std::string>();
+      size_t sp = s.find(' ', 1);
+      COMB_CHECK(sp != std::string::npos, "{}: merge {} '{}' has no space", where, rank, s);
+      impl->add_merge(s.substr(0, sp), s.substr(sp + 1), rank++);
+    } else {
+      impl->add_merge(m.at(0).get<std::string>(), m.at(1).get<std::string>(), rank++);
+    }
+  }
+  return Tokenizer(std::move(impl));
+}
+
+Tokenizer Tokenizer::from_hf_file(const std::string& path) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(detail::read_text_file(path));
+  } catch (const nlohmann::json::exception& ex) {
+    COMB_FAIL("'{}': not valid JSON: {}", path, ex.what());
+  }
+  Tokenizer tok = from_hf_json(j, path);
+  // tokenizer_config.json beside it names BOS/EOS and carries the chat template.
+  fs::path config = fs::path(path).parent_path() / "tokenizer_config.json";
+  auto token_text = [](const nlohmann::json& v) {
+    return v.is_string() ? v.get<std::string>() : v.is_object() ? v.value("content", "") : std::string();
+  };
+  if (fs::exists(config)) {
+    nlohmann::json c = nlohmann::json::parse(detail::read_text_file(config.string()), nullptr, false);
+    COMB_CHECK(!c.is_discarded(), "'{}': not valid JSON", config.string());
+    if (c.contains("bos_token")) tok.impl_->bos = tok.find_token(token_text(c["bos_token"]));
+    if (c.contains("eos_token")) tok.impl_->eos = tok.find_token(token_text(c["eos_token"]));
+    tok.impl_->add_bos = c.value("add_bos_token", false);
+    if (c.contains("chat_template") && c["chat_template"].is_string())
+      tok.impl_->chat_template = c["chat_template"].get<std::string>();
+  }
+  fs::path jinja = fs::path(path).parent_path() / "chat_template.jinja";
+  if (fs::exists(jinja)) tok.impl_->chat_template = detail::read_text_file(jinja.string());
+  return tok;
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special) const {
+  std::vector<int32_t> out;
+  const auto& added = impl_->added;
+  if (!parse_special || added.empty()) {
+    impl_->encode_plain(text, out);
+    return out;
+  }
+  size_t start = 0, i = 0;
+  while (i < text.size()) {
+    int32_t hit = -1;
+    for (int32_t id : added) {  // longest first
+      const std::string& t = impl_->tokens[id];
+      if (!t.empty() && t[0] == text[i] && text.compare(i, t.size(), t) == 0) {
+        hit = id;
+        break;
+      }
+    }
+    if (hit < 0) {
+      ++i;
+      continue;
+    }
+    impl_->encode_plain(text.substr(start, i - start), out);
+    out.push_back(hit);
+    i += impl_->tokens[hit].size();
+    start = i;
+  }
+  impl_->encode_plain(text.substr(start), out);
+  return out;
+}
+
+std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special) const {
+  std::string out;
+  for (int32_t id : ids) {
+    COMB_CHECK(id >= 0 && id < n_vocab(), "token id {} is outside the vocabulary [0, {})", id, n_vocab());
+    if (skip_special && impl_->special[id]) continue;
+    out += impl_->bytes[id];
+  }
+  return out;
+}
+
+std::string Tokenizer::token_bytes(int32_t id) const {
+  COMB_CHECK(id >= 0 && id < n_vocab(), "token id {} is outside the vocabulary [0, {})", id, n_vocab());
+  return impl_->bytes[id];
+}
+
+int64_t Tokenizer::n_vocab() const { return static_cast<int64_t>(impl_->tokens.size()); }
+std::optional<int32_t> Tokenizer::bos_id() const { return impl_->bos; }
+std::optional<int32_t> Tokenizer::eos_id() const { return impl_->eos; }
+bool Tokenizer::add_bos() const { return impl_->add_bos; }
+bool Tokenizer::is_special(int32_t id) const { return id >= 0 && id < n_vocab() && impl_->special[id]; }
+const std::string& Tokenizer::chat_template() const { return impl_->chat_template; }
+
+std::optional<int32_t> Tokenizer::find_token(std::string_view text) const {
+  auto it = impl_->vocab.find(std::string(text));
+  if (it == impl_->vocab.end()) return std::nullopt;
+  return it->second;
+}
+
+std::string StreamDecoder::push(int32_t id) {
+  pending_ += tokenizer_->token_bytes(id);
+  // Emit everything up to the last complete UTF-8 character.
+  size_t n = pending_.size(), cut = n;
+  for (size_t back = 1; back <= std::min<size_t>(4, n); ++back) {
+    unsigned char c = pending_[n - back];
+    if ((c & 0xC0) == 0x80) continue;  // continuation byte
+    size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
+    cut = len > back ? n - back : n;
+    break;
+  }
+  std::string out = pending_.substr(0, cut);
+  pending_.erase(0, cut);
+  return out;
+}
+
+std::string StreamDecoder::flush() {
+  std::string out;
+  out.swap(pending_);
+  return out;
+}
+
+// ================================================================================================
+// Chat templates
+// ================================================================================================
+
+ChatTemplate::ChatTemplate(Family family, std::string default_system)
+    : family_(family), default_system_(std::move(default_system)) {}
+
+ChatTemplate ChatTemplate::from_source(const std::string& jinja) {
+  if (jinja.find("<|im_start|>") != std::string::npos) {
+    // A literal default system turn, e.g. '<|im_start|>system\nYou are ...<|im_end|>\n'.
+    std::string system;
+    const std::string head = "<|im_start|>system\n";
+    size_t at = jinja.find(head);
+    if (at != std::string::npos) {
+      size_t b = at + head.size(), e = jinja.find("<|im_end|>", b);
+      std::string text = e == std::string::npos ? "" : jinja.substr(b, e - b);
+      if (text.find_first_of("'\"{}+") == std::string::npos) system = text;
+    }
+    return ChatTemplate(Family::chatml, system);
+  }
+  if (jinja.find("<|start_header_id|>") != std::string::npos) return ChatTemplate(Family::llama3);
+  COMB_FAIL("chat template not recognised: expected ChatML (<|im_start|>) or Llama-3 (<|start_header_id|>) markers; "
+            "pass --raw to send the prompt as is");
+}
+
+std::string ChatTemplate::apply(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const {
+  std::string out;
+  if (family_ == Family::chatml) {
+    if (!default_system_.empty() && (messages.empty() || messages[0].role != "system"))
+      out += "<|im_start|>system\n" + default_system_ + "<|im_end|>\n";
+    for (const auto& m : messages) out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+    if (add_generation_prompt) out += "<|im_start|>assistant\n";
+  } else {
+    auto trim = [](const std::string& s) {
+      size_t b = s.find_first_not_of(" \t\n\r"), e = s.find_last_not_of(" \t\n\r");
+      return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+    };
+    out += "<|begin_of_text|>";
+    for (const auto& m : messages)
+      out += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n" + trim(m.content) + "<|eot_id|>";
+    if (add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+  }
+  return out;
+}
+
+std::string ChatTemplate::end_of_turn() const { return family_ == Family::chatml ? "<|im_end|>" : "<|eot_id|>"; }
+
+}  // namespace comb

@@ -1,0 +1,229 @@
+// The decoder against Hugging Face transformers, the KV cache, generation, and model-level errors.
+#include <catch2/catch.hpp>
+#include <filesystem>
+
+#include "helpers.hpp"
+
+using namespace comb;
+using namespace comb::test;
+namespace fs = std::filesystem;
+
+namespace {
+at::Tensor full_logits(const Decoder& dec, const at::Tensor& ids) {
+  KVCache cache = dec.make_cache(1, ids.size(1));
+  return dec.forward(ids, cache, LogitsMode::all)[0];  // [n, vocab]
+}
+}  // namespace
+
+TEST_CASE("logits match transformers on the same GGUF (fp32, CPU)", "[decoder][parity]") {
+  c10::InferenceMode guard;
+  const Model& model = default_model();
+  SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
+  int n_prompts = 0;
+  for (int i = 0; ref.find("p" + std::to_string(i) + ".ids"); ++i, ++n_prompts) {
+    std::string p = "p" + std::to_string(i) + ".";
+    at::Tensor ids = ref.load(p + "ids", at::kLong).unsqueeze(0);
+    at::Tensor positions = ref.load(p + "positions", at::kLong);
+    at::Tensor want = ref.load(p + "logits", at::kFloat);
+    at::Tensor got = full_logits(model.decoder(), ids).index_select(0, positions);
+    double diff = (got - want).abs().max().item<double>();
+    INFO("prompt " << i << ": " << ids.size(1) << " tokens, max |diff| " << diff);
+    CHECK(ids.size(1) >= 10);
+    CHECK(ids.size(1) <= 500);
+    CHECK(diff <= 1e-3);
+    WARN("prompt " << i << " (" << ids.size(1) << " tokens): max |logit diff| vs transformers = " << diff);
+  }
+  CHECK(n_prompts >= 5);
+}
+
+TEST_CASE("greedy 64-token continuations match transformers", "[decoder][parity]") {
+  c10::InferenceMode guard;
+  const Decoder& dec = default_model().decoder();
+  SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
+  for (int i = 0; ref.find("p" + std::to_string(i) + ".ids"); ++i) {
+    std::string p = "p" + std::to_string(i) + ".";
+    at::Tensor ids = ref.load(p + "ids", at::kLong).unsqueeze(0);
+    auto want = to_ids(ref.load(p + "greedy", at::kLong));
+    KVCache cache = dec.make_cache(1, ids.size(1) + want.size());
+    at::Tensor logits = dec.forward(ids, cache);
+    std::vector<int32_t> got;
+    for (size_t k = 0; k < want.size(); ++k) {
+      int64_t next = logits[0][-1].argmax().item<int64_t>();
+      got.push_back(static_cast<int32_t>(next));
+      logits = dec.forward(at::full({1, 1}, next, at::kLong), cache);
+    }
+    INFO("prompt " << i);
+    CHECK(got == want);
+  }
+}
+
+TEST_CASE("incremental decoding with the KV cache equals a full forward", "[decoder]") {
+  c10::InferenceMode guard;
+  const Decoder& dec = default_model().decoder();
+  SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
+  at::Tensor ids = ref.load("p3.ids", at::kLong).unsqueeze(0);
+  const int64_t n = ids.size(1);
+  at::Tensor full = full_logits(dec, ids);
+  SECTION("one token at a time") {
+    KVCache cache = dec.make_cache(1, n);
+    for (int64_t t = 0; t < n; ++t) {
+      at::Tensor step = dec.forward(ids.narrow(1, t, 1), cache)[0][0];
+      REQUIRE((step - full[t]).abs().max().item<double>() <= 1e-4);
+    }
+    CHECK(cache.length() == n);
+  }
+  SECTION("in uneven chunks") {
+    KVCache cache = dec.make_cache(1, n);
+    std::vector<at::Tensor> parts;
+    for (int64_t start = 0, len = 1; start < n; start += len, len = len * 2 + 1) {
+      int64_t take = std::min(len, n - start);
+      parts.push_back(dec.forward(ids.narrow(1, start, take), cache, LogitsMode::all)[0]);
+      len = take;
+    }
+    CHECK((at::cat(parts, 0) - full).abs().max().item<double>() <= 1e-4);
+  }
+  SECTION("a batch of two equals each alone") {
+    at::Tensor other = ids.flip(1);
+    KVCache cache = dec.make_cache(2, n);
+    at::Tensor both = dec.forward(at::cat({ids, other}, 0), cache, LogitsMode::all);
+    CHECK((both[0] - full).abs().max().item<double>() <= 1e-4);
+    CHECK((both[1] - full_logits(dec, other)).abs().max().item<double>() <= 1e-4);
+  }
+}
+
+TEST_CASE("bf16 on CPU stays close to fp32", "[decoder]") {
+  c10::InferenceMode guard;
+  Options options;
+  options.dtype = "bfloat16";
+  Model bf16 = Model::load(model_path(), options);
+  SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
+  at::Tensor ids = ref.load("p1.ids", at::kLong).unsqueeze(0);
+  at::Tensor want = full_logits(default_model().decoder(), ids);
+  at::Tensor got = full_logits(bf16.decoder(), ids);
+  CHECK(got.scalar_type() == at::kFloat);
+  // Same top token at most positions, and the distributions close.
+  double agree = (got.argmax(-1) == want.argmax(-1)).to(at::kFloat).mean().item<double>();
+  CHECK(agree >= 0.8);
+  double kl = at::kl_div(at::log_softmax(got, -1), at::log_softmax(want, -1), at::Reduction::Mean, true).item<double>();
+  CHECK(kl < 0.05);
+}
+
+TEST_CASE("safetensors checkpoint (sharded, untied, llama3 RoPE) matches transformers", "[decoder][parity]") {
+  c10::InferenceMode guard;
+  std::string dir = oracle_dir() + "/tiny-llama";
+  Model tiny = Model::load(dir);
+  CHECK(tiny.config().rope_scaling.type == "llama3");
+  CHECK_FALSE(tiny.config().tie_embeddings);
+  SafetensorsFile ref(oracle_dir() + "/tiny_reference.safetensors");
+  at::Tensor ids = ref.load("ids", at::kLong).unsqueeze(0);
+  at::Tensor want = ref.load("logits", at::kFloat);
+  at::Tensor got = full_logits(tiny.decoder(), ids);
+  double diff = (got - want).abs().max().item<double>();
+  INFO("max |diff| " << diff);
+  CHECK(diff <= 1e-4);
+
+  SECTION("save and load again gives the same logits") {
+    std::string out = temp_dir("resave");
+    save_safetensors(out + "/model.safetensors", llama_weights_hf_named(tiny.decoder().weights(), tiny.config()));
+    comb::detail::write_file_atomic(out + "/config.json", tiny.config().to_hf_json().dump(2));
+    fs::copy_file(dir + "/tokenizer.json", out + "/tokenizer.json");
+    Model again = Model::load(out);
+    CHECK(full_logits(again.decoder(), ids).equal(got));
+  }
+  SECTION("a config inconsistent with the tensors names every bad tensor") {
+    std::string out = temp_dir("badcfg");
+    for (const auto& e : fs::directory_iterator(dir)) fs::copy_file(e.path(), out + "/" + e.path().filename().string());
+    auto config = nlohmann::json::parse(read_bytes(dir + "/config.json"));
+    config["intermediate_size"] = 128;
+    comb::detail::write_file_atomic(out + "/config.json", config.dump());
+    try {
+      Model::load(out);
+      FAIL("loading should fail");
+    } catch (const Error& e) {
+      std::string msg = e.what();
+      CHECK_THAT(msg, Catch::Contains("9 weight problem(s)"));
+      CHECK_THAT(msg, Catch::Contains("'model.layers.2.mlp.down_proj.weight' has shape [64, 160], expected [64, 128]"));
+    }
+  }
+  SECTION("a missing tensor is named") {
+    std::string out = temp_dir("missing");
+    auto named = llama_weights_hf_named(tiny.decoder().weights(), tiny.config());
+    named.erase(std::remove_if(named.begin(), named.end(),
+                               [](const auto& p) { return p.first == "model.layers.1.self_attn.k_proj.weight"; }),
+                named.end());
+    save_safetensors(out + "/model.safetensors", named);
+    comb::detail::write_file_atomic(out + "/config.json", tiny.config().to_hf_json().dump());
+    fs::copy_file(dir + "/tokenizer.json", out + "/tokenizer.json");
+    CHECK_THROWS_WITH(Model::load(out), Catch::Contains("missing 'model.layers.1.self_attn.k_proj.weight'"));
+  }
+}
+
+TEST_CASE("a prompt longer than the context is refused", "[decoder][errors]") {
+  Model tiny = Model::load(oracle_dir() + "/tiny-llama");
+  std::vector<int32_t> prompt(tiny.config().n_ctx, 1000);
+  GenerateOptions options;
+  options.max_tokens = 4;
+  CHECK_THROWS_WITH(tiny.generate(prompt, options), Catch::Contains("1024 tokens") && Catch::Contains("context"));
+  CHECK_THROWS_WITH(tiny.generate({}, options), Catch::Contains("empty"));
+  CHECK_THROWS_WITH(tiny.generate({1, 999999}, options), Catch::Contains("outside the vocabulary"));
+  KVCache cache = tiny.decoder().make_cache(1, 4);
+  CHECK_THROWS_WITH(tiny.decoder().forward(at::ones({1, 5}, at::kLong), cache), Catch::Contains("KV cache full"));
+  // Generation stops cleanly when the context fills up.
+  std::vector<int32_t> near_full(tiny.config().n_ctx - 3, 1000);
+  options.max_tokens = 50;
+  auto r = tiny.generate(near_full, options);
+  CHECK(r.stop_reason == "context_full");
+  CHECK(r.tokens.size() == 4);  // the last one is read off the full context
+}
+
+TEST_CASE("bad options get clear errors", "[decoder][errors]") {
+  Options options;
+  options.dtype = "float64";
+  CHECK_THROWS_WITH(Model::load(model_path(), options), Catch::Contains("unknown dtype 'float64'"));
+  options.dtype = "float16";
+  CHECK_THROWS_WITH(Model::load(model_path(), options), Catch::Contains("CUDA only"));
+  options = {};
+  options.device = "tpu:9";
+  CHECK_THROWS_WITH(Model::load(model_path(), options), Catch::Contains("unknown device"));
+  CHECK_THROWS_WITH(Model::load("/nonexistent/model.gguf"), Catch::Contains("does not exist"));
+  CHECK_THROWS_WITH(Sampler(SamplingOptions{1.0f, 0, 0.0f, 0}), Catch::Contains("top-p"));
+}
+
+TEST_CASE("sampling is repeatable and its limits behave", "[decoder][sampling]") {
+  at::Tensor logits = at::randn({1000}, at::TensorOptions().dtype(at::kFloat));
+  int64_t best = logits.argmax().item<int64_t>();
+  Sampler greedy(SamplingOptions{});
+  CHECK(greedy.sample(logits) == best);
+  Sampler top1(SamplingOptions{1.5f, 1, 1.0f, 3});
+  Sampler tiny_p(SamplingOptions{1.0f, 0, 1e-6f, 3});
+  for (int i = 0; i < 20; ++i) {
+    CHECK(top1.sample(logits) == best);
+    CHECK(tiny_p.sample(logits) == best);
+  }
+  std::vector<int32_t> a, b;
+  Sampler s1(SamplingOptions{1.0f, 50, 0.9f, 42}), s2(SamplingOptions{1.0f, 50, 0.9f, 42});
+  for (int i = 0; i < 50; ++i) a.push_back(s1.sample(logits)), b.push_back(s2.sample(logits));
+  CHECK(a == b);
+  auto top50 = std::get<1>(logits.topk(50));
+  for (int32_t t : a) CHECK((top50 == t).any().item<bool>());
+  CHECK(std::set<int32_t>(a.begin(), a.end()).size() > 1);
+}
+
+TEST_CASE("golden: greedy answer of a fixed chat prompt", "[decoder][golden]") {
+  const Model& model = default_model();
+  GenerateOptions options;
+  options.max_tokens = 48;
+  std::string streamed;
+  options.on_token = [&](int32_t, const std::string& text) {
+    streamed += text;
+    return true;
+  };
+  auto r = model.generate(model.chat_prompt("What is the capital of France?"), options);
+  CHECK(r.text == "The capital of France is Paris.");
+  CHECK(streamed == r.text);
+  CHECK(r.stop_reason == "stop_token");
+  CHECK(r.tokens == std::vector<int32_t>{504, 3575, 282, 4649, 314, 7042, 30});
+  CHECK(r.logprobs.size() == r.tokens.size());
+  for (float lp : r.logprobs) CHECK(lp <= 0.0f);
+  CHECK(r.ttft_ms > 0);
+}

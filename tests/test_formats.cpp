@@ -1,0 +1,269 @@
+// GGUF and safetensors: dequantization, round trips, and clear errors for bad files.
+#include <c10/util/Half.h>
+
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <unistd.h>
+
+#include "helpers.hpp"
+
+using namespace comb;
+using namespace comb::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string f16(float v) {
+  uint16_t h = c10::detail::fp16_ieee_from_fp32_value(v);
+  return std::string(reinterpret_cast<const char*>(&h), 2);
+}
+
+// 64 weights of one block type, with the expected float values computed by the format's formula.
+struct Blocks {
+  std::string bytes;
+  std::vector<float> expected;
+};
+
+Blocks make_blocks(GgmlType type, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Blocks b;
+  for (int block = 0; block < 2; ++block) {
+    float d = 0.01f + 0.1f * block, m = -0.3f + 0.05f * block;
+    float dh = c10::detail::fp16_ieee_to_fp32_value(c10::detail::fp16_ieee_from_fp32_value(d));
+    float mh = c10::detail::fp16_ieee_to_fp32_value(c10::detail::fp16_ieee_from_fp32_value(m));
+    std::vector<float> out(32);
+    if (type == GgmlType::Q8_0) {
+      b.bytes += f16(d);
+      for (int j = 0; j < 32; ++j) {
+        int8_t q = static_cast<int8_t>(static_cast<int>(rng() % 256) - 128);
+        b.bytes += static_cast<char>(q);
+        out[j] = dh * q;
+      }
+    } else {
+      b.bytes += f16(d);
+      if (type == GgmlType::Q4_1) b.bytes += f16(m);
+      for (int j = 0; j < 16; ++j) {
+        uint8_t q = static_cast<uint8_t>(rng() % 256);
+        b.bytes += static_cast<char>(q);
+        if (type == GgmlType::Q4_0) {
+          out[j] = dh * ((q & 0xF) - 8);
+          out[j + 16] = dh * ((q >> 4) - 8);
+        } else {
+          out[j] = dh * (q & 0xF) + mh;
+          out[j + 16] = dh * (q >> 4) + mh;
+        }
+      }
+    }
+    b.expected.insert(b.expected.end(), out.begin(), out.end());
+  }
+  return b;
+}
+
+// A small valid GGUF: metadata and one tensor of each supported type.
+GgufWriter sample_gguf() {
+  GgufWriter w;
+  w.kv_str("general.architecture", "llama");
+  w.kv_u32("llama.block_count", 2);
+  w.kv_f32("llama.rope.freq_base", 10000.0f);
+  w.kv_strs("tokenizer.ggml.tokens", {"a", "b", "c"});
+  std::string f32(4 * 6, '\0');
+  for (int i = 0; i < 6; ++i) {
+    float v = i * 0.5f;
+    std::memcpy(&f32[4 * i], &v, 4);
+  }
+  w.tensor("f32", {3, 2}, 0, f32);
+  std::string half;
+  for (int i = 0; i < 6; ++i) half += f16(i * 0.25f);
+  w.tensor("f16", {6}, 1, half);
+  std::string bf16;
+  for (int i = 0; i < 4; ++i) {
+    float v = 1.5f * i;
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    uint16_t top = bits >> 16;
+    bf16.append(reinterpret_cast<const char*>(&top), 2);
+  }
+  w.tensor("bf16", {4}, 30, bf16);
+  w.tensor("q8_0", {32, 2}, 8, make_blocks(GgmlType::Q8_0, 1).bytes);
+  w.tensor("q4_0", {32, 2}, 2, make_blocks(GgmlType::Q4_0, 2).bytes);
+  w.tensor("q4_1", {64}, 3, make_blocks(GgmlType::Q4_1, 3).bytes);
+  return w;
+}
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("GGUF reads metadata and every supported tensor type", "[formats]") {
+  auto dir = temp_dir("gguf");
+  for (uint32_t version : {2u, 3u}) {
+    write_bytes(dir + "/ok.gguf", sample_gguf().bytes(version));
+    GgufFile g(dir + "/ok.gguf");
+    CHECK(g.version() == version);
+    CHECK(g.get_string("general.architecture") == "llama");
+    CHECK(g.get_int("llama.block_count") == 2);
+    CHECK(g.get_float("llama.rope.freq_base") == 10000.0);
+    CHECK(g.get("tokenizer.ggml.tokens").size() == 3);
+    CHECK(g.find("f32")->shape == std::vector<int64_t>{2, 3});
+    CHECK(g.load("f32", at::kFloat).equal(at::arange(6, at::kFloat).view({2, 3}) * 0.5));
+    CHECK(g.load("f16", at::kFloat).equal(at::arange(6, at::kFloat) * 0.25));
+    CHECK(g.load("bf16", at::kFloat).equal(at::arange(4, at::kFloat) * 1.5));
+    for (auto [name, type, seed] : {std::tuple{"q8_0", GgmlType::Q8_0, 1u}, std::tuple{"q4_0", GgmlType::Q4_0, 2u},
+                                    std::tuple{"q4_1", GgmlType::Q4_1, 3u}}) {
+      at::Tensor got = g.load(name, at::kFloat).flatten();
+      auto want = make_blocks(type, seed).expected;
+      REQUIRE(got.numel() == 64);
+      for (int i = 0; i < 64; ++i) CHECK(got[i].item<float>() == want[i]);
+    }
+    CHECK(g.load("q4_1", at::kBFloat16).scalar_type() == at::kBFloat16);
+  }
+}
+
+TEST_CASE("GGUF errors name the file and the problem", "[formats][errors]") {
+  auto dir = temp_dir("gguf-bad");
+  std::string good = sample_gguf().bytes();
+
+  CHECK_THAT(error_of([&] { GgufFile(dir + "/missing.gguf"); }), Catch::Contains("cannot open") &&
+                                                                     Catch::Contains("missing.gguf"));
+  CHECK_THAT(error_of([&] { open_tensor_source(dir + "/missing.gguf"); }), Catch::Contains("does not exist"));
+
+  std::string bad_magic = good;
+  bad_magic[0] = 'X';
+  write_bytes(dir + "/magic.gguf", bad_magic);
+  CHECK_THAT(error_of([&] { GgufFile(dir + "/magic.gguf"); }), Catch::Contains("not a GGUF file") &&
+                                                                   Catch::Contains("magic.gguf"));
+
+  std::string bad_version = good;
+  bad_version[4] = 7;
+  write_bytes(dir + "/version.gguf", bad_version);
+  CHECK_THAT(error_of([&] { GgufFile(dir + "/version.gguf"); }), Catch::Contains("version 7"));
+
+  // Every truncation is an error, never a crash or a silent success.
+  for (size_t cut : {size_t(0), size_t(3), size_t(10), size_t(30), size_t(100), good.size() / 2, good.size() - 30}) {
+    write_bytes(dir + "/cut.gguf", good.substr(0, cut));
+    CAPTURE(cut);
+    CHECK_THAT(error_of([&] { GgufFile(dir + "/cut.gguf"); }), Catch::Contains("cut.gguf"));
+  }
+
+  // A string length far past the end of the file.
+  std::string long_key = good;
+  uint64_t huge = uint64_t(1) << 50;
+  std::memcpy(&long_key[24], &huge, 8);  // the first metadata key's length
+  write_bytes(dir + "/keylen.gguf", long_key);
+  CHECK_THAT(error_of([&] { GgufFile(dir + "/keylen.gguf"); }), Catch::Contains("truncated or corrupt"));
+
+  // A tensor offset out of range.
+  GgufWriter w;
+  w.tensor("t", {32}, 0, std::string(128, '\0'));
+  std::string bytes = w.bytes();
+  size_t at_offset = bytes.find('t') + 1 + 4 + 8 + 4;  // name, rank, dim, type
+  uint64_t far = 1 << 20;
+  std::memcpy(&bytes[at_offset], &far, 8);
+  write_bytes(dir + "/offset.gguf", bytes);
+  CHECK_THAT(error_of([&] { GgufFile(dir + "/offset.gguf"); }), Catch::Contains("past the end of the file") &&
+                                                                    Catch::Contains("'t'"));
+
+  // A tensor type comb cannot read opens, and reading it says which tensor and type.
+  GgufWriter q6;
+  q6.tensor("blk.0.q6", {256}, 14, std::string(210, '\0'));
+  write_bytes(dir + "/q6k.gguf", q6.bytes());
+  GgufFile g(dir + "/q6k.gguf");
+  CHECK_THAT(error_of([&] { g.load("blk.0.q6", at::kFloat); }),
+             Catch::Contains("blk.0.q6") && Catch::Contains("Q6_K") && Catch::Contains("cannot read"));
+  CHECK_THAT(error_of([&] { g.get_int("llama.block_count"); }), Catch::Contains("'llama.block_count' is missing"));
+}
+
+TEST_CASE("GGUF random corruption is an error or a valid file, never a crash", "[formats][errors]") {
+  auto dir = temp_dir("gguf-fuzz");
+  std::string good = sample_gguf().bytes();
+  std::mt19937 rng(99);
+  int errors = 0;
+  for (int i = 0; i < 300; ++i) {
+    std::string bytes = good;
+    size_t header_end = good.size() - 6 * 32 - 32 * 4;  // corrupt the header and tables, not only data
+    for (int k = 0; k < 3; ++k) bytes[rng() % header_end] ^= static_cast<char>(1 + rng() % 255);
+    write_bytes(dir + "/fuzz.gguf", bytes);
+    try {
+      GgufFile g(dir + "/fuzz.gguf");
+      for (const auto& name : g.names()) g.load(name, at::kFloat);
+    } catch (const Error&) {
+      ++errors;
+    }
+  }
+  CHECK(errors > 0);
+}
+
+TEST_CASE("safetensors round trip keeps tensors, dtypes and metadata", "[formats]") {
+  auto dir = temp_dir("st");
+  std::vector<std::pair<std::string, at::Tensor>> tensors = {
+      {"a.weight", at::randn({3, 5})},
+      {"b", at::randn({7}).to(at::kBFloat16)},
+      {"c", at::arange(10, at::kLong).view({2, 5})},
+      {"empty", at::zeros({0, 4})},
+  };
+  save_safetensors(dir + "/m.safetensors", tensors, {{"format", "pt"}, {"note", "hello"}});
+  SafetensorsFile f(dir + "/m.safetensors");
+  CHECK(f.metadata().at("note") == "hello");
+  for (const auto& [name, t] : tensors) {
+    REQUIRE(f.find(name));
+    CHECK(f.find(name)->shape == t.sizes().vec());
+    CHECK(f.load(name, t.scalar_type()).equal(t));
+  }
+  CHECK(f.load("b", at::kFloat).equal(tensors[1].second.to(at::kFloat)));
+  // Nothing but the file itself is left in the directory.
+  int n = 0;
+  for (auto& e : fs::directory_iterator(dir)) n += e.is_regular_file();
+  CHECK(n == 1);
+}
+
+TEST_CASE("safetensors errors name the file and the problem", "[formats][errors]") {
+  auto dir = temp_dir("st-bad");
+  save_safetensors(dir + "/good.safetensors", {{"w", at::randn({4, 4})}});
+  std::string good = read_bytes(dir + "/good.safetensors");
+
+  auto bad = [&](const std::string& name, const std::string& bytes) {
+    write_bytes(dir + "/" + name, bytes);
+    return error_of([&] { SafetensorsFile(dir + "/" + name); });
+  };
+  CHECK_THAT(bad("short.safetensors", "abc"), Catch::Contains("not a safetensors file"));
+  std::string long_header = good;
+  uint64_t huge = good.size() * 2;
+  std::memcpy(&long_header[0], &huge, 8);
+  CHECK_THAT(bad("header.safetensors", long_header), Catch::Contains("header length") &&
+                                                          Catch::Contains("header.safetensors"));
+  std::string not_json = good;
+  not_json[8] = '[';
+  not_json[9] = '[';
+  CHECK_THAT(bad("json.safetensors", not_json), Catch::Contains("not valid JSON") || Catch::Contains("JSON object"));
+  CHECK_THAT(bad("cut.safetensors", good.substr(0, good.size() - 8)), Catch::Contains("outside the data section"));
+  std::string header = R"({"w":{"dtype":"F32","shape":[4,4],"data_offsets":[0,60]}})";
+  std::string bytes(8, '\0');
+  uint64_t n = header.size();
+  std::memcpy(&bytes[0], &n, 8);
+  CHECK_THAT(bad("size.safetensors", bytes + header + std::string(64, '\0')), Catch::Contains("needs 64"));
+  header = R"({"w":{"dtype":"F8_E4M3","shape":[4],"data_offsets":[0,4]}})";
+  n = header.size();
+  std::memcpy(&bytes[0], &n, 8);
+  CHECK_THAT(bad("dtype.safetensors", bytes + header + std::string(4, '\0')),
+             Catch::Contains("'F8_E4M3'") && Catch::Contains("'w'"));
+
+  // A directory one cannot write into: an error, and no partial file.
+  if (::geteuid() != 0) {
+    fs::create_directories(dir + "/ro");
+    fs::permissions(dir + "/ro", fs::perms::owner_read | fs::perms::owner_exec);
+    CHECK_THAT(error_of([&] { save_safetensors(dir + "/ro/x.safetensors", {{"w", at::ones({2})}}); }),
+               Catch::Contains("cannot write"));
+  }
+  CHECK_THAT(error_of([&] { save_safetensors(dir + "/nodir/x.safetensors", {{"w", at::ones({2})}}); }),
+             Catch::Contains("cannot write") && Catch::Contains("nodir"));
+}

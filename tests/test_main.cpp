@@ -1,0 +1,47 @@
+#define CATCH_CONFIG_MAIN
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <random>
+#include <unistd.h>
+
+#include "helpers.hpp"
+
+namespace comb::test {
+
+std::string temp_dir(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() /
+             ("comb-test-" + name + "-" + std::to_string(::getpid()) + "-" + std::to_string(std::random_device{}()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+std::string GgufWriter::bytes(uint32_t version) const {
+  std::string out = "GGUF";
+  auto put = [&](auto v) { out.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  put(version);
+  put(uint64_t(tensors_.size()));
+  put(n_kv_);
+  out += kv_;
+  uint64_t offset = 0;
+  std::vector<uint64_t> offsets;
+  for (const auto& t : tensors_) {
+    put(uint64_t(t.name.size()));
+    out += t.name;
+    put(uint32_t(t.dims.size()));
+    for (auto d : t.dims) put(d);
+    put(t.type);
+    put(offset);
+    offsets.push_back(offset);
+    offset += (t.data.size() + 31) / 32 * 32;
+  }
+  out.append((32 - out.size() % 32) % 32, '\0');
+  for (const auto& t : tensors_) {
+    out += t.data;
+    out.append((32 - t.data.size() % 32) % 32, '\0');
+  }
+  return out;
+}
+
+}  // namespace comb::test

@@ -1,0 +1,103 @@
+// Tokenizer parity with Hugging Face `tokenizers`, round trips, streaming, and chat templates.
+#include <catch2/catch.hpp>
+
+#include "helpers.hpp"
+
+using namespace comb;
+using namespace comb::test;
+
+namespace {
+void check_parity(const Tokenizer& tok, const std::string& cases_path) {
+  auto cases = read_jsonl(cases_path);
+  REQUIRE(cases.size() >= 2000);
+  size_t mismatched = 0, not_round_trip = 0;
+  for (const auto& c : cases) {
+    std::string text = c["text"].get<std::string>();
+    auto want = c["ids"].get<std::vector<int32_t>>();
+    auto got = tok.encode(text);
+    if (got != want) {
+      if (++mismatched <= 5) UNSCOPED_INFO("ids differ for " << nlohmann::json(text).dump());
+    }
+    if (tok.decode(got) != text) {
+      if (++not_round_trip <= 5) UNSCOPED_INFO("decode(encode(s)) != s for " << nlohmann::json(text).dump());
+    }
+  }
+  INFO(cases.size() << " strings from " << cases_path);
+  CHECK(mismatched == 0);
+  CHECK(not_round_trip == 0);
+}
+}  // namespace
+
+TEST_CASE("SmolLM2 tokenizer from GGUF matches Hugging Face tokenizers", "[tokenizer]") {
+  GgufFile gguf(model_path());
+  Tokenizer tok = Tokenizer::from_gguf(gguf);
+  CHECK(tok.n_vocab() == 49152);
+  check_parity(tok, oracle_dir() + "/smollm2.jsonl");
+}
+
+TEST_CASE("tokenizer.json with Llama-3's split regex matches Hugging Face tokenizers", "[tokenizer]") {
+  Tokenizer tok = Tokenizer::from_hf_file(oracle_dir() + "/llama3/tokenizer.json");
+  check_parity(tok, oracle_dir() + "/llama3/cases.jsonl");
+}
+
+TEST_CASE("special tokens are matched in text only when asked", "[tokenizer]") {
+  GgufFile gguf(model_path());
+  Tokenizer tok = Tokenizer::from_gguf(gguf);
+  auto im_end = tok.find_token("<|im_end|>");
+  REQUIRE(im_end);
+  CHECK(tok.is_special(*im_end));
+  CHECK(tok.encode("a<|im_end|>b") == std::vector<int32_t>{tok.encode("a")[0], *im_end, tok.encode("b")[0]});
+  auto plain = tok.encode("<|im_end|>", /*parse_special=*/false);
+  CHECK(plain.size() > 1);
+  CHECK(tok.decode(plain) == "<|im_end|>");
+  CHECK(tok.decode(tok.encode("x<|im_end|>"), /*skip_special=*/true) == "x");
+  CHECK_THROWS_AS(tok.decode({-1}), Error);
+  CHECK_THROWS_AS(tok.decode({49152}), Error);
+}
+
+TEST_CASE("streaming decode yields whole UTF-8 characters", "[tokenizer]") {
+  GgufFile gguf(model_path());
+  Tokenizer tok = Tokenizer::from_gguf(gguf);
+  std::string text = "naïve 日本語 👨‍👩‍👧 ok";
+  auto ids = tok.encode(text);
+  StreamDecoder stream(tok);
+  std::string joined;
+  for (int32_t id : ids) {
+    std::string piece = stream.push(id);
+    // Each piece is valid UTF-8 on its own: it never ends inside a character.
+    if (!piece.empty()) {
+      unsigned char last_lead = 0;
+      size_t i = piece.size();
+      while (i > 0 && (static_cast<unsigned char>(piece[i - 1]) & 0xC0) == 0x80) --i;
+      REQUIRE(i > 0);
+      last_lead = piece[i - 1];
+      size_t len = last_lead < 0x80 ? 1 : (last_lead >> 5) == 6 ? 2 : (last_lead >> 4) == 14 ? 3 : 4;
+      CHECK(piece.size() - (i - 1) == len);
+    }
+    joined += piece;
+  }
+  joined += stream.flush();
+  CHECK(joined == text);
+}
+
+TEST_CASE("chat template renders as the checkpoint's Jinja template does", "[tokenizer][chat]") {
+  GgufFile gguf(model_path());
+  ChatTemplate tmpl = ChatTemplate::from_source(gguf.get_string("tokenizer.chat_template"));
+  CHECK(tmpl.family() == ChatTemplate::Family::chatml);
+  auto cases = read_jsonl(oracle_dir() + "/chat_cases.jsonl");
+  REQUIRE(cases.size() >= 4);
+  for (const auto& c : cases) {
+    std::vector<ChatMessage> messages;
+    for (const auto& m : c["messages"]) messages.push_back({m["role"], m["content"]});
+    CHECK(tmpl.apply(messages, c["add_generation_prompt"].get<bool>()) == c["text"].get<std::string>());
+  }
+}
+
+TEST_CASE("Llama-3 chat format and unknown templates", "[tokenizer][chat]") {
+  ChatTemplate llama3 = ChatTemplate::from_source("{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}");
+  CHECK(llama3.apply({{"system", "Be brief."}, {"user", " Hi "}}) ==
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+  CHECK(llama3.end_of_turn() == "<|eot_id|>");
+  CHECK_THROWS_WITH(ChatTemplate::from_source("{{ messages }}"), Catch::Contains("not recognised"));
+}
