@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <numeric>
 
+#include "comb/detail/cpu_kernels.hpp"
 #include "comb/detail/mapped_file.hpp"
 #include "comb/error.hpp"
 #include "comb/gguf.hpp"
@@ -438,13 +439,79 @@ at::Tensor Decoder::embed(const at::Tensor& tokens) const {
   return at::embedding(weights_.tok_embd, tokens.to(device_, at::kLong));
 }
 
+// ---- The fused fp32 CPU path ------------------------------------------------------------------
+
+namespace {
+// Steps of up to this many tokens (decode, small batches) take the fused path; longer ones are
+// GEMM-bound and take the generic path, whose BLAS and SDPA kernels are already efficient.
+constexpr int64_t kFusedMaxRows = 4;
+}
+
+at::Tensor Decoder::rms_norm_cpu(const at::Tensor& x, const at::Tensor& w) const {
+  at::Tensor in = x.contiguous(), out = at::empty_like(in);
+  const int64_t dim = in.size(-1), rows = in.numel() / dim;
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    detail::cpu::rms_norm_rows(in.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), dim,
+                               static_cast<float>(config_.rms_eps), b, e);
+  });
+  return out;
+}
+
+at::Tensor Decoder::linear_cpu(const at::Tensor& x, const at::Tensor& w) const {
+  const int64_t k = x.size(-1), rows = x.numel() / k, n_out = w.size(0);
+  COMB_CHECK(rows <= kFusedMaxRows, "linear_cpu is for at most {} rows, found {}", kFusedMaxRows, rows);
+  at::Tensor in = x.contiguous();
+  std::vector<int64_t> shape = in.sizes().vec();
+  shape.back() = n_out;
+  at::Tensor out = at::empty(shape, in.options());
+  at::parallel_for(0, n_out, 256, [&](int64_t b, int64_t e) {
+    detail::cpu::gemv_rows(in.data_ptr<float>(), rows, w.data_ptr<float>(), k, out.data_ptr<float>(), n_out, b, e);
+  });
+  return out;
+}
+
+at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) const {
+  const auto& c = config_;
+  const auto& w = weights_.layers[i];
+  const int64_t batch = x.size(0), n = x.size(1), rows = batch * n, start = cache.length();
+  COMB_CHECK(start + n <= cache.capacity(), "KV cache full: {} positions held, {} more asked, capacity {}", start, n,
+             cache.capacity());
+  at::Tensor qkv = linear_cpu(rms_norm_cpu(x, w.attn_norm), w.wqkv);  // [batch, n, q_dim + 2 kv_dim]
+  at::Tensor q = at::empty({batch, n, c.n_head, c.head_dim}, x.options());
+  detail::cpu::AttentionShape shape{n, start, c.n_head, c.n_head_kv, c.head_dim, cache.capacity()};
+  float* k_cache = cache.keys(i).data_ptr<float>();
+  float* v_cache = cache.values(i).data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+    detail::cpu::rope_and_store(qkv.data_ptr<float>(), rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(), shape,
+                                q.data_ptr<float>(), k_cache, v_cache, b, e);
+  });
+  at::Tensor attn = at::empty({batch, n, c.q_dim()}, x.options());
+  at::parallel_for(0, batch * c.n_head, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scratch(start + n);
+    detail::cpu::attention_rows(q.data_ptr<float>(), k_cache, v_cache, shape, attn.data_ptr<float>(), scratch.data(), b,
+                                e);
+  });
+  at::Tensor h = x + linear_cpu(attn, w.wo);
+  at::Tensor gate_up = linear_cpu(rms_norm_cpu(h, w.ffn_norm), w.w_gate_up);  // [batch, n, 2 n_ff]
+  at::Tensor act = at::empty({batch, n, c.n_ff}, x.options());
+  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+    detail::cpu::silu_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), c.n_ff, b, e);
+  });
+  return h + linear_cpu(act, w.w_down);
+}
+
+// ---- Generic path -----------------------------------------------------------------------------
+
 at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& cache) const {
+  if (cpu_kernels() && x.size(0) * x.size(1) <= kFusedMaxRows) return layer_cpu(i, x, cache);
   at::Tensor h = x + attention(i, rms_norm(x, weights_.layers[i].attn_norm), cache);
   return h + feed_forward(i, rms_norm(h, weights_.layers[i].ffn_norm));
 }
 
 at::Tensor Decoder::logits(const at::Tensor& x, LogitsMode mode) const {
   at::Tensor h = mode == LogitsMode::last ? x.narrow(1, x.size(1) - 1, 1) : x;
+  if (cpu_kernels() && h.size(0) * h.size(1) <= kFusedMaxRows)
+    return linear_cpu(rms_norm_cpu(h, weights_.output_norm), weights_.output);
   return at::linear(rms_norm(h, weights_.output_norm), weights_.output).to(at::kFloat);
 }
 
@@ -543,6 +610,7 @@ Model Model::load(const std::string& path, const Options& options) {
              m.tokenizer_->n_vocab(), config.n_vocab);
   LlamaWeights weights = load_llama_weights(*source, config, dtype, device);
   m.decoder_ = std::make_shared<Decoder>(std::move(config), std::move(weights), dtype, device);
+  m.decoder_->set_cpu_kernels(options.cpu_kernels);
   if (!m.tokenizer_->chat_template().empty()) {
     m.chat_template_ = std::make_shared<ChatTemplate>(ChatTemplate::from_source(m.tokenizer_->chat_template()));
   }

@@ -25,6 +25,9 @@ class KVCache {
   void advance(int64_t n);
   // Forgets every position from `n` on.
   void truncate(int64_t n);
+  // The whole preallocated cache of `layer`: [batch, n_head_kv, capacity, head_dim].
+  const at::Tensor& keys(int64_t layer) const { return k_[layer]; }
+  const at::Tensor& values(int64_t layer) const { return v_[layer]; }
 
  private:
   std::vector<at::Tensor> k_, v_;  // per layer: [batch, n_head_kv, capacity, head_dim]
@@ -46,6 +49,11 @@ class Decoder {
  public:
   Decoder(ModelConfig config, LlamaWeights weights, c10::ScalarType dtype, c10::Device device);
 
+  // fp32 on CPU runs fused kernels for the small steps (norms, RoPE, short attention, GEMV);
+  // off, every step goes through generic ATen ops (the path other devices and dtypes take).
+  void set_cpu_kernels(bool on) { cpu_kernels_ = on; }
+  bool cpu_kernels() const { return cpu_kernels_ && device_.is_cpu() && dtype_ == c10::kFloat; }
+
   // Runs `tokens` [batch, n] (int64) at positions cache.length() .. + n, appends their K/V to
   // `cache`, and returns float32 logits [batch, n or 1, n_vocab].
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache, LogitsMode mode = LogitsMode::last) const;
@@ -65,12 +73,16 @@ class Decoder {
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
   at::Tensor attention(int64_t i, const at::Tensor& x, KVCache& cache) const;
   at::Tensor feed_forward(int64_t i, const at::Tensor& x) const;
+  at::Tensor layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) const;
+  at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w) const;
+  at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w) const;
 
   ModelConfig config_;
   LlamaWeights weights_;
   c10::ScalarType dtype_;
   c10::Device device_;
   at::Tensor rope_cos_, rope_sin_;  // [n_ctx, head_dim]
+  bool cpu_kernels_ = true;
 };
 
 }  // namespace comb

@@ -18,6 +18,7 @@ struct Options {
   std::string device = "cpu";     // "cpu", "cuda", "cuda:1", ...
   std::string dtype = "float32";  // "float32", "bfloat16", "float16" (fp16 on CUDA only)
   int threads = 0;                // CPU threads; 0 leaves LibTorch's default
+  bool cpu_kernels = true;        // fused fp32 CPU kernels (off: generic ATen ops only)
 };
 
 struct GenerateOptions {

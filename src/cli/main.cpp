@@ -254,6 +254,9 @@ int main(int argc, char** argv) {
     }
     fmt::print(stderr, "comb: error: {}\n", e.what());
     return 1;
+  } catch (const c10::Error& e) {
+    fmt::print(stderr, "comb: internal error: {}\n", e.what_without_backtrace());
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "comb: error: {}\n", e.what());
     return 1;

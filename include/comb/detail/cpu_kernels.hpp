@@ -1,0 +1,39 @@
+#pragma once
+// Fused fp32 CPU kernels for the decoder's small, latency-bound steps (decode and short chunks).
+// Raw pointers and sizes only: no LibTorch here. Each kernel works on a range [begin, end) of
+// independent items so that the caller can split the range across threads.
+#include <cstdint>
+
+namespace comb::detail::cpu {
+
+// y[m, o] = sum_k x[m, k] * w[o, k] for rows o in [begin, end).
+// x: [n_rows_x, k], w: [n_out, k] row-major, y: [n_rows_x, n_out]. n_rows_x <= 4.
+void gemv_rows(const float* x, int64_t n_rows_x, const float* w, int64_t k, float* y, int64_t n_out, int64_t begin,
+               int64_t end);
+
+// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight, for rows r in [begin, end). x, out: [rows, dim].
+void rms_norm_rows(const float* x, const float* weight, float* out, int64_t dim, float eps, int64_t begin, int64_t end);
+
+// out[r, j] = silu(in[r, j]) * in[r, n_ff + j] for rows r in [begin, end). in: [rows, 2 n_ff], out: [rows, n_ff].
+void silu_mul_rows(const float* in, float* out, int64_t n_ff, int64_t begin, int64_t end);
+
+// Shapes of one attention call (grouped-query heads, cache in [batch, n_head_kv, capacity, head_dim]).
+struct AttentionShape {
+  int64_t n_tokens;   // new tokens per sequence
+  int64_t start;      // cached positions before them
+  int64_t n_head, n_head_kv, head_dim, capacity;
+};
+
+// For tokens t in [begin, end) of a [batch * n_tokens] range, rotates q and k of qkv [.., q_dim + 2 kv_dim]
+// (rotate-half RoPE with cos/sin rows [head_dim] at position start + i), writes q to q_out
+// [batch * n_tokens, n_head, head_dim], and k, v into the caches at that position.
+void rope_and_store(const float* qkv, const float* cos, const float* sin, const AttentionShape& s, float* q_out,
+                    float* k_cache, float* v_cache, int64_t begin, int64_t end);
+
+// Causal attention of q [batch * n_tokens, n_head, head_dim] over the caches, query i of a
+// sequence seeing positions [0, start + i]. Items are (sequence, head) pairs in [begin, end);
+// out: [batch * n_tokens, n_head * head_dim]. `scratch` holds start + n_tokens floats per call.
+void attention_rows(const float* q, const float* k_cache, const float* v_cache, const AttentionShape& s, float* out,
+                    float* scratch, int64_t begin, int64_t end);
+
+}  // namespace comb::detail::cpu

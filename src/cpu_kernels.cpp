@@ -1,0 +1,161 @@
+// Fused fp32 CPU kernels (see include/comb/detail/cpu_kernels.hpp). AVX2+FMA where the CPU has
+// it (chosen at run time), portable loops otherwise. No LibTorch here.
+#include "comb/detail/cpu_kernels.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define COMB_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+namespace comb::detail::cpu {
+
+namespace {
+
+#if defined(__x86_64__)
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+COMB_AVX2 inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+COMB_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  float s = hsum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One weight row at a time, four independent accumulators; the row stays in L1 for the other x rows.
+// NOTE: decode is bound by reading the weights once; this streams them at close to DRAM speed.
+COMB_AVX2 void gemv_avx2(const float* x, int64_t m, const float* w, int64_t k, float* y, int64_t n_out, int64_t begin,
+                         int64_t end) {
+  for (int64_t o = begin; o < end; ++o) {
+    const float* row = w + o * k;
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = x + r * k;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      int64_t i = 0;
+      for (; i + 32 <= k; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(row + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i + 8), _mm256_loadu_ps(row + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i + 16), _mm256_loadu_ps(row + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i + 24), _mm256_loadu_ps(row + i + 24), a3);
+      }
+      for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(row + i), a0);
+      float sum = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+      for (; i < k; ++i) sum += xr[i] * row[i];
+      y[r * n_out + o] = sum;
+    }
+  }
+}
+#endif
+
+float dot(const float* a, const float* b, int64_t n) {
+#if defined(__x86_64__)
+  if (has_avx2()) return dot_avx2(a, b, n);
+#endif
+  float s = 0;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y += p * x
+inline void axpy(float p, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
+}
+
+}  // namespace
+
+void gemv_rows(const float* x, int64_t m, const float* w, int64_t k, float* y, int64_t n_out, int64_t begin,
+               int64_t end) {
+#if defined(__x86_64__)
+  if (has_avx2()) return gemv_avx2(x, m, w, k, y, n_out, begin, end);
+#endif
+  for (int64_t o = begin; o < end; ++o)
+    for (int64_t r = 0; r < m; ++r) y[r * n_out + o] = dot(x + r * k, w + o * k, k);
+}
+
+void rms_norm_rows(const float* x, const float* weight, float* out, int64_t dim, float eps, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const float* xr = x + r * dim;
+    float ms = dot(xr, xr, dim) / static_cast<float>(dim);
+    float scale = 1.0f / std::sqrt(ms + eps);
+    float* o = out + r * dim;
+    for (int64_t i = 0; i < dim; ++i) o[i] = xr[i] * scale * weight[i];
+  }
+}
+
+void silu_mul_rows(const float* in, float* out, int64_t n_ff, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const float* g = in + r * 2 * n_ff;
+    const float* u = g + n_ff;
+    float* o = out + r * n_ff;
+    for (int64_t j = 0; j < n_ff; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+  }
+}
+
+void rope_and_store(const float* qkv, const float* cos_table, const float* sin_table, const AttentionShape& s,
+                    float* q_out, float* k_cache, float* v_cache, int64_t begin, int64_t end) {
+  const int64_t hd = s.head_dim, half = hd / 2, q_dim = s.n_head * hd, kv_dim = s.n_head_kv * hd;
+  auto rotate = [&](const float* x, const float* c, const float* sn, float* y) {
+    for (int64_t d = 0; d < half; ++d) {
+      y[d] = x[d] * c[d] - x[d + half] * sn[d];
+      y[d + half] = x[d + half] * c[d + half] + x[d] * sn[d + half];
+    }
+  };
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t b = t / s.n_tokens, i = t % s.n_tokens, pos = s.start + i;
+    const float* row = qkv + t * (q_dim + 2 * kv_dim);
+    const float* c = cos_table + pos * hd;
+    const float* sn = sin_table + pos * hd;
+    for (int64_t h = 0; h < s.n_head; ++h) rotate(row + h * hd, c, sn, q_out + t * q_dim + h * hd);
+    for (int64_t h = 0; h < s.n_head_kv; ++h) {
+      int64_t at = ((b * s.n_head_kv + h) * s.capacity + pos) * hd;
+      rotate(row + q_dim + h * hd, c, sn, k_cache + at);
+      std::copy(row + q_dim + kv_dim + h * hd, row + q_dim + kv_dim + (h + 1) * hd, v_cache + at);
+    }
+  }
+}
+
+void attention_rows(const float* q, const float* k_cache, const float* v_cache, const AttentionShape& s, float* out,
+                    float* scratch, int64_t begin, int64_t end) {
+  const int64_t hd = s.head_dim, q_dim = s.n_head * hd, group = s.n_head / s.n_head_kv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / s.n_head, h = item % s.n_head, kvh = h / group;
+    const float* keys = k_cache + (b * s.n_head_kv + kvh) * s.capacity * hd;
+    const float* values = v_cache + (b * s.n_head_kv + kvh) * s.capacity * hd;
+    for (int64_t i = 0; i < s.n_tokens; ++i) {
+      const int64_t t = b * s.n_tokens + i, n_keys = s.start + i + 1;
+      const float* qv = q + t * q_dim + h * hd;
+      float max_score = -INFINITY;
+      for (int64_t j = 0; j < n_keys; ++j) {
+        scratch[j] = dot(qv, keys + j * hd, hd) * scale;
+        max_score = std::max(max_score, scratch[j]);
+      }
+      float total = 0;
+      for (int64_t j = 0; j < n_keys; ++j) total += (scratch[j] = std::exp(scratch[j] - max_score));
+      float* o = out + t * q_dim + h * hd;
+      std::fill(o, o + hd, 0.0f);
+      for (int64_t j = 0; j < n_keys; ++j) axpy(scratch[j] / total, values + j * hd, o, hd);
+    }
+  }
+}
+
+}  // namespace comb::detail::cpu
