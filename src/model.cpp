@@ -442,8 +442,8 @@ at::Tensor Decoder::embed(const at::Tensor& tokens) const {
 // ---- The fused fp32 CPU path ------------------------------------------------------------------
 
 namespace {
-// Steps of up to this many tokens (decode, small batches) take the fused path; longer ones are
-// GEMM-bound and take the generic path, whose BLAS and SDPA kernels are already efficient.
+// Steps of up to this many rows (decode, small batches) use fused kernels throughout; longer ones
+// are GEMM-bound and keep the BLAS and SDPA kernels.
 constexpr int64_t kFusedMaxRows = 4;
 }
 
@@ -476,34 +476,56 @@ at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) co
   const int64_t batch = x.size(0), n = x.size(1), rows = batch * n, start = cache.length();
   COMB_CHECK(start + n <= cache.capacity(), "KV cache full: {} positions held, {} more asked, capacity {}", start, n,
              cache.capacity());
-  at::Tensor qkv = linear_cpu(rms_norm_cpu(x, w.attn_norm), w.wqkv);  // [batch, n, q_dim + 2 kv_dim]
+  // Few rows (decode): fused kernels throughout. Many rows (prefill): BLAS GEMMs and SDPA, fused RoPE.
+  const bool few = rows <= kFusedMaxRows;
+  auto norm = [&](const at::Tensor& t, const at::Tensor& weight) {
+    return few ? rms_norm_cpu(t, weight) : at::rms_norm(t, {c.n_embd}, weight, c.rms_eps);
+  };
+  auto linear = [&](const at::Tensor& t, const at::Tensor& weight) {
+    return few ? linear_cpu(t, weight) : at::linear(t, weight);
+  };
+  at::Tensor qkv = linear(norm(x, w.attn_norm), w.wqkv).contiguous();  // [batch, n, q_dim + 2 kv_dim]
   at::Tensor q = at::empty({batch, n, c.n_head, c.head_dim}, x.options());
   detail::cpu::AttentionShape shape{n, start, c.n_head, c.n_head_kv, c.head_dim, cache.capacity()};
   float* k_cache = cache.keys(i).data_ptr<float>();
   float* v_cache = cache.values(i).data_ptr<float>();
-  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     detail::cpu::rope_and_store(qkv.data_ptr<float>(), rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(), shape,
                                 q.data_ptr<float>(), k_cache, v_cache, b, e);
   });
-  at::Tensor attn = at::empty({batch, n, c.q_dim()}, x.options());
-  at::parallel_for(0, batch * c.n_head, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> scratch(start + n);
-    detail::cpu::attention_rows(q.data_ptr<float>(), k_cache, v_cache, shape, attn.data_ptr<float>(), scratch.data(), b,
-                                e);
-  });
-  at::Tensor h = x + linear_cpu(attn, w.wo);
-  at::Tensor gate_up = linear_cpu(rms_norm_cpu(h, w.ffn_norm), w.w_gate_up);  // [batch, n, 2 n_ff]
-  at::Tensor act = at::empty({batch, n, c.n_ff}, x.options());
-  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
-    detail::cpu::silu_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), c.n_ff, b, e);
-  });
-  return h + linear_cpu(act, w.w_down);
+  at::Tensor attn;
+  if (few) {
+    attn = at::empty({batch, n, c.q_dim()}, x.options());
+    at::parallel_for(0, batch * c.n_head, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> scratch(start + n);
+      detail::cpu::attention_rows(q.data_ptr<float>(), k_cache, v_cache, shape, attn.data_ptr<float>(),
+                                  scratch.data(), b, e);
+    });
+  } else {
+    at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
+    std::optional<at::Tensor> mask;
+    if (start > 0) mask = at::arange(start + n).unsqueeze(0) <= at::arange(start, start + n).unsqueeze(1);
+    attn = at::scaled_dot_product_attention(q.transpose(1, 2), keys, values, mask, 0.0, start == 0, std::nullopt, true)
+               .transpose(1, 2)
+               .reshape({batch, n, c.q_dim()});
+  }
+  at::Tensor h = x + linear(attn, w.wo);
+  at::Tensor gate_up = linear(norm(h, w.ffn_norm), w.w_gate_up);  // [batch, n, 2 n_ff]
+  at::Tensor act;
+  if (few) {
+    act = at::empty({batch, n, c.n_ff}, x.options());
+    detail::cpu::silu_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), c.n_ff, 0, rows);
+  } else {
+    auto parts = gate_up.chunk(2, -1);
+    act = at::silu(parts[0]).mul_(parts[1]);
+  }
+  return h.add_(linear(act, w.w_down));
 }
 
 // ---- Generic path -----------------------------------------------------------------------------
 
 at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& cache) const {
-  if (cpu_kernels() && x.size(0) * x.size(1) <= kFusedMaxRows) return layer_cpu(i, x, cache);
+  if (cpu_kernels()) return layer_cpu(i, x, cache);
   at::Tensor h = x + attention(i, rms_norm(x, weights_.layers[i].attn_norm), cache);
   return h + feed_forward(i, rms_norm(h, weights_.layers[i].ffn_norm));
 }
