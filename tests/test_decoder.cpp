@@ -57,6 +57,10 @@ TEST_CASE("greedy 64-token continuations match transformers", "[decoder][parity]
   }
 }
 
+// NOTE: a full forward runs GEMMs (oneDNN or BLAS), a single token the fused GEMV: the two agree up
+// to fp32 summation order, a few 1e-5 relative on logits of magnitude ~20.
+constexpr double kPathTolerance = 5e-4;
+
 TEST_CASE("incremental decoding with the KV cache equals a full forward", "[decoder]") {
   c10::InferenceMode guard;
   const Decoder& dec = default_model().decoder();
@@ -68,7 +72,7 @@ TEST_CASE("incremental decoding with the KV cache equals a full forward", "[deco
     KVCache cache = dec.make_cache(1, n);
     for (int64_t t = 0; t < n; ++t) {
       at::Tensor step = dec.forward(ids.narrow(1, t, 1), cache)[0][0];
-      REQUIRE((step - full[t]).abs().max().item<double>() <= 1e-4);
+      REQUIRE((step - full[t]).abs().max().item<double>() <= kPathTolerance);
     }
     CHECK(cache.length() == n);
   }
@@ -80,14 +84,14 @@ TEST_CASE("incremental decoding with the KV cache equals a full forward", "[deco
       parts.push_back(dec.forward(ids.narrow(1, start, take), cache, LogitsMode::all)[0]);
       len = take;
     }
-    CHECK((at::cat(parts, 0) - full).abs().max().item<double>() <= 1e-4);
+    CHECK((at::cat(parts, 0) - full).abs().max().item<double>() <= kPathTolerance);
   }
   SECTION("a batch of two equals each alone") {
     at::Tensor other = ids.flip(1);
     KVCache cache = dec.make_cache(2, n);
     at::Tensor both = dec.forward(at::cat({ids, other}, 0), cache, LogitsMode::all);
-    CHECK((both[0] - full).abs().max().item<double>() <= 1e-4);
-    CHECK((both[1] - full_logits(dec, other)).abs().max().item<double>() <= 1e-4);
+    CHECK((both[0] - full).abs().max().item<double>() <= kPathTolerance);
+    CHECK((both[1] - full_logits(dec, other)).abs().max().item<double>() <= kPathTolerance);
   }
 }
 
@@ -147,8 +151,8 @@ TEST_CASE("safetensors checkpoint (sharded, untied, llama3 RoPE) matches transfo
     at::Tensor other = full_logits(tiny.decoder(), ids.flip(1));
     for (int64_t t = 0; t < ids.size(1); ++t) {
       at::Tensor step = tiny.decoder().forward(pair.narrow(1, t, 1), cache);  // a batch of 2, one token each
-      REQUIRE((step[0][0] - got[t]).abs().max().item<double>() <= 1e-4);
-      REQUIRE((step[1][0] - other[t]).abs().max().item<double>() <= 1e-4);
+      REQUIRE((step[0][0] - got[t]).abs().max().item<double>() <= kPathTolerance);
+      REQUIRE((step[1][0] - other[t]).abs().max().item<double>() <= kPathTolerance);
     }
   }
   SECTION("save and load again gives the same logits") {

@@ -3,6 +3,7 @@
 // attention through at::scaled_dot_product_attention, SwiGLU, tied or untied output head.
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <utility>
 #include <vector>
 
@@ -83,6 +84,10 @@ class Decoder {
   c10::Device device_;
   at::Tensor rope_cos_, rope_sin_;  // [n_ctx, head_dim]
   bool cpu_kernels_ = true;
+  // oneDNN copies of each layer's {wqkv, wo, w_gate_up, w_down} for prefill GEMMs on CPU; the
+  // dense weights above are views of the same memory (see prepack_onednn()), or empty.
+  std::vector<std::array<at::Tensor, 4>> onednn_;
+  void prepack_onednn();
 };
 
 }  // namespace comb

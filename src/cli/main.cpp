@@ -32,6 +32,7 @@ common options:
   --device DEV        cpu (default), cuda, cuda:N
   --dtype T           float32 (default), bfloat16, float16 (CUDA only)
   --threads N         CPU threads (default: LibTorch's choice)
+  --cpu-kernels 0|1   fused fp32 CPU kernels (default 1; 0 runs generic ATen ops only)
 
 generate options:
   --prompt TEXT       the user message (sent through the model's chat template)
@@ -109,6 +110,7 @@ comb::Model load_model(Args& args) {
   options.device = args.str("device", "cpu");
   options.dtype = args.str("dtype", "float32");
   options.threads = args.num<int>("threads", 0);
+  options.cpu_kernels = args.num<int>("cpu-kernels", 1) != 0;
   auto t0 = std::chrono::steady_clock::now();
   comb::Model model = comb::Model::load(path, options);
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
