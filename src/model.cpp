@@ -14,6 +14,7 @@
 #include "comb/gguf.hpp"
 #include "comb/log.hpp"
 #include "comb/model.hpp"
+#include "comb/safetensors.hpp"
 #include "comb/weights.hpp"
 
 namespace fs = std::filesystem;
@@ -211,7 +212,7 @@ at::Tensor unpermute_heads(const at::Tensor& w, int64_t n_heads) {
 }  // namespace
 
 LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& config, c10::ScalarType dtype,
-                                c10::Device device) {
+                                c10::Device device, const std::string& hf_prefix) {
   struct Found {
     const WeightSpec* spec;
     int64_t layer;
@@ -222,7 +223,7 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
   std::vector<std::string> problems;
   for (const auto& spec : llama_table()) {
     for (int64_t layer = 0; layer < (spec.per_layer ? config.n_layer : 1); ++layer) {
-      std::string gguf = name_for(spec.gguf, layer), hf = spec.hf[0] ? name_for(spec.hf, layer) : "";
+      std::string gguf = name_for(spec.gguf, layer), hf = spec.hf[0] ? hf_prefix + name_for(spec.hf, layer) : "";
       const TensorInfo* info = source.find(gguf);
       bool gguf_layout = info != nullptr;
       if (!info && !hf.empty()) info = source.find(hf);
@@ -291,24 +292,66 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
   return w;
 }
 
+at::Tensor WeightReader::get(const std::string& name, const std::vector<int64_t>& shape, bool required) {
+  const TensorInfo* info = source_.find(name);
+  if (!info) {
+    if (required) problems_.push_back(fmt::format("missing '{}'", name));
+    return {};
+  }
+  if (info->shape != shape) {
+    problems_.push_back(
+        fmt::format("'{}' has shape [{}], expected [{}]", name, fmt::join(info->shape, ", "), fmt::join(shape, ", ")));
+    return {};
+  }
+  try {
+    return source_.load(name, dtype_).to(device_);
+  } catch (const Error& e) {
+    problems_.push_back(e.what());
+    return {};
+  }
+}
+
+LayerWeights WeightReader::layer(const std::string& p, const ModelConfig& c) {
+  LayerWeights l;
+  const int64_t d = c.n_embd;
+  l.attn_norm = get(p + "input_layernorm.weight", {d});
+  at::Tensor wq = get(p + "self_attn.q_proj.weight", {c.q_dim(), d});
+  at::Tensor wk = get(p + "self_attn.k_proj.weight", {c.kv_dim(), d});
+  at::Tensor wv = get(p + "self_attn.v_proj.weight", {c.kv_dim(), d});
+  l.wo = get(p + "self_attn.o_proj.weight", {d, c.q_dim()});
+  l.ffn_norm = get(p + "post_attention_layernorm.weight", {d});
+  at::Tensor wg = get(p + "mlp.gate_proj.weight", {c.n_ff, d});
+  at::Tensor wu = get(p + "mlp.up_proj.weight", {c.n_ff, d});
+  l.w_down = get(p + "mlp.down_proj.weight", {d, c.n_ff});
+  if (wq.defined() && wk.defined() && wv.defined()) l.wqkv = at::cat({wq, wk, wv}, 0);
+  if (wg.defined() && wu.defined()) l.w_gate_up = at::cat({wg, wu}, 0);
+  return l;
+}
+
+void WeightReader::finish(const std::string& what) const {
+  COMB_CHECK(problems_.empty(), "'{}': {} ({} problem(s)):\n  {}", source_.where(), what, problems_.size(),
+             fmt::join(problems_, "\n  "));
+}
+
+void append_llama_layer_hf_named(std::vector<std::pair<std::string, at::Tensor>>& out, const std::string& p,
+                                 const LayerWeights& l, const ModelConfig& c) {
+  auto qkv = l.wqkv.split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
+  auto gu = l.w_gate_up.split_with_sizes({c.n_ff, c.n_ff}, 0);
+  out.emplace_back(p + "input_layernorm.weight", l.attn_norm);
+  out.emplace_back(p + "self_attn.q_proj.weight", qkv[0]);
+  out.emplace_back(p + "self_attn.k_proj.weight", qkv[1]);
+  out.emplace_back(p + "self_attn.v_proj.weight", qkv[2]);
+  out.emplace_back(p + "self_attn.o_proj.weight", l.wo);
+  out.emplace_back(p + "post_attention_layernorm.weight", l.ffn_norm);
+  out.emplace_back(p + "mlp.gate_proj.weight", gu[0]);
+  out.emplace_back(p + "mlp.up_proj.weight", gu[1]);
+  out.emplace_back(p + "mlp.down_proj.weight", l.w_down);
+}
+
 std::vector<std::pair<std::string, at::Tensor>> llama_weights_hf_named(const LlamaWeights& w, const ModelConfig& c) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.emplace_back("model.embed_tokens.weight", w.tok_embd);
-  for (int64_t i = 0; i < c.n_layer; ++i) {
-    const auto& l = w.layers[i];
-    auto p = fmt::format("model.layers.{}.", i);
-    auto qkv = l.wqkv.split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
-    auto gu = l.w_gate_up.split_with_sizes({c.n_ff, c.n_ff}, 0);
-    out.emplace_back(p + "input_layernorm.weight", l.attn_norm);
-    out.emplace_back(p + "self_attn.q_proj.weight", qkv[0]);
-    out.emplace_back(p + "self_attn.k_proj.weight", qkv[1]);
-    out.emplace_back(p + "self_attn.v_proj.weight", qkv[2]);
-    out.emplace_back(p + "self_attn.o_proj.weight", l.wo);
-    out.emplace_back(p + "post_attention_layernorm.weight", l.ffn_norm);
-    out.emplace_back(p + "mlp.gate_proj.weight", gu[0]);
-    out.emplace_back(p + "mlp.up_proj.weight", gu[1]);
-    out.emplace_back(p + "mlp.down_proj.weight", l.w_down);
-  }
+  for (int64_t i = 0; i < c.n_layer; ++i) append_llama_layer_hf_named(out, fmt::format("model.layers.{}.", i), w.layers[i], c);
   out.emplace_back("model.norm.weight", w.output_norm);
   if (!c.tie_embeddings) out.emplace_back("lm_head.weight", w.output);
   return out;
@@ -427,22 +470,23 @@ KVCache Decoder::make_cache(int64_t batch, int64_t capacity) const {
   return KVCache(config_, batch, capacity, dtype_, device_);
 }
 
-at::Tensor Decoder::rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
-  if (dtype_ == at::kFloat) return at::rms_norm(x, {config_.n_embd}, weight, config_.rms_eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (x.scalar_type() == at::kFloat) return at::rms_norm(x, {x.size(-1)}, weight, eps);
   // Half precision: normalise in fp32, scale in the compute dtype (as the reference does).
   at::Tensor xf = x.to(at::kFloat);
-  xf = xf * at::rsqrt(xf.pow(2).mean(-1, true) + config_.rms_eps);
-  return weight * xf.to(dtype_);
+  xf = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
+  return weight * xf.to(x.scalar_type());
 }
 
-namespace {
-// x: [batch, heads, n, head_dim]; cos, sin: [n, head_dim]
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   int64_t half = x.size(-1) / 2;
   at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
   return x * cos + rotated * sin;
 }
-}  // namespace
+
+at::Tensor Decoder::rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
+  return comb::rms_norm(x, weight, config_.rms_eps);
+}
 
 at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCache& cache) const {
   const auto& c = config_;
@@ -579,7 +623,8 @@ at::Tensor Decoder::logits(const at::Tensor& x, LogitsMode mode) const {
   return at::linear(rms_norm(h, weights_.output_norm), weights_.output).to(at::kFloat);
 }
 
-at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache, LogitsMode mode) const {
+at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache, LogitsMode mode,
+                            const LayerHook& before_layer) const {
   COMB_CHECK(tokens.dim() == 2 && tokens.size(1) > 0, "decoder input should be [batch, n>0] token ids, found shape [{}]",
              fmt::join(tokens.sizes(), ", "));
   COMB_CHECK(tokens.size(0) == cache.batch(), "decoder input batch {} does not match the KV cache batch {}",
@@ -588,7 +633,7 @@ at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache, LogitsMode
   COMB_CHECK(cache.length() + n <= config_.n_ctx, "{} positions exceed the model's context of {} tokens",
              cache.length() + n, config_.n_ctx);
   at::Tensor x = embed(tokens);
-  for (int64_t i = 0; i < config_.n_layer; ++i) x = layer(i, x, cache);
+  for (int64_t i = 0; i < config_.n_layer; ++i) x = layer(i, before_layer ? before_layer(i, x) : x, cache);
   cache.advance(n);
   return logits(x, mode);
 }
@@ -659,6 +704,8 @@ Model Model::load(const std::string& path, const Options& options) {
   Model m;
   std::unique_ptr<TensorSource> source = open_tensor_source(path);
   ModelConfig config;
+  std::string hf_prefix;
+  std::optional<PluginConfig> combined;  // a COMB checkpoint's plug-in
   if (auto* gguf = dynamic_cast<GgufFile*>(source.get())) {
     config = ModelConfig::from_gguf(*gguf);
     m.tokenizer_ = std::make_shared<Tokenizer>(Tokenizer::from_gguf(*gguf));
@@ -667,18 +714,101 @@ Model Model::load(const std::string& path, const Options& options) {
     std::string config_path = (dir / "config.json").string();
     nlohmann::json j = nlohmann::json::parse(detail::read_text_file(config_path), nullptr, false);
     COMB_CHECK(!j.is_discarded(), "'{}': not valid JSON", config_path);
-    config = ModelConfig::from_hf_json(j, config_path);
+    if (j.value("model_type", "") == "combllama") {
+      // The reference layout: the decoder under language_model.*, text_config its config, and
+      // num_hidden_layers counting decoder layers plus cross blocks.
+      COMB_CHECK(j.contains("text_config") && j.contains("cross_attention_layers"),
+                 "'{}': a combllama config needs text_config and cross_attention_layers", config_path);
+      nlohmann::json text = j["text_config"];
+      combined = PluginConfig::from_json(j, config_path);
+      if (j.contains("comb")) combined->max_document_tokens = j["comb"].value("max_document_tokens", int64_t(0));
+      int64_t total = j.value("num_hidden_layers", text.value("num_hidden_layers", int64_t(0)));
+      text["num_hidden_layers"] = total - combined->n_encoder_layers();
+      text["model_type"] = "llama";
+      config = ModelConfig::from_hf_json(text, config_path + " (text_config)");
+      hf_prefix = "language_model.";
+    } else {
+      config = ModelConfig::from_hf_json(j, config_path);
+    }
     m.tokenizer_ = std::make_shared<Tokenizer>(Tokenizer::from_hf_file((dir / "tokenizer.json").string()));
   }
   COMB_CHECK(m.tokenizer_->n_vocab() <= config.n_vocab, "'{}': the tokenizer has {} tokens but the model only {}", path,
              m.tokenizer_->n_vocab(), config.n_vocab);
-  LlamaWeights weights = load_llama_weights(*source, config, dtype, device);
+  LlamaWeights weights = load_llama_weights(*source, config, dtype, device, hf_prefix);
   m.decoder_ = std::make_shared<Decoder>(std::move(config), std::move(weights), dtype, device);
   m.decoder_->set_cpu_kernels(options.cpu_kernels);
+  if (combined) m.plugin_ = std::make_shared<Plugin>(Plugin::from_checkpoint(*source, *combined, *m.decoder_));
+  if (!options.plugin.empty()) {
+    COMB_CHECK(!combined, "'{}' already carries a plug-in; --plugin cannot add another", path);
+    m.plugin_ = std::make_shared<Plugin>(Plugin::load(options.plugin, *m.decoder_));
+  }
   if (!m.tokenizer_->chat_template().empty()) {
     m.chat_template_ = std::make_shared<ChatTemplate>(ChatTemplate::from_source(m.tokenizer_->chat_template()));
   }
   return m;
+}
+
+void Model::set_plugin(std::shared_ptr<const Plugin> plugin) {
+  if (plugin) {
+    std::string fp = base_fingerprint(*decoder_);
+    COMB_CHECK(plugin->config().base_fingerprint.empty() || plugin->config().base_fingerprint == fp,
+               "the plug-in was built for another base decoder (fingerprint {}); this model's is {}",
+               plugin->config().base_fingerprint, fp);
+  }
+  plugin_ = std::move(plugin);
+}
+
+std::shared_ptr<const DocumentKV> Model::document(const std::vector<int32_t>& tokens, PICacheStore* store,
+                                                  const std::string& tenant) const {
+  COMB_CHECK(plugin_, "documents need a plug-in: load one with Options::plugin (--plugin FILE)");
+  c10::InferenceMode guard;
+  if (!store) return std::make_shared<const DocumentKV>(plugin_->encode(*decoder_, tokens));
+  CacheKey key = PICacheStore::key(tokens, plugin_->fingerprint(), tenant);
+  if (auto hit = store->get(key)) return hit;
+  return store->put(key, plugin_->encode(*decoder_, tokens));
+}
+
+at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, const LinkedDocuments* documents,
+                          LogitsMode mode) const {
+  if (!documents || documents->empty()) return decoder_->forward(tokens, cache, mode);
+  COMB_CHECK(plugin_, "documents need a plug-in: load one with Options::plugin (--plugin FILE)");
+  COMB_CHECK(static_cast<int64_t>(documents->doc_counts.size()) == tokens.size(0),
+             "linked documents are for a batch of {}, the tokens a batch of {}", documents->doc_counts.size(),
+             tokens.size(0));
+  COMB_CHECK(static_cast<int64_t>(documents->keys.size()) == plugin_->config().n_encoder_layers(),
+             "linked documents have {} blocks, the plug-in {}", documents->keys.size(),
+             plugin_->config().n_encoder_layers());
+  return decoder_->forward(tokens, cache, mode, [&](int64_t layer, const at::Tensor& x) {
+    int64_t k = plugin_->block_before(layer);
+    return k < 0 ? x : plugin_->cross_block(k, x, documents->keys[k], documents->values[k], documents->doc_counts);
+  });
+}
+
+void Model::save(const std::string& dir) const {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  COMB_CHECK(fs::is_directory(dir), "cannot create directory '{}': {}", dir, ec.message());
+  const auto& c = config();
+  nlohmann::json text = c.to_hf_json();
+  auto tensors = llama_weights_hf_named(decoder_->weights(), c);
+  nlohmann::json j = text;
+  if (plugin_) {
+    for (auto& [name, t] : tensors) name = "language_model." + name;
+    auto extra = plugin_->named_tensors();
+    tensors.insert(tensors.end(), extra.begin(), extra.end());
+    int64_t n_blocks = plugin_->config().n_encoder_layers();
+    text["num_hidden_layers"] = c.n_layer + n_blocks;
+    j = {{"model_type", "combllama"},
+         {"architectures", {"CombLlamaForConditionalGeneration"}},
+         {"text_config", text},
+         {"cross_attention_layers", plugin_->config().cross_layers},
+         {"num_hidden_layers", c.n_layer + n_blocks},
+         {"tie_word_embeddings", false},
+         {"comb", {{"max_document_tokens", plugin_->config().max_document_tokens}}}};
+  }
+  save_safetensors(dir + "/model.safetensors", tensors, {{"format", "pt"}});
+  detail::write_file_atomic(dir + "/config.json", j.dump(2));
+  tokenizer_->save_hf(dir);
 }
 
 std::vector<int32_t> Model::chat_prompt(const std::string& user_message) const {
@@ -692,7 +822,8 @@ std::vector<int32_t> Model::chat_prompt(const std::string& user_message) const {
   return ids;
 }
 
-GenerationResult Model::generate(const std::vector<int32_t>& prompt, const GenerateOptions& options) const {
+GenerationResult Model::generate(const std::vector<int32_t>& prompt, const GenerateOptions& options,
+                                 const LinkedDocuments* documents) const {
   using clock = std::chrono::steady_clock;
   const auto& c = config();
   COMB_CHECK(!prompt.empty(), "the prompt is empty");
@@ -715,7 +846,7 @@ GenerationResult Model::generate(const std::vector<int32_t>& prompt, const Gener
   StreamDecoder stream(*tokenizer_);
   auto t0 = clock::now();
   at::Tensor input = at::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), at::kLong).unsqueeze(0);
-  at::Tensor logits = decoder_->forward(input, cache);
+  at::Tensor logits = forward(input, cache, documents);
   r.stop_reason = "max_tokens";
   for (int64_t step = 0; step < options.max_tokens; ++step) {
     at::Tensor last = logits[0][-1];  // [n_vocab] float
@@ -741,7 +872,7 @@ GenerationResult Model::generate(const std::vector<int32_t>& prompt, const Gener
       r.stop_reason = "context_full";
       break;
     }
-    logits = decoder_->forward(at::full({1, 1}, static_cast<int64_t>(token), at::kLong), cache);
+    logits = forward(at::full({1, 1}, static_cast<int64_t>(token), at::kLong), cache, documents);
   }
   std::string rest = stream.flush();
   r.text += rest;

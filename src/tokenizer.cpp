@@ -30,6 +30,7 @@ constexpr const char* kDigitPattern = R"(\p{N})";
 // A compiled PCRE2 pattern (UTF-8, Unicode properties, JIT when available).
 class Regex {
  public:
+  const std::string& pattern() const { return pattern_; }
   explicit Regex(const std::string& pattern) : pattern_(pattern) {
     int err = 0;
     PCRE2_SIZE at = 0;
@@ -156,6 +157,7 @@ struct Tokenizer::Impl {
   std::vector<bool> special;
   std::unordered_map<std::string, int32_t> vocab;
   std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;  // (a, b) -> (rank, merged)
+  std::vector<std::pair<int32_t, int32_t>> merge_list;               // in rank order
   std::vector<int32_t> added;       // added tokens, matched in raw text, longest first
   std::vector<PreStep> steps;
   bool ignore_merges = false;
@@ -183,6 +185,7 @@ struct Tokenizer::Impl {
     COMB_CHECK(ia != vocab.end() && ib != vocab.end() && im != vocab.end(),
                "{}: merge {} of '{}' + '{}' names a token the vocabulary lacks", where, rank, a, b);
     merges.emplace(pair_key(ia->second, ib->second), std::make_pair(rank, im->second));
+    merge_list.emplace_back(ia->second, ib->second);
   }
 
   // BPE over one pre-tokenized piece (already in byte-level characters).
@@ -479,6 +482,38 @@ std::optional<int32_t> Tokenizer::eos_id() const { return impl_->eos; }
 bool Tokenizer::add_bos() const { return impl_->add_bos; }
 bool Tokenizer::is_special(int32_t id) const { return id >= 0 && id < n_vocab() && impl_->special[id]; }
 const std::string& Tokenizer::chat_template() const { return impl_->chat_template; }
+
+void Tokenizer::save_hf(const std::string& dir) const {
+  const Impl& t = *impl_;
+  nlohmann::ordered_json vocab = nlohmann::ordered_json::object();
+  for (size_t i = 0; i < t.tokens.size(); ++i) vocab[t.tokens[i]] = i;
+  nlohmann::json merges = nlohmann::json::array();
+  for (auto [a, b] : t.merge_list) merges.push_back(t.tokens[a] + " " + t.tokens[b]);
+  nlohmann::json added = nlohmann::json::array();
+  std::vector<int32_t> ids = t.added;
+  std::sort(ids.begin(), ids.end());
+  for (int32_t id : ids)
+    added.push_back({{"id", id}, {"content", t.tokens[id]}, {"single_word", false}, {"lstrip", false},
+                     {"rstrip", false}, {"normalized", false}, {"special", bool(t.special[id])}});
+  nlohmann::json steps = nlohmann::json::array();
+  for (const auto& step : t.steps)
+    steps.push_back({{"type", "Split"}, {"pattern", {{"Regex", step.regex->pattern()}}}, {"behavior", "Isolated"},
+                     {"invert", false}});
+  steps.push_back({{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}});
+  nlohmann::ordered_json j = {
+      {"version", "1.0"},
+      {"added_tokens", added},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", {{"type", "Sequence"}, {"pretokenizers", steps}}},
+      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}},
+      {"model", {{"type", "BPE"}, {"ignore_merges", t.ignore_merges}, {"vocab", vocab}, {"merges", merges}}}};
+  detail::write_file_atomic(dir + "/tokenizer.json", j.dump());
+  nlohmann::json config = {{"add_bos_token", t.add_bos}};
+  if (t.bos) config["bos_token"] = t.tokens[*t.bos];
+  if (t.eos) config["eos_token"] = t.tokens[*t.eos];
+  if (!t.chat_template.empty()) config["chat_template"] = t.chat_template;
+  detail::write_file_atomic(dir + "/tokenizer_config.json", config.dump(2));
+}
 
 std::optional<int32_t> Tokenizer::find_token(std::string_view text) const {
   auto it = impl_->vocab.find(std::string(text));

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -46,6 +47,11 @@ std::pair<at::Tensor, at::Tensor> rope_tables(const ModelConfig& config, const a
 // The inverse frequencies [head_dim / 2] (fp32) after scaling.
 at::Tensor rope_inv_freq(const ModelConfig& config, const at::Tensor& rope_freqs);
 
+// RMSNorm over the last dimension, Hugging Face semantics: normalise in fp32, scale in x's dtype.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// Rotate-half RoPE on x [..., n, head_dim] with cos, sin [n, head_dim].
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
 class Decoder {
  public:
   Decoder(ModelConfig config, LlamaWeights weights, c10::ScalarType dtype, c10::Device device);
@@ -55,9 +61,14 @@ class Decoder {
   void set_cpu_kernels(bool on) { cpu_kernels_ = on; }
   bool cpu_kernels() const { return cpu_kernels_ && device_.is_cpu() && dtype_ == c10::kFloat; }
 
+  // Runs on the hidden state [batch, n, n_embd] before decoder layer `layer` (the plug-in's
+  // cross blocks); returns the state the layer reads.
+  using LayerHook = std::function<at::Tensor(int64_t layer, const at::Tensor& x)>;
+
   // Runs `tokens` [batch, n] (int64) at positions cache.length() .. + n, appends their K/V to
   // `cache`, and returns float32 logits [batch, n or 1, n_vocab].
-  at::Tensor forward(const at::Tensor& tokens, KVCache& cache, LogitsMode mode = LogitsMode::last) const;
+  at::Tensor forward(const at::Tensor& tokens, KVCache& cache, LogitsMode mode = LogitsMode::last,
+                     const LayerHook& before_layer = nullptr) const;
 
   // The steps of forward(), for wrappers that add blocks between layers.
   at::Tensor embed(const at::Tensor& tokens) const;                                    // -> [batch, n, n_embd]
@@ -67,6 +78,8 @@ class Decoder {
   KVCache make_cache(int64_t batch, int64_t capacity) const;
   const ModelConfig& config() const { return config_; }
   const LlamaWeights& weights() const { return weights_; }
+  const at::Tensor& rope_cos() const { return rope_cos_; }  // [n_ctx, head_dim]
+  const at::Tensor& rope_sin() const { return rope_sin_; }
   c10::ScalarType dtype() const { return dtype_; }
   c10::Device device() const { return device_; }
 

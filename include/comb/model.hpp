@@ -9,7 +9,9 @@
 #include "comb/chat_template.hpp"
 #include "comb/config.hpp"
 #include "comb/decoder.hpp"
+#include "comb/plugin.hpp"
 #include "comb/sampler.hpp"
+#include "comb/store.hpp"
 #include "comb/tokenizer.hpp"
 
 namespace comb {
@@ -19,6 +21,7 @@ struct Options {
   std::string dtype = "float32";  // "float32", "bfloat16", "float16" (fp16 on CUDA only)
   int threads = 0;                // CPU threads; 0 leaves LibTorch's default
   bool cpu_kernels = true;        // fused fp32 CPU kernels (off: generic ATen ops only)
+  std::string plugin;             // a plug-in-only file to apply on top of the base ("" : none)
 };
 
 struct GenerateOptions {
@@ -46,7 +49,8 @@ struct GenerationResult {
 
 class Model {
  public:
-  // Loads a .gguf file, or a Hugging Face directory (config.json, tokenizer.json, *.safetensors).
+  // Loads a .gguf file, or a Hugging Face directory (config.json, tokenizer.json, *.safetensors);
+  // a directory whose config says `model_type: combllama` brings its plug-in along.
   static Model load(const std::string& path, const Options& options = {});
 
   const ModelConfig& config() const { return decoder_->config(); }
@@ -56,11 +60,28 @@ class Model {
 
   // Token ids of one user message through the chat template, ready for generation.
   std::vector<int32_t> chat_prompt(const std::string& user_message) const;
-  // Generates after `prompt`; throws comb::Error when the prompt does not fit the context.
-  GenerationResult generate(const std::vector<int32_t>& prompt, const GenerateOptions& options) const;
+
+  // The plug-in, or nullptr. A plug-in must have been built for this base decoder.
+  const Plugin* plugin() const { return plugin_.get(); }
+  void set_plugin(std::shared_ptr<const Plugin> plugin);
+  // One document's encoder K/V: from `store` when it holds them (key: tokens, plug-in, tenant),
+  // else encoded now (and put into `store`, if given).
+  std::shared_ptr<const DocumentKV> document(const std::vector<int32_t>& tokens, PICacheStore* store = nullptr,
+                                            const std::string& tenant = "") const;
+  // The decoder's forward with linked documents read by the cross blocks; without documents (or
+  // without a plug-in) exactly Decoder::forward.
+  at::Tensor forward(const at::Tensor& tokens, KVCache& cache, const LinkedDocuments* documents = nullptr,
+                     LogitsMode mode = LogitsMode::last) const;
+  // Generates after `prompt`, reading `documents` when given; throws comb::Error when the prompt
+  // does not fit the context.
+  GenerationResult generate(const std::vector<int32_t>& prompt, const GenerateOptions& options,
+                            const LinkedDocuments* documents = nullptr) const;
+  // Writes a merged checkpoint (reference COMB layout when a plug-in is set, else Llama) into `dir`.
+  void save(const std::string& dir) const;
 
  private:
   std::shared_ptr<Decoder> decoder_;
+  std::shared_ptr<const Plugin> plugin_;
   std::shared_ptr<Tokenizer> tokenizer_;
   std::shared_ptr<ChatTemplate> chat_template_;
 };

@@ -43,6 +43,8 @@ class Tokenizer {
   std::optional<int32_t> find_token(std::string_view text) const;
   // The chat template the checkpoint ships (Jinja source), or "" if none.
   const std::string& chat_template() const;
+  // Writes tokenizer.json and tokenizer_config.json (BOS/EOS, chat template) into `dir`.
+  void save_hf(const std::string& dir) const;
 
   struct Impl;
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "comb/comb.hpp"
+#include "comb/detail/mapped_file.hpp"
 
 namespace {
 
@@ -22,9 +23,10 @@ using comb::Error;
 constexpr const char* kUsage = R"(usage: comb <command> [options]
 
 commands:
-  generate   answer a prompt with a model
-  bench      measure prefill and decode throughput
-  version    print the version
+  generate      answer a prompt with a model (with documents: through the COMB plug-in)
+  plugin init   write a fresh plug-in for a model
+  bench         measure prefill and decode throughput
+  version       print the version
 
 common options:
   --model FILE        model file (.gguf) or Hugging Face directory
@@ -43,6 +45,17 @@ generate options:
   --top-p P           sample from the smallest set with mass P (default 1)
   --seed N            random seed for sampling (default 0)
   --json              print token ids, logprobs and timings as JSON instead of text
+  --plugin FILE       a plug-in-only file to apply (needed for --document)
+  --document FILE     a document for the encoder; repeat for several, in any order
+  --cache-dir DIR     keep document caches on disk in DIR (survives restarts)
+  --cache-mb N        cache budget per tier in MiB (default 1024)
+
+plugin init options:
+  --out FILE          where to write the plug-in (safetensors)
+  --encoder-layers N  encoder layers = cross blocks (default 4)
+  --cross-layers LIST decoder layers the cross blocks run before (default: spread evenly)
+  --random-init       random encoder and cross blocks (default: copies of decoder layers)
+  --seed N            random seed (default 0)
 
 bench options:
   --prompt-tokens LIST   prompt lengths for prefill, comma separated (default 128,512,2048)
@@ -61,10 +74,10 @@ class Args {
       std::string key = a.substr(2);
       if (key == "help") throw Error("help");
       if (std::find(flags.begin(), flags.end(), key) != flags.end()) {
-        values_[key] = "1";
+        values_[key].push_back("1");
       } else {
         if (i + 1 >= argc) throw Error("option --" + key + " needs a value");
-        values_[key] = argv[++i];
+        values_[key].push_back(argv[++i]);
       }
     }
   }
@@ -72,7 +85,13 @@ class Args {
   std::string str(const std::string& key, const std::string& fallback = "") {
     used_.push_back(key);
     auto it = values_.find(key);
-    return it == values_.end() ? fallback : it->second;
+    return it == values_.end() ? fallback : it->second.back();
+  }
+  // Every value of a repeatable option, in order.
+  std::vector<std::string> all(const std::string& key) {
+    used_.push_back(key);
+    auto it = values_.find(key);
+    return it == values_.end() ? std::vector<std::string>{} : it->second;
   }
   template <typename T>
   T num(const std::string& key, T fallback) {
@@ -94,7 +113,7 @@ class Args {
   }
 
  private:
-  std::map<std::string, std::string> values_;
+  std::map<std::string, std::vector<std::string>> values_;
   std::vector<std::string> used_;
 };
 
@@ -111,6 +130,7 @@ comb::Model load_model(Args& args) {
   options.dtype = args.str("dtype", "float32");
   options.threads = args.num<int>("threads", 0);
   options.cpu_kernels = args.num<int>("cpu-kernels", 1) != 0;
+  options.plugin = args.str("plugin");
   auto t0 = std::chrono::steady_clock::now();
   comb::Model model = comb::Model::load(path, options);
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -127,6 +147,9 @@ int cmd_generate(Args& args) {
   if (!args.has("prompt")) throw Error("generate needs --prompt TEXT");
   bool raw = args.has("raw"), json = args.has("json");
   args.str("raw"), args.str("json");
+  std::vector<std::string> document_paths = args.all("document");
+  std::string cache_dir = args.str("cache-dir");
+  int64_t cache_mb = args.num<int64_t>("cache-mb", 1024);
   comb::GenerateOptions options;
   options.max_tokens = args.num<int64_t>("max-tokens", 128);
   options.sampling.temperature = args.num<float>("temperature", 0.0f);
@@ -143,7 +166,33 @@ int cmd_generate(Args& args) {
       return true;
     };
   }
-  comb::GenerationResult r = model.generate(ids, options);
+  comb::LinkedDocuments linked;
+  if (!document_paths.empty()) {
+    comb::StoreOptions store_options;
+    store_options.host_bytes = cache_mb << 20;
+    if (!cache_dir.empty()) {
+      store_options.disk_dir = cache_dir;
+      store_options.disk_bytes = cache_mb << 20;
+    }
+    comb::PICacheStore store(store_options);
+    std::vector<std::shared_ptr<const comb::DocumentKV>> documents;
+    int64_t n_tokens = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    for (const auto& path : document_paths) {
+      std::string text = comb::detail::read_text_file(path);
+      auto tokens = model.tokenizer().encode(text, /*parse_special=*/false);
+      if (tokens.empty()) throw Error("document '" + path + "' is empty");
+      n_tokens += static_cast<int64_t>(tokens.size());
+      documents.push_back(model.document(tokens, &store));
+    }
+    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    auto stats = store.stats();
+    fmt::print(stderr, "[comb] {} documents, {} tokens: {} from the cache, {} encoded, in {:.1f} ms\n",
+               documents.size(), n_tokens, stats.host.hits + stats.disk.hits,
+               documents.size() - (stats.host.hits + stats.disk.hits), ms);
+    linked = comb::Linker(model.decoder().device()).link(documents);
+  }
+  comb::GenerationResult r = model.generate(ids, options, linked.empty() ? nullptr : &linked);
   if (json) {
     nlohmann::json j = {{"text", r.text},
                         {"tokens", r.tokens},
@@ -166,6 +215,36 @@ int cmd_generate(Args& args) {
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+int cmd_plugin(int argc, char** argv) {
+  if (argc < 3 || std::string(argv[2]) != "init") throw Error("usage: comb plugin init --out FILE [options]");
+  Args args(argc, argv, 3, {"random-init"});
+  std::string out = args.str("out");
+  if (out.empty()) throw Error("plugin init needs --out FILE");
+  comb::PluginInitOptions init;
+  init.n_encoder_layers = args.num<int64_t>("encoder-layers", init.n_encoder_layers);
+  init.seed = args.num<uint64_t>("seed", 0);
+  init.copy_decoder_layers = !args.has("random-init");
+  args.str("random-init");
+  std::string layers = args.str("cross-layers");
+  for (size_t pos = 0; pos < layers.size();) {
+    size_t comma = layers.find(',', pos);
+    std::string item = layers.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    try {
+      init.cross_layers.push_back(std::stoll(item));
+    } catch (const std::exception&) {
+      throw Error("--cross-layers expects comma-separated layer numbers, found '" + item + "'");
+    }
+    pos = comma == std::string::npos ? layers.size() : comma + 1;
+  }
+  comb::Model model = load_model(args);
+  args.check_all_used();
+  comb::Plugin plugin = comb::Plugin::fresh(model.decoder(), init);
+  plugin.save(out);
+  fmt::print(stderr, "[comb] wrote a fresh plug-in ({} encoder layers, cross blocks before layers {}) to {}\n",
+             plugin.config().n_encoder_layers(), fmt::join(plugin.config().cross_layers, ", "), out);
+  return 0;
 }
 
 int cmd_bench(Args& args) {
@@ -244,6 +323,7 @@ int main(int argc, char** argv) {
       Args args(argc, argv, 2, {"raw", "json"});
       return cmd_generate(args);
     }
+    if (cmd == "plugin") return cmd_plugin(argc, argv);
     if (cmd == "bench") {
       Args args(argc, argv, 2, {"json"});
       return cmd_bench(args);

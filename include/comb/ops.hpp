@@ -1,0 +1,19 @@
+#pragma once
+// comb's custom Torch ops (schemas in src/ops/library.cpp, one TORCH_LIBRARY(comb, m)).
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace comb::ops {
+
+// Cross-attention of decoder queries over the cached documents of each request, read in place
+// (no concatenated copy; grouped-query heads by index, no repeat_interleave). Not causal, no RoPE.
+//   q:          [batch, n, n_head, head_dim]
+//   keys[d]:    [n_head_kv, len_d, head_dim]  (document d; any floating dtype)
+//   values[d]:  [n_head_kv, len_d, head_dim]
+//   doc_counts: [batch] documents of each request, in order in keys/values
+// Returns [batch, n, n_head, head_dim] in q's dtype; a request with no document gets zeros.
+at::Tensor cross_attention(const at::Tensor& q, const std::vector<at::Tensor>& keys,
+                           const std::vector<at::Tensor>& values, const std::vector<int64_t>& doc_counts, double scale);
+
+}  // namespace comb::ops

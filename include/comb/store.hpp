@@ -1,0 +1,92 @@
+#pragma once
+// PICacheStore: per-document encoder K/V, keyed by content, in tiers (device, host, disk).
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comb/plugin.hpp"
+
+namespace comb {
+
+// XXH3-128 of a document's token ids, the plug-in's fingerprint and a tenant salt.
+struct CacheKey {
+  uint64_t high = 0, low = 0;
+  std::string hex() const;
+  static CacheKey from_hex(const std::string& hex);  // throws comb::Error on a malformed string
+  bool operator==(const CacheKey& o) const { return high == o.high && low == o.low; }
+};
+
+struct StoreOptions {
+  int64_t device_bytes = 0;            // device-memory tier budget (a tier only when `device` is CUDA)
+  int64_t host_bytes = int64_t(1) << 30;  // host-memory tier budget (0: no host tier)
+  int64_t disk_bytes = 0;              // disk tier budget (0: no disk tier)
+  std::string disk_dir;                // the disk tier's directory; entries survive restarts
+  c10::ScalarType dtype = c10::kFloat; // storage dtype of K/V: float32, bfloat16 or float16
+  c10::Device device = c10::kCPU;      // the device tier's device
+};
+
+struct TierStats {
+  int64_t hits = 0, misses = 0, evictions = 0, bytes = 0, entries = 0, budget = 0;
+};
+
+struct StoreStats {
+  TierStats device, host, disk;
+  int64_t corrupt = 0;      // disk entries that failed their checks (dropped, to be recomputed)
+  int64_t write_errors = 0; // disk writes that failed (the entry stays in memory)
+};
+
+// Thread-safe. get() returns shared ownership, so an evicted entry stays valid for the requests
+// still reading it. Memory tiers hold an entry in one place (LRU, demoted device -> host on
+// eviction); the disk tier is written through on put() and checked (checksum) on every read.
+class PICacheStore {
+ public:
+  explicit PICacheStore(StoreOptions options);
+  ~PICacheStore();
+  PICacheStore(const PICacheStore&) = delete;
+  PICacheStore& operator=(const PICacheStore&) = delete;
+
+  static CacheKey key(const std::vector<int32_t>& tokens, const std::string& plugin_fingerprint,
+                      const std::string& tenant = "");
+
+  // The entry, from the fastest tier that has it (promoted to the fastest memory tier), or nullptr.
+  std::shared_ptr<const DocumentKV> get(const CacheKey& key);
+  // Stores `kv` (converted to the storage dtype) and returns the stored entry.
+  std::shared_ptr<const DocumentKV> put(const CacheKey& key, const DocumentKV& kv);
+  // Pinned entries are never evicted from memory; pin() is false when no memory tier holds the key.
+  bool pin(const CacheKey& key);
+  void unpin(const CacheKey& key);
+  StoreStats stats() const;
+  const StoreOptions& options() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Documents linked for the decoder's cross-attention: per cross block, the documents of every
+// request in order, without copying them into one tensor.
+struct LinkedDocuments {
+  std::vector<std::vector<at::Tensor>> keys;    // [block][document]: [n_head_kv, len, head_dim]
+  std::vector<std::vector<at::Tensor>> values;  // [block][document]
+  std::vector<int64_t> doc_counts;              // [batch]: documents of each request
+  std::vector<std::shared_ptr<const DocumentKV>> held;  // keeps every linked entry alive
+  bool empty() const { return held.empty(); }
+};
+
+class Linker {
+ public:
+  explicit Linker(c10::Device device) : device_(device) {}
+  // One request's documents, in the order given.
+  LinkedDocuments link(const std::vector<std::shared_ptr<const DocumentKV>>& documents) const;
+  // A batch of requests, each with its own documents.
+  LinkedDocuments link_batch(const std::vector<std::vector<std::shared_ptr<const DocumentKV>>>& documents) const;
+
+ private:
+  c10::Device device_;
+};
+
+}  // namespace comb

@@ -1,0 +1,414 @@
+// PICacheStore (tiers, LRU, pinning, disk format with checksums) and Linker.
+#include <ATen/ATen.h>
+#include <xxhash.h>
+
+#include <cstring>
+#include <filesystem>
+#include <list>
+#include <mutex>
+#include <unordered_map>
+
+#include "comb/detail/mapped_file.hpp"
+#include "comb/error.hpp"
+#include "comb/log.hpp"
+#include "comb/store.hpp"
+
+namespace fs = std::filesystem;
+
+namespace comb {
+
+std::string CacheKey::hex() const { return fmt::format("{:016x}{:016x}", high, low); }
+
+CacheKey CacheKey::from_hex(const std::string& hex) {
+  COMB_CHECK(hex.size() == 32 && hex.find_first_not_of("0123456789abcdef") == std::string::npos,
+             "'{}' is not a cache key (32 lower-case hex digits)", hex);
+  return {std::stoull(hex.substr(0, 16), nullptr, 16), std::stoull(hex.substr(16), nullptr, 16)};
+}
+
+CacheKey PICacheStore::key(const std::vector<int32_t>& tokens, const std::string& plugin_fingerprint,
+                           const std::string& tenant) {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_128bits_reset(state);
+  auto put = [&](const void* p, uint64_t n) {
+    XXH3_128bits_update(state, &n, sizeof(n));  // length first: no two inputs run together
+    XXH3_128bits_update(state, p, n);
+  };
+  put(tokens.data(), tokens.size() * sizeof(int32_t));
+  put(plugin_fingerprint.data(), plugin_fingerprint.size());
+  put(tenant.data(), tenant.size());
+  XXH128_hash_t h = XXH3_128bits_digest(state);
+  XXH3_freeState(state);
+  return {h.high64, h.low64};
+}
+
+namespace {
+
+struct KeyHash {
+  size_t operator()(const CacheKey& k) const { return static_cast<size_t>(k.low ^ (k.high * 0x9E3779B97F4A7C15ull)); }
+};
+
+// ---- Disk format -------------------------------------------------------------------------------
+constexpr char kMagic[8] = {'C', 'O', 'M', 'B', 'K', 'V', '\0', '\1'};
+struct DiskHeader {
+  char magic[8];
+  uint32_t version;  // 1
+  uint32_t dtype;    // 0 float32, 1 bfloat16, 2 float16
+  uint32_t n_blocks, n_head_kv, head_dim, reserved;
+  uint64_t n_tokens, payload_bytes, checksum;  // checksum: XXH3-64 of the payload
+  uint64_t key_high, key_low;
+};
+static_assert(sizeof(DiskHeader) == 72, "disk header layout");
+
+uint32_t dtype_code(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: COMB_FAIL("cache storage dtype must be float32, bfloat16 or float16, found {}", c10::toString(t));
+  }
+}
+c10::ScalarType code_dtype(uint32_t c) { return c == 0 ? at::kFloat : c == 1 ? at::kBFloat16 : at::kHalf; }
+
+std::string serialize(const CacheKey& key, const DocumentKV& kv) {
+  DiskHeader h{};
+  std::memcpy(h.magic, kMagic, 8);
+  h.version = 1;
+  h.dtype = dtype_code(kv.keys.at(0).scalar_type());
+  h.n_blocks = static_cast<uint32_t>(kv.keys.size());
+  h.n_head_kv = static_cast<uint32_t>(kv.keys[0].size(0));
+  h.head_dim = static_cast<uint32_t>(kv.keys[0].size(2));
+  h.n_tokens = static_cast<uint64_t>(kv.n_tokens);
+  h.key_high = key.high;
+  h.key_low = key.low;
+  std::string payload;
+  for (size_t b = 0; b < kv.keys.size(); ++b)
+    for (const at::Tensor* t : {&kv.keys[b], &kv.values[b]}) {
+      at::Tensor c = t->to(at::kCPU).contiguous();
+      payload.append(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
+    }
+  h.payload_bytes = payload.size();
+  h.checksum = XXH3_64bits(payload.data(), payload.size());
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h)) + payload;
+}
+
+// The entry in `path`, or nullopt (with the reason) when anything about it is wrong.
+std::optional<DocumentKV> deserialize(const std::string& path, const CacheKey& key, std::string& why) {
+  detail::MappedFile f(path);
+  if (f.size() < sizeof(DiskHeader)) return why = "shorter than its header", std::nullopt;
+  DiskHeader h;
+  std::memcpy(&h, f.data(), sizeof(h));
+  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 2) return why = "bad magic or version", std::nullopt;
+  if (h.key_high != key.high || h.key_low != key.low) return why = "holds another key", std::nullopt;
+  const c10::ScalarType dtype = code_dtype(h.dtype);
+  const uint64_t block = uint64_t(h.n_head_kv) * h.n_tokens * h.head_dim * c10::elementSize(dtype);
+  if (h.n_blocks == 0 || block == 0 || h.payload_bytes != 2 * block * h.n_blocks ||
+      f.size() != sizeof(DiskHeader) + h.payload_bytes)
+    return why = "truncated or sizes inconsistent", std::nullopt;
+  const uint8_t* payload = f.data() + sizeof(DiskHeader);
+  if (XXH3_64bits(payload, h.payload_bytes) != h.checksum) return why = "checksum mismatch", std::nullopt;
+  DocumentKV kv;
+  kv.n_tokens = static_cast<int64_t>(h.n_tokens);
+  std::vector<int64_t> shape{h.n_head_kv, static_cast<int64_t>(h.n_tokens), h.head_dim};
+  for (uint32_t b = 0; b < h.n_blocks; ++b) {
+    at::Tensor k = at::empty(shape, dtype), v = at::empty(shape, dtype);
+    std::memcpy(k.data_ptr(), payload + (2 * b) * block, block);
+    std::memcpy(v.data_ptr(), payload + (2 * b + 1) * block, block);
+    kv.keys.push_back(k);
+    kv.values.push_back(v);
+  }
+  return kv;
+}
+
+// ---- Tiers -------------------------------------------------------------------------------------
+struct MemoryTier {
+  struct Slot {
+    std::shared_ptr<const DocumentKV> kv;
+    std::list<CacheKey>::iterator lru;
+    int64_t bytes;
+    bool pinned;
+  };
+  int64_t budget = 0;
+  c10::Device device = c10::kCPU;
+  TierStats stats;
+  std::list<CacheKey> lru;  // front: most recently used
+  std::unordered_map<CacheKey, Slot, KeyHash> slots;
+
+  bool enabled() const { return budget > 0; }
+  void touch(Slot& s, const CacheKey& key) {
+    lru.erase(s.lru);
+    lru.push_front(key);
+    s.lru = lru.begin();
+  }
+  void erase(const CacheKey& key) {
+    auto it = slots.find(key);
+    stats.bytes -= it->second.bytes;
+    lru.erase(it->second.lru);
+    slots.erase(it);
+  }
+};
+
+}  // namespace
+
+struct PICacheStore::Impl {
+  StoreOptions options;
+  mutable std::mutex mutex;
+  std::vector<MemoryTier> memory;  // [0] device (when CUDA), then host
+  // Disk tier: files "<key hex>.kv"; LRU order and sizes kept here.
+  TierStats disk;
+  std::list<CacheKey> disk_lru;
+  std::unordered_map<CacheKey, std::pair<std::list<CacheKey>::iterator, int64_t>, KeyHash> disk_files;
+  int64_t corrupt = 0, write_errors = 0;
+
+  bool disk_enabled() const { return options.disk_bytes > 0 && !options.disk_dir.empty(); }
+  std::string path_of(const CacheKey& k) const { return options.disk_dir + "/" + k.hex() + ".kv"; }
+
+  // Inserts into memory tier `t` (or the ones after it), evicting LRU unpinned entries; never
+  // exceeds a budget. An entry evicted from a tier moves to the next memory tier, if any.
+  void insert(size_t t, const CacheKey& key, std::shared_ptr<const DocumentKV> kv) {
+    for (; t < memory.size(); ++t) {
+      MemoryTier& tier = memory[t];
+      if (!tier.enabled()) continue;
+      if (kv->keys[0].device() != tier.device)
+        kv = std::make_shared<const DocumentKV>(kv->to(tier.device, options.dtype));
+      const int64_t bytes = kv->bytes();
+      if (bytes > tier.budget) continue;
+      std::vector<std::pair<CacheKey, std::shared_ptr<const DocumentKV>>> evicted;
+      bool fits = true;
+      while (tier.stats.bytes + bytes > tier.budget) {
+        auto victim = tier.lru.rbegin();
+        while (victim != tier.lru.rend() && tier.slots.at(*victim).pinned) ++victim;
+        if (victim == tier.lru.rend()) {
+          fits = false;
+          break;
+        }
+        CacheKey vk = *victim;
+        evicted.emplace_back(vk, tier.slots.at(vk).kv);
+        tier.erase(vk);
+        ++tier.stats.evictions;
+      }
+      if (fits) {
+        tier.lru.push_front(key);
+        tier.slots[key] = {kv, tier.lru.begin(), bytes, false};
+        tier.stats.bytes += bytes;
+      }
+      for (auto& [vk, vkv] : evicted) insert(t + 1, vk, vkv);
+      if (fits) return;
+    }
+  }
+
+  void disk_write(const CacheKey& key, const DocumentKV& kv) {
+    if (!disk_enabled() || disk_files.count(key)) return;
+    std::string bytes = serialize(key, kv);
+    const int64_t size = static_cast<int64_t>(bytes.size());
+    if (size > options.disk_bytes) return;
+    try {
+      while (disk.bytes + size > options.disk_bytes) disk_remove(disk_lru.back(), /*evicted=*/true);
+      detail::write_file_atomic(path_of(key), bytes);
+    } catch (const Error& e) {
+      ++write_errors;
+      log(LogLevel::warning, "cache store: disk write failed, the entry stays in memory only: {}", e.what());
+      return;
+    }
+    disk_lru.push_front(key);
+    disk_files[key] = {disk_lru.begin(), size};
+    disk.bytes += size;
+  }
+
+  void disk_remove(const CacheKey& key, bool evicted) {
+    auto it = disk_files.find(key);
+    if (it == disk_files.end()) return;
+    std::error_code ec;
+    fs::remove(path_of(key), ec);
+    disk.bytes -= it->second.second;
+    disk_lru.erase(it->second.first);
+    disk_files.erase(it);
+    if (evicted) ++disk.evictions;
+  }
+
+  void scan_disk() {
+    std::error_code ec;
+    fs::create_directories(options.disk_dir, ec);
+    COMB_CHECK(fs::is_directory(options.disk_dir), "cache directory '{}' cannot be created: {}", options.disk_dir,
+               ec ? ec.message() : "a file of that name is in the way");
+    std::string probe = options.disk_dir + "/.comb-write-probe";
+    try {
+      detail::write_file_atomic(probe, "ok");
+    } catch (const Error& e) {
+      COMB_FAIL("cache directory '{}' is not writable: {}", options.disk_dir, e.what());
+    }
+    fs::remove(probe, ec);
+    std::vector<std::pair<fs::file_time_type, std::pair<CacheKey, int64_t>>> found;
+    for (const auto& e : fs::directory_iterator(options.disk_dir)) {
+      std::string name = e.path().filename().string();
+      if (!e.is_regular_file() || name.size() != 35 || name.substr(32) != ".kv") continue;
+      try {
+        found.push_back({e.last_write_time(), {CacheKey::from_hex(name.substr(0, 32)), int64_t(e.file_size())}});
+      } catch (const Error&) {
+      }
+    }
+    std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (const auto& [time, entry] : found) {
+      disk_lru.push_back(entry.first);
+      disk_files[entry.first] = {std::prev(disk_lru.end()), entry.second};
+      disk.bytes += entry.second;
+    }
+    while (disk.bytes > options.disk_bytes && !disk_lru.empty()) disk_remove(disk_lru.back(), true);
+  }
+};
+
+PICacheStore::PICacheStore(StoreOptions options) : impl_(std::make_unique<Impl>()) {
+  dtype_code(options.dtype);  // validates
+  COMB_CHECK(options.device_bytes >= 0 && options.host_bytes >= 0 && options.disk_bytes >= 0,
+             "cache budgets must be >= 0 (device {}, host {}, disk {})", options.device_bytes, options.host_bytes,
+             options.disk_bytes);
+  COMB_CHECK(options.disk_bytes == 0 || !options.disk_dir.empty(), "a disk budget needs a cache directory");
+  impl_->options = options;
+  if (options.device.is_cuda()) {
+    MemoryTier device;
+    device.budget = options.device_bytes;
+    device.device = options.device;
+    impl_->memory.push_back(std::move(device));
+  }
+  MemoryTier host;
+  host.budget = options.host_bytes;
+  impl_->memory.push_back(std::move(host));
+  if (impl_->disk_enabled()) impl_->scan_disk();
+}
+
+PICacheStore::~PICacheStore() = default;
+
+const StoreOptions& PICacheStore::options() const { return impl_->options; }
+
+std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& key) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  auto& memory = impl_->memory;
+  for (size_t t = 0; t < memory.size(); ++t) {
+    auto it = memory[t].slots.find(key);
+    if (it == memory[t].slots.end()) {
+      ++memory[t].stats.misses;
+      continue;
+    }
+    ++memory[t].stats.hits;
+    std::shared_ptr<const DocumentKV> kv = it->second.kv;
+    if (t > 0 && memory[0].enabled() && !it->second.pinned) {  // promote to the fastest tier
+      memory[t].erase(key);
+      impl_->insert(0, key, kv);
+      for (auto& tier : memory)
+        if (auto s = tier.slots.find(key); s != tier.slots.end()) return s->second.kv;
+      return kv;
+    }
+    memory[t].touch(it->second, key);
+    return kv;
+  }
+  if (impl_->disk_enabled()) {
+    auto it = impl_->disk_files.find(key);
+    if (it != impl_->disk_files.end()) {
+      std::string why;
+      std::optional<DocumentKV> kv;
+      try {
+        kv = deserialize(impl_->path_of(key), key, why);
+      } catch (const Error& e) {
+        why = e.what();
+      }
+      if (kv) {
+        ++impl_->disk.hits;
+        impl_->disk_lru.erase(it->second.first);
+        impl_->disk_lru.push_front(key);
+        it->second.first = impl_->disk_lru.begin();
+        auto entry = std::make_shared<const DocumentKV>(std::move(*kv));
+        impl_->insert(0, key, entry);
+        for (auto& tier : memory)
+          if (auto s = tier.slots.find(key); s != tier.slots.end()) return s->second.kv;
+        return entry;
+      }
+      ++impl_->corrupt;
+      log(LogLevel::warning, "cache store: dropped corrupt entry {} ({})", key.hex(), why);
+      impl_->disk_remove(key, /*evicted=*/false);
+    }
+    ++impl_->disk.misses;
+  }
+  return nullptr;
+}
+
+std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& key, const DocumentKV& kv) {
+  COMB_CHECK(!kv.keys.empty() && kv.keys.size() == kv.values.size(), "cache entry {} has no K/V blocks", key.hex());
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (auto& tier : impl_->memory)
+    if (tier.slots.count(key)) tier.erase(key);  // replaced
+  auto top = std::find_if(impl_->memory.begin(), impl_->memory.end(), [](const MemoryTier& t) { return t.enabled(); });
+  c10::Device where = top == impl_->memory.end() ? c10::Device(c10::kCPU) : top->device;
+  auto entry = std::make_shared<const DocumentKV>(kv.to(where, impl_->options.dtype));
+  impl_->disk_write(key, *entry);
+  impl_->insert(0, key, entry);
+  return entry;
+}
+
+bool PICacheStore::pin(const CacheKey& key) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (auto& tier : impl_->memory)
+    if (auto it = tier.slots.find(key); it != tier.slots.end()) return it->second.pinned = true;
+  return false;
+}
+
+void PICacheStore::unpin(const CacheKey& key) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (auto& tier : impl_->memory)
+    if (auto it = tier.slots.find(key); it != tier.slots.end()) it->second.pinned = false;
+}
+
+StoreStats PICacheStore::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  StoreStats s;
+  auto fill = [](const MemoryTier& t) {
+    TierStats out = t.stats;
+    out.entries = static_cast<int64_t>(t.slots.size());
+    out.budget = t.budget;
+    return out;
+  };
+  const auto& memory = impl_->memory;
+  if (memory.size() == 2) s.device = fill(memory[0]);
+  s.host = fill(memory.back());
+  s.disk = impl_->disk;
+  s.disk.entries = static_cast<int64_t>(impl_->disk_files.size());
+  s.disk.budget = impl_->options.disk_bytes;
+  s.corrupt = impl_->corrupt;
+  s.write_errors = impl_->write_errors;
+  return s;
+}
+
+// ================================================================================================
+// Linker
+// ================================================================================================
+
+LinkedDocuments Linker::link(const std::vector<std::shared_ptr<const DocumentKV>>& documents) const {
+  return link_batch({documents});
+}
+
+LinkedDocuments Linker::link_batch(const std::vector<std::vector<std::shared_ptr<const DocumentKV>>>& documents) const {
+  LinkedDocuments out;
+  size_t n_blocks = 0;
+  for (const auto& request : documents)
+    for (const auto& d : request) {
+      COMB_CHECK(d && !d->keys.empty(), "a linked document is empty");
+      COMB_CHECK(n_blocks == 0 || d->keys.size() == n_blocks,
+                 "linked documents come from different plug-ins ({} and {} cross blocks)", n_blocks, d->keys.size());
+      n_blocks = d->keys.size();
+    }
+  out.keys.resize(n_blocks);
+  out.values.resize(n_blocks);
+  for (const auto& request : documents) {
+    out.doc_counts.push_back(static_cast<int64_t>(request.size()));
+    for (auto d : request) {
+      if (d->keys[0].device() != device_)  // e.g. a host-tier entry for a GPU decoder: one copy
+        d = std::make_shared<const DocumentKV>(d->to(device_, d->keys[0].scalar_type()));
+      for (size_t b = 0; b < n_blocks; ++b) {
+        out.keys[b].push_back(d->keys[b]);
+        out.values[b].push_back(d->values[b]);
+      }
+      out.held.push_back(std::move(d));
+    }
+  }
+  return out;
+}
+
+}  // namespace comb
