@@ -75,17 +75,21 @@ DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype) const {
 // Plugin
 // ================================================================================================
 
+namespace {
+void check_cross_layers(const std::vector<int64_t>& layers, int64_t n_layer) {
+  COMB_CHECK(!layers.empty(), "a plug-in needs at least one encoder layer and cross block");
+  for (size_t k = 0; k < layers.size(); ++k) {
+    COMB_CHECK(layers[k] >= 0 && layers[k] < n_layer,
+               "cross block {} sits before decoder layer {}, but the base has {} layers", k, layers[k], n_layer);
+    COMB_CHECK(k == 0 || layers[k] > layers[k - 1], "cross_attention_layers must increase, found {}",
+               fmt::join(layers, ", "));
+  }
+}
+}  // namespace
+
 Plugin::Plugin(PluginConfig config, PluginWeights weights, const Decoder& base)
     : config_(std::move(config)), weights_(std::move(weights)), base_config_(base.config()) {
-  const int64_t n = config_.n_encoder_layers();
-  COMB_CHECK(n > 0, "a plug-in needs at least one encoder layer and cross block");
-  for (int64_t k = 0; k < n; ++k) {
-    int64_t l = config_.cross_layers[k];
-    COMB_CHECK(l >= 0 && l < base_config_.n_layer, "cross block {} sits before decoder layer {}, but the base has {} layers",
-               k, l, base_config_.n_layer);
-    COMB_CHECK(k == 0 || l > config_.cross_layers[k - 1], "cross_attention_layers must increase, found {}",
-               fmt::join(config_.cross_layers, ", "));
-  }
+  check_cross_layers(config_.cross_layers, base_config_.n_layer);
   if (config_.max_document_tokens <= 0) config_.max_document_tokens = base_config_.n_ctx;
   refresh_fingerprint();
 }
@@ -119,6 +123,7 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
                "--encoder-layers must be in [1, {}] for this base, found {}", c.n_layer, o.n_encoder_layers);
     for (int64_t k = 0; k < o.n_encoder_layers; ++k) config.cross_layers.push_back((k + 1) * c.n_layer / o.n_encoder_layers - 1);
   }
+  check_cross_layers(config.cross_layers, c.n_layer);
   config.max_document_tokens = c.n_ctx;
   config.base_fingerprint = base_fingerprint(base);
   auto gen = at::detail::createCPUGenerator(o.seed);
@@ -182,6 +187,7 @@ std::vector<std::pair<std::string, at::Tensor>> Plugin::named_tensors() const {
 
 Plugin Plugin::from_checkpoint(const TensorSource& source, const PluginConfig& config, const Decoder& base) {
   const auto& c = base.config();
+  check_cross_layers(config.cross_layers, c.n_layer);
   WeightReader r(source, base.dtype(), base.device());
   PluginWeights w;
   w.tok_embd = r.get("chunk_model.embed_tokens.weight", {c.n_vocab, c.n_embd}, /*required=*/false);

@@ -1,0 +1,327 @@
+// The COMB plug-in: identity when off or fresh, order invariance, caches equal fresh encodings,
+// checkpoints, the custom op, and bad input.
+#include <catch2/catch.hpp>
+#include <algorithm>
+#include <filesystem>
+
+#include "helpers.hpp"
+
+using namespace comb;
+using namespace comb::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+const Model& tiny_model() {
+  static const Model model = Model::load(oracle_dir() + "/tiny-llama");
+  return model;
+}
+
+// A plug-in with random weights and open gates, so that documents change the output.
+std::shared_ptr<Plugin> random_plugin(const Decoder& base, int64_t n_layers = 2, uint64_t seed = 1) {
+  PluginInitOptions init;
+  init.n_encoder_layers = n_layers;
+  init.copy_decoder_layers = false;
+  init.seed = seed;
+  init.init_std = 0.1;
+  auto plugin = std::make_shared<Plugin>(Plugin::fresh(base, init));
+  for (auto& block : plugin->mutable_weights().cross) {
+    block.attn_gate.fill_(0.7);
+    block.mlp_gate.fill_(-0.4);
+  }
+  plugin->refresh_fingerprint();
+  return plugin;
+}
+
+std::vector<std::vector<int32_t>> sample_documents(int64_t n, int64_t len, uint64_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<int32_t>> docs(n);
+  for (auto& d : docs) {
+    d.resize(len + rng() % 7);
+    for (auto& t : d) t = 1000 + rng() % 40000;
+  }
+  return docs;
+}
+
+at::Tensor logits_with(const Model& model, const at::Tensor& ids, const LinkedDocuments* docs) {
+  KVCache cache = model.decoder().make_cache(ids.size(0), ids.size(1));
+  return model.forward(ids, cache, docs, LogitsMode::all);
+}
+
+at::Tensor prompt_ids(int64_t n, uint64_t seed = 5) {
+  return at::randint(1000, 40000, {1, n}, at::detail::createCPUGenerator(seed), at::kLong);
+}
+
+}  // namespace
+
+TEST_CASE("documents off: the model with a plug-in is bit-identical to the bare decoder", "[plugin]") {
+  c10::InferenceMode guard;
+  const Model& bare = default_model();
+  Model with = Model::load(model_path());
+  with.set_plugin(random_plugin(with.decoder(), 2));
+  SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
+  at::Tensor ids = ref.load("p3.ids", at::kLong).unsqueeze(0);
+  CHECK(logits_with(with, ids, nullptr).equal(logits_with(bare, ids, nullptr)));
+  LinkedDocuments none;
+  CHECK(logits_with(with, ids, &none).equal(logits_with(bare, ids, nullptr)));
+  GenerateOptions options;
+  options.max_tokens = 24;
+  auto prompt = bare.chat_prompt("Name three colors.");
+  CHECK(with.generate(prompt, options).tokens == bare.generate(prompt, options).tokens);
+}
+
+TEST_CASE("a fresh plug-in (gates 0) with documents equals the decoder without documents", "[plugin]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  PluginInitOptions init;
+  init.n_encoder_layers = 2;
+  model.set_plugin(std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init)));
+  std::vector<std::shared_ptr<const DocumentKV>> docs;
+  for (const auto& d : sample_documents(3, 20, 1)) docs.push_back(model.document(d));
+  LinkedDocuments linked = Linker(c10::kCPU).link(docs);
+  at::Tensor ids = prompt_ids(40);
+  CHECK(logits_with(model, ids, &linked).equal(logits_with(tiny_model(), ids, nullptr)));
+}
+
+TEST_CASE("document order does not matter (random plug-in, open gates)", "[plugin]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  model.set_plugin(random_plugin(model.decoder()));
+  auto tokens = sample_documents(4, 25, 2);
+  std::vector<std::shared_ptr<const DocumentKV>> docs;
+  for (const auto& d : tokens) docs.push_back(model.document(d));
+  at::Tensor ids = prompt_ids(30);
+  Linker linker(c10::kCPU);
+  LinkedDocuments base_link = linker.link(docs);
+  at::Tensor want = logits_with(model, ids, &base_link);
+  CHECK_FALSE(want.equal(logits_with(tiny_model(), ids, nullptr)));  // the documents matter
+  std::vector<int> order{0, 1, 2, 3};
+  int permutations = 0;
+  double worst = 0;
+  do {
+    std::vector<std::shared_ptr<const DocumentKV>> permuted;
+    for (int i : order) permuted.push_back(docs[i]);
+    LinkedDocuments linked = linker.link(permuted);
+    worst = std::max(worst, (logits_with(model, ids, &linked) - want).abs().max().item<double>());
+    ++permutations;
+  } while (std::next_permutation(order.begin(), order.end()));
+  CHECK(permutations == 24);
+  INFO("worst |diff| over permutations " << worst);
+  CHECK(worst <= 1e-5);
+}
+
+TEST_CASE("linked caches from every tier equal fresh encodings", "[plugin][store]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  model.set_plugin(random_plugin(model.decoder()));
+  auto tokens = sample_documents(3, 30, 3);
+  at::Tensor ids = prompt_ids(25);
+  std::vector<std::shared_ptr<const DocumentKV>> fresh;
+  for (const auto& d : tokens) fresh.push_back(model.document(d));
+  LinkedDocuments fresh_link = Linker(c10::kCPU).link(fresh);
+  at::Tensor want = logits_with(model, ids, &fresh_link);
+
+  std::string dir = temp_dir("tiers");
+  StoreOptions options;
+  options.disk_dir = dir;
+  options.disk_bytes = 64 << 20;
+  {
+    PICacheStore store(options);
+    std::vector<std::shared_ptr<const DocumentKV>> first, second;
+    for (const auto& d : tokens) first.push_back(model.document(d, &store));  // encodes, puts
+    for (const auto& d : tokens) second.push_back(model.document(d, &store));  // host-tier hits
+    CHECK(store.stats().host.hits == 3);
+    LinkedDocuments a = Linker(c10::kCPU).link(first), b = Linker(c10::kCPU).link(second);
+    CHECK(logits_with(model, ids, &a).equal(want));
+    CHECK(logits_with(model, ids, &b).equal(want));
+  }
+  {
+    PICacheStore reopened(options);  // a new store over the same directory: disk-tier hits
+    std::vector<std::shared_ptr<const DocumentKV>> from_disk;
+    for (const auto& d : tokens) from_disk.push_back(model.document(d, &reopened));
+    CHECK(reopened.stats().disk.hits == 3);
+    LinkedDocuments c = Linker(c10::kCPU).link(from_disk);
+    CHECK(logits_with(model, ids, &c).equal(want));
+  }
+  {
+    StoreOptions bf16 = options;
+    bf16.dtype = at::kBFloat16;
+    bf16.disk_dir = temp_dir("tiers-bf16");
+    PICacheStore store(bf16);
+    std::vector<std::shared_ptr<const DocumentKV>> stored;
+    for (const auto& d : tokens) stored.push_back(model.document(d, &store));
+    CHECK(stored[0]->keys[0].scalar_type() == at::kBFloat16);
+    LinkedDocuments l = Linker(c10::kCPU).link(stored);
+    CHECK((logits_with(model, ids, &l) - want).abs().max().item<double>() < 5e-2);
+  }
+}
+
+TEST_CASE("a batch of requests with different document sets equals each alone", "[plugin]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  model.set_plugin(random_plugin(model.decoder()));
+  auto tokens = sample_documents(3, 12, 4);
+  std::vector<std::shared_ptr<const DocumentKV>> docs;
+  for (const auto& d : tokens) docs.push_back(model.document(d));
+  at::Tensor a = prompt_ids(16, 1), b = prompt_ids(16, 2);
+  Linker linker(c10::kCPU);
+  LinkedDocuments batch = linker.link_batch({{docs[0], docs[2]}, {docs[1]}});
+  at::Tensor both = logits_with(model, at::cat({a, b}, 0), &batch);
+  LinkedDocuments la = linker.link({docs[0], docs[2]}), lb = linker.link({docs[1]});
+  CHECK((both[0] - logits_with(model, a, &la)[0]).abs().max().item<double>() <= 1e-5);
+  CHECK((both[1] - logits_with(model, b, &lb)[0]).abs().max().item<double>() <= 1e-5);
+}
+
+TEST_CASE("plug-in files: round trip, GGUF base + plug-in equals the merged checkpoint", "[plugin][checkpoint]") {
+  c10::InferenceMode guard;
+  Model base = Model::load(model_path());
+  auto plugin = random_plugin(base.decoder(), 1, 9);
+  std::string dir = temp_dir("ckpt");
+  plugin->save(dir + "/plugin.safetensors");
+  Options options;
+  options.plugin = dir + "/plugin.safetensors";
+  Model loaded = Model::load(model_path(), options);
+  REQUIRE(loaded.plugin());
+  CHECK(loaded.plugin()->fingerprint() == plugin->fingerprint());
+  auto tokens = sample_documents(2, 15, 6);
+  at::Tensor ids = prompt_ids(12);
+  base.set_plugin(plugin);
+  std::vector<std::shared_ptr<const DocumentKV>> d1, d2;
+  for (const auto& d : tokens) d1.push_back(base.document(d)), d2.push_back(loaded.document(d));
+  LinkedDocuments l1 = Linker(c10::kCPU).link(d1), l2 = Linker(c10::kCPU).link(d2);
+  at::Tensor want = logits_with(base, ids, &l1);
+  CHECK(logits_with(loaded, ids, &l2).equal(want));
+
+  loaded.save(dir + "/merged");  // reference layout: combllama config, language_model.* + chunk_model.*
+  auto config = nlohmann::json::parse(read_bytes(dir + "/merged/config.json"));
+  CHECK(config["model_type"] == "combllama");
+  CHECK(config["num_hidden_layers"] == 31);
+  Model merged = Model::load(dir + "/merged");
+  REQUIRE(merged.plugin());
+  std::vector<std::shared_ptr<const DocumentKV>> d3;
+  for (const auto& d : tokens) d3.push_back(merged.document(d));
+  LinkedDocuments l3 = Linker(c10::kCPU).link(d3);
+  CHECK(logits_with(merged, ids, &l3).equal(want));
+  CHECK(merged.chat_prompt("hi") == base.chat_prompt("hi"));  // the tokenizer came along
+}
+
+TEST_CASE("bad plug-ins and documents get clear errors", "[plugin][errors]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  std::string dir = temp_dir("badplugin");
+  // A plug-in built for another base.
+  random_plugin(default_model().decoder(), 1)->save(dir + "/other.safetensors");
+  CHECK_THROWS_WITH(Plugin::load(dir + "/other.safetensors", model.decoder()),
+                    Catch::Contains("built for another base decoder"));
+  // Shapes that do not fit the base (same fingerprint, wrong tensors).
+  auto plugin = random_plugin(model.decoder(), 2);
+  auto named = plugin->named_tensors();
+  for (auto& [name, t] : named)
+    if (name == "chunk_model.k_proj.1.weight") t = at::zeros({7, 64});
+  save_safetensors(dir + "/shapes.safetensors", named,
+                   {{"comb.plugin", plugin->config().to_json().dump()}});
+  CHECK_THROWS_WITH(Plugin::load(dir + "/shapes.safetensors", model.decoder()),
+                    Catch::Contains("'chunk_model.k_proj.1.weight' has shape [7, 64], expected [32, 64]"));
+  save_safetensors(dir + "/plain.safetensors", {{"w", at::ones({2})}});
+  CHECK_THROWS_WITH(Plugin::load(dir + "/plain.safetensors", model.decoder()), Catch::Contains("not a comb plug-in"));
+  CHECK_THROWS_WITH(model.document({1, 2, 3}), Catch::Contains("need a plug-in"));
+
+  model.set_plugin(plugin);
+  CHECK_THROWS_WITH(model.document({}), Catch::Contains("empty"));
+  std::vector<int32_t> too_long(plugin->config().max_document_tokens + 1, 1000);
+  CHECK_THROWS_WITH(model.document(too_long), Catch::Contains("at most 1024"));
+  CHECK_THROWS_WITH(model.document({1, -5}), Catch::Contains("outside the vocabulary"));
+  PluginInitOptions init;
+  init.cross_layers = {2, 1};
+  CHECK_THROWS_WITH(Plugin::fresh(model.decoder(), init), Catch::Contains("must increase"));
+  init.cross_layers = {0, 9};
+  CHECK_THROWS_WITH(Plugin::fresh(model.decoder(), init), Catch::Contains("the base has 3 layers"));
+}
+
+// ---- The custom op -------------------------------------------------------------------------------
+
+namespace {
+// SDPA over the concatenated documents of each request, heads repeated: the plain reference.
+at::Tensor reference_cross_attention(const at::Tensor& q, const std::vector<at::Tensor>& keys,
+                                     const std::vector<at::Tensor>& values, const std::vector<int64_t>& counts,
+                                     double scale) {
+  std::vector<at::Tensor> out;
+  size_t d = 0;
+  for (size_t b = 0; b < counts.size(); ++b) {
+    at::Tensor qb = q[b].transpose(0, 1).to(at::kFloat);  // [n_head, n, hd]
+    if (counts[b] == 0) {
+      out.push_back(at::zeros_like(q[b]).to(at::kFloat));
+      continue;
+    }
+    std::vector<at::Tensor> ks(keys.begin() + d, keys.begin() + d + counts[b]),
+        vs(values.begin() + d, values.begin() + d + counts[b]);
+    d += counts[b];
+    at::Tensor k = at::cat(ks, 1).to(at::kFloat), v = at::cat(vs, 1).to(at::kFloat);
+    int64_t group = q.size(2) / k.size(0);
+    k = k.repeat_interleave(group, 0);
+    v = v.repeat_interleave(group, 0);
+    out.push_back(at::scaled_dot_product_attention(qb, k, v, {}, 0.0, false, scale).transpose(0, 1));
+  }
+  return at::stack(out, 0);
+}
+}  // namespace
+
+TEST_CASE("comb::cross_attention equals SDPA over concatenated K/V", "[ops]") {
+  c10::InferenceMode guard;
+  std::vector<c10::Device> devices{c10::kCPU};
+  if (at::hasCUDA()) devices.emplace_back(c10::kCUDA);
+  else WARN("no CUDA device: the CUDA op is not checked here");
+  auto gen = at::detail::createCPUGenerator(11);
+  int cases = 0;
+  for (auto device : devices)
+    for (auto [n_head, n_kv] : {std::pair{9, 3}, std::pair{4, 4}, std::pair{6, 1}})
+      for (int64_t hd : {16, 19, 64})
+        for (int64_t n : {1, 7})
+          for (const std::vector<int64_t>& counts : std::vector<std::vector<int64_t>>{{1}, {3}, {2, 0, 1}}) {
+            int64_t total = 0;
+            for (auto c : counts) total += c;
+            std::vector<int64_t> lens{1, 3, 7, 19, 733, 5};
+            std::vector<at::Tensor> keys, values;
+            for (int64_t i = 0; i < total; ++i) {
+              keys.push_back(at::randn({n_kv, lens[i % lens.size()], hd}, gen).to(device));
+              values.push_back(at::randn({n_kv, lens[i % lens.size()], hd}, gen).to(device));
+            }
+            at::Tensor q = at::randn({static_cast<int64_t>(counts.size()), n, n_head, hd}, gen).to(device);
+            double scale = 1.0 / std::sqrt(double(hd));
+            at::Tensor got = ops::cross_attention(q, keys, values, counts, scale).cpu();
+            std::vector<at::Tensor> kc, vc;
+            for (auto& t : keys) kc.push_back(t.cpu());
+            for (auto& t : values) vc.push_back(t.cpu());
+            at::Tensor want = reference_cross_attention(q.cpu(), kc, vc, counts, scale);
+            INFO("heads " << n_head << "/" << n_kv << ", head_dim " << hd << ", n " << n << ", docs " << total);
+            REQUIRE((got - want).abs().max().item<double>() <= 1e-5);
+            ++cases;
+          }
+  CHECK(cases >= 54);
+  // Half-precision documents, float queries.
+  std::vector<at::Tensor> keys{at::randn({3, 11, 16}, gen).to(at::kBFloat16)}, values{at::randn({3, 11, 16}, gen).to(at::kBFloat16)};
+  at::Tensor q = at::randn({1, 2, 6, 16}, gen);
+  at::Tensor got = ops::cross_attention(q, keys, values, {1}, 0.25);
+  at::Tensor want = reference_cross_attention(q, keys, values, {1}, 0.25);
+  CHECK((got - want).abs().max().item<double>() <= 1e-4);
+  CHECK_THROWS_WITH(ops::cross_attention(q, keys, values, {2}, 0.25), Catch::Contains("add up to 2"));
+}
+
+// ---- Memory -----------------------------------------------------------------------------------------
+
+TEST_CASE("bytes per cached document token are L_E/L of the decoder's KV", "[plugin][memory]") {
+  c10::InferenceMode guard;
+  const Model& model = default_model();
+  const auto& c = model.config();
+  PluginInitOptions init;
+  init.n_encoder_layers = 4;
+  Plugin plugin = Plugin::fresh(model.decoder(), init);
+  std::vector<int32_t> doc(100, 1500);
+  DocumentKV kv = plugin.encode(model.decoder(), doc);
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    double comb_per_token = double(kv.to(c10::kCPU, dtype).bytes()) / doc.size();
+    double decoder_per_token = 2.0 * c.n_layer * c.kv_dim() * c10::elementSize(dtype);
+    INFO(c10::toString(dtype) << ": " << comb_per_token << " vs " << decoder_per_token << " bytes per token");
+    CHECK(comb_per_token / decoder_per_token <= double(init.n_encoder_layers) / c.n_layer + 1e-12);
+  }
+}

@@ -1,0 +1,192 @@
+// PICacheStore: keys, LRU eviction, budgets, pinning, persistence, corruption, concurrency.
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+#include <unistd.h>
+
+#include "helpers.hpp"
+
+using namespace comb;
+using namespace comb::test;
+namespace fs = std::filesystem;
+
+namespace {
+// An entry whose every value is `tag`: 2 blocks of [1 kv head, len, 4].
+DocumentKV entry(float tag, int64_t len = 8) {
+  DocumentKV kv;
+  kv.n_tokens = len;
+  for (int b = 0; b < 2; ++b) {
+    kv.keys.push_back(at::full({1, len, 4}, tag));
+    kv.values.push_back(at::full({1, len, 4}, -tag));
+  }
+  return kv;
+}
+CacheKey key_of(int i) { return PICacheStore::key({i, i + 1, i + 2}, "plugin-a"); }
+bool holds(const std::shared_ptr<const DocumentKV>& kv, float tag) {
+  return kv && kv->keys[1].eq(tag).all().item<bool>() && kv->values[0].eq(-tag).all().item<bool>();
+}
+const int64_t kEntryBytes = entry(0).bytes();  // 2 blocks x 2 x 8 x 4 floats = 512 bytes
+}  // namespace
+
+TEST_CASE("cache keys separate documents, plug-ins and tenants", "[store]") {
+  CacheKey a = PICacheStore::key({1, 2, 3}, "p1"), b = PICacheStore::key({1, 2, 3}, "p1");
+  CHECK(a == b);
+  CHECK_FALSE(a == PICacheStore::key({1, 2, 4}, "p1"));
+  CHECK_FALSE(a == PICacheStore::key({1, 2, 3}, "p2"));
+  CHECK_FALSE(a == PICacheStore::key({1, 2, 3}, "p1", "tenant-b"));
+  CHECK(CacheKey::from_hex(a.hex()) == a);
+  CHECK_THROWS_WITH(CacheKey::from_hex("xyz"), Catch::Contains("not a cache key"));
+}
+
+TEST_CASE("host tier evicts the least recently used unpinned entry", "[store]") {
+  StoreOptions options;
+  options.host_bytes = 2 * kEntryBytes;
+  PICacheStore store(options);
+  store.put(key_of(1), entry(1));
+  store.put(key_of(2), entry(2));
+  CHECK(holds(store.get(key_of(1)), 1));  // 1 is now the most recent
+  store.put(key_of(3), entry(3));         // evicts 2
+  CHECK(store.get(key_of(2)) == nullptr);
+  CHECK(holds(store.get(key_of(1)), 1));
+  CHECK(holds(store.get(key_of(3)), 3));
+  auto s = store.stats();
+  CHECK(s.host.evictions == 1);
+  CHECK(s.host.entries == 2);
+  CHECK(s.host.bytes == 2 * kEntryBytes);
+
+  SECTION("pinned entries stay") {
+    CHECK(store.pin(key_of(1)));
+    CHECK(store.pin(key_of(3)));
+    store.put(key_of(4), entry(4));  // no room and nothing to evict: not kept
+    CHECK(store.get(key_of(4)) == nullptr);
+    CHECK(holds(store.get(key_of(1)), 1));
+    store.unpin(key_of(1));
+    store.put(key_of(5), entry(5));
+    CHECK(store.get(key_of(1)) == nullptr);
+    CHECK(holds(store.get(key_of(3)), 3));
+    CHECK_FALSE(store.pin(key_of(42)));
+  }
+  SECTION("an entry still in use survives its eviction") {
+    auto held = store.get(key_of(1));
+    store.put(key_of(4), entry(4));
+    store.put(key_of(5), entry(5));
+    CHECK(store.get(key_of(1)) == nullptr);
+    CHECK(holds(held, 1));
+  }
+}
+
+TEST_CASE("budgets are never exceeded", "[store]") {
+  std::string dir = temp_dir("budget");
+  StoreOptions options;
+  options.host_bytes = 5 * kEntryBytes + 100;
+  options.disk_bytes = 7 * (kEntryBytes + 72) + 10;
+  options.disk_dir = dir;
+  PICacheStore store(options);
+  std::mt19937 rng(3);
+  for (int i = 0; i < 400; ++i) {
+    int k = rng() % 30;
+    if (rng() % 2) store.put(key_of(k), entry(k, 4 + k % 8));
+    else if (auto kv = store.get(key_of(k))) REQUIRE(holds(kv, k));
+    auto s = store.stats();
+    REQUIRE(s.host.bytes <= options.host_bytes);
+    REQUIRE(s.disk.bytes <= options.disk_bytes);
+  }
+  int64_t on_disk = 0;
+  for (const auto& e : fs::directory_iterator(dir)) on_disk += e.file_size();
+  CHECK(on_disk <= options.disk_bytes);
+  CHECK(on_disk == store.stats().disk.bytes);
+  CHECK(store.stats().disk.evictions > 0);
+}
+
+TEST_CASE("the disk tier persists across stores and drops corrupt entries", "[store]") {
+  std::string dir = temp_dir("disk");
+  StoreOptions options;
+  options.host_bytes = 0;  // disk only
+  options.disk_bytes = 1 << 20;
+  options.disk_dir = dir;
+  {
+    PICacheStore store(options);
+    for (int i = 0; i < 4; ++i) store.put(key_of(i), entry(i));
+  }
+  PICacheStore store(options);
+  CHECK(store.stats().disk.entries == 4);
+  CHECK(holds(store.get(key_of(0)), 0));
+
+  auto path = [&](int i) { return dir + "/" + key_of(i).hex() + ".kv"; };
+  std::string bytes = read_bytes(path(1));
+  bytes[bytes.size() - 5] ^= 0x10;  // a flipped bit in the payload
+  write_bytes(path(1), bytes);
+  CHECK(store.get(key_of(1)) == nullptr);
+  CHECK(store.stats().corrupt == 1);
+  CHECK_FALSE(fs::exists(path(1)));
+  store.put(key_of(1), entry(1));  // recomputed and stored again
+  CHECK(holds(store.get(key_of(1)), 1));
+
+  bytes = read_bytes(path(2));
+  write_bytes(path(2), bytes.substr(0, bytes.size() - 16));  // truncated
+  CHECK(store.get(key_of(2)) == nullptr);
+  bytes = read_bytes(path(3));
+  bytes[20] ^= 0x01;  // header damage
+  write_bytes(path(3), bytes);
+  CHECK(store.get(key_of(3)) == nullptr);
+  CHECK(store.stats().corrupt == 3);
+  CHECK(holds(store.get(key_of(0)), 0));  // the rest is still fine
+}
+
+TEST_CASE("a cache directory that cannot be written is a clear error; the store stays usable", "[store][errors]") {
+  std::string dir = temp_dir("nowrite");
+  write_bytes(dir + "/file", "x");
+  StoreOptions options;
+  options.disk_bytes = 1 << 20;
+  options.disk_dir = dir + "/file/cache";
+  CHECK_THROWS_WITH(PICacheStore(options), Catch::Contains("cache directory") && Catch::Contains("file/cache"));
+  if (::geteuid() != 0) {
+    fs::create_directories(dir + "/ro");
+    fs::permissions(dir + "/ro", fs::perms::owner_read | fs::perms::owner_exec);
+    options.disk_dir = dir + "/ro";
+    CHECK_THROWS_WITH(PICacheStore(options), Catch::Contains("not writable"));
+  }
+  // The directory disappears under a running store: writes fail, memory keeps working.
+  options.disk_dir = dir + "/gone";
+  PICacheStore store(options);
+  fs::remove_all(dir + "/gone");
+  write_bytes(dir + "/gone", "now a file");
+  store.put(key_of(1), entry(1));
+  CHECK(store.stats().write_errors == 1);
+  CHECK(holds(store.get(key_of(1)), 1));
+  options.dtype = at::kDouble;
+  CHECK_THROWS_WITH(PICacheStore(options), Catch::Contains("float32, bfloat16 or float16"));
+}
+
+TEST_CASE("concurrent get and put from several threads", "[store][threads]") {
+  std::string dir = temp_dir("threads");
+  StoreOptions options;
+  options.host_bytes = 6 * kEntryBytes;
+  options.disk_bytes = 10 * (kEntryBytes + 72);
+  options.disk_dir = dir;
+  PICacheStore store(options);
+  std::atomic<int> wrong{0}, hits{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t)
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int i = 0; i < 300; ++i) {
+        int k = rng() % 16;
+        if (rng() % 3 == 0) {
+          store.put(key_of(k), entry(k));
+        } else if (auto kv = store.get(key_of(k))) {
+          ++hits;
+          if (!holds(kv, k)) ++wrong;
+        }
+        if (rng() % 50 == 0) store.pin(key_of(k)), store.unpin(key_of(k));
+      }
+    });
+  for (auto& th : threads) th.join();
+  CHECK(wrong == 0);
+  CHECK(hits > 0);
+  auto s = store.stats();
+  CHECK(s.host.bytes <= options.host_bytes);
+  CHECK(s.disk.bytes <= options.disk_bytes);
+  CHECK(s.corrupt == 0);
+}
