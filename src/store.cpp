@@ -17,6 +17,21 @@ namespace fs = std::filesystem;
 
 namespace comb {
 
+int64_t DocumentKV::bytes() const {
+  int64_t n = 0;
+  for (const auto& t : keys) n += t.numel() * t.element_size();
+  for (const auto& t : values) n += t.numel() * t.element_size();
+  return n;
+}
+
+DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype) const {
+  DocumentKV out;
+  out.n_tokens = n_tokens;
+  for (const auto& t : keys) out.keys.push_back(t.to(device, dtype).contiguous());
+  for (const auto& t : values) out.values.push_back(t.to(device, dtype).contiguous());
+  return out;
+}
+
 std::string CacheKey::hex() const { return fmt::format("{:016x}{:016x}", high, low); }
 
 CacheKey CacheKey::from_hex(const std::string& hex) {
