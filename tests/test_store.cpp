@@ -190,3 +190,23 @@ TEST_CASE("concurrent get and put from several threads", "[store][threads]") {
   CHECK(s.disk.bytes <= options.disk_bytes);
   CHECK(s.corrupt == 0);
 }
+
+TEST_CASE("the device tier demotes to host memory and promotes back (CUDA)", "[store][cuda]") {
+  if (!at::hasCUDA()) {
+    WARN("no CUDA device: the device tier is not checked here");
+    return;
+  }
+  StoreOptions options;
+  options.device = c10::Device(c10::kCUDA, 0);
+  options.device_bytes = 2 * kEntryBytes;
+  options.host_bytes = 4 * kEntryBytes;
+  PICacheStore store(options);
+  for (int i = 0; i < 3; ++i) store.put(key_of(i), entry(i));
+  auto s = store.stats();
+  CHECK(s.device.entries == 2);
+  CHECK(s.host.entries == 1);  // the least recently used went down a tier
+  auto kv = store.get(key_of(0));
+  REQUIRE(kv);
+  CHECK(kv->keys[0].is_cuda());
+  CHECK(holds(std::make_shared<const DocumentKV>(kv->to(c10::kCPU, at::kFloat)), 0));
+}

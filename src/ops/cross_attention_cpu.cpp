@@ -10,43 +10,15 @@
 
 #include "comb/error.hpp"
 #include "comb/ops.hpp"
+#include "checks.hpp"
 
 namespace comb::ops {
 
 namespace {
 
-void check_inputs(const at::Tensor& q, at::TensorList keys, at::TensorList values, c10::IntArrayRef doc_counts) {
-  COMB_CHECK(q.dim() == 4, "cross_attention: q should be [batch, n, n_head, head_dim], found {} dims", q.dim());
-  COMB_CHECK(static_cast<int64_t>(doc_counts.size()) == q.size(0),
-             "cross_attention: {} document counts for a batch of {}", doc_counts.size(), q.size(0));
-  COMB_CHECK(keys.size() == values.size(), "cross_attention: {} key tensors but {} value tensors", keys.size(),
-             values.size());
-  int64_t total = 0;
-  for (int64_t c : doc_counts) {
-    COMB_CHECK(c >= 0, "cross_attention: negative document count {}", c);
-    total += c;
-  }
-  COMB_CHECK(total == static_cast<int64_t>(keys.size()), "cross_attention: document counts add up to {}, but {} given",
-             total, keys.size());
-  const int64_t head_dim = q.size(3);
-  for (size_t d = 0; d < keys.size(); ++d) {
-    const auto& k = keys[d];
-    const auto& v = values[d];
-    COMB_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(2) == head_dim && k.size(1) > 0,
-               "cross_attention: document {} keys {} and values {} should both be [n_head_kv, len>0, {}]", d,
-               fmt::join(k.sizes(), "x"), fmt::join(v.sizes(), "x"), head_dim);
-    COMB_CHECK(q.size(2) % k.size(0) == 0, "cross_attention: {} query heads are not a multiple of {} kv heads",
-               q.size(2), k.size(0));
-    COMB_CHECK(k.scalar_type() == keys[0].scalar_type() && v.scalar_type() == keys[0].scalar_type(),
-               "cross_attention: documents must share one dtype");
-    COMB_CHECK(k.device() == q.device() && v.device() == q.device(),
-               "cross_attention: document {} is on {}, the queries on {}", d, k.device().str(), q.device().str());
-  }
-}
-
 at::Tensor cross_attention_cpu(const at::Tensor& q_in, at::TensorList keys_in, at::TensorList values_in,
                                c10::IntArrayRef doc_counts, double scale) {
-  check_inputs(q_in, keys_in, values_in, doc_counts);
+  detail::check_cross_attention(q_in, keys_in, values_in, doc_counts);
   const int64_t batch = q_in.size(0), n = q_in.size(1), n_head = q_in.size(2), hd = q_in.size(3);
   at::Tensor q = q_in.to(at::kFloat).contiguous();
   at::Tensor out = at::zeros({batch, n, n_head, hd}, q.options());
