@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -25,6 +26,7 @@ constexpr const char* kUsage = R"(usage: comb <command> [options]
 commands:
   generate      answer a prompt with a model (with documents: through the COMB plug-in)
   plugin init   write a fresh plug-in for a model
+  plugin memory bytes per cached document token, COMB against the decoder's KV cache
   bench         measure prefill and decode throughput
   version       print the version
 
@@ -217,8 +219,44 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
+// Bytes per cached document token against the decoder's own KV cache, measured on a document.
+int cmd_plugin_memory(Args& args) {
+  comb::Model model = load_model(args);
+  int64_t n_encoder = args.num<int64_t>("encoder-layers", 4);
+  args.check_all_used();
+  std::optional<comb::Plugin> fresh;  // without --plugin: a fresh one with --encoder-layers
+  const comb::Plugin* plugin = model.plugin();
+  if (!plugin) {
+    comb::PluginInitOptions init;
+    init.n_encoder_layers = n_encoder;
+    plugin = &fresh.emplace(comb::Plugin::fresh(model.decoder(), init));
+  }
+  c10::InferenceMode guard;
+  const auto& c = model.config();
+  std::vector<int32_t> doc = model.tokenizer().encode(std::string(2000, 'a') + " the end", false);
+  comb::DocumentKV kv = plugin->encode(model.decoder(), doc);
+  comb::KVCache full = model.decoder().make_cache(1, static_cast<int64_t>(doc.size()));
+  fmt::print("| dtype | decoder KV bytes/token | COMB bytes/token | ratio | L_E/L |\n|---|---:|---:|---:|---:|\n");
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    double comb_bytes = double(kv.to(c10::kCPU, dtype).bytes()) / doc.size();
+    double decoder_bytes = 0;
+    for (int64_t l = 0; l < c.n_layer; ++l)
+      decoder_bytes += double(full.keys(l).numel() + full.values(l).numel()) * c10::elementSize(dtype);
+    decoder_bytes /= doc.size();
+    fmt::print("| {} | {:.0f} | {:.0f} | {:.4f} | {}/{} = {:.4f} |\n", c10::toString(dtype), decoder_bytes, comb_bytes,
+               comb_bytes / decoder_bytes, plugin->config().n_encoder_layers(), c.n_layer,
+               double(plugin->config().n_encoder_layers()) / c.n_layer);
+  }
+  return 0;
+}
+
 int cmd_plugin(int argc, char** argv) {
-  if (argc < 3 || std::string(argv[2]) != "init") throw Error("usage: comb plugin init --out FILE [options]");
+  if (argc >= 3 && std::string(argv[2]) == "memory") {
+    Args args(argc, argv, 3, {});
+    return cmd_plugin_memory(args);
+  }
+  if (argc < 3 || std::string(argv[2]) != "init")
+    throw Error("usage: comb plugin init --out FILE [options] | comb plugin memory [--plugin FILE | --encoder-layers N]");
   Args args(argc, argv, 3, {"random-init"});
   std::string out = args.str("out");
   if (out.empty()) throw Error("plugin init needs --out FILE");
