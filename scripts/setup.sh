@@ -11,7 +11,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 
 # ---- Debian packages ------------------------------------------------------------------------
 apt_pkgs=(cmake ninja-build ccache g++ python3-venv libeigen3-dev libxxhash-dev catch2 libfmt-dev
-          nlohmann-json3-dev libpcre2-dev)
+          nlohmann-json3-dev libpcre2-dev zlib1g-dev)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

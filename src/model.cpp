@@ -386,6 +386,18 @@ void KVCache::advance(int64_t n) {
   length_ += n;
 }
 
+void KVCache::set_length(int64_t n) {
+  COMB_CHECK(n >= 0 && n <= capacity_, "KV cache: length {} outside [0, {}]", n, capacity_);
+  length_ = n;
+}
+
+void KVCache::write(int64_t layer, int64_t pos, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t n = k.size(2);
+  COMB_CHECK(pos >= 0 && pos + n <= capacity_, "KV cache: writing [{}, {}) past capacity {}", pos, pos + n, capacity_);
+  k_[layer].narrow(2, pos, n).copy_(k);
+  v_[layer].narrow(2, pos, n).copy_(v);
+}
+
 void KVCache::truncate(int64_t n) {
   COMB_CHECK(n >= 0 && n <= length_, "KV cache: cannot truncate to {} (length {})", n, length_);
   length_ = n;
@@ -516,6 +528,40 @@ at::Tensor Decoder::feed_forward(int64_t i, const at::Tensor& x) const {
   at::Tensor gate_up = at::linear(x, weights_.layers[i].w_gate_up);  // [batch, n, 2 n_ff]
   auto parts = gate_up.chunk(2, -1);
   return at::linear(at::silu(parts[0]) * parts[1], weights_.layers[i].w_down);
+}
+
+at::Tensor Decoder::keys_at(int64_t i, const at::Tensor& x, const at::Tensor& positions) const {
+  const auto& c = config_;
+  const int64_t m = x.size(1);
+  at::Tensor qkv = at::linear(rms_norm(x, weights_.layers[i].attn_norm), weights_.layers[i].wqkv);
+  at::Tensor k = qkv.narrow(-1, c.q_dim(), c.kv_dim()).view({1, m, c.n_head_kv, c.head_dim}).transpose(1, 2);
+  at::Tensor pos = positions.to(device_, at::kLong);
+  return apply_rope(k, rope_cos_.index_select(0, pos), rope_sin_.index_select(0, pos));
+}
+
+at::Tensor Decoder::layer_at(int64_t i, const at::Tensor& x, const at::Tensor& positions, KVCache& cache,
+                             int64_t n_keys) const {
+  const auto& c = config_;
+  const auto& w = weights_.layers[i];
+  const int64_t m = x.size(1);
+  COMB_CHECK(x.size(0) == 1 && positions.numel() == m, "layer_at takes one sequence: x [1, {}], {} positions", m,
+             positions.numel());
+  COMB_CHECK(n_keys <= cache.capacity(), "layer_at: {} keys past the cache capacity {}", n_keys, cache.capacity());
+  at::Tensor pos = positions.to(device_, at::kLong);
+  at::Tensor qkv = at::linear(rms_norm(x, w.attn_norm), w.wqkv);
+  at::Tensor q = qkv.narrow(-1, 0, c.q_dim()).view({1, m, c.n_head, c.head_dim}).transpose(1, 2);
+  at::Tensor k = qkv.narrow(-1, c.q_dim(), c.kv_dim()).view({1, m, c.n_head_kv, c.head_dim}).transpose(1, 2);
+  at::Tensor v = qkv.narrow(-1, c.q_dim() + c.kv_dim(), c.kv_dim()).view({1, m, c.n_head_kv, c.head_dim}).transpose(1, 2);
+  at::Tensor cos = rope_cos_.index_select(0, pos), sin = rope_sin_.index_select(0, pos);
+  q = apply_rope(q, cos, sin);
+  k = apply_rope(k, cos, sin);
+  cache.keys(i).index_copy_(2, pos, k.to(cache.keys(i).scalar_type()));
+  cache.values(i).index_copy_(2, pos, v.to(cache.values(i).scalar_type()));
+  at::Tensor keys = cache.keys(i).narrow(2, 0, n_keys), values = cache.values(i).narrow(2, 0, n_keys);
+  at::Tensor mask = at::arange(n_keys, at::TensorOptions().device(device_)).unsqueeze(0) <= pos.unsqueeze(1);
+  at::Tensor attn = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, std::nullopt, true);
+  at::Tensor h = x + at::linear(attn.transpose(1, 2).reshape({1, m, c.q_dim()}), w.wo);
+  return h + feed_forward(i, rms_norm(h, w.ffn_norm));
 }
 
 at::Tensor Decoder::embed(const at::Tensor& tokens) const {
@@ -824,7 +870,6 @@ std::vector<int32_t> Model::chat_prompt(const std::string& user_message) const {
 
 GenerationResult Model::generate(const std::vector<int32_t>& prompt, const GenerateOptions& options,
                                  const LinkedDocuments* documents) const {
-  using clock = std::chrono::steady_clock;
   const auto& c = config();
   COMB_CHECK(!prompt.empty(), "the prompt is empty");
   COMB_CHECK(static_cast<int64_t>(prompt.size()) < c.n_ctx,
@@ -834,33 +879,45 @@ GenerationResult Model::generate(const std::vector<int32_t>& prompt, const Gener
   for (int32_t id : prompt)
     COMB_CHECK(id >= 0 && id < c.n_vocab, "prompt token {} is outside the vocabulary [0, {})", id, c.n_vocab);
   c10::InferenceMode guard;
+  auto started = std::chrono::steady_clock::now();
+  const int64_t n_prompt = static_cast<int64_t>(prompt.size());
+  KVCache cache = decoder_->make_cache(1, std::min<int64_t>(c.n_ctx, n_prompt + options.max_tokens));
+  at::Tensor input = at::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), at::kLong).unsqueeze(0);
+  at::Tensor logits = forward(input, cache, documents)[0][-1];
+  return decode(cache, logits, options, documents, started, n_prompt);
+}
+
+GenerationResult Model::decode(KVCache& cache, at::Tensor logits, const GenerateOptions& options,
+                               const LinkedDocuments* documents, std::chrono::steady_clock::time_point started,
+                               int64_t n_prompt) const {
+  using clock = std::chrono::steady_clock;
+  const auto& c = config();
+  c10::InferenceMode guard;
   std::vector<int32_t> stops = options.stop_tokens;
   if (auto eos = tokenizer_->eos_id()) stops.push_back(*eos);
   if (chat_template_)
     if (auto eot = tokenizer_->find_token(chat_template_->end_of_turn())) stops.push_back(*eot);
-
   GenerationResult r;
-  r.n_prompt = static_cast<int64_t>(prompt.size());
-  KVCache cache = decoder_->make_cache(1, std::min<int64_t>(c.n_ctx, r.n_prompt + options.max_tokens));
+  r.n_prompt = n_prompt;
   Sampler sampler(options.sampling);
   StreamDecoder stream(*tokenizer_);
   auto t0 = clock::now();
-  at::Tensor input = at::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), at::kLong).unsqueeze(0);
-  at::Tensor logits = forward(input, cache, documents);
   r.stop_reason = "max_tokens";
+  const int64_t limit = std::min(c.n_ctx, cache.capacity());
   for (int64_t step = 0; step < options.max_tokens; ++step) {
-    at::Tensor last = logits[0][-1];  // [n_vocab] float
-    int32_t token = sampler.sample(last);
+    int32_t token = sampler.sample(logits);
     if (step == 0) {
-      r.prefill_ms = r.ttft_ms = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
-      t0 = clock::now();
+      auto now = clock::now();
+      r.ttft_ms = std::chrono::duration<double, std::milli>(now - started).count();
+      r.prefill_ms = std::chrono::duration<double, std::milli>(now - started).count();
+      t0 = now;
     }
     if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
       r.stop_reason = "stop_token";
       break;
     }
     r.tokens.push_back(token);
-    r.logprobs.push_back(at::log_softmax(last, 0)[token].item<float>());
+    r.logprobs.push_back(at::log_softmax(logits, 0)[token].item<float>());
     std::string piece = stream.push(token);
     r.text += piece;
     if (options.on_token && !options.on_token(token, piece)) {
@@ -868,11 +925,11 @@ GenerationResult Model::generate(const std::vector<int32_t>& prompt, const Gener
       break;
     }
     if (step + 1 == options.max_tokens) break;
-    if (cache.length() >= c.n_ctx) {
+    if (cache.length() >= limit) {
       r.stop_reason = "context_full";
       break;
     }
-    logits = forward(at::full({1, 1}, static_cast<int64_t>(token), at::kLong), cache, documents);
+    logits = forward(at::full({1, 1}, static_cast<int64_t>(token), at::kLong), cache, documents)[0][-1];
   }
   std::string rest = stream.flush();
   r.text += rest;

@@ -8,6 +8,7 @@
 #include "comb/log.hpp"
 #include "comb/model.hpp"
 #include "comb/ops.hpp"
+#include "comb/pic.hpp"
 #include "comb/plugin.hpp"
 #include "comb/safetensors.hpp"
 #include "comb/sampler.hpp"

@@ -21,12 +21,17 @@ class KVCache {
   int64_t length() const { return length_; }
   int64_t capacity() const { return capacity_; }
   int64_t batch() const { return batch_; }
+  int64_t n_layers() const { return static_cast<int64_t>(k_.size()); }
   // Stores k, v [batch, n_head_kv, n, head_dim] of `layer` at positions [length, length + n) and
   // returns views of the cache over [0, length + n). The length moves on with advance().
   std::pair<at::Tensor, at::Tensor> append(int64_t layer, const at::Tensor& k, const at::Tensor& v);
   void advance(int64_t n);
   // Forgets every position from `n` on.
   void truncate(int64_t n);
+  // Declares positions [0, n) filled (by write() or layer_at()); n <= capacity.
+  void set_length(int64_t n);
+  // Writes k, v [batch, n_head_kv, n, head_dim] of `layer` at positions [pos, pos + n).
+  void write(int64_t layer, int64_t pos, const at::Tensor& k, const at::Tensor& v);
   // The whole preallocated cache of `layer`: [batch, n_head_kv, capacity, head_dim].
   const at::Tensor& keys(int64_t layer) const { return k_[layer]; }
   const at::Tensor& values(int64_t layer) const { return v_[layer]; }
@@ -74,6 +79,13 @@ class Decoder {
   at::Tensor embed(const at::Tensor& tokens) const;                                    // -> [batch, n, n_embd]
   at::Tensor layer(int64_t i, const at::Tensor& x, KVCache& cache) const;            // x: [batch, n, n_embd]
   at::Tensor logits(const at::Tensor& x, LogitsMode mode) const;                      // -> [batch, n|1, n_vocab]
+  // Layer `i` for tokens at explicit, increasing `positions` [m] (batch 1): their K/V go into
+  // `cache` at those positions, and each attends to every cached position up to its own among
+  // [0, n_keys). For recomputing chosen tokens over a cache filled by other means.
+  at::Tensor layer_at(int64_t i, const at::Tensor& x, const at::Tensor& positions, KVCache& cache,
+                      int64_t n_keys) const;  // x: [1, m, n_embd]
+  // K (after RoPE) that layer `i` would compute for x [1, m, n_embd] at `positions`: [1, n_head_kv, m, head_dim].
+  at::Tensor keys_at(int64_t i, const at::Tensor& x, const at::Tensor& positions) const;
 
   KVCache make_cache(int64_t batch, int64_t capacity) const;
   const ModelConfig& config() const { return config_; }

@@ -1,5 +1,6 @@
 #pragma once
 // comb::Model: a loaded decoder with its tokenizer and chat template, and generation.
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -76,6 +77,11 @@ class Model {
   // does not fit the context.
   GenerationResult generate(const std::vector<int32_t>& prompt, const GenerateOptions& options,
                             const LinkedDocuments* documents = nullptr) const;
+  // Decoding after a prompt already in `cache`: `logits` [n_vocab] (float) are those of the last
+  // prompt token, `started` is when the request began (time to first token counts from it).
+  GenerationResult decode(KVCache& cache, at::Tensor logits, const GenerateOptions& options,
+                          const LinkedDocuments* documents, std::chrono::steady_clock::time_point started,
+                          int64_t n_prompt) const;
   // Writes a merged checkpoint (reference COMB layout when a plug-in is set, else Llama) into `dir`.
   void save(const std::string& dir) const;
 

@@ -16,10 +16,45 @@
 
 #include "comb/comb.hpp"
 #include "comb/detail/mapped_file.hpp"
+#include "args.hpp"
+
+namespace comb::cli {
+int cmd_eval(Args& args, comb::Model& model);
+comb::Model load_model(Args& args);
+}  // namespace comb::cli
+
+namespace comb::cli {
+std::string default_model() {
+  if (const char* env = std::getenv("COMB_MODEL"); env && *env) return env;
+  return COMB_DEFAULT_MODEL;
+}
+
+comb::Model load_model(Args& args) {
+  std::string path = args.str("model", default_model());
+  if (path.empty()) throw Error("no model: pass --model FILE or set COMB_MODEL");
+  comb::Options options;
+  options.device = args.str("device", "cpu");
+  options.dtype = args.str("dtype", "float32");
+  options.threads = args.num<int>("threads", 0);
+  options.cpu_kernels = args.num<int>("cpu-kernels", 1) != 0;
+  options.plugin = args.str("plugin");
+  auto t0 = std::chrono::steady_clock::now();
+  comb::Model model = comb::Model::load(path, options);
+  double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const auto& c = model.config();
+  fmt::print(stderr, "[comb] loaded {} ({} layers, {} heads / {} kv, vocab {}) on {} {} in {:.0f} ms, {} threads\n",
+             path, c.n_layer, c.n_head, c.n_head_kv, c.n_vocab, options.device, options.dtype, ms,
+             at::get_num_threads());
+  return model;
+}
+
+}  // namespace comb::cli
 
 namespace {
 
 using comb::Error;
+using comb::cli::Args;
+using comb::cli::load_model;
 
 constexpr const char* kUsage = R"(usage: comb <command> [options]
 
@@ -65,83 +100,6 @@ bench options:
   --repeat N             runs per figure; the median is reported (default 3)
   --json                 one JSON object per figure
 )";
-
-// Parsed "--key value" / "--flag" options, with the positions they came from for messages.
-class Args {
- public:
-  Args(int argc, char** argv, int first, const std::vector<std::string>& flags) {
-    for (int i = first; i < argc; ++i) {
-      std::string a = argv[i];
-      if (a.rfind("--", 0) != 0) throw Error("unexpected argument '" + a + "' (options start with --)");
-      std::string key = a.substr(2);
-      if (key == "help") throw Error("help");
-      if (std::find(flags.begin(), flags.end(), key) != flags.end()) {
-        values_[key].push_back("1");
-      } else {
-        if (i + 1 >= argc) throw Error("option --" + key + " needs a value");
-        values_[key].push_back(argv[++i]);
-      }
-    }
-  }
-  bool has(const std::string& key) const { return values_.count(key) > 0; }
-  std::string str(const std::string& key, const std::string& fallback = "") {
-    used_.push_back(key);
-    auto it = values_.find(key);
-    return it == values_.end() ? fallback : it->second.back();
-  }
-  // Every value of a repeatable option, in order.
-  std::vector<std::string> all(const std::string& key) {
-    used_.push_back(key);
-    auto it = values_.find(key);
-    return it == values_.end() ? std::vector<std::string>{} : it->second;
-  }
-  template <typename T>
-  T num(const std::string& key, T fallback) {
-    std::string s = str(key);
-    if (s.empty()) return fallback;
-    try {
-      size_t end = 0;
-      double v = std::stod(s, &end);
-      if (end != s.size()) throw std::invalid_argument(s);
-      return static_cast<T>(v);
-    } catch (const std::exception&) {
-      throw Error("option --" + key + " expects a number, found '" + s + "'");
-    }
-  }
-  // Rejects options no one asked for (typos).
-  void check_all_used() const {
-    for (const auto& [k, v] : values_)
-      if (std::find(used_.begin(), used_.end(), k) == used_.end()) throw Error("unknown option --" + k);
-  }
-
- private:
-  std::map<std::string, std::vector<std::string>> values_;
-  std::vector<std::string> used_;
-};
-
-std::string default_model() {
-  if (const char* env = std::getenv("COMB_MODEL"); env && *env) return env;
-  return COMB_DEFAULT_MODEL;
-}
-
-comb::Model load_model(Args& args) {
-  std::string path = args.str("model", default_model());
-  if (path.empty()) throw Error("no model: pass --model FILE or set COMB_MODEL");
-  comb::Options options;
-  options.device = args.str("device", "cpu");
-  options.dtype = args.str("dtype", "float32");
-  options.threads = args.num<int>("threads", 0);
-  options.cpu_kernels = args.num<int>("cpu-kernels", 1) != 0;
-  options.plugin = args.str("plugin");
-  auto t0 = std::chrono::steady_clock::now();
-  comb::Model model = comb::Model::load(path, options);
-  double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  const auto& c = model.config();
-  fmt::print(stderr, "[comb] loaded {} ({} layers, {} heads / {} kv, vocab {}) on {} {} in {:.0f} ms, {} threads\n",
-             path, c.n_layer, c.n_head, c.n_head_kv, c.n_vocab, options.device, options.dtype, ms,
-             at::get_num_threads());
-  return model;
-}
 
 int cmd_generate(Args& args) {
   comb::Model model = load_model(args);
@@ -362,6 +320,11 @@ int main(int argc, char** argv) {
       return cmd_generate(args);
     }
     if (cmd == "plugin") return cmd_plugin(argc, argv);
+    if (cmd == "eval") {
+      Args args(argc, argv, 2, {});
+      comb::Model model = load_model(args);
+      return comb::cli::cmd_eval(args, model);
+    }
     if (cmd == "bench") {
       Args args(argc, argv, 2, {"json"});
       return cmd_bench(args);

@@ -1,0 +1,111 @@
+#pragma once
+// Position-independent caching methods in one engine, for comparison with COMB on the same work:
+// full prefill, prefix caching, naive reuse, CacheBlend, EPIC, and COMB itself.
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "comb/model.hpp"
+
+namespace comb {
+
+enum class Method { full, prefix, naive, cacheblend, epic, comb };
+Method parse_method(const std::string& name);  // throws comb::Error on an unknown name
+std::string method_name(Method method);
+
+// A request in segments, each tokenized on its own, so that a document's tokens never depend on
+// where it stands.
+struct PicRequest {
+  std::vector<int32_t> prefix;                   // chat header and instruction
+  std::vector<std::vector<int32_t>> documents;   // each rendered alone
+  std::vector<int32_t> suffix;                   // question and assistant header
+  std::vector<int32_t> tokens() const;           // all of it, in order: what `full` reads
+};
+
+struct PicOptions {
+  double blend_ratio = 0.15;    // cacheblend: share of document tokens recomputed
+  int64_t check_layer = 1;      // cacheblend: layer whose K deviation picks them
+  int64_t epic_k = 8;           // epic: leading tokens recomputed per document
+  int64_t prefix_block = 16;    // prefix: tokens per cached block
+  int64_t cache_bytes = int64_t(4) << 30;  // budget of the document store / prefix cache
+  c10::ScalarType cache_dtype = c10::kFloat;
+  std::string tenant;           // salt of the store's keys
+};
+
+// Decoder K/V of whole token blocks, keyed by a hash chain over the tokens: reuse of an exact
+// prefix. Blocks a running request holds (acquire() .. release()) are never evicted.
+class PrefixCache {
+ public:
+  PrefixCache(int64_t block_tokens, int64_t budget_bytes) : block_(block_tokens), budget_(budget_bytes) {}
+  // The longest run of cached whole blocks at the start of `tokens`, referenced until release().
+  std::vector<uint64_t> acquire(const std::vector<int32_t>& tokens);
+  void release(const std::vector<uint64_t>& blocks);
+  // Copies the K/V of acquired `blocks` into `cache` at positions [0, blocks * block_tokens).
+  void fill(const std::vector<uint64_t>& blocks, KVCache& cache) const;
+  // Adds the whole blocks of tokens[0, n) that `cache` holds and the cache lacks (those it has
+  // become the most recently used); evicts LRU unreferenced blocks past the budget.
+  void insert(const std::vector<int32_t>& tokens, int64_t n, const KVCache& cache);
+  int64_t block_tokens() const { return block_; }
+  int64_t bytes() const { return bytes_; }
+  int64_t n_blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  void clear();
+
+ private:
+  struct Block {
+    std::vector<at::Tensor> k, v;  // per layer: [batch 1, n_head_kv, block, head_dim]
+    int64_t refs = 0;
+    int64_t bytes = 0;
+    std::list<uint64_t>::iterator lru;
+  };
+  std::vector<uint64_t> chain(const std::vector<int32_t>& tokens, int64_t n) const;
+  void evict();
+  int64_t block_, budget_, bytes_ = 0;
+  std::unordered_map<uint64_t, Block> blocks_;
+  std::list<uint64_t> lru_;  // front: most recent
+};
+
+// The decoder's state after a request's prompt, ready to decode.
+struct PicPrefill {
+  KVCache cache;
+  at::Tensor logits;          // [n_vocab] float: after the last prompt token
+  LinkedDocuments documents;  // comb: what the cross blocks read
+  int64_t n_prompt = 0;       // decoder positions filled
+  int64_t computed = 0;       // tokens that went through the model now (decoder and encoder)
+  int64_t reused = 0;         // tokens whose K/V came from a cache
+};
+
+class PicEngine {
+ public:
+  PicEngine(const Model& model, Method method, PicOptions options = {});
+  ~PicEngine();
+
+  PicPrefill prefill(const PicRequest& request, int64_t max_new_tokens);
+  // prefill() then decoding; `stats` receives the prefill's token counts if given.
+  GenerationResult generate(const PicRequest& request, const GenerateOptions& options, PicPrefill* stats = nullptr);
+  // Forgets every cached document and prefix block.
+  void clear();
+  Method method() const { return method_; }
+  // Bytes one cached document token takes for this method (0 for full).
+  double cache_bytes_per_token() const;
+
+ private:
+  struct DocSpan {
+    int64_t offset, length;
+  };
+  std::shared_ptr<const DocumentKV> decoder_kv(const std::vector<int32_t>& tokens, PicPrefill& out);
+  void fill_reused(const PicRequest& request, PicPrefill& out, std::vector<DocSpan>& spans);
+  at::Tensor recompute(const PicRequest& request, const std::vector<int64_t>& positions, int64_t from_layer,
+                       at::Tensor hidden, PicPrefill& out);
+
+  const Model& model_;
+  Method method_;
+  PicOptions options_;
+  std::unique_ptr<PICacheStore> store_;
+  std::unique_ptr<PrefixCache> prefix_;
+  std::string decoder_fingerprint_;
+};
+
+}  // namespace comb

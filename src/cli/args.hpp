@@ -1,0 +1,67 @@
+#pragma once
+// Command-line options of the comb tool: "--key value" and "--flag".
+#include <algorithm>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "comb/error.hpp"
+
+namespace comb::cli {
+
+// Parsed "--key value" / "--flag" options, with the positions they came from for messages.
+class Args {
+ public:
+  Args(int argc, char** argv, int first, const std::vector<std::string>& flags) {
+    for (int i = first; i < argc; ++i) {
+      std::string a = argv[i];
+      if (a.rfind("--", 0) != 0) throw comb::Error("unexpected argument '" + a + "' (options start with --)");
+      std::string key = a.substr(2);
+      if (key == "help") throw comb::Error("help");
+      if (std::find(flags.begin(), flags.end(), key) != flags.end()) {
+        values_[key].push_back("1");
+      } else {
+        if (i + 1 >= argc) throw comb::Error("option --" + key + " needs a value");
+        values_[key].push_back(argv[++i]);
+      }
+    }
+  }
+  bool has(const std::string& key) const { return values_.count(key) > 0; }
+  std::string str(const std::string& key, const std::string& fallback = "") {
+    used_.push_back(key);
+    auto it = values_.find(key);
+    return it == values_.end() ? fallback : it->second.back();
+  }
+  // Every value of a repeatable option, in order.
+  std::vector<std::string> all(const std::string& key) {
+    used_.push_back(key);
+    auto it = values_.find(key);
+    return it == values_.end() ? std::vector<std::string>{} : it->second;
+  }
+  template <typename T>
+  T num(const std::string& key, T fallback) {
+    std::string s = str(key);
+    if (s.empty()) return fallback;
+    try {
+      size_t end = 0;
+      double v = std::stod(s, &end);
+      if (end != s.size()) throw std::invalid_argument(s);
+      return static_cast<T>(v);
+    } catch (const std::exception&) {
+      throw comb::Error("option --" + key + " expects a number, found '" + s + "'");
+    }
+  }
+  // Rejects options no one asked for (typos).
+  void check_all_used() const {
+    for (const auto& [k, v] : values_)
+      if (std::find(used_.begin(), used_.end(), k) == used_.end()) throw comb::Error("unknown option --" + k);
+  }
+
+ private:
+  std::map<std::string, std::vector<std::string>> values_;
+  std::vector<std::string> used_;
+};
+
+
+}  // namespace comb::cli

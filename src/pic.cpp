@@ -1,0 +1,360 @@
+// Position-independent caching methods (full, prefix, naive, CacheBlend, EPIC, COMB) in one engine.
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "comb/error.hpp"
+#include "comb/pic.hpp"
+
+namespace comb {
+
+Method parse_method(const std::string& name) {
+  static const std::pair<const char*, Method> table[] = {{"full", Method::full},     {"prefix", Method::prefix},
+                                                         {"naive", Method::naive},   {"cacheblend", Method::cacheblend},
+                                                         {"epic", Method::epic},     {"comb", Method::comb}};
+  for (auto& [n, m] : table)
+    if (name == n) return m;
+  COMB_FAIL("unknown method '{}' (expected full, prefix, naive, cacheblend, epic or comb)", name);
+}
+
+std::string method_name(Method m) {
+  switch (m) {
+    case Method::full: return "full";
+    case Method::prefix: return "prefix";
+    case Method::naive: return "naive";
+    case Method::cacheblend: return "cacheblend";
+    case Method::epic: return "epic";
+    case Method::comb: return "comb";
+  }
+  return "?";
+}
+
+std::vector<int32_t> PicRequest::tokens() const {
+  std::vector<int32_t> out = prefix;
+  for (const auto& d : documents) out.insert(out.end(), d.begin(), d.end());
+  out.insert(out.end(), suffix.begin(), suffix.end());
+  return out;
+}
+
+namespace {
+at::Tensor ids_of(const std::vector<int32_t>& tokens, int64_t begin, int64_t end) {
+  return at::tensor(std::vector<int64_t>(tokens.begin() + begin, tokens.begin() + end), at::kLong).unsqueeze(0);
+}
+}  // namespace
+
+// ================================================================================================
+// PrefixCache
+// ================================================================================================
+
+std::vector<uint64_t> PrefixCache::chain(const std::vector<int32_t>& tokens, int64_t n) const {
+  std::vector<uint64_t> out;
+  uint64_t h = 0x636f6d62;  // any fixed seed
+  for (int64_t b = 0; (b + 1) * block_ <= n; ++b) {
+    h = XXH3_64bits_withSeed(tokens.data() + b * block_, block_ * sizeof(int32_t), h);
+    out.push_back(h);
+  }
+  return out;
+}
+
+std::vector<uint64_t> PrefixCache::acquire(const std::vector<int32_t>& tokens) {
+  std::vector<uint64_t> out;
+  for (uint64_t h : chain(tokens, static_cast<int64_t>(tokens.size()))) {
+    auto it = blocks_.find(h);
+    if (it == blocks_.end()) break;
+    ++it->second.refs;
+    lru_.erase(it->second.lru);
+    lru_.push_front(h);
+    it->second.lru = lru_.begin();
+    out.push_back(h);
+  }
+  return out;
+}
+
+void PrefixCache::release(const std::vector<uint64_t>& blocks) {
+  for (uint64_t h : blocks) {
+    auto it = blocks_.find(h);
+    COMB_CHECK(it != blocks_.end() && it->second.refs > 0, "prefix cache: releasing a block not held");
+    --it->second.refs;
+  }
+  evict();
+}
+
+void PrefixCache::fill(const std::vector<uint64_t>& blocks, KVCache& cache) const {
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const Block& block = blocks_.at(blocks[b]);
+    for (size_t l = 0; l < block.k.size(); ++l)
+      cache.write(static_cast<int64_t>(l), static_cast<int64_t>(b) * block_, block.k[l], block.v[l]);
+  }
+}
+
+void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t n, const KVCache& cache) {
+  COMB_CHECK(cache.batch() == 1, "prefix cache: one sequence at a time, found a batch of {}", cache.batch());
+  auto hashes = chain(tokens, std::min<int64_t>(n, cache.length()));
+  for (size_t b = 0; b < hashes.size(); ++b) {
+    if (auto it = blocks_.find(hashes[b]); it != blocks_.end()) {  // used again: now the most recent
+      lru_.erase(it->second.lru);
+      lru_.push_front(hashes[b]);
+      it->second.lru = lru_.begin();
+      continue;
+    }
+    Block block;
+    for (int64_t l = 0; l < cache.n_layers(); ++l) {
+      block.k.push_back(cache.keys(l).narrow(2, static_cast<int64_t>(b) * block_, block_).clone());
+      block.v.push_back(cache.values(l).narrow(2, static_cast<int64_t>(b) * block_, block_).clone());
+      block.bytes += 2 * block.k.back().numel() * block.k.back().element_size();
+    }
+    bytes_ += block.bytes;
+    lru_.push_front(hashes[b]);
+    block.lru = lru_.begin();
+    blocks_.emplace(hashes[b], std::move(block));
+  }
+  evict();
+}
+
+void PrefixCache::evict() {
+  auto it = lru_.end();
+  while (bytes_ > budget_ && it != lru_.begin()) {
+    --it;
+    auto& block = blocks_.at(*it);
+    if (block.refs > 0) continue;
+    bytes_ -= block.bytes;
+    blocks_.erase(*it);
+    it = lru_.erase(it);
+  }
+}
+
+void PrefixCache::clear() {
+  for (const auto& [h, b] : blocks_) COMB_CHECK(b.refs == 0, "prefix cache: clear() while a request holds blocks");
+  blocks_.clear();
+  lru_.clear();
+  bytes_ = 0;
+}
+
+// ================================================================================================
+// PicEngine
+// ================================================================================================
+
+PicEngine::PicEngine(const Model& model, Method method, PicOptions options)
+    : model_(model), method_(method), options_(std::move(options)) {
+  COMB_CHECK(options_.blend_ratio >= 0 && options_.blend_ratio <= 1, "CacheBlend ratio must be in [0, 1], found {}",
+             options_.blend_ratio);
+  COMB_CHECK(options_.check_layer >= 0 && options_.check_layer < model.config().n_layer,
+             "CacheBlend check layer must be in [0, {}), found {}", model.config().n_layer, options_.check_layer);
+  COMB_CHECK(options_.epic_k >= 0, "EPIC k must be >= 0, found {}", options_.epic_k);
+  COMB_CHECK(options_.prefix_block > 0, "prefix block must be > 0, found {}", options_.prefix_block);
+  if (method == Method::comb) COMB_CHECK(model.plugin(), "--method comb needs a plug-in (--plugin FILE)");
+  StoreOptions store;
+  store.host_bytes = options_.cache_bytes;
+  store.dtype = options_.cache_dtype;
+  store_ = std::make_unique<PICacheStore>(store);
+  prefix_ = std::make_unique<PrefixCache>(options_.prefix_block, options_.cache_bytes);
+  // Decoder-KV entries share the store with COMB entries: a distinct fingerprint keeps them apart.
+  decoder_fingerprint_ = "decoder-kv:" + base_fingerprint(model.decoder());
+}
+
+PicEngine::~PicEngine() = default;
+
+void PicEngine::clear() {
+  store_ = std::make_unique<PICacheStore>(store_->options());
+  prefix_->clear();
+}
+
+double PicEngine::cache_bytes_per_token() const {
+  const auto& c = model_.config();
+  const double element = static_cast<double>(c10::elementSize(options_.cache_dtype));
+  switch (method_) {
+    case Method::full: return 0;
+    case Method::comb: return 2.0 * model_.plugin()->config().n_encoder_layers() * c.kv_dim() * element;
+    case Method::prefix: return 2.0 * c.n_layer * c.kv_dim() * c10::elementSize(model_.decoder().dtype());
+    default: return 2.0 * c.n_layer * c.kv_dim() * element;
+  }
+}
+
+// One document's decoder K/V computed alone from position 0 (blocks = layers), from the store
+// when it has them.
+std::shared_ptr<const DocumentKV> PicEngine::decoder_kv(const std::vector<int32_t>& tokens, PicPrefill& out) {
+  CacheKey key = PICacheStore::key(tokens, decoder_fingerprint_, options_.tenant);
+  if (auto hit = store_->get(key)) {
+    out.reused += static_cast<int64_t>(tokens.size());
+    return hit;
+  }
+  const Decoder& dec = model_.decoder();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  KVCache cache = dec.make_cache(1, n);
+  dec.forward(ids_of(tokens, 0, n), cache);
+  DocumentKV kv;
+  kv.n_tokens = n;
+  for (int64_t l = 0; l < cache.n_layers(); ++l) {
+    kv.keys.push_back(cache.keys(l)[0].narrow(1, 0, n));
+    kv.values.push_back(cache.values(l)[0].narrow(1, 0, n));
+  }
+  out.computed += n;
+  return store_->put(key, kv);
+}
+
+// Fills the cache with the prefix and every document reused as is (naive), each document's keys
+// rotated from positions [0, len) to where it stands. spans: where each document landed.
+void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, std::vector<DocSpan>& spans) {
+  const Decoder& dec = model_.decoder();
+  int64_t pos = 0;
+  auto place = [&](const std::vector<int32_t>& tokens) {
+    auto kv = decoder_kv(tokens, out);
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    // NOTE: RoPE rotations compose: R(pos + i) = R(pos) R(i), so one rotation by `pos` moves every key.
+    at::Tensor cos = dec.rope_cos().narrow(0, pos, 1), sin = dec.rope_sin().narrow(0, pos, 1);
+    for (int64_t l = 0; l < out.cache.n_layers(); ++l) {
+      at::Tensor k = kv->keys[l].to(dec.device(), dec.dtype()).unsqueeze(0);
+      at::Tensor v = kv->values[l].to(dec.device(), dec.dtype()).unsqueeze(0);
+      out.cache.write(l, pos, pos == 0 ? k : apply_rope(k, cos, sin), v);
+    }
+    spans.push_back({pos, n});
+    pos += n;
+  };
+  if (!r.prefix.empty()) {
+    place(r.prefix);
+    spans.clear();  // the prefix is no document
+  }
+  for (const auto& d : r.documents) place(d);
+  out.cache.set_length(pos);
+}
+
+// Runs the tokens at `positions` (increasing) from layer `from_layer` on, given their hidden
+// state there (or embeddings when undefined); returns the logits of the last of them.
+at::Tensor PicEngine::recompute(const PicRequest& r, const std::vector<int64_t>& positions, int64_t from_layer,
+                                at::Tensor hidden, PicPrefill& out) {
+  const Decoder& dec = model_.decoder();
+  auto all = r.tokens();
+  const int64_t n_keys = static_cast<int64_t>(all.size());
+  at::Tensor pos = at::tensor(positions, at::kLong);
+  if (!hidden.defined()) hidden = dec.embed(ids_of(all, 0, n_keys).index_select(1, pos));
+  for (int64_t i = from_layer; i < dec.config().n_layer; ++i) hidden = dec.layer_at(i, hidden, pos, out.cache, n_keys);
+  out.cache.set_length(n_keys);
+  return dec.logits(hidden, LogitsMode::last)[0][-1];
+}
+
+PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_tokens) {
+  c10::InferenceMode guard;
+  const Decoder& dec = model_.decoder();
+  const auto& c = dec.config();
+  const bool comb = method_ == Method::comb;
+  std::vector<int32_t> decoder_tokens = comb ? r.prefix : r.tokens();
+  if (comb) decoder_tokens.insert(decoder_tokens.end(), r.suffix.begin(), r.suffix.end());
+  const int64_t n = static_cast<int64_t>(decoder_tokens.size());
+  COMB_CHECK(!r.suffix.empty(), "a request needs a question (its suffix is empty)");
+  for (size_t d = 0; d < r.documents.size(); ++d) COMB_CHECK(!r.documents[d].empty(), "document {} is empty", d);
+  COMB_CHECK(n < c.n_ctx, "the request has {} tokens but the model's context holds {}", n, c.n_ctx);
+  PicPrefill out{dec.make_cache(1, std::min<int64_t>(c.n_ctx, n + std::max<int64_t>(max_new_tokens, 1))), {}, {}, n};
+  switch (method_) {
+    case Method::full: {
+      out.logits = dec.forward(ids_of(decoder_tokens, 0, n), out.cache)[0][-1];
+      out.computed = n;
+      break;
+    }
+    case Method::prefix: {
+      auto held = prefix_->acquire(decoder_tokens);
+      while (!held.empty() && static_cast<int64_t>(held.size()) * prefix_->block_tokens() >= n) {  // keep one to compute
+        prefix_->release({held.back()});
+        held.pop_back();
+      }
+      const int64_t m = static_cast<int64_t>(held.size()) * prefix_->block_tokens();
+      prefix_->fill(held, out.cache);
+      out.cache.set_length(m);
+      out.logits = dec.forward(ids_of(decoder_tokens, m, n), out.cache)[0][-1];
+      prefix_->insert(decoder_tokens, n, out.cache);
+      prefix_->release(held);
+      out.computed = n - m;
+      out.reused = m;
+      break;
+    }
+    case Method::naive: {
+      std::vector<DocSpan> spans;
+      fill_reused(r, out, spans);
+      const int64_t start = out.cache.length();
+      out.logits = dec.forward(ids_of(decoder_tokens, start, n), out.cache)[0][-1];
+      out.computed += n - start;
+      break;
+    }
+    case Method::epic: {
+      std::vector<DocSpan> spans;
+      fill_reused(r, out, spans);
+      std::vector<int64_t> positions;
+      for (const auto& s : spans)
+        if (s.offset > 0)  // a document at position 0 already has exact K/V
+          for (int64_t i = 0; i < std::min(options_.epic_k, s.length); ++i) positions.push_back(s.offset + i);
+      for (int64_t p = out.cache.length(); p < n; ++p) positions.push_back(p);
+      out.logits = recompute(r, positions, 0, {}, out);
+      out.computed += static_cast<int64_t>(positions.size());
+      break;
+    }
+    case Method::cacheblend: {
+      std::vector<DocSpan> spans;
+      fill_reused(r, out, spans);
+      const int64_t n_context = out.cache.length();
+      // Every token runs the layers before the check layer (their K/V replace the reused ones there).
+      std::vector<int64_t> every(n);
+      for (int64_t p = 0; p < n; ++p) every[p] = p;
+      at::Tensor pos = at::tensor(every, at::kLong);
+      at::Tensor hidden = dec.embed(ids_of(decoder_tokens, 0, n));
+      for (int64_t i = 0; i < options_.check_layer; ++i) hidden = dec.layer_at(i, hidden, pos, out.cache, n);
+      // At the check layer, the document tokens whose K deviates most from a fresh computation.
+      at::Tensor fresh = dec.keys_at(options_.check_layer, hidden.narrow(1, 0, n_context), pos.narrow(0, 0, n_context));
+      at::Tensor reused = out.cache.keys(options_.check_layer).narrow(2, 0, n_context).to(fresh.scalar_type());
+      at::Tensor deviation = (fresh - reused).to(at::kFloat).pow(2).sum({0, 1, 3}).cpu();  // [n_context]
+      std::vector<int64_t> doc_positions;
+      for (const auto& s : spans)
+        for (int64_t i = 0; i < s.length; ++i) doc_positions.push_back(s.offset + i);
+      const int64_t pick = static_cast<int64_t>(std::ceil(options_.blend_ratio * double(doc_positions.size())));
+      std::vector<int64_t> chosen;
+      if (pick > 0) {
+        at::Tensor candidates = at::tensor(doc_positions, at::kLong);
+        at::Tensor top = std::get<1>(deviation.index_select(0, candidates).topk(pick));
+        at::Tensor picked = candidates.index_select(0, top);
+        chosen.assign(picked.data_ptr<int64_t>(), picked.data_ptr<int64_t>() + picked.numel());
+      }
+      for (int64_t p = n_context; p < n; ++p) chosen.push_back(p);
+      std::sort(chosen.begin(), chosen.end());
+      at::Tensor chosen_pos = at::tensor(chosen, at::kLong).to(dec.device());
+      out.logits = recompute(r, chosen, options_.check_layer, hidden.index_select(1, chosen_pos), out);
+      out.computed += static_cast<int64_t>(chosen.size());
+      break;
+    }
+    case Method::comb: {
+      std::vector<std::shared_ptr<const DocumentKV>> docs;
+      for (const auto& d : r.documents) {
+        CacheKey key = PICacheStore::key(d, model_.plugin()->fingerprint(), options_.tenant);
+        auto hit = store_->get(key);
+        if (hit) {
+          out.reused += static_cast<int64_t>(d.size());
+        } else {
+          hit = store_->put(key, model_.plugin()->encode(dec, d));
+          out.computed += static_cast<int64_t>(d.size());
+        }
+        docs.push_back(hit);
+      }
+      out.documents = Linker(dec.device()).link(docs);
+      out.logits = model_.forward(ids_of(decoder_tokens, 0, n), out.cache, &out.documents)[0][-1];
+      out.computed += n;
+      break;
+    }
+  }
+  return out;
+}
+
+GenerationResult PicEngine::generate(const PicRequest& request, const GenerateOptions& options, PicPrefill* stats) {
+  auto started = std::chrono::steady_clock::now();
+  PicPrefill p = prefill(request, options.max_tokens);
+  GenerationResult r = model_.decode(p.cache, p.logits, options, p.documents.empty() ? nullptr : &p.documents,
+                                     started, p.n_prompt);
+  if (stats) {
+    stats->computed = p.computed;
+    stats->reused = p.reused;
+    stats->n_prompt = p.n_prompt;
+  }
+  return r;
+}
+
+}  // namespace comb

@@ -1,0 +1,157 @@
+// Post-training PIC methods in the engine: prefix reuse, exact RoPE re-rotation, and the settings
+// where naive, CacheBlend and EPIC must equal full prefill.
+#include <catch2/catch.hpp>
+
+#include "helpers.hpp"
+
+using namespace comb;
+using namespace comb::test;
+
+namespace {
+
+const Model& tiny() {
+  static const Model model = Model::load(oracle_dir() + "/tiny-llama");
+  return model;
+}
+
+std::vector<int32_t> random_tokens(int64_t n, uint64_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> out(n);
+  for (auto& t : out) t = 1000 + rng() % 40000;
+  return out;
+}
+
+PicRequest request(int64_t prefix, std::vector<int64_t> docs, int64_t suffix, uint64_t seed) {
+  PicRequest r;
+  r.prefix = random_tokens(prefix, seed);
+  for (size_t i = 0; i < docs.size(); ++i) r.documents.push_back(random_tokens(docs[i], seed * 100 + i));
+  r.suffix = random_tokens(suffix, seed + 7);
+  return r;
+}
+
+at::Tensor prefill_logits(const Model& model, Method method, const PicRequest& r, PicOptions options = {}) {
+  PicEngine engine(model, method, options);
+  return engine.prefill(r, 1).logits;
+}
+
+double max_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+}  // namespace
+
+TEST_CASE("prefix: a repeated prompt reuses all but its last block, and answers as full does", "[pic]") {
+  c10::InferenceMode guard;
+  const Model& model = default_model();
+  PicRequest r = request(20, {40, 33}, 9, 1);  // 102 tokens
+  GenerateOptions options;
+  options.max_tokens = 12;
+  PicEngine full(model, Method::full), prefix(model, Method::prefix);
+  auto want = full.generate(r, options);
+  PicPrefill first{model.decoder().make_cache(1, 1)}, second{model.decoder().make_cache(1, 1)};
+  auto a = prefix.generate(r, options, &first);
+  auto b = prefix.generate(r, options, &second);
+  CHECK(a.tokens == want.tokens);
+  CHECK(b.tokens == want.tokens);
+  CHECK(first.computed == 102);
+  CHECK(first.reused == 0);
+  CHECK(second.reused == 96);  // six whole blocks of 16; the rest is computed
+  CHECK(second.computed == 6);
+  // Another question after the same prefix and documents: only the shared whole blocks are reused.
+  PicRequest other = r;
+  other.suffix = random_tokens(9, 99);
+  PicPrefill third{model.decoder().make_cache(1, 1)};
+  auto c = prefix.generate(other, options, &third);
+  CHECK(third.reused == 80);  // 93 shared tokens: five whole blocks
+  CHECK(c.tokens == full.generate(other, options).tokens);
+}
+
+TEST_CASE("RoPE re-rotation of cached keys is exact", "[pic]") {
+  c10::InferenceMode guard;
+  for (const Model* model : {&default_model(), &tiny()}) {
+    const Decoder& dec = model->decoder();
+    auto doc = random_tokens(37, 3);
+    at::Tensor x = dec.embed(ids_tensor(doc));
+    for (int64_t offset : {1, 17, 300}) {
+      at::Tensor at_zero = dec.keys_at(0, x, at::arange(37));
+      at::Tensor direct = dec.keys_at(0, x, at::arange(offset, offset + 37));
+      at::Tensor rotated = apply_rope(at_zero, dec.rope_cos().narrow(0, offset, 1), dec.rope_sin().narrow(0, offset, 1));
+      INFO("rope scaling " << dec.config().rope_scaling.type << ", offset " << offset);
+      CHECK(max_diff(rotated, direct) <= 1e-4 * std::max(1.0, direct.abs().max().item<double>()));
+    }
+  }
+}
+
+TEST_CASE("naive with one document equals full", "[pic]") {
+  c10::InferenceMode guard;
+  for (const Model* model : {&default_model(), &tiny()}) {
+    PicRequest r = request(0, {45}, 11, 4);  // the document starts the sequence, as it was cached
+    INFO("rope scaling " << model->config().rope_scaling.type);
+    CHECK(max_diff(prefill_logits(*model, Method::naive, r), prefill_logits(*model, Method::full, r)) <= 1e-3);
+  }
+  // With documents after other text, naive reuse is an approximation: it must differ.
+  PicRequest r = request(12, {30, 30}, 8, 5);
+  CHECK(max_diff(prefill_logits(tiny(), Method::naive, r), prefill_logits(tiny(), Method::full, r)) > 1e-3);
+}
+
+TEST_CASE("CacheBlend at ratio 1 and EPIC with k >= document length equal full", "[pic]") {
+  c10::InferenceMode guard;
+  for (const Model* model : {&default_model(), &tiny()}) {
+    PicRequest r = request(14, {25, 31, 19}, 10, 6);
+    at::Tensor want = prefill_logits(*model, Method::full, r);
+    PicOptions blend;
+    blend.blend_ratio = 1.0;
+    PicOptions epic;
+    epic.epic_k = 31;
+    INFO("rope scaling " << model->config().rope_scaling.type);
+    CHECK(max_diff(prefill_logits(*model, Method::cacheblend, r, blend), want) <= 1e-3);
+    CHECK(max_diff(prefill_logits(*model, Method::epic, r, epic), want) <= 1e-3);
+    blend.check_layer = 2;
+    CHECK(max_diff(prefill_logits(*model, Method::cacheblend, r, blend), want) <= 1e-3);
+    // Partial recomputation is between naive and full: closer to full than naive is.
+    PicOptions part;
+    part.blend_ratio = 0.5;
+    double naive = max_diff(prefill_logits(*model, Method::naive, r), want);
+    double half = max_diff(prefill_logits(*model, Method::cacheblend, r, part), want);
+    CHECK(half < naive);
+  }
+}
+
+TEST_CASE("prefix cache eviction never frees a block a running request holds", "[pic]") {
+  c10::InferenceMode guard;
+  const Decoder& dec = tiny().decoder();
+  auto tokens = random_tokens(64, 8);
+  KVCache cache = dec.make_cache(1, 64);
+  dec.forward(ids_tensor(tokens), cache);
+  const int64_t block_bytes = 2 * dec.config().n_layer * dec.config().kv_dim() * 16 * 4;
+  PrefixCache prefix(16, 3 * block_bytes);  // room for three blocks
+  prefix.insert(tokens, 64, cache);
+  CHECK(prefix.n_blocks() == 3);            // the oldest of four went at once
+  auto held = prefix.acquire(tokens);
+  CHECK(held.empty());                      // its first block was the one evicted
+  prefix.insert(tokens, 32, cache);         // blocks 0 and 1 again; 2 or 3 make room
+  held = prefix.acquire(tokens);
+  REQUIRE(held.size() >= 2);
+  auto other = random_tokens(64, 9);
+  KVCache other_cache = dec.make_cache(1, 64);
+  dec.forward(ids_tensor(other), other_cache);
+  prefix.insert(other, 64, other_cache);    // wants room: only unheld blocks may go
+  CHECK(prefix.acquire(tokens).size() == held.size());  // still all there
+  prefix.release(held);
+  prefix.release(held);
+  CHECK(prefix.bytes() <= 3 * block_bytes);
+  prefix.insert(other, 64, other_cache);
+  CHECK(prefix.acquire(tokens).empty());   // released, then evicted for the newer blocks
+  CHECK_THROWS_WITH(prefix.release({12345}), Catch::Contains("not held"));
+}
+
+TEST_CASE("engine input errors", "[pic][errors]") {
+  CHECK_THROWS_WITH(parse_method("fastest"), Catch::Contains("unknown method 'fastest'"));
+  CHECK_THROWS_WITH(PicEngine(tiny(), Method::comb), Catch::Contains("needs a plug-in"));
+  PicOptions bad;
+  bad.blend_ratio = 1.5;
+  CHECK_THROWS_WITH(PicEngine(tiny(), Method::cacheblend, bad), Catch::Contains("ratio"));
+  PicEngine engine(tiny(), Method::naive);
+  PicRequest r = request(3, {4, 0}, 2, 1);
+  CHECK_THROWS_WITH(engine.prefill(r, 4), Catch::Contains("document 1 is empty"));
+  r = request(3, {4}, 0, 1);
+  CHECK_THROWS_WITH(engine.prefill(r, 4), Catch::Contains("question"));
+}
