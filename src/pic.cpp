@@ -344,16 +344,12 @@ PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_tokens) {
   return out;
 }
 
-GenerationResult PicEngine::generate(const PicRequest& request, const GenerateOptions& options, PicPrefill* stats) {
+GenerationResult PicEngine::generate(const PicRequest& request, const GenerateOptions& options, PicCounts* counts) {
   auto started = std::chrono::steady_clock::now();
   PicPrefill p = prefill(request, options.max_tokens);
   GenerationResult r = model_.decode(p.cache, p.logits, options, p.documents.empty() ? nullptr : &p.documents,
                                      started, p.n_prompt);
-  if (stats) {
-    stats->computed = p.computed;
-    stats->reused = p.reused;
-    stats->n_prompt = p.n_prompt;
-  }
+  if (counts) *counts = {p.n_prompt, p.computed, p.reused};
   return r;
 }
 

@@ -46,7 +46,7 @@ TEST_CASE("prefix: a repeated prompt reuses all but its last block, and answers 
   options.max_tokens = 12;
   PicEngine full(model, Method::full), prefix(model, Method::prefix);
   auto want = full.generate(r, options);
-  PicPrefill first{model.decoder().make_cache(1, 1)}, second{model.decoder().make_cache(1, 1)};
+  PicCounts first, second;
   auto a = prefix.generate(r, options, &first);
   auto b = prefix.generate(r, options, &second);
   CHECK(a.tokens == want.tokens);
@@ -58,7 +58,7 @@ TEST_CASE("prefix: a repeated prompt reuses all but its last block, and answers 
   // Another question after the same prefix and documents: only the shared whole blocks are reused.
   PicRequest other = r;
   other.suffix = random_tokens(9, 99);
-  PicPrefill third{model.decoder().make_cache(1, 1)};
+  PicCounts third;
   auto c = prefix.generate(other, options, &third);
   CHECK(third.reused == 80);  // 93 shared tokens: five whole blocks
   CHECK(c.tokens == full.generate(other, options).tokens);

@@ -67,6 +67,13 @@ class PrefixCache {
   std::list<uint64_t> lru_;  // front: most recent
 };
 
+// What a request cost: decoder positions, tokens computed now, tokens reused from a cache.
+struct PicCounts {
+  int64_t n_prompt = 0;
+  int64_t computed = 0;
+  int64_t reused = 0;
+};
+
 // The decoder's state after a request's prompt, ready to decode.
 struct PicPrefill {
   KVCache cache;
@@ -83,8 +90,8 @@ class PicEngine {
   ~PicEngine();
 
   PicPrefill prefill(const PicRequest& request, int64_t max_new_tokens);
-  // prefill() then decoding; `stats` receives the prefill's token counts if given.
-  GenerationResult generate(const PicRequest& request, const GenerateOptions& options, PicPrefill* stats = nullptr);
+  // prefill() then decoding; `counts` receives the prefill's token counts if given.
+  GenerationResult generate(const PicRequest& request, const GenerateOptions& options, PicCounts* counts = nullptr);
   // Forgets every cached document and prefix block.
   void clear();
   Method method() const { return method_; }

@@ -147,7 +147,7 @@ int cmd_eval(Args& args, Model& model) {
     PicRequest request = make_request(model, item, order, item["question"].get<std::string>());
     // Cold: nothing of this item cached.
     engine.clear();
-    PicPrefill cold_stats{model.decoder().make_cache(1, 1)}, warm_stats{model.decoder().make_cache(1, 1)};
+    PicCounts cold_stats, warm_stats;
     GenerationResult cold = engine.generate(request, gen, &cold_stats);
     // Warm: every document cached by another request, in another order, with another question.
     engine.clear();
