@@ -496,6 +496,14 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   return x * cos + rotated * sin;
 }
 
+std::array<at::Tensor, 3> split_qkv(const at::Tensor& qkv, const ModelConfig& c) {
+  const int64_t batch = qkv.size(0), n = qkv.size(1);
+  auto heads = [&](int64_t offset, int64_t n_heads) {
+    return qkv.narrow(-1, offset, n_heads * c.head_dim).view({batch, n, n_heads, c.head_dim}).transpose(1, 2);
+  };
+  return {heads(0, c.n_head), heads(c.q_dim(), c.n_head_kv), heads(c.q_dim() + c.kv_dim(), c.n_head_kv)};
+}
+
 at::Tensor Decoder::rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
   return comb::rms_norm(x, weight, config_.rms_eps);
 }
@@ -503,10 +511,7 @@ at::Tensor Decoder::rms_norm(const at::Tensor& x, const at::Tensor& weight) cons
 at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCache& cache) const {
   const auto& c = config_;
   const int64_t batch = x.size(0), n = x.size(1), start = cache.length();
-  at::Tensor qkv = at::linear(x, weights_.layers[i].wqkv);  // [batch, n, q_dim + 2 kv_dim]
-  at::Tensor q = qkv.narrow(-1, 0, c.q_dim()).view({batch, n, c.n_head, c.head_dim}).transpose(1, 2);
-  at::Tensor k = qkv.narrow(-1, c.q_dim(), c.kv_dim()).view({batch, n, c.n_head_kv, c.head_dim}).transpose(1, 2);
-  at::Tensor v = qkv.narrow(-1, c.q_dim() + c.kv_dim(), c.kv_dim()).view({batch, n, c.n_head_kv, c.head_dim}).transpose(1, 2);
+  auto [q, k, v] = split_qkv(at::linear(x, weights_.layers[i].wqkv), c);
   at::Tensor cos = rope_cos_.narrow(0, start, n), sin = rope_sin_.narrow(0, start, n);
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
@@ -532,9 +537,7 @@ at::Tensor Decoder::feed_forward(int64_t i, const at::Tensor& x) const {
 
 at::Tensor Decoder::keys_at(int64_t i, const at::Tensor& x, const at::Tensor& positions) const {
   const auto& c = config_;
-  const int64_t m = x.size(1);
-  at::Tensor qkv = at::linear(rms_norm(x, weights_.layers[i].attn_norm), weights_.layers[i].wqkv);
-  at::Tensor k = qkv.narrow(-1, c.q_dim(), c.kv_dim()).view({1, m, c.n_head_kv, c.head_dim}).transpose(1, 2);
+  at::Tensor k = split_qkv(at::linear(rms_norm(x, weights_.layers[i].attn_norm), weights_.layers[i].wqkv), c)[1];
   at::Tensor pos = positions.to(device_, at::kLong);
   return apply_rope(k, rope_cos_.index_select(0, pos), rope_sin_.index_select(0, pos));
 }
@@ -548,10 +551,7 @@ at::Tensor Decoder::layer_at(int64_t i, const at::Tensor& x, const at::Tensor& p
              positions.numel());
   COMB_CHECK(n_keys <= cache.capacity(), "layer_at: {} keys past the cache capacity {}", n_keys, cache.capacity());
   at::Tensor pos = positions.to(device_, at::kLong);
-  at::Tensor qkv = at::linear(rms_norm(x, w.attn_norm), w.wqkv);
-  at::Tensor q = qkv.narrow(-1, 0, c.q_dim()).view({1, m, c.n_head, c.head_dim}).transpose(1, 2);
-  at::Tensor k = qkv.narrow(-1, c.q_dim(), c.kv_dim()).view({1, m, c.n_head_kv, c.head_dim}).transpose(1, 2);
-  at::Tensor v = qkv.narrow(-1, c.q_dim() + c.kv_dim(), c.kv_dim()).view({1, m, c.n_head_kv, c.head_dim}).transpose(1, 2);
+  auto [q, k, v] = split_qkv(at::linear(rms_norm(x, w.attn_norm), w.wqkv), c);
   at::Tensor cos = rope_cos_.index_select(0, pos), sin = rope_sin_.index_select(0, pos);
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);

@@ -243,10 +243,7 @@ DocumentKV Plugin::encode(const Decoder& base, const std::vector<int32_t>& token
   out.n_tokens = n;
   for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) {
     const LayerWeights& l = weights_.encoder[j];
-    at::Tensor qkv = at::linear(rms_norm(h, l.attn_norm, c.rms_eps), l.wqkv);
-    at::Tensor q = qkv.narrow(-1, 0, c.q_dim()).view({1, n, c.n_head, c.head_dim}).transpose(1, 2);
-    at::Tensor k = qkv.narrow(-1, c.q_dim(), c.kv_dim()).view({1, n, c.n_head_kv, c.head_dim}).transpose(1, 2);
-    at::Tensor v = qkv.narrow(-1, c.q_dim() + c.kv_dim(), c.kv_dim()).view({1, n, c.n_head_kv, c.head_dim}).transpose(1, 2);
+    auto [q, k, v] = split_qkv(at::linear(rms_norm(h, l.attn_norm, c.rms_eps), l.wqkv), c);
     at::Tensor attn = at::scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, {}, 0.0,
                                                        /*is_causal=*/false, std::nullopt, /*enable_gqa=*/true);
     h = h + at::linear(attn.transpose(1, 2).reshape({1, n, c.q_dim()}), l.wo);

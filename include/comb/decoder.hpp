@@ -54,6 +54,9 @@ at::Tensor rope_inv_freq(const ModelConfig& config, const at::Tensor& rope_freqs
 
 // RMSNorm over the last dimension, Hugging Face semantics: normalise in fp32, scale in x's dtype.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// Splits a fused projection [batch, n, q_dim + 2 kv_dim] into views q [batch, n_head, n, head_dim]
+// and k, v [batch, n_head_kv, n, head_dim].
+std::array<at::Tensor, 3> split_qkv(const at::Tensor& qkv, const ModelConfig& config);
 // Rotate-half RoPE on x [..., n, head_dim] with cos, sin [n, head_dim].
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
