@@ -376,8 +376,7 @@ std::pair<at::Tensor, at::Tensor> KVCache::append(int64_t layer, const at::Tenso
   int64_t n = k.size(2);
   COMB_CHECK(length_ + n <= capacity_, "KV cache full: {} positions held, {} more asked, capacity {}", length_, n,
              capacity_);
-  k_[layer].narrow(2, length_, n).copy_(k);
-  v_[layer].narrow(2, length_, n).copy_(v);
+  write(layer, length_, k, v);
   return {k_[layer].narrow(2, 0, length_ + n), v_[layer].narrow(2, 0, length_ + n)};
 }
 
@@ -504,6 +503,15 @@ std::array<at::Tensor, 3> split_qkv(const at::Tensor& qkv, const ModelConfig& c)
   return {heads(0, c.n_head), heads(c.q_dim(), c.n_head_kv), heads(c.q_dim() + c.kv_dim(), c.n_head_kv)};
 }
 
+at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down) {
+  auto parts = at::linear(x, w_gate_up).chunk(2, -1);
+  return at::linear(at::silu(parts[0]) * parts[1], w_down);
+}
+
+at::Tensor visible_keys(const at::Tensor& positions, int64_t n_keys) {
+  return at::arange(n_keys, positions.options().dtype(at::kLong)).unsqueeze(0) <= positions.unsqueeze(1);
+}
+
 at::Tensor Decoder::rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
   return comb::rms_norm(x, weight, config_.rms_eps);
 }
@@ -521,8 +529,7 @@ at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCache& cache) co
     out = at::scaled_dot_product_attention(q, keys, values, {}, 0.0, /*is_causal=*/n > 1, std::nullopt,
                                            /*enable_gqa=*/true);
   } else {  // a chunk after cached positions: query j sees keys [0, start + j]
-    at::Tensor mask = at::arange(start + n, at::TensorOptions().device(device_)).unsqueeze(0) <=
-                      at::arange(start, start + n, at::TensorOptions().device(device_)).unsqueeze(1);
+    at::Tensor mask = visible_keys(at::arange(start, start + n, at::TensorOptions().device(device_)), start + n);
     out = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, std::nullopt, true);
   }
   out = out.transpose(1, 2).reshape({batch, n, c.q_dim()});
@@ -530,9 +537,7 @@ at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCache& cache) co
 }
 
 at::Tensor Decoder::feed_forward(int64_t i, const at::Tensor& x) const {
-  at::Tensor gate_up = at::linear(x, weights_.layers[i].w_gate_up);  // [batch, n, 2 n_ff]
-  auto parts = gate_up.chunk(2, -1);
-  return at::linear(at::silu(parts[0]) * parts[1], weights_.layers[i].w_down);
+  return swiglu_mlp(x, weights_.layers[i].w_gate_up, weights_.layers[i].w_down);
 }
 
 at::Tensor Decoder::keys_at(int64_t i, const at::Tensor& x, const at::Tensor& positions) const {
@@ -558,7 +563,7 @@ at::Tensor Decoder::layer_at(int64_t i, const at::Tensor& x, const at::Tensor& p
   cache.keys(i).index_copy_(2, pos, k.to(cache.keys(i).scalar_type()));
   cache.values(i).index_copy_(2, pos, v.to(cache.values(i).scalar_type()));
   at::Tensor keys = cache.keys(i).narrow(2, 0, n_keys), values = cache.values(i).narrow(2, 0, n_keys);
-  at::Tensor mask = at::arange(n_keys, at::TensorOptions().device(device_)).unsqueeze(0) <= pos.unsqueeze(1);
+  at::Tensor mask = visible_keys(pos, n_keys);
   at::Tensor attn = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, std::nullopt, true);
   at::Tensor h = x + at::linear(attn.transpose(1, 2).reshape({1, m, c.q_dim()}), w.wo);
   return h + feed_forward(i, rms_norm(h, w.ffn_norm));
@@ -636,7 +641,7 @@ at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) co
   } else {
     at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
     std::optional<at::Tensor> mask;
-    if (start > 0) mask = at::arange(start + n).unsqueeze(0) <= at::arange(start, start + n).unsqueeze(1);
+    if (start > 0) mask = visible_keys(at::arange(start, start + n), start + n);
     attn = at::scaled_dot_product_attention(q.transpose(1, 2), keys, values, mask, 0.0, start == 0, std::nullopt, true)
                .transpose(1, 2)
                .reshape({batch, n, c.q_dim()});
@@ -805,12 +810,16 @@ void Model::set_plugin(std::shared_ptr<const Plugin> plugin) {
 }
 
 std::shared_ptr<const DocumentKV> Model::document(const std::vector<int32_t>& tokens, PICacheStore* store,
-                                                  const std::string& tenant) const {
+                                                  const std::string& tenant, bool* from_cache) const {
   COMB_CHECK(plugin_, "documents need a plug-in: load one with Options::plugin (--plugin FILE)");
   c10::InferenceMode guard;
+  if (from_cache) *from_cache = false;
   if (!store) return std::make_shared<const DocumentKV>(plugin_->encode(*decoder_, tokens));
   CacheKey key = PICacheStore::key(tokens, plugin_->fingerprint(), tenant);
-  if (auto hit = store->get(key)) return hit;
+  if (auto hit = store->get(key)) {
+    if (from_cache) *from_cache = true;
+    return hit;
+  }
   return store->put(key, plugin_->encode(*decoder_, tokens));
 }
 

@@ -201,7 +201,7 @@ std::shared_ptr<const DocumentKV> PicEngine::decoder_kv(const std::vector<int32_
 void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, std::vector<DocSpan>& spans) {
   const Decoder& dec = model_.decoder();
   int64_t pos = 0;
-  auto place = [&](const std::vector<int32_t>& tokens) {
+  auto place = [&](const std::vector<int32_t>& tokens, bool is_document) {
     auto kv = decoder_kv(tokens, out);
     const int64_t n = static_cast<int64_t>(tokens.size());
     // NOTE: RoPE rotations compose: R(pos + i) = R(pos) R(i), so one rotation by `pos` moves every key.
@@ -211,26 +211,22 @@ void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, std::vector<Do
       at::Tensor v = kv->values[l].to(dec.device(), dec.dtype()).unsqueeze(0);
       out.cache.write(l, pos, pos == 0 ? k : apply_rope(k, cos, sin), v);
     }
-    spans.push_back({pos, n});
+    if (is_document) spans.push_back({pos, n});
     pos += n;
   };
-  if (!r.prefix.empty()) {
-    place(r.prefix);
-    spans.clear();  // the prefix is no document
-  }
-  for (const auto& d : r.documents) place(d);
+  if (!r.prefix.empty()) place(r.prefix, false);
+  for (const auto& d : r.documents) place(d, true);
   out.cache.set_length(pos);
 }
 
 // Runs the tokens at `positions` (increasing) from layer `from_layer` on, given their hidden
 // state there (or embeddings when undefined); returns the logits of the last of them.
-at::Tensor PicEngine::recompute(const PicRequest& r, const std::vector<int64_t>& positions, int64_t from_layer,
-                                at::Tensor hidden, PicPrefill& out) {
+at::Tensor PicEngine::recompute(const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,
+                                int64_t from_layer, at::Tensor hidden, PicPrefill& out) {
   const Decoder& dec = model_.decoder();
-  auto all = r.tokens();
-  const int64_t n_keys = static_cast<int64_t>(all.size());
+  const int64_t n_keys = static_cast<int64_t>(tokens.size());
   at::Tensor pos = at::tensor(positions, at::kLong);
-  if (!hidden.defined()) hidden = dec.embed(ids_of(all, 0, n_keys).index_select(1, pos));
+  if (!hidden.defined()) hidden = dec.embed(ids_of(tokens, 0, n_keys).index_select(1, pos));
   for (int64_t i = from_layer; i < dec.config().n_layer; ++i) hidden = dec.layer_at(i, hidden, pos, out.cache, n_keys);
   out.cache.set_length(n_keys);
   return dec.logits(hidden, LogitsMode::last)[0][-1];
@@ -286,7 +282,7 @@ PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_tokens) {
         if (s.offset > 0)  // a document at position 0 already has exact K/V
           for (int64_t i = 0; i < std::min(options_.epic_k, s.length); ++i) positions.push_back(s.offset + i);
       for (int64_t p = out.cache.length(); p < n; ++p) positions.push_back(p);
-      out.logits = recompute(r, positions, 0, {}, out);
+      out.logits = recompute(decoder_tokens, positions, 0, {}, out);
       out.computed += static_cast<int64_t>(positions.size());
       break;
     }
@@ -318,22 +314,16 @@ PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_tokens) {
       for (int64_t p = n_context; p < n; ++p) chosen.push_back(p);
       std::sort(chosen.begin(), chosen.end());
       at::Tensor chosen_pos = at::tensor(chosen, at::kLong).to(dec.device());
-      out.logits = recompute(r, chosen, options_.check_layer, hidden.index_select(1, chosen_pos), out);
+      out.logits = recompute(decoder_tokens, chosen, options_.check_layer, hidden.index_select(1, chosen_pos), out);
       out.computed += static_cast<int64_t>(chosen.size());
       break;
     }
     case Method::comb: {
       std::vector<std::shared_ptr<const DocumentKV>> docs;
       for (const auto& d : r.documents) {
-        CacheKey key = PICacheStore::key(d, model_.plugin()->fingerprint(), options_.tenant);
-        auto hit = store_->get(key);
-        if (hit) {
-          out.reused += static_cast<int64_t>(d.size());
-        } else {
-          hit = store_->put(key, model_.plugin()->encode(dec, d));
-          out.computed += static_cast<int64_t>(d.size());
-        }
-        docs.push_back(hit);
+        bool cached = false;
+        docs.push_back(model_.document(d, store_.get(), options_.tenant, &cached));
+        (cached ? out.reused : out.computed) += static_cast<int64_t>(d.size());
       }
       out.documents = Linker(dec.device()).link(docs);
       out.logits = model_.forward(ids_of(decoder_tokens, 0, n), out.cache, &out.documents)[0][-1];

@@ -247,8 +247,7 @@ DocumentKV Plugin::encode(const Decoder& base, const std::vector<int32_t>& token
     at::Tensor attn = at::scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, {}, 0.0,
                                                        /*is_causal=*/false, std::nullopt, /*enable_gqa=*/true);
     h = h + at::linear(attn.transpose(1, 2).reshape({1, n, c.q_dim()}), l.wo);
-    auto gu = at::linear(rms_norm(h, l.ffn_norm, c.rms_eps), l.w_gate_up).chunk(2, -1);
-    h = h + at::linear(at::silu(gu[0]) * gu[1], l.w_down);
+    h = h + swiglu_mlp(rms_norm(h, l.ffn_norm, c.rms_eps), l.w_gate_up, l.w_down);
     // K_E after k_norm (stored so, never recomputed per decode step), V_E as is: [n_head_kv, n, head_dim]
     at::Tensor ke = at::linear(h, weights_.wk[j]).view({n, c.n_head_kv, c.head_dim});
     out.keys.push_back(rms_norm(ke, weights_.cross[j].k_norm, c.rms_eps).transpose(0, 1).contiguous());
@@ -266,8 +265,7 @@ at::Tensor Plugin::cross_block(int64_t k, const at::Tensor& x, const std::vector
   q = rms_norm(q, b.q_norm, c.rms_eps);
   at::Tensor attn = ops::cross_attention(q, keys, values, doc_counts, 1.0 / std::sqrt(double(c.head_dim)));
   at::Tensor h = x + at::tanh(b.attn_gate) * at::linear(attn.reshape({batch, n, c.q_dim()}), b.wo);
-  auto gu = at::linear(rms_norm(h, b.ffn_norm, c.rms_eps), b.w_gate_up).chunk(2, -1);
-  return h + at::tanh(b.mlp_gate) * at::linear(at::silu(gu[0]) * gu[1], b.w_down);
+  return h + at::tanh(b.mlp_gate) * swiglu_mlp(rms_norm(h, b.ffn_norm, c.rms_eps), b.w_gate_up, b.w_down);
 }
 
 }  // namespace comb

@@ -179,7 +179,8 @@ struct PICacheStore::Impl {
 
   // Inserts into memory tier `t` (or the ones after it), evicting LRU unpinned entries; never
   // exceeds a budget. An entry evicted from a tier moves to the next memory tier, if any.
-  void insert(size_t t, const CacheKey& key, std::shared_ptr<const DocumentKV> kv) {
+  // Returns the entry as stored (converted to its tier's device), or as given if no tier took it.
+  std::shared_ptr<const DocumentKV> insert(size_t t, const CacheKey& key, std::shared_ptr<const DocumentKV> kv) {
     for (; t < memory.size(); ++t) {
       MemoryTier& tier = memory[t];
       if (!tier.enabled()) continue;
@@ -207,8 +208,9 @@ struct PICacheStore::Impl {
         tier.stats.bytes += bytes;
       }
       for (auto& [vk, vkv] : evicted) insert(t + 1, vk, vkv);
-      if (fits) return;
+      if (fits) return kv;
     }
+    return kv;
   }
 
   void disk_write(const CacheKey& key, const DocumentKV& kv) {
@@ -307,10 +309,7 @@ std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& key) {
     std::shared_ptr<const DocumentKV> kv = it->second.kv;
     if (t > 0 && memory[0].enabled() && !it->second.pinned) {  // promote to the fastest tier
       memory[t].erase(key);
-      impl_->insert(0, key, kv);
-      for (auto& tier : memory)
-        if (auto s = tier.slots.find(key); s != tier.slots.end()) return s->second.kv;
-      return kv;
+      return impl_->insert(0, key, kv);
     }
     memory[t].touch(it->second, key);
     return kv;
@@ -330,11 +329,7 @@ std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& key) {
         impl_->disk_lru.erase(it->second.first);
         impl_->disk_lru.push_front(key);
         it->second.first = impl_->disk_lru.begin();
-        auto entry = std::make_shared<const DocumentKV>(std::move(*kv));
-        impl_->insert(0, key, entry);
-        for (auto& tier : memory)
-          if (auto s = tier.slots.find(key); s != tier.slots.end()) return s->second.kv;
-        return entry;
+        return impl_->insert(0, key, std::make_shared<const DocumentKV>(std::move(*kv)));
       }
       ++impl_->corrupt;
       log(LogLevel::warning, "cache store: dropped corrupt entry {} ({})", key.hex(), why);
@@ -354,8 +349,7 @@ std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& key, const D
   c10::Device where = top == impl_->memory.end() ? c10::Device(c10::kCPU) : top->device;
   auto entry = std::make_shared<const DocumentKV>(kv.to(where, impl_->options.dtype));
   impl_->disk_write(key, *entry);
-  impl_->insert(0, key, entry);
-  return entry;
+  return impl_->insert(0, key, entry);
 }
 
 bool PICacheStore::pin(const CacheKey& key) {

@@ -43,6 +43,15 @@ std::vector<std::vector<int32_t>> sample_documents(int64_t n, int64_t len, uint6
   return docs;
 }
 
+// Each document through `model` (and `store`, if given), in order.
+std::vector<std::shared_ptr<const DocumentKV>> documents_of(const Model& model,
+                                                            const std::vector<std::vector<int32_t>>& tokens,
+                                                            PICacheStore* store = nullptr) {
+  std::vector<std::shared_ptr<const DocumentKV>> out;
+  for (const auto& d : tokens) out.push_back(model.document(d, store));
+  return out;
+}
+
 at::Tensor logits_with(const Model& model, const at::Tensor& ids, const LinkedDocuments* docs) {
   KVCache cache = model.decoder().make_cache(ids.size(0), ids.size(1));
   return model.forward(ids, cache, docs, LogitsMode::all);
@@ -76,8 +85,7 @@ TEST_CASE("a fresh plug-in (gates 0) with documents equals the decoder without d
   PluginInitOptions init;
   init.n_encoder_layers = 2;
   model.set_plugin(std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init)));
-  std::vector<std::shared_ptr<const DocumentKV>> docs;
-  for (const auto& d : sample_documents(3, 20, 1)) docs.push_back(model.document(d));
+  auto docs = documents_of(model, sample_documents(3, 20, 1));
   LinkedDocuments linked = Linker(c10::kCPU).link(docs);
   at::Tensor ids = prompt_ids(40);
   CHECK(logits_with(model, ids, &linked).equal(logits_with(tiny_model(), ids, nullptr)));
@@ -88,8 +96,7 @@ TEST_CASE("document order does not matter (random plug-in, open gates)", "[plugi
   Model model = Model::load(oracle_dir() + "/tiny-llama");
   model.set_plugin(random_plugin(model.decoder()));
   auto tokens = sample_documents(4, 25, 2);
-  std::vector<std::shared_ptr<const DocumentKV>> docs;
-  for (const auto& d : tokens) docs.push_back(model.document(d));
+  auto docs = documents_of(model, tokens);
   at::Tensor ids = prompt_ids(30);
   Linker linker(c10::kCPU);
   LinkedDocuments base_link = linker.link(docs);
@@ -116,8 +123,7 @@ TEST_CASE("linked caches from every tier equal fresh encodings", "[plugin][store
   model.set_plugin(random_plugin(model.decoder()));
   auto tokens = sample_documents(3, 30, 3);
   at::Tensor ids = prompt_ids(25);
-  std::vector<std::shared_ptr<const DocumentKV>> fresh;
-  for (const auto& d : tokens) fresh.push_back(model.document(d));
+  auto fresh = documents_of(model, tokens);
   LinkedDocuments fresh_link = Linker(c10::kCPU).link(fresh);
   at::Tensor want = logits_with(model, ids, &fresh_link);
 
@@ -127,9 +133,8 @@ TEST_CASE("linked caches from every tier equal fresh encodings", "[plugin][store
   options.disk_bytes = 64 << 20;
   {
     PICacheStore store(options);
-    std::vector<std::shared_ptr<const DocumentKV>> first, second;
-    for (const auto& d : tokens) first.push_back(model.document(d, &store));  // encodes, puts
-    for (const auto& d : tokens) second.push_back(model.document(d, &store));  // host-tier hits
+    auto first = documents_of(model, tokens, &store);   // encodes, puts
+    auto second = documents_of(model, tokens, &store);  // host-tier hits
     CHECK(store.stats().host.hits == 3);
     LinkedDocuments a = Linker(c10::kCPU).link(first), b = Linker(c10::kCPU).link(second);
     CHECK(logits_with(model, ids, &a).equal(want));
@@ -137,8 +142,7 @@ TEST_CASE("linked caches from every tier equal fresh encodings", "[plugin][store
   }
   {
     PICacheStore reopened(options);  // a new store over the same directory: disk-tier hits
-    std::vector<std::shared_ptr<const DocumentKV>> from_disk;
-    for (const auto& d : tokens) from_disk.push_back(model.document(d, &reopened));
+    auto from_disk = documents_of(model, tokens, &reopened);
     CHECK(reopened.stats().disk.hits == 3);
     LinkedDocuments c = Linker(c10::kCPU).link(from_disk);
     CHECK(logits_with(model, ids, &c).equal(want));
@@ -148,8 +152,7 @@ TEST_CASE("linked caches from every tier equal fresh encodings", "[plugin][store
     bf16.dtype = at::kBFloat16;
     bf16.disk_dir = temp_dir("tiers-bf16");
     PICacheStore store(bf16);
-    std::vector<std::shared_ptr<const DocumentKV>> stored;
-    for (const auto& d : tokens) stored.push_back(model.document(d, &store));
+    auto stored = documents_of(model, tokens, &store);
     CHECK(stored[0]->keys[0].scalar_type() == at::kBFloat16);
     LinkedDocuments l = Linker(c10::kCPU).link(stored);
     CHECK((logits_with(model, ids, &l) - want).abs().max().item<double>() < 5e-2);
@@ -161,8 +164,7 @@ TEST_CASE("a batch of requests with different document sets equals each alone", 
   Model model = Model::load(oracle_dir() + "/tiny-llama");
   model.set_plugin(random_plugin(model.decoder()));
   auto tokens = sample_documents(3, 12, 4);
-  std::vector<std::shared_ptr<const DocumentKV>> docs;
-  for (const auto& d : tokens) docs.push_back(model.document(d));
+  auto docs = documents_of(model, tokens);
   at::Tensor a = prompt_ids(16, 1), b = prompt_ids(16, 2);
   Linker linker(c10::kCPU);
   LinkedDocuments batch = linker.link_batch({{docs[0], docs[2]}, {docs[1]}});
@@ -186,8 +188,7 @@ TEST_CASE("plug-in files: round trip, GGUF base + plug-in equals the merged chec
   auto tokens = sample_documents(2, 15, 6);
   at::Tensor ids = prompt_ids(12);
   base.set_plugin(plugin);
-  std::vector<std::shared_ptr<const DocumentKV>> d1, d2;
-  for (const auto& d : tokens) d1.push_back(base.document(d)), d2.push_back(loaded.document(d));
+  auto d1 = documents_of(base, tokens), d2 = documents_of(loaded, tokens);
   LinkedDocuments l1 = Linker(c10::kCPU).link(d1), l2 = Linker(c10::kCPU).link(d2);
   at::Tensor want = logits_with(base, ids, &l1);
   CHECK(logits_with(loaded, ids, &l2).equal(want));
@@ -198,8 +199,7 @@ TEST_CASE("plug-in files: round trip, GGUF base + plug-in equals the merged chec
   CHECK(config["num_hidden_layers"] == 31);
   Model merged = Model::load(dir + "/merged");
   REQUIRE(merged.plugin());
-  std::vector<std::shared_ptr<const DocumentKV>> d3;
-  for (const auto& d : tokens) d3.push_back(merged.document(d));
+  auto d3 = documents_of(merged, tokens);
   LinkedDocuments l3 = Linker(c10::kCPU).link(d3);
   CHECK(logits_with(merged, ids, &l3).equal(want));
   CHECK(merged.chat_prompt("hi") == base.chat_prompt("hi"));  // the tokenizer came along

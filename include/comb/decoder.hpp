@@ -57,6 +57,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // Splits a fused projection [batch, n, q_dim + 2 kv_dim] into views q [batch, n_head, n, head_dim]
 // and k, v [batch, n_head_kv, n, head_dim].
 std::array<at::Tensor, 3> split_qkv(const at::Tensor& qkv, const ModelConfig& config);
+// Llama's MLP: down(silu(gate(x)) * up(x)) with w_gate_up [2 * n_ff, n_embd] (gate rows first).
+at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down);
+// Which of keys [0, n_keys) queries at `positions` [m] see (causal by position): bool [m, n_keys].
+at::Tensor visible_keys(const at::Tensor& positions, int64_t n_keys);
 // Rotate-half RoPE on x [..., n, head_dim] with cos, sin [n, head_dim].
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 

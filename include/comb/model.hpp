@@ -66,9 +66,9 @@ class Model {
   const Plugin* plugin() const { return plugin_.get(); }
   void set_plugin(std::shared_ptr<const Plugin> plugin);
   // One document's encoder K/V: from `store` when it holds them (key: tokens, plug-in, tenant),
-  // else encoded now (and put into `store`, if given).
+  // else encoded now (and put into `store`, if given). `from_cache` tells which, if given.
   std::shared_ptr<const DocumentKV> document(const std::vector<int32_t>& tokens, PICacheStore* store = nullptr,
-                                            const std::string& tenant = "") const;
+                                            const std::string& tenant = "", bool* from_cache = nullptr) const;
   // The decoder's forward with linked documents read by the cross blocks; without documents (or
   // without a plug-in) exactly Decoder::forward.
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache, const LinkedDocuments* documents = nullptr,

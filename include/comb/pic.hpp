@@ -104,8 +104,8 @@ class PicEngine {
   };
   std::shared_ptr<const DocumentKV> decoder_kv(const std::vector<int32_t>& tokens, PicPrefill& out);
   void fill_reused(const PicRequest& request, PicPrefill& out, std::vector<DocSpan>& spans);
-  at::Tensor recompute(const PicRequest& request, const std::vector<int64_t>& positions, int64_t from_layer,
-                       at::Tensor hidden, PicPrefill& out);
+  at::Tensor recompute(const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,
+                       int64_t from_layer, at::Tensor hidden, PicPrefill& out);
 
   const Model& model_;
   Method method_;

@@ -1,5 +1,5 @@
 #pragma once
-// Command-line options of the comb tool: "--key value" and "--flag".
+// Command-line options of the comb tool ("--key value" and "--flag"), and its median.
 #include <algorithm>
 #include <map>
 #include <stdexcept>
@@ -63,5 +63,12 @@ class Args {
   std::vector<std::string> used_;
 };
 
+
+// The median of `v` (0 when empty): what the tool reports for repeated measurements.
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
 
 }  // namespace comb::cli

@@ -99,11 +99,6 @@ PicRequest make_request(const Model& model, const nlohmann::json& item, const st
   return r;
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
 
 std::string clock_text(double seconds) {
   int64_t s = static_cast<int64_t>(seconds);

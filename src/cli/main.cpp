@@ -55,6 +55,7 @@ namespace {
 using comb::Error;
 using comb::cli::Args;
 using comb::cli::load_model;
+using comb::cli::median;
 
 constexpr const char* kUsage = R"(usage: comb <command> [options]
 
@@ -172,10 +173,6 @@ int cmd_generate(Args& args) {
   return 0;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
 
 // Bytes per cached document token against the decoder's own KV cache, measured on a document.
 int cmd_plugin_memory(Args& args) {
