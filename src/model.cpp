@@ -1,6 +1,7 @@
 // The decoder side: config, weight table, forward pass, sampling and generation.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 
 #include <chrono>
@@ -751,7 +752,9 @@ Model Model::load(const std::string& path, const Options& options) {
     COMB_CHECK(at::hasCUDA(), "device '{}' asked for, but this machine (or this LibTorch) has no CUDA device",
                options.device);
   if (options.threads > 0) at::set_num_threads(options.threads);
-  c10::InferenceMode guard;
+  // No autograd while loading, but ordinary tensors (not inference tensors), so that training can
+  // run the frozen decoder under autograd.
+  c10::AutoGradMode no_grad(false);
   Model m;
   std::unique_ptr<TensorSource> source = open_tensor_source(path);
   ModelConfig config;

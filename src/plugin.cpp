@@ -104,9 +104,10 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
   PluginConfig config;
   config.cross_layers = o.cross_layers;
   if (config.cross_layers.empty()) {
-    COMB_CHECK(o.n_encoder_layers > 0 && o.n_encoder_layers <= c.n_layer,
-               "--encoder-layers must be in [1, {}] for this base, found {}", c.n_layer, o.n_encoder_layers);
-    for (int64_t k = 0; k < o.n_encoder_layers; ++k) config.cross_layers.push_back((k + 1) * c.n_layer / o.n_encoder_layers - 1);
+    COMB_CHECK(o.n_encoder_layers > 0 && o.n_encoder_layers < c.n_layer,
+               "--encoder-layers must be in [1, {}] for this base, found {}", c.n_layer - 1, o.n_encoder_layers);
+    for (int64_t k = 0; k < o.n_encoder_layers; ++k)
+      config.cross_layers.push_back(o.first_layers ? k + 1 : (k + 1) * c.n_layer / o.n_encoder_layers - 1);
   }
   check_cross_layers(config.cross_layers, c.n_layer);
   config.max_document_tokens = c.n_ctx;
@@ -118,6 +119,33 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
   };
   auto ones = [&](int64_t n) { return at::ones({n}, opts); };
   PluginWeights w;
+  if (o.first_layers && o.copy_decoder_layers) {
+    // Encoder layer j = decoder layer j; block k reads it with decoder layer cross_layers[k]'s attention.
+    at::Tensor probe = at::arange(1000, 1000 + 64, at::kLong).to(base.device());
+    at::Tensor h = at::embedding(bw.tok_embd, probe).unsqueeze(0);
+    at::Tensor cos = base.rope_cos().narrow(0, 0, 64), sin = base.rope_sin().narrow(0, 0, 64);
+    for (size_t k = 0; k < config.cross_layers.size(); ++k) {
+      const LayerWeights& src = bw.layers.at(k);
+      w.encoder.push_back({src.attn_norm.clone(), src.wqkv.clone(), src.wo.clone(), src.ffn_norm.clone(),
+                           src.w_gate_up.clone(), src.w_down.clone()});
+      // The RMS of encoder states after this layer on a probe sequence, to scale V to the decoder's.
+      auto [q, kk, v] = split_qkv(at::linear(rms_norm(h, src.attn_norm, c.rms_eps), src.wqkv), c);
+      at::Tensor a = at::scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v, {}, 0.0,
+                                                      false, std::nullopt, true);
+      h = h + at::linear(a.transpose(1, 2).reshape({1, 64, c.q_dim()}), src.wo);
+      h = h + swiglu_mlp(rms_norm(h, src.ffn_norm, c.rms_eps), src.w_gate_up, src.w_down);
+      const double rms = h.to(at::kFloat).pow(2).mean().sqrt().item<double>();
+      const LayerWeights& dst = bw.layers.at(config.cross_layers[k]);
+      auto qkv = dst.wqkv.split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
+      at::Tensor g = dst.attn_norm.unsqueeze(0);
+      w.wk.push_back((qkv[1] * g).contiguous());
+      w.wv.push_back((qkv[2] * g / rms).contiguous());
+      w.cross.push_back({dst.attn_norm.clone(), qkv[0].clone(), ones(c.head_dim), ones(c.head_dim), dst.wo.clone(),
+                         at::zeros({1}, opts), dst.ffn_norm.clone(), dst.w_gate_up.clone(), dst.w_down.clone(),
+                         at::zeros({1}, opts)});
+    }
+    return Plugin(std::move(config), std::move(w), base);
+  }
   for (int64_t layer : config.cross_layers) {
     const LayerWeights& src = bw.layers.at(layer);
     auto qkv = src.wqkv.split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
@@ -217,8 +245,11 @@ Plugin Plugin::load(const std::string& path, const Decoder& base) {
   return from_checkpoint(file, config, base);
 }
 
-void Plugin::save(const std::string& path) const {
-  save_safetensors(path, named_tensors(),
+void Plugin::save(const std::string& path, c10::ScalarType dtype) const {
+  auto tensors = named_tensors();
+  if (dtype != c10::ScalarType::Undefined)
+    for (auto& [name, t] : tensors) t = t.detach().to(dtype);
+  save_safetensors(path, tensors,
                    {{"format", "pt"}, {"comb.plugin", config_.to_json().dump()},
                     {"comb.base_config", base_config_.to_hf_json().dump()}});
 }

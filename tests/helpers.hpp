@@ -53,6 +53,22 @@ inline void write_bytes(const std::string& path, const std::string& bytes) {
 
 inline std::string read_bytes(const std::string& path) { return detail::read_text_file(path); }
 
+// A plug-in with random weights and open gates, so that documents change the output.
+inline std::shared_ptr<Plugin> random_plugin(const Decoder& base, int64_t n_layers = 2, uint64_t seed = 1) {
+  PluginInitOptions init;
+  init.n_encoder_layers = n_layers;
+  init.copy_decoder_layers = false;
+  init.seed = seed;
+  init.init_std = 0.1;
+  auto plugin = std::make_shared<Plugin>(Plugin::fresh(base, init));
+  for (auto& block : plugin->mutable_weights().cross) {
+    block.attn_gate.fill_(0.7);
+    block.mlp_gate.fill_(-0.4);
+  }
+  plugin->refresh_fingerprint();
+  return plugin;
+}
+
 // A fresh, empty directory under the system's temporary directory.
 std::string temp_dir(const std::string& name);
 

@@ -17,22 +17,6 @@ const Model& tiny_model() {
   return model;
 }
 
-// A plug-in with random weights and open gates, so that documents change the output.
-std::shared_ptr<Plugin> random_plugin(const Decoder& base, int64_t n_layers = 2, uint64_t seed = 1) {
-  PluginInitOptions init;
-  init.n_encoder_layers = n_layers;
-  init.copy_decoder_layers = false;
-  init.seed = seed;
-  init.init_std = 0.1;
-  auto plugin = std::make_shared<Plugin>(Plugin::fresh(base, init));
-  for (auto& block : plugin->mutable_weights().cross) {
-    block.attn_gate.fill_(0.7);
-    block.mlp_gate.fill_(-0.4);
-  }
-  plugin->refresh_fingerprint();
-  return plugin;
-}
-
 std::vector<std::vector<int32_t>> sample_documents(int64_t n, int64_t len, uint64_t seed) {
   std::mt19937 rng(seed);
   std::vector<std::vector<int32_t>> docs(n);

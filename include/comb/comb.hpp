@@ -9,6 +9,8 @@
 #include "comb/model.hpp"
 #include "comb/ops.hpp"
 #include "comb/pic.hpp"
+#include "comb/qa.hpp"
+#include "comb/train.hpp"
 #include "comb/plugin.hpp"
 #include "comb/safetensors.hpp"
 #include "comb/sampler.hpp"

@@ -60,6 +60,11 @@ struct PluginInitOptions {
   int64_t n_encoder_layers = 4;
   std::vector<int64_t> cross_layers;  // empty: spread evenly, the last block before the last layer
   bool copy_decoder_layers = true;    // encoder layer i starts as a copy of decoder layer cross_layers[i]
+  // With copies: encoder layer i copies decoder layer i, and cross block i (before decoder layer
+  // i + 1 unless cross_layers says otherwise) starts as that layer's attention over the documents'
+  // states (its k/v projections with the input norm folded in, V scaled to the states' RMS), so
+  // that cross-attention is useful from the first step and its gate can open.
+  bool first_layers = false;
   uint64_t seed = 0;
   double init_std = 0.02;
 };
@@ -76,7 +81,8 @@ class Plugin {
   static Plugin load(const std::string& path, const Decoder& base);
   // Reads the plug-in part of a COMB checkpoint in the reference layout (chunk_model.*, cross_layers.*).
   static Plugin from_checkpoint(const TensorSource& source, const PluginConfig& config, const Decoder& base);
-  void save(const std::string& path) const;
+  // Writes a plug-in-only safetensors file, in `dtype` (Undefined: as the weights are).
+  void save(const std::string& path, c10::ScalarType dtype = c10::ScalarType::Undefined) const;
 
   const PluginConfig& config() const { return config_; }
   const PluginWeights& weights() const { return weights_; }

@@ -1,7 +1,7 @@
 // `comb eval`: one method on a multi-document QA file, cold and warm, with accuracy and TTFT.
+// `comb train`: trains a plug-in for the loaded decoder.
 #include <ATen/ATen.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <chrono>
@@ -18,87 +18,6 @@
 namespace comb::cli {
 
 namespace {
-
-// One JSON object per line; gzip or plain (zlib reads both).
-std::vector<nlohmann::json> read_items(const std::string& path, int64_t limit) {
-  gzFile f = gzopen(path.c_str(), "rb");
-  COMB_CHECK(f, "cannot open data file '{}'", path);
-  std::vector<nlohmann::json> items;
-  std::string line;
-  char buffer[1 << 16];
-  int64_t number = 0;
-  while (limit <= 0 || static_cast<int64_t>(items.size()) < limit) {
-    line.clear();
-    bool got = false;
-    while (gzgets(f, buffer, sizeof(buffer))) {
-      got = true;
-      line += buffer;
-      if (!line.empty() && line.back() == '\n') break;
-    }
-    if (!got) break;
-    ++number;
-    if (line.find_first_not_of(" \t\r\n") == std::string::npos) continue;
-    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    COMB_CHECK(!j.is_discarded(), "'{}' line {}: not valid JSON", path, number);
-    for (const char* key : {"id", "question", "answers", "documents"})
-      COMB_CHECK(j.contains(key), "'{}' line {}: missing '{}' (expected id, question, answers, documents)", path,
-                 number, key);
-    items.push_back(std::move(j));
-  }
-  gzclose(f);
-  COMB_CHECK(!items.empty(), "'{}' holds no items", path);
-  return items;
-}
-
-// Lower case, ASCII punctuation and the articles a/an/the removed, white space collapsed.
-std::string normalize(const std::string& s) {
-  std::string t;
-  for (unsigned char c : s) t += std::ispunct(c) ? ' ' : static_cast<char>(std::tolower(c));
-  std::string out, word;
-  auto flush = [&] {
-    if (!word.empty() && word != "a" && word != "an" && word != "the") out += (out.empty() ? "" : " ") + word;
-    word.clear();
-  };
-  for (char c : t) {
-    if (std::isspace(static_cast<unsigned char>(c))) flush();
-    else word += c;
-  }
-  flush();
-  return out;
-}
-
-bool is_correct(const std::string& prediction, const nlohmann::json& answers) {
-  std::string p = normalize(prediction);
-  for (const auto& a : answers) {
-    std::string n = normalize(a.get<std::string>());
-    if (!n.empty() && p.find(n) != std::string::npos) return true;
-  }
-  return false;
-}
-
-constexpr const char* kInstruction =
-    "Write a high-quality answer for the given question using only the provided documents (some of which might be "
-    "irrelevant).";
-
-// The prompt every method reads: chat header + instruction | each document alone | question + footer.
-PicRequest make_request(const Model& model, const nlohmann::json& item, const std::vector<size_t>& order,
-                        const std::string& question) {
-  const std::string marker = "\x01";
-  std::string rendered = model.chat_template().apply({{"user", marker}}, true);
-  size_t at = rendered.find(marker);
-  std::string head = rendered.substr(0, at), tail = rendered.substr(at + marker.size());
-  const Tokenizer& tok = model.tokenizer();
-  PicRequest r;
-  r.prefix = tok.encode(head + kInstruction + "\n\n");
-  if (tok.add_bos() && tok.bos_id()) r.prefix.insert(r.prefix.begin(), *tok.bos_id());
-  for (size_t i : order) {
-    const auto& d = item["documents"][i];
-    r.documents.push_back(tok.encode("Title: " + d.value("title", "") + "\n" + d.value("text", "") + "\n\n", false));
-  }
-  r.suffix = tok.encode("Question: " + question + tail);
-  return r;
-}
-
 
 std::string clock_text(double seconds) {
   int64_t s = static_cast<int64_t>(seconds);
@@ -122,7 +41,7 @@ int cmd_eval(Args& args, Model& model) {
   gen.max_tokens = args.num<int64_t>("max-new-tokens", 32);
   args.check_all_used();
 
-  auto items = read_items(data, limit);
+  auto items = read_qa_items(data, limit);
   PicEngine engine(model, method, options);
   std::ofstream out;
   if (!out_path.empty()) {
@@ -137,22 +56,21 @@ int cmd_eval(Args& args, Model& model) {
   auto t_start = std::chrono::steady_clock::now();
   for (size_t k = 0; k < items.size(); ++k) {
     const auto& item = items[k];
-    std::vector<size_t> order(item["documents"].size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    PicRequest request = make_request(model, item, order, item["question"].get<std::string>());
+    PicRequest request = qa_request(model, item.documents, item.question);
     // Cold: nothing of this item cached.
     engine.clear();
     PicCounts cold_stats, warm_stats;
     GenerationResult cold = engine.generate(request, gen, &cold_stats);
     // Warm: every document cached by another request, in another order, with another question.
     engine.clear();
-    std::vector<size_t> shuffled = order;
+    std::vector<QaDocument> shuffled = item.documents;
     std::shuffle(shuffled.begin(), shuffled.end(), rng);
-    if (shuffled == order && shuffled.size() > 1) std::reverse(shuffled.begin(), shuffled.end());
-    const auto& other = items[(k + 1) % items.size()];
-    engine.prefill(make_request(model, item, shuffled, other["question"].get<std::string>()), 1);
+    if (shuffled.size() > 1 && std::equal(shuffled.begin(), shuffled.end(), item.documents.begin(),
+                                          [](const QaDocument& a, const QaDocument& b) { return a.text == b.text; }))
+      std::reverse(shuffled.begin(), shuffled.end());
+    engine.prefill(qa_request(model, shuffled, items[(k + 1) % items.size()].question), 1);
     GenerationResult warm = engine.generate(request, gen, &warm_stats);
-    bool ok = is_correct(warm.text, item["answers"]);
+    bool ok = answer_correct(warm.text, item.answers);
     correct += ok;
     ++done;
     cold_ms.push_back(cold.ttft_ms);
@@ -160,7 +78,7 @@ int cmd_eval(Args& args, Model& model) {
     computed_warm += warm_stats.computed;
     reused_warm += warm_stats.reused;
     if (out.is_open())
-      out << nlohmann::json{{"id", item["id"]},
+      out << nlohmann::json{{"id", item.id},
                             {"prediction", warm.text},
                             {"prediction_cold", cold.text},
                             {"correct", ok},
@@ -170,8 +88,8 @@ int cmd_eval(Args& args, Model& model) {
                             {"reused_tokens_cold", cold_stats.reused},
                             {"computed_tokens_warm", warm_stats.computed},
                             {"reused_tokens_warm", warm_stats.reused}}
-                 .dump()
-          << "\n";
+                 .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)  // a cut-off UTF-8 sequence: U+FFFD
+          << std::endl;  // flushed: a stopped run keeps the items it finished
     double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     double eta = elapsed / done * (items.size() - done);
     if (tty || done % 10 == 0 || done == static_cast<int64_t>(items.size())) {
@@ -196,6 +114,84 @@ int cmd_eval(Args& args, Model& model) {
                             {"reused_tokens_warm_mean", reused_warm / done},
                             {"cache_bytes_per_token", engine.cache_bytes_per_token()}};
   std::cout << summary.dump() << std::endl;
+  return 0;
+}
+
+namespace {
+std::pair<std::string, int64_t> file_count(const std::string& spec) {
+  size_t colon = spec.rfind(':');
+  COMB_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < spec.size(),
+             "--holdout expects FILE:N (the first N items of FILE), found '{}'", spec);
+  std::string n = spec.substr(colon + 1);
+  COMB_CHECK(n.find_first_not_of("0123456789") == std::string::npos, "--holdout '{}': N must be a count", spec);
+  return {spec.substr(0, colon), std::stoll(n)};
+}
+}  // namespace
+
+int cmd_train(Args& args, Model& model) {
+  const std::string out = args.str("out");
+  COMB_CHECK(!out.empty(), "train needs --out FILE (the trained plug-in)");
+  TrainDataOptions data;
+  data.files = args.all("data");
+  for (const auto& spec : args.all("holdout")) data.holdout.push_back(file_count(spec));
+  data.essays_dir = args.str("essays");
+  data.kv_share = args.num<double>("kv-share", data.kv_share);
+  data.needle_share = args.num<double>("needle-share", data.essays_dir.empty() ? 0.0 : data.needle_share);
+  data.min_documents = args.num<int64_t>("min-documents", data.min_documents);
+  data.max_documents = args.num<int64_t>("max-documents", data.max_documents);
+  data.max_document_tokens = args.num<int64_t>("max-document-tokens", data.max_document_tokens);
+  TrainOptions o;
+  o.dir = args.str("dir", out + ".run");
+  o.steps = args.num<int64_t>("steps", o.steps);
+  o.batch_size = args.num<int64_t>("batch", o.batch_size);
+  o.accumulation = args.num<int64_t>("accumulate", o.accumulation);
+  o.lr = args.num<double>("lr", o.lr);
+  o.warmup_steps = args.num<int64_t>("warmup", o.warmup_steps);
+  o.min_lr_ratio = args.num<double>("min-lr-ratio", o.min_lr_ratio);
+  o.weight_decay = args.num<double>("weight-decay", o.weight_decay);
+  o.gate_lr_scale = args.num<double>("gate-lr-scale", o.gate_lr_scale);
+  o.clip = args.num<double>("clip", o.clip);
+  o.kl_weight = args.num<double>("kl-weight", o.kl_weight);
+  o.open_gates = args.num<double>("open-gates", o.open_gates);
+  o.seed = args.num<uint64_t>("seed", o.seed);
+  o.save_every = args.num<int64_t>("save-every", o.save_every);
+  o.log_every = args.num<int64_t>("log-every", o.log_every);
+  o.resume = args.num<int>("resume", 1) != 0;
+  PluginInitOptions init;
+  init.n_encoder_layers = args.num<int64_t>("encoder-layers", init.n_encoder_layers);
+  init.seed = o.seed;
+  const std::string init_from = args.str("init", "first");
+  COMB_CHECK(init_from == "first" || init_from == "spread",
+             "--init expects first (encoder = the decoder's first layers, cross blocks after them) or spread, found '{}'",
+             init_from);
+  init.first_layers = init_from == "first";
+  const std::string save_dtype = args.str("save-dtype", "bfloat16");
+  args.check_all_used();
+  const c10::ScalarType out_dtype = parse_dtype(save_dtype);
+
+  set_log_callback([](LogLevel level, const std::string& m) {
+    if (level != LogLevel::debug) fmt::print(stderr, "[comb] {}\n", m);
+  });
+  // A plug-in given with --plugin continues from its weights; otherwise a fresh one.
+  Plugin plugin = model.plugin() ? *model.plugin() : Plugin::fresh(model.decoder(), init);
+  TrainData examples(model, data);
+  fmt::print(stderr, "[train] {} QA items ({} held out), kv share {}, needle share {}; {} steps of {} x {} examples; "
+             "plug-in: {} encoder layers, cross blocks before [{}]\n", examples.n_items(), examples.n_held_out(),
+             data.kv_share, data.needle_share, o.steps, o.accumulation, o.batch_size,
+             plugin.config().n_encoder_layers(), fmt::join(plugin.config().cross_layers, ", "));
+  const bool tty = ::isatty(fileno(stderr));
+  o.on_progress = [&](const TrainProgress& p) {
+    fmt::print(stderr, "{}[train] step {}/{} loss {:.4f} lr {:.2e} |g| {:.3f} {:.1f}k tok/s gates {:.3f}/{:.3f} elapsed {} "
+               "eta {}{}", tty ? "\r" : "", p.step, p.steps, p.loss, p.lr, p.grad_norm, p.tokens_per_s / 1e3,
+               p.attn_gate, p.mlp_gate, clock_text(p.elapsed_s), clock_text(p.eta_s), tty ? "   " : "\n");
+  };
+  TrainResult r = train_plugin(model, plugin, examples, o);
+  if (tty) fmt::print(stderr, "\n");
+  plugin.save(out, out_dtype);
+  std::cout << nlohmann::json{{"out", out},      {"dir", o.dir},           {"steps", r.steps},
+                              {"resumed_from", r.resumed_from}, {"loss", r.last_loss}, {"seconds", r.seconds}}
+                   .dump()
+            << std::endl;
   return 0;
 }
 

@@ -20,6 +20,7 @@
 
 namespace comb::cli {
 int cmd_eval(Args& args, comb::Model& model);
+int cmd_train(Args& args, comb::Model& model);
 comb::Model load_model(Args& args);
 }  // namespace comb::cli
 
@@ -63,6 +64,8 @@ commands:
   generate      answer a prompt with a model (with documents: through the COMB plug-in)
   plugin init   write a fresh plug-in for a model
   plugin memory bytes per cached document token, COMB against the decoder's KV cache
+  eval          one method on a multi-document QA file: accuracy, TTFT cold and warm
+  train         train a plug-in for a model (decoder frozen)
   bench         measure prefill and decode throughput
   version       print the version
 
@@ -94,6 +97,38 @@ plugin init options:
   --cross-layers LIST decoder layers the cross blocks run before (default: spread evenly)
   --random-init       random encoder and cross blocks (default: copies of decoder layers)
   --seed N            random seed (default 0)
+
+eval options:
+  --method M          full (default), prefix, naive, cacheblend, epic, comb
+  --data FILE         items (JSON Lines, gzip or plain): id, question, answers, documents
+  --limit N           the first N items (default: all)
+  --out FILE          one JSON line per item
+  --max-new-tokens N  greedy tokens per answer (default 32)
+  --blend-ratio R     cacheblend: share of document tokens recomputed (default 0.15)
+  --check-layer L     cacheblend: layer that picks them (default 1)
+  --epic-k K          epic: leading tokens recomputed per document (default 8)
+  --prefix-block N    prefix: tokens per cached block (default 16)
+  --plugin FILE       comb: the plug-in (default: the shipped one, for the default model)
+
+train options:
+  --out FILE          the trained plug-in (safetensors, --save-dtype, default bfloat16)
+  --dir DIR           checkpoints and loss.csv (default: OUT.run); a run there resumes
+  --data FILE         QA items to train on; repeat for several
+  --holdout FILE:N    never train on the first N items of FILE (by id, in every file); repeatable
+  --essays DIR        *.txt filler for generated needle examples
+  --kv-share S        share of generated key-value lookups (default 0.2)
+  --needle-share S    share of generated needle examples (default 0.15 with --essays)
+  --min-documents N, --max-documents N   documents linked per example (default 1..10)
+  --max-document-tokens N                longer documents are cut (default 320)
+  --steps N (1000)  --batch N (16)  --accumulate N (1)  --lr X (3e-4)  --warmup N (50)
+  --min-lr-ratio X (0.1)  --weight-decay X (0.01)  --gate-lr-scale X (10)  --clip X (1.0)
+  --open-gates X      start a fresh run's attention gates at tanh(gate) = X (default 0)
+  --kl-weight X       add X * KL(full-context decoder || plug-in) on answer tokens (default 0)
+  --encoder-layers N  for a fresh plug-in (default 4); --plugin FILE continues from a plug-in
+  --init first|spread fresh plug-in: copies of the first decoder layers with cross blocks after
+                      them (default), or copies of the layers the blocks are spread over
+  --seed N            data order and initialisation (default 0)
+  --save-every N (200)  --log-every N (10)  --resume 0|1 (1)
 
 bench options:
   --prompt-tokens LIST   prompt lengths for prefill, comma separated (default 128,512,2048)
@@ -164,7 +199,7 @@ int cmd_generate(Args& args) {
                          {{"ttft_ms", r.ttft_ms},
                           {"prefill_tokens_per_s", r.prefill_tokens_per_s()},
                           {"decode_tokens_per_s", r.decode_tokens_per_s()}}}};
-    std::cout << j.dump() << std::endl;
+    std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   } else {
     std::cout << std::endl;
   }
@@ -322,11 +357,16 @@ int main(int argc, char** argv) {
       comb::Model model = load_model(args);
       return comb::cli::cmd_eval(args, model);
     }
+    if (cmd == "train") {
+      Args args(argc, argv, 2, {});
+      comb::Model model = load_model(args);
+      return comb::cli::cmd_train(args, model);
+    }
     if (cmd == "bench") {
       Args args(argc, argv, 2, {"json"});
       return cmd_bench(args);
     }
-    throw Error("unknown command '" + cmd + "' (expected generate, bench or version)");
+    throw Error("unknown command '" + cmd + "' (expected generate, eval, train, plugin, bench or version)");
   } catch (const Error& e) {
     if (std::string(e.what()) == "help") {
       std::fputs(kUsage, stdout);

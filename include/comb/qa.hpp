@@ -1,0 +1,41 @@
+#pragma once
+// Multi-document QA: items in the data format (JSON Lines, optionally gzip), the one prompt every
+// method reads, and the answer check. Shared by `comb eval`, `comb train` and the demo.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comb/pic.hpp"
+
+namespace comb {
+
+struct QaDocument {
+  std::string title, text;
+};
+
+struct QaItem {
+  std::string id, question;
+  std::vector<std::string> answers;
+  std::vector<QaDocument> documents;
+  int64_t gold_index = -1;  // the document holding the answer, or -1 when unknown
+};
+
+// Reads items `id, question, answers, documents[{title, text}]` (and `gold_index` when present),
+// one JSON object per line, gzip or plain; the first `limit` items when limit > 0. Throws
+// comb::Error naming the file and line of a malformed item.
+std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit = 0);
+
+// Lower case, ASCII punctuation and the articles a/an/the removed, white space collapsed.
+std::string normalize_answer(const std::string& text);
+// True when a normalized answer is a substring of the normalized prediction.
+bool answer_correct(const std::string& prediction, const std::vector<std::string>& answers);
+
+// The instruction that opens every prompt.
+extern const char* const kQaInstruction;
+
+// One document's tokens as every prompt renders it, alone: "Title: <title>\n<text>\n\n".
+std::vector<int32_t> qa_document_tokens(const Model& model, const QaDocument& document);
+// chat header + instruction | each document alone | "Question: <question>" + assistant header.
+PicRequest qa_request(const Model& model, const std::vector<QaDocument>& documents, const std::string& question);
+
+}  // namespace comb

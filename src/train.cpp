@@ -1,0 +1,613 @@
+// comb train: examples, the differentiable forward of the plug-in on a frozen decoder, the loop.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+
+#include "comb/error.hpp"
+#include "comb/log.hpp"
+#include "comb/safetensors.hpp"
+#include "comb/train.hpp"
+
+namespace fs = std::filesystem;
+
+namespace comb {
+
+// ================================================================================================
+// Examples
+// ================================================================================================
+
+namespace {
+std::string read_text(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  COMB_CHECK(f.good(), "cannot read '{}'", p.string());
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+// Splits prose into paragraphs of about `words` words, on sentence ends.
+std::vector<std::string> paragraphs_of(const std::string& text, size_t words) {
+  std::vector<std::string> out;
+  std::string current, word;
+  size_t n = 0;
+  auto push_word = [&] {
+    if (word.empty()) return;
+    current += (current.empty() ? "" : " ") + word;
+    ++n;
+    bool sentence_end = word.back() == '.' || word.back() == '?' || word.back() == '!';
+    word.clear();
+    if (n >= words && sentence_end) {
+      out.push_back(current);
+      current.clear();
+      n = 0;
+    }
+  };
+  for (char c : text) {
+    if (std::isspace(static_cast<unsigned char>(c))) push_word();
+    else word += c;
+  }
+  push_word();
+  return out;
+}
+
+std::string uuid(std::mt19937_64& rng) {
+  static const char* hex = "0123456789abcdef";
+  std::string s;
+  for (int i = 0; i < 32; ++i) {
+    if (i == 8 || i == 12 || i == 16 || i == 20) s += '-';
+    s += hex[rng() % 16];
+  }
+  return s;
+}
+
+int64_t uniform(std::mt19937_64& rng, int64_t lo, int64_t hi) {  // [lo, hi]
+  return lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(hi - lo + 1));
+}
+}  // namespace
+
+std::shared_ptr<const std::vector<int32_t>> TrainData::document(const QaDocument& d) const {
+  auto t = qa_document_tokens(model_, d);
+  if (static_cast<int64_t>(t.size()) > options_.max_document_tokens) t.resize(options_.max_document_tokens);
+  return std::make_shared<const std::vector<int32_t>>(std::move(t));
+}
+
+TrainData::TrainData(const Model& model, const TrainDataOptions& options) : model_(model), options_(options) {
+  COMB_CHECK(options.min_documents >= 1 && options.max_documents >= options.min_documents,
+             "documents per example: need 1 <= min ({}) <= max ({})", options.min_documents, options.max_documents);
+  COMB_CHECK(options.max_document_tokens > 0, "--max-document-tokens must be > 0, found {}",
+             options.max_document_tokens);
+  COMB_CHECK(options.kv_share >= 0 && options.needle_share >= 0 && options.kv_share + options.needle_share <= 1,
+             "generated shares must be >= 0 and sum to at most 1 (kv {}, needle {})", options.kv_share,
+             options.needle_share);
+  PicRequest bare = qa_request(model, {}, "");
+  prefix_ = bare.prefix;
+  if (auto eot = model.tokenizer().find_token(model.chat_template().end_of_turn())) end_of_turn_ = {*eot};
+  else if (auto eos = model.tokenizer().eos_id()) end_of_turn_ = {*eos};
+  std::set<std::string> held;
+  for (const auto& [file, n] : options.holdout)
+    for (const auto& item : read_qa_items(file, n)) held.insert(item.id);
+  std::unordered_map<std::string, std::shared_ptr<const std::vector<int32_t>>> seen;  // documents repeat across items
+  for (const auto& file : options.files) {
+    auto items = read_qa_items(file);
+    int64_t kept = 0;
+    for (const auto& item : items) {
+      if (held.count(item.id)) {
+        ++n_held_out_;
+        continue;
+      }
+      if (item.gold_index < 0 || item.answers.empty()) continue;  // nothing to learn without the answer's document
+      Item it;
+      for (const auto& d : item.documents) {
+        std::string key = d.title + '\x01' + d.text;
+        auto found = seen.find(key);
+        if (found == seen.end()) found = seen.emplace(key, document(d)).first;
+        it.documents.push_back(found->second);
+      }
+      it.gold = item.gold_index;
+      it.suffix = qa_request(model, {}, item.question).suffix;
+      it.answer = model.tokenizer().encode(item.answers.front(), false);
+      it.answer.insert(it.answer.end(), end_of_turn_.begin(), end_of_turn_.end());
+      items_.push_back(std::move(it));
+      ++kept;
+    }
+    log(LogLevel::info, "train data: {}: {} items, {} kept ({} held out or without a gold document)", file, items.size(), kept,
+             items.size() - kept);
+  }
+  if (!options.essays_dir.empty()) {
+    COMB_CHECK(fs::is_directory(options.essays_dir), "--essays '{}' is not a directory", options.essays_dir);
+    std::vector<fs::path> files;
+    for (const auto& e : fs::directory_iterator(options.essays_dir))
+      if (e.path().extension() == ".txt") files.push_back(e.path());
+    std::sort(files.begin(), files.end());
+    for (const auto& f : files)
+      for (auto& p : paragraphs_of(read_text(f), 80)) paragraphs_.push_back(std::move(p));
+    COMB_CHECK(!paragraphs_.empty(), "--essays '{}' holds no *.txt prose", options.essays_dir);
+    log(LogLevel::info, "train data: {} filler paragraphs from {} essays", paragraphs_.size(), files.size());
+  }
+  COMB_CHECK(!items_.empty() || options.kv_share > 0 || (options.needle_share > 0 && !paragraphs_.empty()),
+             "no training examples: give --data files or generated shares");
+}
+
+TrainExample TrainData::finish(std::vector<std::shared_ptr<const std::vector<int32_t>>> documents, int64_t gold,
+                               std::vector<int32_t> suffix, std::vector<int32_t> answer, const char* source,
+                               std::mt19937_64& rng) const {
+  // A random subset (the answer's document always in it) in a random order.
+  const int64_t n = static_cast<int64_t>(documents.size());
+  int64_t k = uniform(rng, std::min(options_.min_documents, n), std::min(options_.max_documents, n));
+  std::vector<int64_t> others;
+  for (int64_t i = 0; i < n; ++i)
+    if (i != gold) others.push_back(i);
+  std::shuffle(others.begin(), others.end(), rng);
+  std::vector<int64_t> chosen(others.begin(), others.begin() + std::min<int64_t>(k - 1, others.size()));
+  chosen.push_back(gold);
+  std::shuffle(chosen.begin(), chosen.end(), rng);
+  TrainExample e;
+  for (int64_t i : chosen) e.documents.push_back(documents[i]);
+  e.prefix = prefix_;
+  e.suffix = std::move(suffix);
+  e.answer = std::move(answer);
+  e.source = source;
+  return e;
+}
+
+TrainExample TrainData::generated_kv(std::mt19937_64& rng) const {
+  // As kv-75: documents of 5 pairs of UUIDs as JSON objects, a key to look up.
+  const int64_t n_docs = uniform(rng, 2, std::max<int64_t>(2, std::min<int64_t>(15, options_.max_documents)));
+  const int64_t gold = uniform(rng, 0, n_docs - 1), slot = uniform(rng, 0, 4);
+  std::string key, value;
+  std::vector<std::shared_ptr<const std::vector<int32_t>>> docs;
+  for (int64_t d = 0; d < n_docs; ++d) {
+    std::string text = "{";
+    for (int p = 0; p < 5; ++p) {
+      std::string k = uuid(rng), v = uuid(rng);
+      if (d == gold && p == slot) key = k, value = v;
+      text += fmt::format("{}\"{}\": \"{}\"", p ? ", " : "", k, v);
+    }
+    docs.push_back(document({"", text + "}"}));
+  }
+  std::string question = "Extract the value corresponding to the key \"" + key + "\" from the JSON objects above.";
+  std::vector<int32_t> answer = model_.tokenizer().encode(value, false);
+  answer.insert(answer.end(), end_of_turn_.begin(), end_of_turn_.end());
+  return finish(std::move(docs), gold, qa_request(model_, {}, question).suffix, std::move(answer), "kv", rng);
+}
+
+TrainExample TrainData::generated_needle(std::mt19937_64& rng) const {
+  // A fact hidden in one of several filler paragraphs: "The special magic number for <word> is <n>."
+  static const char* words[] = {"amber",  "basil",  "cobalt", "dune",   "ember",  "fjord", "garnet", "harbor",
+                                "indigo", "juniper", "kelp",  "lagoon", "marble", "nectar", "onyx",  "pepper",
+                                "quartz", "raven",  "saffron", "tundra", "umber", "velvet", "willow", "zephyr"};
+  const int64_t n_words = sizeof(words) / sizeof(words[0]);
+  const int64_t n_docs = uniform(rng, 2, std::max<int64_t>(2, options_.max_documents));
+  const int64_t gold = uniform(rng, 0, n_docs - 1);
+  std::string word = std::string(words[rng() % n_words]) + "-" + words[rng() % n_words];
+  std::string number = std::to_string(uniform(rng, 1000000, 9999999));
+  std::vector<std::shared_ptr<const std::vector<int32_t>>> docs;
+  for (int64_t d = 0; d < n_docs; ++d) {
+    std::string text = paragraphs_[rng() % paragraphs_.size()];
+    if (d == gold) {
+      // After a random sentence end (or at the start).
+      std::vector<size_t> ends = {0};
+      for (size_t i = 0; i + 1 < text.size(); ++i)
+        if ((text[i] == '.' || text[i] == '?' || text[i] == '!') && text[i + 1] == ' ') ends.push_back(i + 2);
+      size_t at = ends[rng() % ends.size()];
+      text.insert(at, "The special magic number for " + word + " is " + number + ". ");
+    }
+    docs.push_back(document({"Essay", text}));
+  }
+  std::vector<int32_t> answer = model_.tokenizer().encode(number, false);
+  answer.insert(answer.end(), end_of_turn_.begin(), end_of_turn_.end());
+  return finish(std::move(docs), gold, qa_request(model_, {}, "What is the special magic number for " + word + "?").suffix,
+                std::move(answer), "needle", rng);
+}
+
+TrainExample TrainData::sample(std::mt19937_64& rng) const {
+  double u = std::uniform_real_distribution<double>(0, 1)(rng);
+  double needle = paragraphs_.empty() ? 0 : options_.needle_share;
+  double kv = items_.empty() ? 1 - needle : options_.kv_share;
+  if (u < kv) return generated_kv(rng);
+  if (u < kv + needle) return generated_needle(rng);
+  const Item& it = items_[rng() % items_.size()];
+  return finish(it.documents, it.gold, it.suffix, it.answer, "qa", rng);
+}
+
+// ================================================================================================
+// Batches and the differentiable forward
+// ================================================================================================
+
+TrainBatch make_train_batch(const std::vector<TrainExample>& examples, c10::Device device) {
+  COMB_CHECK(!examples.empty(), "a training batch needs at least one example");
+  int64_t n_docs = 0, max_len = 1, max_tokens = 1;
+  for (const auto& e : examples) {
+    COMB_CHECK(!e.documents.empty(), "a training example needs at least one document");
+    COMB_CHECK(!e.answer.empty(), "a training example needs an answer");
+    n_docs += e.documents.size();
+    for (const auto& d : e.documents) {
+      COMB_CHECK(!d->empty(), "a training document is empty");
+      max_len = std::max<int64_t>(max_len, d->size());
+    }
+    max_tokens = std::max<int64_t>(max_tokens, e.prefix.size() + e.suffix.size() + e.answer.size());
+  }
+  const int64_t batch = examples.size();
+  std::vector<int64_t> doc_tokens(n_docs * max_len, 0), tokens(batch * max_tokens, 0), rows, targets;
+  std::vector<uint8_t> doc_mask(n_docs * max_len, 0);
+  std::vector<std::vector<int64_t>> links(batch);
+  int64_t real = 0, d = 0, max_linked = 1;
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto& e = examples[b];
+    for (const auto& doc : e.documents) {
+      for (size_t t = 0; t < doc->size(); ++t) {
+        doc_tokens[d * max_len + t] = (*doc)[t];
+        doc_mask[d * max_len + t] = 1;
+        links[b].push_back(d * max_len + t);
+      }
+      real += doc->size();
+      ++d;
+    }
+    max_linked = std::max<int64_t>(max_linked, links[b].size());
+    std::vector<int32_t> seq = e.prefix;
+    seq.insert(seq.end(), e.suffix.begin(), e.suffix.end());
+    const int64_t answer_at = seq.size();
+    seq.insert(seq.end(), e.answer.begin(), e.answer.end());
+    for (size_t t = 0; t < seq.size(); ++t) tokens[b * max_tokens + t] = seq[t];
+    for (size_t j = 0; j < e.answer.size(); ++j) {
+      rows.push_back(b * max_tokens + answer_at - 1 + j);  // the position whose next token is answer[j]
+      targets.push_back(e.answer[j]);
+    }
+    real += seq.size() - 1;  // the last answer token is a target only
+  }
+  std::vector<int64_t> link(batch * max_linked, 0);
+  std::vector<uint8_t> link_mask(batch * max_linked, 0);
+  for (int64_t b = 0; b < batch; ++b)
+    for (size_t j = 0; j < links[b].size(); ++j) {
+      link[b * max_linked + j] = links[b][j];
+      link_mask[b * max_linked + j] = 1;
+    }
+  auto i64 = [&](std::vector<int64_t>& v, std::vector<int64_t> shape) {
+    return at::from_blob(v.data(), shape, at::kLong).clone().to(device);
+  };
+  auto mask = [&](std::vector<uint8_t>& v, std::vector<int64_t> shape) {
+    return at::from_blob(v.data(), shape, at::kByte).to(at::kBool).to(device);
+  };
+  TrainBatch out;
+  out.doc_tokens = i64(doc_tokens, {n_docs, max_len});
+  out.doc_mask = mask(doc_mask, {n_docs, max_len});
+  out.link = i64(link, {batch, max_linked});
+  out.link_mask = mask(link_mask, {batch, max_linked});
+  out.tokens = i64(tokens, {batch, max_tokens});
+  out.target_rows = i64(rows, {static_cast<int64_t>(rows.size())});
+  out.targets = i64(targets, {static_cast<int64_t>(targets.size())});
+  out.real_tokens = real;
+  return out;
+}
+
+namespace {
+// The decoder over tokens [batch, n] at positions 0..n-1, causal, without a cache; `hook` runs
+// before each layer (the cross blocks). Returns the final-normed hidden state [batch, n, n_embd].
+at::Tensor decoder_hidden(const Decoder& base, const at::Tensor& tokens,
+                          const std::function<at::Tensor(int64_t, const at::Tensor&)>& hook) {
+  const auto& c = base.config();
+  const auto& w = base.weights();
+  const int64_t batch = tokens.size(0), n = tokens.size(1);
+  COMB_CHECK(n <= c.n_ctx, "a training sequence has {} tokens; the context holds {}", n, c.n_ctx);
+  at::Tensor x = at::embedding(w.tok_embd, tokens);
+  at::Tensor cos = base.rope_cos().narrow(0, 0, n), sin = base.rope_sin().narrow(0, 0, n);
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    if (hook) x = hook(i, x);
+    const LayerWeights& l = w.layers[i];
+    auto [q, k, v] = split_qkv(at::linear(rms_norm(x, l.attn_norm, c.rms_eps), l.wqkv), c);
+    at::Tensor a = at::scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, {}, 0.0,
+                                                    /*is_causal=*/true, std::nullopt, /*enable_gqa=*/true);
+    x = x + at::linear(a.transpose(1, 2).reshape({batch, n, c.q_dim()}), l.wo);
+    x = x + swiglu_mlp(rms_norm(x, l.ffn_norm, c.rms_eps), l.w_gate_up, l.w_down);
+  }
+  return rms_norm(x, w.output_norm, c.rms_eps);
+}
+
+at::Tensor head_logits(const Decoder& base, const at::Tensor& hidden, const at::Tensor& rows) {
+  at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).index_select(0, rows);
+  return at::linear(h, base.weights().output).to(at::kFloat);
+}
+}  // namespace
+
+at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const PluginWeights& pw,
+                               const TrainBatch& batch) {
+  const auto& c = base.config();
+  const c10::ScalarType dt = base.dtype();
+  auto W = [&](const at::Tensor& t) { return t.scalar_type() == dt ? t : t.to(dt); };
+  const int64_t n_docs = batch.doc_tokens.size(0), len = batch.doc_tokens.size(1);
+  const int64_t n_blocks = plugin.config().n_encoder_layers();
+  COMB_CHECK(len <= plugin.config().max_document_tokens, "a document has {} tokens; the encoder takes at most {}", len,
+             plugin.config().max_document_tokens);
+  // Encoder: every document alone, positions 0..len-1, bidirectional over its real tokens.
+  at::Tensor h = at::embedding(pw.tok_embd.defined() ? W(pw.tok_embd) : base.weights().tok_embd, batch.doc_tokens);
+  at::Tensor cos = base.rope_cos().narrow(0, 0, len), sin = base.rope_sin().narrow(0, 0, len);
+  at::Tensor enc_mask = batch.doc_mask.view({n_docs, 1, 1, len});
+  std::vector<at::Tensor> keys, values;  // per block: [batch, n_head_kv, max_linked, head_dim]
+  const int64_t B = batch.tokens.size(0), S = batch.link.size(1);
+  at::Tensor flat_link = batch.link.reshape({-1});
+  for (int64_t j = 0; j < n_blocks; ++j) {
+    const LayerWeights& l = pw.encoder[j];
+    auto [q, k, v] = split_qkv(at::linear(rms_norm(h, W(l.attn_norm), c.rms_eps), W(l.wqkv)), c);
+    at::Tensor a = at::scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, enc_mask, 0.0,
+                                                    /*is_causal=*/false, std::nullopt, /*enable_gqa=*/true);
+    h = h + at::linear(a.transpose(1, 2).reshape({n_docs, len, c.q_dim()}), W(l.wo));
+    h = h + swiglu_mlp(rms_norm(h, W(l.ffn_norm), c.rms_eps), W(l.w_gate_up), W(l.w_down));
+    at::Tensor ke = rms_norm(at::linear(h, W(pw.wk[j])).view({n_docs * len, c.n_head_kv, c.head_dim}),
+                             W(pw.cross[j].k_norm), c.rms_eps);
+    at::Tensor ve = at::linear(h, W(pw.wv[j])).view({n_docs * len, c.n_head_kv, c.head_dim});
+    keys.push_back(ke.index_select(0, flat_link).view({B, S, c.n_head_kv, c.head_dim}).transpose(1, 2));
+    values.push_back(ve.index_select(0, flat_link).view({B, S, c.n_head_kv, c.head_dim}).transpose(1, 2));
+  }
+  at::Tensor cross_mask = batch.link_mask.view({B, 1, 1, S});
+  const double scale = 1.0 / std::sqrt(double(c.head_dim));
+  auto hook = [&](int64_t layer, const at::Tensor& x) -> at::Tensor {
+    int64_t k = plugin.block_before(layer);
+    if (k < 0) return x;
+    const CrossBlockWeights& b = pw.cross[k];
+    const int64_t n = x.size(1);
+    at::Tensor q = at::linear(rms_norm(x, W(b.attn_norm), c.rms_eps), W(b.wq)).view({B, n, c.n_head, c.head_dim});
+    q = rms_norm(q, W(b.q_norm), c.rms_eps).transpose(1, 2);
+    at::Tensor a = at::scaled_dot_product_attention(q, keys[k], values[k], cross_mask, 0.0, false, scale,
+                                                    /*enable_gqa=*/true);
+    at::Tensor y = x + at::tanh(W(b.attn_gate)) * at::linear(a.transpose(1, 2).reshape({B, n, c.q_dim()}), W(b.wo));
+    return y + at::tanh(W(b.mlp_gate)) * swiglu_mlp(rms_norm(y, W(b.ffn_norm), c.rms_eps), W(b.w_gate_up), W(b.w_down));
+  };
+  return head_logits(base, decoder_hidden(base, batch.tokens, hook), batch.target_rows);
+}
+
+at::Tensor full_context_logits(const Decoder& base, const std::vector<TrainExample>& examples, c10::Device device) {
+  c10::AutoGradMode no_grad(false);
+  std::vector<std::vector<int32_t>> seqs;
+  std::vector<int64_t> answer_at;
+  int64_t max_n = 1;
+  for (const auto& e : examples) {
+    std::vector<int32_t> s = e.prefix;
+    for (const auto& d : e.documents) s.insert(s.end(), d->begin(), d->end());
+    s.insert(s.end(), e.suffix.begin(), e.suffix.end());
+    answer_at.push_back(s.size());
+    s.insert(s.end(), e.answer.begin(), e.answer.end());
+    max_n = std::max<int64_t>(max_n, s.size());
+    seqs.push_back(std::move(s));
+  }
+  std::vector<int64_t> tokens(examples.size() * max_n, 0), rows;
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    for (size_t t = 0; t < seqs[b].size(); ++t) tokens[b * max_n + t] = seqs[b][t];
+    for (size_t j = 0; j < examples[b].answer.size(); ++j) rows.push_back(b * max_n + answer_at[b] - 1 + j);
+  }
+  at::Tensor t = at::from_blob(tokens.data(), {static_cast<int64_t>(seqs.size()), max_n}, at::kLong).clone().to(device);
+  at::Tensor r = at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).clone().to(device);
+  return head_logits(base, decoder_hidden(base, t, nullptr), r);
+}
+
+// ================================================================================================
+// The loop
+// ================================================================================================
+
+std::vector<std::pair<std::string, at::Tensor*>> plugin_parameters(PluginWeights& w) {
+  std::vector<std::pair<std::string, at::Tensor*>> out;
+  for (size_t j = 0; j < w.encoder.size(); ++j) {
+    auto& l = w.encoder[j];
+    std::string p = fmt::format("encoder.{}.", j);
+    for (auto [name, t] : {std::pair{"attn_norm", &l.attn_norm}, {"wqkv", &l.wqkv}, {"wo", &l.wo},
+                           {"ffn_norm", &l.ffn_norm}, {"w_gate_up", &l.w_gate_up}, {"w_down", &l.w_down}})
+      out.emplace_back(p + name, t);
+    out.emplace_back(fmt::format("wk.{}", j), &w.wk[j]);
+    out.emplace_back(fmt::format("wv.{}", j), &w.wv[j]);
+  }
+  for (size_t k = 0; k < w.cross.size(); ++k) {
+    auto& b = w.cross[k];
+    std::string p = fmt::format("cross.{}.", k);
+    for (auto [name, t] : {std::pair{"attn_norm", &b.attn_norm}, {"wq", &b.wq}, {"q_norm", &b.q_norm},
+                           {"k_norm", &b.k_norm}, {"wo", &b.wo}, {"attn_gate", &b.attn_gate},
+                           {"ffn_norm", &b.ffn_norm}, {"w_gate_up", &b.w_gate_up}, {"w_down", &b.w_down},
+                           {"mlp_gate", &b.mlp_gate}})
+      out.emplace_back(p + name, t);
+  }
+  return out;
+}
+
+namespace {
+double lr_at(const TrainOptions& o, int64_t step) {  // step: 0-based optimizer step
+  if (step < o.warmup_steps) return o.lr * (step + 1) / o.warmup_steps;
+  double span = std::max<int64_t>(1, o.steps - o.warmup_steps);
+  double progress = std::min(1.0, (step - o.warmup_steps) / span);
+  return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + std::cos(M_PI * progress)));
+}
+}  // namespace
+
+TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& data, const TrainOptions& o) {
+  COMB_CHECK(o.steps > 0 && o.batch_size > 0 && o.accumulation > 0,
+             "steps ({}), batch ({}) and accumulation ({}) must be > 0", o.steps, o.batch_size, o.accumulation);
+  COMB_CHECK(o.lr > 0 && o.warmup_steps >= 0 && o.min_lr_ratio >= 0 && o.min_lr_ratio <= 1,
+             "need lr > 0, warmup >= 0 and min lr ratio in [0, 1] (found {}, {}, {})", o.lr, o.warmup_steps,
+             o.min_lr_ratio);
+  COMB_CHECK(!o.dir.empty(), "training needs a directory for its checkpoints and loss log (--dir)");
+  const Decoder& base = model.decoder();
+  const c10::Device device = base.device();
+  fs::create_directories(o.dir);
+  const fs::path ckpt = fs::path(o.dir) / "checkpoint.safetensors", optim = fs::path(o.dir) / "optimizer.safetensors",
+                 csv_path = fs::path(o.dir) / "loss.csv";
+  TrainResult result;
+  auto params = plugin_parameters(plugin.mutable_weights());
+  // fp32 masters that take gradients; the forward casts them to the decoder's dtype.
+  std::vector<at::Tensor> m, v;
+  int64_t step = 0;
+  if (o.resume && fs::exists(ckpt) && fs::exists(optim)) {
+    Plugin saved = Plugin::load(ckpt.string(), base);
+    COMB_CHECK(saved.config().cross_layers == plugin.config().cross_layers,
+               "'{}' holds a plug-in with cross blocks before layers [{}], not [{}]: use another --dir", ckpt.string(),
+               fmt::join(saved.config().cross_layers, ", "), fmt::join(plugin.config().cross_layers, ", "));
+    plugin = saved;
+    params = plugin_parameters(plugin.mutable_weights());
+    SafetensorsFile f(optim.string());
+    auto it = f.metadata().find("step");
+    COMB_CHECK(it != f.metadata().end(), "'{}' has no 'step' metadata", optim.string());
+    step = std::stoll(it->second);
+    WeightReader r(f, at::kFloat, device);
+    for (auto& [name, p] : params) {
+      m.push_back(r.get("m." + name, p->sizes().vec()));
+      v.push_back(r.get("v." + name, p->sizes().vec()));
+    }
+    r.finish(fmt::format("'{}' does not match the plug-in", optim.string()));
+    result.resumed_from = step;
+    log(LogLevel::info, "train: resuming from step {} ({})", step, ckpt.string());
+  }
+  COMB_CHECK(o.open_gates >= 0 && o.open_gates < 1, "open gates must be in [0, 1), found {}", o.open_gates);
+  if (step == 0 && o.open_gates > 0)
+    // Closed gates pass no gradient to the blocks' weights; opened a little, they learn from the start.
+    for (auto& b : plugin.mutable_weights().cross) b.attn_gate = at::full_like(b.attn_gate, std::atanh(o.open_gates));
+  for (auto& [name, p] : params) {
+    at::Tensor t = p->detach().to(device, at::kFloat).clone();
+    t.set_requires_grad(true);
+    *p = t;
+  }
+  if (m.empty())
+    for (auto& [name, p] : params) {
+      m.push_back(at::zeros_like(*p).detach());
+      v.push_back(at::zeros_like(*p).detach());
+    }
+  // Loss log: keep rows of steps already done (a resumed run rewrites the rest).
+  std::vector<std::string> kept_rows;
+  if (fs::exists(csv_path) && step > 0) {
+    std::ifstream in(csv_path);
+    std::string line;
+    std::getline(in, line);
+    while (std::getline(in, line))
+      if (!line.empty() && std::stoll(line.substr(0, line.find(','))) <= step) kept_rows.push_back(line);
+  }
+  std::ofstream csv(csv_path, std::ios::trunc);
+  COMB_CHECK(csv.good(), "cannot write '{}'", csv_path.string());
+  csv << "step,loss,ce,kl,lr,grad_norm,tokens_per_s,attn_gate_mean,mlp_gate_mean\n";
+  for (const auto& r : kept_rows) csv << r << "\n";
+  csv.flush();
+
+  auto save = [&](int64_t at_step) {
+    plugin.refresh_fingerprint();
+    fs::path tmp = ckpt;
+    tmp += ".tmp";
+    plugin.save(tmp.string());  // written whole or not at all, then renamed after the optimizer state
+    std::vector<std::pair<std::string, at::Tensor>> state;
+    for (size_t i = 0; i < params.size(); ++i) {
+      state.emplace_back("m." + params[i].first, m[i]);
+      state.emplace_back("v." + params[i].first, v[i]);
+    }
+    save_safetensors(optim.string(), state, {{"format", "pt"}, {"step", std::to_string(at_step)}, {"seed", std::to_string(o.seed)}});
+    fs::rename(tmp, ckpt);  // the checkpoint last: it and the optimizer state agree when both exist
+  };
+
+  const double b1 = 0.9, b2 = 0.95, eps = 1e-8;
+  auto t0 = std::chrono::steady_clock::now();
+  double window_loss = 0, window_ce = 0, window_kl = 0, window_tokens = 0;
+  int64_t window_steps = 0;
+  auto window_t0 = t0;
+  const int64_t first = step;
+  for (; step < o.steps; ++step) {
+    double step_loss = 0, step_ce = 0, step_kl = 0;
+    for (int64_t micro = 0; micro < o.accumulation; ++micro) {
+      // The examples of (seed, step, micro-batch) are fixed: a resumed run sees what it would have.
+      std::mt19937_64 rng(o.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step) * 1000003ull + micro);
+      std::vector<TrainExample> examples;
+      for (int64_t i = 0; i < o.batch_size; ++i) examples.push_back(data.sample(rng));
+      TrainBatch batch = make_train_batch(examples, device);
+      at::Tensor logits = plugin_train_logits(base, plugin, plugin.weights(), batch);
+      at::Tensor ce = at::cross_entropy_loss(logits, batch.targets);
+      at::Tensor loss = ce;
+      if (o.kl_weight > 0) {
+        at::Tensor teacher = at::log_softmax(full_context_logits(base, examples, device), -1);
+        at::Tensor kl = at::kl_div(at::log_softmax(logits, -1), teacher, at::Reduction::None, /*log_target=*/true)
+                            .sum(-1)
+                            .mean();
+        loss = loss + o.kl_weight * kl;
+        step_kl += kl.item<double>() / o.accumulation;
+      }
+      (loss / o.accumulation).backward();
+      step_loss += loss.item<double>() / o.accumulation;
+      step_ce += ce.item<double>() / o.accumulation;
+      window_tokens += batch.real_tokens;
+    }
+    COMB_CHECK(std::isfinite(step_loss), "training diverged at step {} (loss {}); the last checkpoint is in '{}'",
+               step, step_loss, o.dir);
+    // Global norm, clipping, AdamW.
+    double norm = 0;
+    {
+      c10::AutoGradMode no_grad(false);
+      std::vector<at::Tensor> sq;
+      for (auto& [name, p] : params)
+        if (p->grad().defined()) sq.push_back(p->grad().pow(2).sum());
+      norm = std::sqrt(at::stack(sq).sum().item<double>());
+      double clip_scale = (o.clip > 0 && norm > o.clip) ? o.clip / (norm + 1e-6) : 1.0;
+      const double lr = lr_at(o, step);
+      const double bc1 = 1 - std::pow(b1, step + 1), bc2 = 1 - std::pow(b2, step + 1);
+      for (size_t i = 0; i < params.size(); ++i) {
+        at::Tensor& p = *params[i].second;
+        if (!p.grad().defined()) continue;
+        at::Tensor g = p.grad();
+        if (clip_scale != 1.0) g = g * clip_scale;
+        const bool is_gate = params[i].first.find("gate") != std::string::npos && p.dim() == 1 && p.numel() == 1;
+        const bool decay = p.dim() >= 2;
+        const double plr = lr * (is_gate ? o.gate_lr_scale : 1.0);
+        m[i].mul_(b1).add_(g, 1 - b1);
+        v[i].mul_(b2).addcmul_(g, g, 1 - b2);
+        if (decay && o.weight_decay > 0) p.data().mul_(1 - plr * o.weight_decay);
+        p.data().addcdiv_(m[i] / bc1, (v[i] / bc2).sqrt_().add_(eps), -plr);
+        p.mutable_grad().reset();
+      }
+    }
+    window_loss += step_loss;
+    window_ce += step_ce;
+    window_kl += step_kl;
+    ++window_steps;
+    const bool last = step + 1 == o.steps;
+    if ((step + 1) % o.log_every == 0 || last) {
+      auto now = std::chrono::steady_clock::now();
+      double secs = std::chrono::duration<double>(now - window_t0).count();
+      double tps = window_tokens / std::max(secs, 1e-9);
+      double attn_gate = 0, mlp_gate = 0;
+      for (const auto& b : plugin.weights().cross) {
+        attn_gate += std::tanh(b.attn_gate.item<double>());
+        mlp_gate += std::tanh(b.mlp_gate.item<double>());
+      }
+      attn_gate /= plugin.weights().cross.size();
+      mlp_gate /= plugin.weights().cross.size();
+      result.last_loss = window_loss / window_steps;
+      csv << fmt::format("{},{:.5f},{:.5f},{:.5f},{:.3e},{:.4f},{:.0f},{:.4f},{:.4f}\n", step + 1, result.last_loss,
+                         window_ce / window_steps, window_kl / window_steps, lr_at(o, step), norm, tps, attn_gate,
+                         mlp_gate);
+      csv.flush();
+      if (o.on_progress) {
+        TrainProgress pr;
+        pr.step = step + 1;
+        pr.steps = o.steps;
+        pr.loss = result.last_loss;
+        pr.lr = lr_at(o, step);
+        pr.grad_norm = norm;
+        pr.tokens_per_s = tps;
+        pr.attn_gate = attn_gate;
+        pr.mlp_gate = mlp_gate;
+        pr.elapsed_s = std::chrono::duration<double>(now - t0).count();
+        pr.eta_s = pr.elapsed_s / (step + 1 - first) * (o.steps - step - 1);
+        o.on_progress(pr);
+      }
+      window_loss = window_ce = window_kl = window_tokens = 0;
+      window_steps = 0;
+      window_t0 = now;
+    }
+    if ((step + 1) % o.save_every == 0 || last) save(step + 1);
+  }
+  for (auto& [name, p] : params) *p = p->detach();
+  plugin.refresh_fingerprint();
+  result.steps = step;
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return result;
+}
+
+}  // namespace comb
