@@ -36,12 +36,20 @@ int cmd_eval(Args& args, Model& model) {
   options.epic_k = args.num<int64_t>("epic-k", options.epic_k);
   options.prefix_block = args.num<int64_t>("prefix-block", options.prefix_block);
   const int64_t limit = args.num<int64_t>("limit", 0);
+  const int64_t offset = args.num<int64_t>("offset", 0);
+  COMB_CHECK(limit >= 0 && offset >= 0, "--limit and --offset must be >= 0 (found {} and {})", limit, offset);
   const std::string out_path = args.str("out");
   GenerateOptions gen;
   gen.max_tokens = args.num<int64_t>("max-new-tokens", 32);
   args.check_all_used();
 
-  auto items = read_qa_items(data, limit);
+  // Items [offset, offset + limit), and the one after them: its question primes the last item's
+  // warm run, so a long evaluation split into chunks runs each item as the whole would.
+  auto items = read_qa_items(data, limit > 0 ? offset + limit + 1 : 0);
+  COMB_CHECK(offset < static_cast<int64_t>(items.size()), "--offset {} is past the last item of '{}' ({} items)",
+             offset, data, items.size());
+  const size_t end = limit > 0 ? std::min<size_t>(offset + limit, items.size()) : items.size();
+  const size_t n_items = end - offset;
   PicEngine engine(model, method, options);
   std::ofstream out;
   if (!out_path.empty()) {
@@ -54,7 +62,7 @@ int cmd_eval(Args& args, Model& model) {
   double computed_warm = 0, reused_warm = 0;
   int64_t correct = 0, done = 0;
   auto t_start = std::chrono::steady_clock::now();
-  for (size_t k = 0; k < items.size(); ++k) {
+  for (size_t k = offset; k < end; ++k) {
     const auto& item = items[k];
     PicRequest request = qa_request(model, item.documents, item.question);
     // Cold: nothing of this item cached.
@@ -68,7 +76,7 @@ int cmd_eval(Args& args, Model& model) {
     if (shuffled.size() > 1 && std::equal(shuffled.begin(), shuffled.end(), item.documents.begin(),
                                           [](const QaDocument& a, const QaDocument& b) { return a.text == b.text; }))
       std::reverse(shuffled.begin(), shuffled.end());
-    engine.prefill(qa_request(model, shuffled, items[(k + 1) % items.size()].question), 1);
+    engine.prefill(qa_request(model, shuffled, items[(k + 1) % items.size()].question), 1);  // another question
     GenerationResult warm = engine.generate(request, gen, &warm_stats);
     bool ok = answer_correct(warm.text, item.answers);
     correct += ok;
@@ -91,11 +99,11 @@ int cmd_eval(Args& args, Model& model) {
                  .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)  // a cut-off UTF-8 sequence: U+FFFD
           << std::endl;  // flushed: a stopped run keeps the items it finished
     double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-    double eta = elapsed / done * (items.size() - done);
-    if (tty || done % 10 == 0 || done == static_cast<int64_t>(items.size())) {
-      int width = 30, filled = static_cast<int>(width * done / items.size());
+    double eta = elapsed / done * (n_items - done);
+    if (tty || done % 10 == 0 || done == static_cast<int64_t>(n_items)) {
+      int width = 30, filled = static_cast<int>(width * done / n_items);
       fmt::print(stderr, "{}[eval {}] [{}{}] {}/{} acc {:.1f}% elapsed {} eta {}{}", tty ? "\r" : "",
-                 method_name(method), std::string(filled, '#'), std::string(width - filled, '.'), done, items.size(),
+                 method_name(method), std::string(filled, '#'), std::string(width - filled, '.'), done, n_items,
                  100.0 * correct / done, clock_text(elapsed), clock_text(eta), tty ? "" : "\n");
     }
   }

@@ -101,7 +101,8 @@ plugin init options:
 eval options:
   --method M          full (default), prefix, naive, cacheblend, epic, comb
   --data FILE         items (JSON Lines, gzip or plain): id, question, answers, documents
-  --limit N           the first N items (default: all)
+  --limit N           N items (default: all)
+  --offset N          start at item N (default 0): a long evaluation split into chunks
   --out FILE          one JSON line per item
   --max-new-tokens N  greedy tokens per answer (default 32)
   --blend-ratio R     cacheblend: share of document tokens recomputed (default 0.15)
