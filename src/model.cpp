@@ -509,6 +509,17 @@ at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at
   return at::linear(at::silu(parts[0]) * parts[1], w_down);
 }
 
+at::Tensor llama_layer(const at::Tensor& x, const LayerWeights& l, const ModelConfig& c, const at::Tensor& cos,
+                       const at::Tensor& sin, bool causal, const at::Tensor& mask) {
+  const int64_t batch = x.size(0), n = x.size(1);
+  auto [q, k, v] = split_qkv(at::linear(rms_norm(x, l.attn_norm, c.rms_eps), l.wqkv), c);
+  at::Tensor attn = at::scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
+                                                     mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+                                                     0.0, causal, std::nullopt, /*enable_gqa=*/true);
+  at::Tensor h = x + at::linear(attn.transpose(1, 2).reshape({batch, n, c.q_dim()}), l.wo);
+  return h + swiglu_mlp(rms_norm(h, l.ffn_norm, c.rms_eps), l.w_gate_up, l.w_down);
+}
+
 at::Tensor visible_keys(const at::Tensor& positions, int64_t n_keys) {
   return at::arange(n_keys, positions.options().dtype(at::kLong)).unsqueeze(0) <= positions.unsqueeze(1);
 }

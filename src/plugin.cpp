@@ -129,11 +129,7 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
       w.encoder.push_back({src.attn_norm.clone(), src.wqkv.clone(), src.wo.clone(), src.ffn_norm.clone(),
                            src.w_gate_up.clone(), src.w_down.clone()});
       // The RMS of encoder states after this layer on a probe sequence, to scale V to the decoder's.
-      auto [q, kk, v] = split_qkv(at::linear(rms_norm(h, src.attn_norm, c.rms_eps), src.wqkv), c);
-      at::Tensor a = at::scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v, {}, 0.0,
-                                                      false, std::nullopt, true);
-      h = h + at::linear(a.transpose(1, 2).reshape({1, 64, c.q_dim()}), src.wo);
-      h = h + swiglu_mlp(rms_norm(h, src.ffn_norm, c.rms_eps), src.w_gate_up, src.w_down);
+      h = llama_layer(h, src, c, cos, sin, /*causal=*/false);
       const double rms = h.to(at::kFloat).pow(2).mean().sqrt().item<double>();
       const LayerWeights& dst = bw.layers.at(config.cross_layers[k]);
       auto qkv = dst.wqkv.split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
@@ -273,12 +269,7 @@ DocumentKV Plugin::encode(const Decoder& base, const std::vector<int32_t>& token
   DocumentKV out;
   out.n_tokens = n;
   for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) {
-    const LayerWeights& l = weights_.encoder[j];
-    auto [q, k, v] = split_qkv(at::linear(rms_norm(h, l.attn_norm, c.rms_eps), l.wqkv), c);
-    at::Tensor attn = at::scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, {}, 0.0,
-                                                       /*is_causal=*/false, std::nullopt, /*enable_gqa=*/true);
-    h = h + at::linear(attn.transpose(1, 2).reshape({1, n, c.q_dim()}), l.wo);
-    h = h + swiglu_mlp(rms_norm(h, l.ffn_norm, c.rms_eps), l.w_gate_up, l.w_down);
+    h = llama_layer(h, weights_.encoder[j], c, cos, sin, /*causal=*/false);
     // K_E after k_norm (stored so, never recomputed per decode step), V_E as is: [n_head_kv, n, head_dim]
     at::Tensor ke = at::linear(h, weights_.wk[j]).view({n, c.n_head_kv, c.head_dim});
     out.keys.push_back(rms_norm(ke, weights_.cross[j].k_norm, c.rms_eps).transpose(0, 1).contiguous());

@@ -94,17 +94,32 @@ std::vector<int32_t> qa_document_tokens(const Model& model, const QaDocument& d)
   return model.tokenizer().encode("Title: " + d.title + "\n" + d.text + "\n\n", false);
 }
 
-PicRequest qa_request(const Model& model, const std::vector<QaDocument>& documents, const std::string& question) {
+namespace {
+// The chat template around one user message: what comes before it and after it.
+std::pair<std::string, std::string> user_turn(const Model& model) {
   const std::string marker = "\x01";
   std::string rendered = model.chat_template().apply({{"user", marker}}, true);
   size_t at = rendered.find(marker);
-  std::string head = rendered.substr(0, at), tail = rendered.substr(at + marker.size());
+  return {rendered.substr(0, at), rendered.substr(at + marker.size())};
+}
+}  // namespace
+
+std::vector<int32_t> qa_prefix(const Model& model) {
   const Tokenizer& tok = model.tokenizer();
+  std::vector<int32_t> prefix = tok.encode(user_turn(model).first + kQaInstruction + "\n\n");
+  if (tok.add_bos() && tok.bos_id()) prefix.insert(prefix.begin(), *tok.bos_id());
+  return prefix;
+}
+
+std::vector<int32_t> qa_suffix(const Model& model, const std::string& question) {
+  return model.tokenizer().encode("Question: " + question + user_turn(model).second);
+}
+
+PicRequest qa_request(const Model& model, const std::vector<QaDocument>& documents, const std::string& question) {
   PicRequest r;
-  r.prefix = tok.encode(head + kQaInstruction + "\n\n");
-  if (tok.add_bos() && tok.bos_id()) r.prefix.insert(r.prefix.begin(), *tok.bos_id());
+  r.prefix = qa_prefix(model);
   for (const auto& d : documents) r.documents.push_back(qa_document_tokens(model, d));
-  r.suffix = tok.encode("Question: " + question + tail);
+  r.suffix = qa_suffix(model, question);
   return r;
 }
 

@@ -88,8 +88,7 @@ TrainData::TrainData(const Model& model, const TrainDataOptions& options) : mode
   COMB_CHECK(options.kv_share >= 0 && options.needle_share >= 0 && options.kv_share + options.needle_share <= 1,
              "generated shares must be >= 0 and sum to at most 1 (kv {}, needle {})", options.kv_share,
              options.needle_share);
-  PicRequest bare = qa_request(model, {}, "");
-  prefix_ = bare.prefix;
+  prefix_ = qa_prefix(model);
   if (auto eot = model.tokenizer().find_token(model.chat_template().end_of_turn())) end_of_turn_ = {*eot};
   else if (auto eos = model.tokenizer().eos_id()) end_of_turn_ = {*eos};
   std::set<std::string> held;
@@ -113,7 +112,7 @@ TrainData::TrainData(const Model& model, const TrainDataOptions& options) : mode
         it.documents.push_back(found->second);
       }
       it.gold = item.gold_index;
-      it.suffix = qa_request(model, {}, item.question).suffix;
+      it.suffix = qa_suffix(model, item.question);
       it.answer = model.tokenizer().encode(item.answers.front(), false);
       it.answer.insert(it.answer.end(), end_of_turn_.begin(), end_of_turn_.end());
       items_.push_back(std::move(it));
@@ -138,7 +137,7 @@ TrainData::TrainData(const Model& model, const TrainDataOptions& options) : mode
 }
 
 TrainExample TrainData::finish(std::vector<std::shared_ptr<const std::vector<int32_t>>> documents, int64_t gold,
-                               std::vector<int32_t> suffix, std::vector<int32_t> answer, const char* source,
+                               std::vector<int32_t> suffix, std::vector<int32_t> answer,
                                std::mt19937_64& rng) const {
   // A random subset (the answer's document always in it) in a random order.
   const int64_t n = static_cast<int64_t>(documents.size());
@@ -155,7 +154,6 @@ TrainExample TrainData::finish(std::vector<std::shared_ptr<const std::vector<int
   e.prefix = prefix_;
   e.suffix = std::move(suffix);
   e.answer = std::move(answer);
-  e.source = source;
   return e;
 }
 
@@ -177,7 +175,7 @@ TrainExample TrainData::generated_kv(std::mt19937_64& rng) const {
   std::string question = "Extract the value corresponding to the key \"" + key + "\" from the JSON objects above.";
   std::vector<int32_t> answer = model_.tokenizer().encode(value, false);
   answer.insert(answer.end(), end_of_turn_.begin(), end_of_turn_.end());
-  return finish(std::move(docs), gold, qa_request(model_, {}, question).suffix, std::move(answer), "kv", rng);
+  return finish(std::move(docs), gold, qa_suffix(model_, question), std::move(answer), rng);
 }
 
 TrainExample TrainData::generated_needle(std::mt19937_64& rng) const {
@@ -205,8 +203,8 @@ TrainExample TrainData::generated_needle(std::mt19937_64& rng) const {
   }
   std::vector<int32_t> answer = model_.tokenizer().encode(number, false);
   answer.insert(answer.end(), end_of_turn_.begin(), end_of_turn_.end());
-  return finish(std::move(docs), gold, qa_request(model_, {}, "What is the special magic number for " + word + "?").suffix,
-                std::move(answer), "needle", rng);
+  return finish(std::move(docs), gold, qa_suffix(model_, "What is the special magic number for " + word + "?"),
+                std::move(answer), rng);
 }
 
 TrainExample TrainData::sample(std::mt19937_64& rng) const {
@@ -216,7 +214,7 @@ TrainExample TrainData::sample(std::mt19937_64& rng) const {
   if (u < kv) return generated_kv(rng);
   if (u < kv + needle) return generated_needle(rng);
   const Item& it = items_[rng() % items_.size()];
-  return finish(it.documents, it.gold, it.suffix, it.answer, "qa", rng);
+  return finish(it.documents, it.gold, it.suffix, it.answer, rng);
 }
 
 // ================================================================================================
@@ -296,19 +294,11 @@ at::Tensor decoder_hidden(const Decoder& base, const at::Tensor& tokens,
                           const std::function<at::Tensor(int64_t, const at::Tensor&)>& hook) {
   const auto& c = base.config();
   const auto& w = base.weights();
-  const int64_t batch = tokens.size(0), n = tokens.size(1);
+  const int64_t n = tokens.size(1);
   COMB_CHECK(n <= c.n_ctx, "a training sequence has {} tokens; the context holds {}", n, c.n_ctx);
   at::Tensor x = at::embedding(w.tok_embd, tokens);
   at::Tensor cos = base.rope_cos().narrow(0, 0, n), sin = base.rope_sin().narrow(0, 0, n);
-  for (int64_t i = 0; i < c.n_layer; ++i) {
-    if (hook) x = hook(i, x);
-    const LayerWeights& l = w.layers[i];
-    auto [q, k, v] = split_qkv(at::linear(rms_norm(x, l.attn_norm, c.rms_eps), l.wqkv), c);
-    at::Tensor a = at::scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, {}, 0.0,
-                                                    /*is_causal=*/true, std::nullopt, /*enable_gqa=*/true);
-    x = x + at::linear(a.transpose(1, 2).reshape({batch, n, c.q_dim()}), l.wo);
-    x = x + swiglu_mlp(rms_norm(x, l.ffn_norm, c.rms_eps), l.w_gate_up, l.w_down);
-  }
+  for (int64_t i = 0; i < c.n_layer; ++i) x = llama_layer(hook ? hook(i, x) : x, w.layers[i], c, cos, sin, /*causal=*/true);
   return rms_norm(x, w.output_norm, c.rms_eps);
 }
 
@@ -336,11 +326,8 @@ at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const 
   at::Tensor flat_link = batch.link.reshape({-1});
   for (int64_t j = 0; j < n_blocks; ++j) {
     const LayerWeights& l = pw.encoder[j];
-    auto [q, k, v] = split_qkv(at::linear(rms_norm(h, W(l.attn_norm), c.rms_eps), W(l.wqkv)), c);
-    at::Tensor a = at::scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, enc_mask, 0.0,
-                                                    /*is_causal=*/false, std::nullopt, /*enable_gqa=*/true);
-    h = h + at::linear(a.transpose(1, 2).reshape({n_docs, len, c.q_dim()}), W(l.wo));
-    h = h + swiglu_mlp(rms_norm(h, W(l.ffn_norm), c.rms_eps), W(l.w_gate_up), W(l.w_down));
+    h = llama_layer(h, {W(l.attn_norm), W(l.wqkv), W(l.wo), W(l.ffn_norm), W(l.w_gate_up), W(l.w_down)}, c, cos, sin,
+                    /*causal=*/false, enc_mask);
     at::Tensor ke = rms_norm(at::linear(h, W(pw.wk[j])).view({n_docs * len, c.n_head_kv, c.head_dim}),
                              W(pw.cross[j].k_norm), c.rms_eps);
     at::Tensor ve = at::linear(h, W(pw.wv[j])).view({n_docs * len, c.n_head_kv, c.head_dim});

@@ -59,6 +59,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::array<at::Tensor, 3> split_qkv(const at::Tensor& qkv, const ModelConfig& config);
 // Llama's MLP: down(silu(gate(x)) * up(x)) with w_gate_up [2 * n_ff, n_embd] (gate rows first).
 at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down);
+// One Llama layer over x [batch, n, n_embd] at positions 0..n-1 without a cache: RMSNorm, RoPE
+// (cos, sin [n, head_dim]), grouped-query attention (causal, or bidirectional under `mask`
+// [batch, 1, 1, n] bool, true = attend; undefined: every key), SwiGLU. The encoder's layers and
+// training's decoder pass.
+at::Tensor llama_layer(const at::Tensor& x, const LayerWeights& l, const ModelConfig& config, const at::Tensor& cos,
+                       const at::Tensor& sin, bool causal, const at::Tensor& mask = {});
 // Which of keys [0, n_keys) queries at `positions` [m] see (causal by position): bool [m, n_keys].
 at::Tensor visible_keys(const at::Tensor& positions, int64_t n_keys);
 // Rotate-half RoPE on x [..., n, head_dim] with cos, sin [n, head_dim].

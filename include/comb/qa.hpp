@@ -35,7 +35,11 @@ extern const char* const kQaInstruction;
 
 // One document's tokens as every prompt renders it, alone: "Title: <title>\n<text>\n\n".
 std::vector<int32_t> qa_document_tokens(const Model& model, const QaDocument& document);
-// chat header + instruction | each document alone | "Question: <question>" + assistant header.
+// The segments around the documents: chat header + instruction, and "Question: <question>" +
+// the assistant header.
+std::vector<int32_t> qa_prefix(const Model& model);
+std::vector<int32_t> qa_suffix(const Model& model, const std::string& question);
+// qa_prefix | each document alone | qa_suffix.
 PicRequest qa_request(const Model& model, const std::vector<QaDocument>& documents, const std::string& question);
 
 }  // namespace comb

@@ -24,7 +24,6 @@ struct TrainExample {
   std::vector<int32_t> prefix;  // chat header and instruction
   std::vector<int32_t> suffix;  // question and assistant header
   std::vector<int32_t> answer;  // target tokens, end of turn included
-  std::string source;           // "qa", "kv" or "needle"
 };
 
 struct TrainDataOptions {
@@ -35,7 +34,7 @@ struct TrainDataOptions {
   double needle_share = 0.15;     // share of generated facts hidden in filler (needs essays_dir)
   int64_t min_documents = 1;      // documents linked per example: a random subset, gold included
   int64_t max_documents = 10;
-  int64_t max_document_tokens = 320;  // longer documents are cut (the answer's document is kept whole when it fits)
+  int64_t max_document_tokens = 320;  // every longer document is cut to this many tokens (the answer's too)
 };
 
 // The examples comb train draws from: QA items of the given files (held-out ids removed) and
@@ -57,8 +56,7 @@ class TrainData {
   TrainExample generated_kv(std::mt19937_64& rng) const;
   TrainExample generated_needle(std::mt19937_64& rng) const;
   TrainExample finish(std::vector<std::shared_ptr<const std::vector<int32_t>>> documents, int64_t gold,
-                      std::vector<int32_t> suffix, std::vector<int32_t> answer, const char* source,
-                      std::mt19937_64& rng) const;
+                      std::vector<int32_t> suffix, std::vector<int32_t> answer, std::mt19937_64& rng) const;
   std::shared_ptr<const std::vector<int32_t>> document(const QaDocument& d) const;
   const Model& model_;
   TrainDataOptions options_;

@@ -109,7 +109,7 @@ eval options:
   --check-layer L     cacheblend: layer that picks them (default 1)
   --epic-k K          epic: leading tokens recomputed per document (default 8)
   --prefix-block N    prefix: tokens per cached block (default 16)
-  --plugin FILE       comb: the plug-in (default: the shipped one, for the default model)
+  --plugin FILE       comb: the plug-in (required for --method comb)
 
 train options:
   --out FILE          the trained plug-in (safetensors, --save-dtype, default bfloat16)
