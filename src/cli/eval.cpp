@@ -5,15 +5,18 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <random>
 
 #include "args.hpp"
 #include "comb/comb.hpp"
+#include "comb/detail/mapped_file.hpp"
 
 namespace comb::cli {
 
@@ -24,7 +27,120 @@ std::string clock_text(double seconds) {
   return s >= 3600 ? fmt::format("{}h{:02}m", s / 3600, s / 60 % 60) : fmt::format("{}m{:02}s", s / 60, s % 60);
 }
 
+// "nq-multidoc-10.dev" for ".../nq-multidoc-10.dev.jsonl.gz".
+std::string data_name(const std::string& path) {
+  std::string name = std::filesystem::path(path).filename().string();
+  for (const char* ext : {".gz", ".jsonl", ".json"})
+    if (name.size() > strlen(ext) && name.compare(name.size() - strlen(ext), strlen(ext), ext) == 0)
+      name.resize(name.size() - strlen(ext));
+  return name;
+}
+
 }  // namespace
+
+nlohmann::json summarize_eval(const std::vector<nlohmann::json>& rows, const std::string& where) {
+  COMB_CHECK(!rows.empty(), "{}: no evaluated items to summarize", where);
+  std::vector<double> cold_ms, warm_ms;
+  double computed = 0, reused = 0;
+  int64_t correct = 0;
+  for (const auto& r : rows) {
+    correct += r.at("correct").get<bool>();
+    cold_ms.push_back(r.at("ttft_cold_ms").get<double>());
+    warm_ms.push_back(r.at("ttft_warm_ms").get<double>());
+    computed += r.at("computed_tokens_warm").get<double>();
+    reused += r.at("reused_tokens_warm").get<double>();
+  }
+  const double n = static_cast<double>(rows.size());
+  return {{"method", rows[0].at("method")},
+          {"data", rows[0].at("data")},
+          {"n", rows.size()},
+          {"accuracy", correct / n},
+          {"ttft_cold_ms_p50", median(cold_ms)},
+          {"ttft_warm_ms_p50", median(warm_ms)},
+          {"computed_tokens_warm_mean", computed / n},
+          {"reused_tokens_warm_mean", reused / n},
+          {"cache_bytes_per_token", rows[0].at("cache_bytes_per_token")}};
+}
+
+int cmd_report(std::vector<std::string> files) {
+  // --markdown anywhere among the files: a table instead of JSON lines.
+  auto flag = std::find(files.begin(), files.end(), "--markdown");
+  const bool markdown = flag != files.end();
+  if (markdown) files.erase(flag);
+  for (const auto& f : files)
+    COMB_CHECK(f.rfind("--", 0) != 0, "report takes eval --out files and --markdown, found option '{}'", f);
+  COMB_CHECK(!files.empty(), "report needs the --out files of comb eval runs (comb report [--markdown] FILE...)");
+  // Rows grouped by (data, method), in the order first seen; an item counted once per group.
+  std::vector<std::pair<std::string, std::vector<nlohmann::json>>> groups;
+  std::map<std::string, std::string> seen;  // group + index -> where it was read
+  for (const auto& path : files) {
+    std::ifstream in(path);
+    COMB_CHECK(in.good(), "cannot read '{}'", path);
+    std::string line;
+    for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
+      if (line.empty()) continue;
+      const std::string where = fmt::format("{}:{}", path, line_no);
+      nlohmann::json r = nlohmann::json::parse(line, nullptr, false);
+      COMB_CHECK(!r.is_discarded() && r.is_object(), "{}: not a JSON object", where);
+      for (const char* key : {"method", "data", "index", "correct", "ttft_cold_ms", "ttft_warm_ms",
+                              "computed_tokens_warm", "reused_tokens_warm", "cache_bytes_per_token"})
+        COMB_CHECK(r.contains(key), "{}: an item line of comb eval --out has '{}'; this one does not", where, key);
+      const std::string group = r["data"].get<std::string>() + " " + r["method"].get<std::string>();
+      const std::string key = group + " #" + std::to_string(r["index"].get<int64_t>());
+      auto [it, fresh] = seen.emplace(key, where);
+      COMB_CHECK(fresh, "{}: item {} of {} / {} was already read at {}", where, r["index"].get<int64_t>(),
+                 r["data"].get<std::string>(), r["method"].get<std::string>(), it->second);
+      auto g = std::find_if(groups.begin(), groups.end(), [&](const auto& p) { return p.first == group; });
+      if (g == groups.end()) g = groups.insert(groups.end(), {group, {}});
+      g->second.push_back(std::move(r));
+    }
+  }
+  // Data in the order first read, methods in the engine's order (full first).
+  std::vector<std::string> data_order;
+  for (const auto& g : groups)
+    if (std::find(data_order.begin(), data_order.end(), g.second[0]["data"]) == data_order.end())
+      data_order.push_back(g.second[0]["data"].get<std::string>());
+  auto rank = [&](const std::vector<nlohmann::json>& rows) {
+    auto d = std::find(data_order.begin(), data_order.end(), rows[0]["data"].get<std::string>()) - data_order.begin();
+    return std::make_pair(d, static_cast<int>(parse_method(rows[0]["method"].get<std::string>())));
+  };
+  std::stable_sort(groups.begin(), groups.end(), [&](const auto& a, const auto& b) { return rank(a.second) < rank(b.second); });
+  std::vector<nlohmann::json> summaries;
+  for (const auto& [group, rows] : groups) {
+    // Items must run from one index on without gaps, so that a table's "first N items" is true.
+    std::vector<int64_t> idx;
+    for (const auto& r : rows) idx.push_back(r["index"].get<int64_t>());
+    std::sort(idx.begin(), idx.end());
+    nlohmann::json s = summarize_eval(rows, group);
+    s["first_index"] = idx.front();
+    s["contiguous"] = idx.back() - idx.front() + 1 == static_cast<int64_t>(idx.size());
+    if (!markdown) std::cout << s.dump() << std::endl;
+    summaries.push_back(std::move(s));
+  }
+  if (markdown) {
+    // One row per (data, method); warm TTFT also against full's on the same data when present.
+    fmt::print("| data | method | items | accuracy | TTFT cold p50 (ms) | TTFT warm p50 (ms) | warm / full warm | "
+               "tokens computed (warm, mean) | tokens reused (warm, mean) | cache bytes/token |\n"
+               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (const auto& s : summaries) {
+      const std::string data = s["data"].get<std::string>();
+      std::string ratio = "-";
+      for (const auto& f : summaries)
+        if (f["data"] == data && f["method"] == "full" && s["method"] != "full")
+          ratio = fmt::format("{:.1f}%", 100.0 * s["ttft_warm_ms_p50"].get<double>() / f["ttft_warm_ms_p50"].get<double>());
+      const int64_t n = s["n"].get<int64_t>();
+      const int64_t first = s["first_index"].get<int64_t>();
+      fmt::print("| {} | {} | {}{} | {:.1f}% ({}/{}) | {:.0f} | {:.0f} | {} | {:.1f} | {:.1f} | {:.0f} |\n", data,
+                 s["method"].get<std::string>(),
+                 first == 0 ? fmt::format("first {}", n) : fmt::format("{}..{}", first, first + n - 1),
+                 s["contiguous"].get<bool>() ? "" : " (with gaps)", 100.0 * s["accuracy"].get<double>(),
+                 std::lround(s["accuracy"].get<double>() * n), n, s["ttft_cold_ms_p50"].get<double>(),
+                 s["ttft_warm_ms_p50"].get<double>(), ratio, s["computed_tokens_warm_mean"].get<double>(),
+                 s["reused_tokens_warm_mean"].get<double>(), s["cache_bytes_per_token"].get<double>());
+    }
+  }
+  return 0;
+}
 
 int cmd_eval(Args& args, Model& model) {
   const std::string data = args.str("data");
@@ -42,6 +158,10 @@ int cmd_eval(Args& args, Model& model) {
   GenerateOptions gen;
   gen.max_tokens = args.num<int64_t>("max-new-tokens", 32);
   args.check_all_used();
+  // The cold run is timed to its first token only: its answer would be the warm one's, decoded
+  // twice. Accuracy is scored on the warm answer.
+  GenerateOptions gen_cold = gen;
+  gen_cold.max_tokens = 1;
 
   // Items [offset, offset + limit), and the one after them: its question primes the last item's
   // warm run, so a long evaluation split into chunks runs each item as the whole would.
@@ -51,16 +171,15 @@ int cmd_eval(Args& args, Model& model) {
   const size_t end = limit > 0 ? std::min<size_t>(offset + limit, items.size()) : items.size();
   const size_t n_items = end - offset;
   PicEngine engine(model, method, options);
+  const std::string name = data_name(data);
   std::ofstream out;
   if (!out_path.empty()) {
     out.open(out_path);
     COMB_CHECK(out.good(), "cannot write '{}'", out_path);
   }
   const bool tty = ::isatty(fileno(stderr));
-  std::mt19937 rng(1234);
-  std::vector<double> cold_ms, warm_ms;
-  double computed_warm = 0, reused_warm = 0;
-  int64_t correct = 0, done = 0;
+  std::vector<nlohmann::json> rows;
+  int64_t correct = 0;
   auto t_start = std::chrono::steady_clock::now();
   for (size_t k = offset; k < end; ++k) {
     const auto& item = items[k];
@@ -68,39 +187,41 @@ int cmd_eval(Args& args, Model& model) {
     // Cold: nothing of this item cached.
     engine.clear();
     PicCounts cold_stats, warm_stats;
-    GenerationResult cold = engine.generate(request, gen, &cold_stats);
-    // Warm: every document cached by another request, in another order, with another question.
+    GenerationResult cold = engine.generate(request, gen_cold, &cold_stats);
+    // Warm: every document cached by another request, in another order (seeded by the item's
+    // index, so a chunk of a run shuffles as the whole run does), with the next item's question.
     engine.clear();
+    std::mt19937 rng(1234 + k);
     std::vector<QaDocument> shuffled = item.documents;
     std::shuffle(shuffled.begin(), shuffled.end(), rng);
     if (shuffled.size() > 1 && std::equal(shuffled.begin(), shuffled.end(), item.documents.begin(),
                                           [](const QaDocument& a, const QaDocument& b) { return a.text == b.text; }))
       std::reverse(shuffled.begin(), shuffled.end());
-    engine.prefill(qa_request(model, shuffled, items[(k + 1) % items.size()].question), 1);  // another question
+    if (method != Method::full)  // full caches nothing: its warm run is its cold run again
+      engine.prefill(qa_request(model, shuffled, items[(k + 1) % items.size()].question), 1);
     GenerationResult warm = engine.generate(request, gen, &warm_stats);
     bool ok = answer_correct(warm.text, item.answers);
     correct += ok;
-    ++done;
-    cold_ms.push_back(cold.ttft_ms);
-    warm_ms.push_back(warm.ttft_ms);
-    computed_warm += warm_stats.computed;
-    reused_warm += warm_stats.reused;
+    rows.push_back({{"method", method_name(method)},
+                    {"data", name},
+                    {"index", k},
+                    {"id", item.id},
+                    {"prediction", warm.text},
+                    {"correct", ok},
+                    {"ttft_cold_ms", cold.ttft_ms},
+                    {"ttft_warm_ms", warm.ttft_ms},
+                    {"computed_tokens_cold", cold_stats.computed},
+                    {"reused_tokens_cold", cold_stats.reused},
+                    {"computed_tokens_warm", warm_stats.computed},
+                    {"reused_tokens_warm", warm_stats.reused},
+                    {"cache_bytes_per_token", engine.cache_bytes_per_token()}});
     if (out.is_open())
-      out << nlohmann::json{{"id", item.id},
-                            {"prediction", warm.text},
-                            {"prediction_cold", cold.text},
-                            {"correct", ok},
-                            {"ttft_cold_ms", cold.ttft_ms},
-                            {"ttft_warm_ms", warm.ttft_ms},
-                            {"computed_tokens_cold", cold_stats.computed},
-                            {"reused_tokens_cold", cold_stats.reused},
-                            {"computed_tokens_warm", warm_stats.computed},
-                            {"reused_tokens_warm", warm_stats.reused}}
-                 .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)  // a cut-off UTF-8 sequence: U+FFFD
+      out << rows.back().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)  // cut-off UTF-8: U+FFFD
           << std::endl;  // flushed: a stopped run keeps the items it finished
+    const size_t done = rows.size();
     double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     double eta = elapsed / done * (n_items - done);
-    if (tty || done % 10 == 0 || done == static_cast<int64_t>(n_items)) {
+    if (tty || done % 10 == 0 || done == n_items) {
       int width = 30, filled = static_cast<int>(width * done / n_items);
       fmt::print(stderr, "{}[eval {}] [{}{}] {}/{} acc {:.1f}% elapsed {} eta {}{}", tty ? "\r" : "",
                  method_name(method), std::string(filled, '#'), std::string(width - filled, '.'), done, n_items,
@@ -108,20 +229,84 @@ int cmd_eval(Args& args, Model& model) {
     }
   }
   if (tty) fmt::print(stderr, "\n");
-  std::string name = std::filesystem::path(data).filename().string();
-  for (const char* ext : {".gz", ".jsonl", ".json"})
-    if (name.size() > strlen(ext) && name.compare(name.size() - strlen(ext), strlen(ext), ext) == 0)
-      name.resize(name.size() - strlen(ext));
-  nlohmann::json summary = {{"method", method_name(method)},
-                            {"data", name},
-                            {"n", done},
-                            {"accuracy", double(correct) / done},
-                            {"ttft_cold_ms_p50", median(cold_ms)},
-                            {"ttft_warm_ms_p50", median(warm_ms)},
-                            {"computed_tokens_warm_mean", computed_warm / done},
-                            {"reused_tokens_warm_mean", reused_warm / done},
-                            {"cache_bytes_per_token", engine.cache_bytes_per_token()}};
-  std::cout << summary.dump() << std::endl;
+  std::cout << summarize_eval(rows, "--data " + data).dump() << std::endl;
+  return 0;
+}
+
+// The title a document file gets: its file name without the extension, dashes and underscores
+// as spaces, the first letter upper case ("mount-everest.txt" -> "Mount everest").
+std::string document_title(const std::string& path) {
+  std::string t = std::filesystem::path(path).stem().string();
+  std::replace(t.begin(), t.end(), '-', ' ');
+  std::replace(t.begin(), t.end(), '_', ' ');
+  if (!t.empty() && t[0] >= 'a' && t[0] <= 'z') t[0] = static_cast<char>(t[0] - 'a' + 'A');
+  return t;
+}
+
+int cmd_qa(Args& args, Model& model) {
+  const std::vector<std::string> paths = args.all("document");
+  const std::string question = args.str("question");
+  COMB_CHECK(!paths.empty(), "qa needs at least one --document FILE");
+  COMB_CHECK(!question.empty(), "qa needs --question TEXT");
+  std::vector<std::string> names;
+  {
+    std::string list = args.str("methods", model.plugin() ? "full,naive,epic,cacheblend,comb" : "full,naive,epic,cacheblend");
+    for (size_t start = 0; start <= list.size();) {
+      size_t comma = std::min(list.find(',', start), list.size());
+      if (comma > start) names.push_back(list.substr(start, comma - start));
+      start = comma + 1;
+    }
+  }
+  COMB_CHECK(!names.empty(), "--methods needs at least one method (full, prefix, naive, cacheblend, epic, comb)");
+  std::vector<Method> methods;
+  for (const auto& n : names) {
+    methods.push_back(parse_method(n));
+    COMB_CHECK(methods.back() != Method::comb || model.plugin(),
+               "--methods names comb, which needs a trained plug-in (--plugin FILE)");
+  }
+  GenerateOptions gen;
+  gen.max_tokens = args.num<int64_t>("max-new-tokens", 48);
+  args.check_all_used();
+
+  std::vector<QaDocument> documents;
+  int64_t n_document_tokens = 0;
+  for (const auto& path : paths) {
+    QaDocument d{document_title(path), detail::read_text_file(path)};
+    while (!d.text.empty() && (d.text.back() == '\n' || d.text.back() == ' ')) d.text.pop_back();
+    COMB_CHECK(!d.text.empty(), "document '{}' is empty", path);
+    n_document_tokens += static_cast<int64_t>(qa_document_tokens(model, d).size());
+    documents.push_back(std::move(d));
+  }
+  const PicRequest request = qa_request(model, documents, question);
+  // What warms the caches: the same documents in reverse order with another question.
+  std::vector<QaDocument> reversed(documents.rbegin(), documents.rend());
+  const PicRequest other = qa_request(model, reversed, "Which of these documents is the longest?");
+  fmt::print("{} documents ({} tokens), {} prompt tokens in all. Question: {}\n\n", documents.size(),
+             n_document_tokens, request.tokens().size(), question);
+  fmt::print("{:<11} {:>14} {:>14} {:>15} {:>14}  answer\n", "method", "TTFT cold (ms)", "TTFT warm (ms)",
+             "computed (warm)", "reused (warm)");
+  double full_warm = -1;
+  for (Method m : methods) {
+    PicEngine engine(model, m);
+    // Cold: nothing cached. Warm: the documents cached by the other request first.
+    GenerateOptions first = gen;
+    first.max_tokens = 1;
+    PicCounts cold_counts, warm_counts;
+    GenerationResult cold = engine.generate(request, first, &cold_counts);
+    engine.clear();
+    if (m != Method::full) engine.prefill(other, 1);
+    GenerationResult warm = engine.generate(request, gen, &warm_counts);
+    if (m == Method::full) full_warm = warm.ttft_ms;
+    std::string answer = warm.text;
+    std::replace(answer.begin(), answer.end(), '\n', ' ');
+    std::string ratio = full_warm > 0 && m != Method::full ? fmt::format(" ({:.0f}%)", 100.0 * warm.ttft_ms / full_warm) : "";
+    fmt::print("{:<11} {:>14.1f} {:>14} {:>15} {:>14}  {}\n", method_name(m), cold.ttft_ms,
+               fmt::format("{:.1f}{}", warm.ttft_ms, ratio), warm_counts.computed, warm_counts.reused, answer);
+    std::fflush(stdout);
+  }
+  fmt::print("\nTTFT: request start to first token, cache look-ups and document encoding included. Cold: nothing\n"
+             "cached. Warm: the documents cached by an earlier request (another order, another question);\n"
+             "full caches nothing, so its warm run is a full prefill again. (%): warm TTFT against full's.\n");
   return 0;
 }
 

@@ -21,6 +21,8 @@
 namespace comb::cli {
 int cmd_eval(Args& args, comb::Model& model);
 int cmd_train(Args& args, comb::Model& model);
+int cmd_report(std::vector<std::string> files);
+int cmd_qa(Args& args, comb::Model& model);
 comb::Model load_model(Args& args);
 }  // namespace comb::cli
 
@@ -62,9 +64,13 @@ constexpr const char* kUsage = R"(usage: comb <command> [options]
 
 commands:
   generate      answer a prompt with a model (with documents: through the COMB plug-in)
+  qa            answer a question over documents with each caching method: answers, TTFT
   plugin init   write a fresh plug-in for a model
   plugin memory bytes per cached document token, COMB against the decoder's KV cache
   eval          one method on a multi-document QA file: accuracy, TTFT cold and warm
+  report [--markdown] FILE...
+                the summary of eval --out files (chunks of runs): per data and method, a JSON
+                line, or with --markdown one table
   train         train a plug-in for a model (decoder frozen)
   bench         measure prefill and decode throughput
   version       print the version
@@ -98,13 +104,20 @@ plugin init options:
   --random-init       random encoder and cross blocks (default: copies of decoder layers)
   --seed N            random seed (default 0)
 
+qa options:
+  --document FILE     a document (its title: the file name); repeat for several
+  --question TEXT     the question
+  --methods LIST      comma separated (default full,naive,epic,cacheblend, and comb with --plugin)
+  --max-new-tokens N  greedy tokens per answer (default 48)
+  --plugin FILE       the plug-in for comb
+
 eval options:
   --method M          full (default), prefix, naive, cacheblend, epic, comb
   --data FILE         items (JSON Lines, gzip or plain): id, question, answers, documents
   --limit N           N items (default: all)
   --offset N          start at item N (default 0): a long evaluation split into chunks
-  --out FILE          one JSON line per item
-  --max-new-tokens N  greedy tokens per answer (default 32)
+  --out FILE          one JSON line per item (comb report merges such files)
+  --max-new-tokens N  greedy tokens per warm answer (default 32; the cold run stops at the first)
   --blend-ratio R     cacheblend: share of document tokens recomputed (default 0.15)
   --check-layer L     cacheblend: layer that picks them (default 1)
   --epic-k K          epic: leading tokens recomputed per document (default 8)
@@ -358,6 +371,12 @@ int main(int argc, char** argv) {
       comb::Model model = load_model(args);
       return comb::cli::cmd_eval(args, model);
     }
+    if (cmd == "qa") {
+      Args args(argc, argv, 2, {});
+      comb::Model model = load_model(args);
+      return comb::cli::cmd_qa(args, model);
+    }
+    if (cmd == "report") return comb::cli::cmd_report(std::vector<std::string>(argv + 2, argv + argc));
     if (cmd == "train") {
       Args args(argc, argv, 2, {});
       comb::Model model = load_model(args);
@@ -367,7 +386,7 @@ int main(int argc, char** argv) {
       Args args(argc, argv, 2, {"json"});
       return cmd_bench(args);
     }
-    throw Error("unknown command '" + cmd + "' (expected generate, eval, train, plugin, bench or version)");
+    throw Error("unknown command '" + cmd + "' (expected generate, qa, eval, report, train, plugin, bench or version)");
   } catch (const Error& e) {
     if (std::string(e.what()) == "help") {
       std::fputs(kUsage, stdout);

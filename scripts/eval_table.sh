@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Measures one table of docs/evaluation.md: every method over the first N items of one data file,
+# in chunks of items (comb eval --offset), so that a stopped run resumes where it stopped and the
+# table can be measured across several sittings. Chunks already complete in OUTDIR are skipped.
+#
+#   scripts/eval_table.sh DATA N OUTDIR [METHOD...]
+#
+# Environment: CHUNK (items per chunk, default 10), WORKERS (processes, default 1), THREADS (per
+# process, default: cores / workers), and PAUSE_FILE: worker 2 and up wait between chunks while
+# that file exists (room for a build). Each worker is pinned to its own cores when taskset exists.
+# At the end, `comb report` prints one summary line per method from all chunks.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+comb="${COMB_BUILD_DIR:-$root/build}/comb"
+[ $# -ge 3 ] || { echo "usage: $0 DATA N OUTDIR [METHOD...]" >&2; exit 2; }
+data=$1 n=$2 outdir=$3
+shift 3
+methods=("$@")
+[ ${#methods[@]} -gt 0 ] || methods=(full prefix naive epic cacheblend)
+[ -f "$data" ] || { echo "$0: no data file '$data'" >&2; exit 1; }
+[ -x "$comb" ] || { echo "$0: no comb binary at '$comb' (run scripts/build.sh)" >&2; exit 1; }
+chunk=${CHUNK:-10} workers=${WORKERS:-1}
+cores=$(nproc)
+threads=${THREADS:-$(( cores / workers > 0 ? cores / workers : 1 ))}
+mkdir -p "$outdir"
+name=$(basename "$data"); name=${name%.gz}; name=${name%.jsonl}
+
+# The work list: chunks in item order, every method at each offset, so that a run stopped early
+# leaves all methods on the same items.
+queue="$outdir/.queue"
+: > "$queue"
+for ((off = 0; off < n; off += chunk)); do
+  len=$(( n - off < chunk ? n - off : chunk ))
+  for m in "${methods[@]}"; do
+    f="$outdir/$m.$name.$(printf %05d "$off").jsonl"
+    if [ -f "$f" ] && [ "$(wc -l < "$f")" -eq "$len" ]; then continue; fi
+    echo "$m $off $len $f" >> "$queue"
+  done
+done
+echo "[table] $name: $(wc -l < "$queue") chunks of $chunk items to run, $workers worker(s) x $threads thread(s)" >&2
+
+worker() {
+  local w=$1 pin=""
+  if command -v taskset > /dev/null && [ "$workers" -gt 1 ]; then
+    pin="taskset -c $(( (w - 1) * threads ))-$(( w * threads - 1 ))"
+  fi
+  while :; do
+    while [ "$w" -gt 1 ] && [ -n "${PAUSE_FILE:-}" ] && [ -e "$PAUSE_FILE" ]; do sleep 5; done
+    local job
+    job=$(flock "$queue" bash -c 'head -n 1 "$0"; sed -i 1d "$0"' "$queue")
+    [ -n "$job" ] || return 0
+    read -r m off len f <<< "$job"
+    echo "[table] worker $w: $m items $off..$(( off + len - 1 ))" >&2
+    $pin "$comb" eval --method "$m" --data "$data" --offset "$off" --limit "$len" --threads "$threads" \
+      --out "$f.part" > /dev/null 2> "$f.log" || { echo "[table] $m at $off failed: see $f.log" >&2; return 1; }
+    mv "$f.part" "$f"
+  done
+}
+
+pids=()
+for ((w = 1; w <= workers; ++w)); do worker "$w" & pids+=($!); done
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+[ $status -eq 0 ] || exit $status
+"$comb" report "$outdir"/*."$name".[0-9]*.jsonl
