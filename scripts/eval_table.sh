@@ -7,7 +7,8 @@
 #
 # Environment: CHUNK (items per chunk, default 10), WORKERS (processes, default 1), THREADS (per
 # process, default: cores / workers), and PAUSE_FILE: worker 2 and up wait between chunks while
-# that file exists (room for a build). Each worker is pinned to its own cores when taskset exists.
+# that file exists (room for a build); PLUGIN, the plug-in file for the method comb. Each worker
+# is pinned to its own cores when taskset exists. One run per OUTDIR at a time.
 # At the end, `comb report` prints one summary line per method from all chunks.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,6 +20,11 @@ methods=("$@")
 [ ${#methods[@]} -gt 0 ] || methods=(full prefix naive epic cacheblend)
 [ -f "$data" ] || { echo "$0: no data file '$data'" >&2; exit 1; }
 [ -x "$comb" ] || { echo "$0: no comb binary at '$comb' (run scripts/build.sh)" >&2; exit 1; }
+for m in "${methods[@]}"; do
+  if [ "$m" = comb ] && [ ! -f "${PLUGIN:-}" ]; then
+    echo "$0: the method comb needs PLUGIN=FILE (a plug-in), found '${PLUGIN:-}'" >&2; exit 1
+  fi
+done
 chunk=${CHUNK:-10} workers=${WORKERS:-1}
 cores=$(nproc)
 threads=${THREADS:-$(( cores / workers > 0 ? cores / workers : 1 ))}
@@ -51,7 +57,9 @@ worker() {
     [ -n "$job" ] || return 0
     read -r m off len f <<< "$job"
     echo "[table] worker $w: $m items $off..$(( off + len - 1 ))" >&2
-    $pin "$comb" eval --method "$m" --data "$data" --offset "$off" --limit "$len" --threads "$threads" \
+    local extra=()
+    [ "$m" = comb ] && extra=(--plugin "$PLUGIN")
+    $pin "$comb" eval --method "$m" "${extra[@]}" --data "$data" --offset "$off" --limit "$len" --threads "$threads" \
       --out "$f.part" > /dev/null 2> "$f.log" || { echo "[table] $m at $off failed: see $f.log" >&2; return 1; }
     mv "$f.part" "$f"
   done

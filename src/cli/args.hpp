@@ -64,6 +64,24 @@ class Args {
 };
 
 
+// "6,14,21" -> {6, 14, 21}: the value of a list option such as --cross-layers.
+inline std::vector<int64_t> parse_int_list(const std::string& text, const std::string& option) {
+  std::vector<int64_t> out;
+  for (size_t pos = 0; pos < text.size();) {
+    size_t comma = text.find(',', pos);
+    std::string item = text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    try {
+      size_t end = 0;
+      out.push_back(std::stoll(item, &end));
+      if (end != item.size()) throw std::invalid_argument(item);
+    } catch (const std::exception&) {
+      throw comb::Error("--" + option + " expects comma-separated layer numbers, found '" + item + "'");
+    }
+    pos = comma == std::string::npos ? text.size() : comma + 1;
+  }
+  return out;
+}
+
 // The median of `v` (0 when empty): what the tool reports for repeated measurements.
 inline double median(std::vector<double> v) {
   if (v.empty()) return 0;

@@ -105,6 +105,12 @@ int cmd_report(std::vector<std::string> files) {
     return std::make_pair(d, static_cast<int>(parse_method(rows[0]["method"].get<std::string>())));
   };
   std::stable_sort(groups.begin(), groups.end(), [&](const auto& a, const auto& b) { return rank(a.second) < rank(b.second); });
+  // Full's warm answers by (data, index): how often a method answers exactly as full does.
+  std::map<std::pair<std::string, int64_t>, std::string> full_answers;
+  for (const auto& [group, rows] : groups)
+    for (const auto& r : rows)
+      if (r["method"] == "full" && r.contains("prediction"))
+        full_answers[{r["data"].get<std::string>(), r["index"].get<int64_t>()}] = r["prediction"].get<std::string>();
   std::vector<nlohmann::json> summaries;
   for (const auto& [group, rows] : groups) {
     // Items must run from one index on without gaps, so that a table's "first N items" is true.
@@ -114,14 +120,24 @@ int cmd_report(std::vector<std::string> files) {
     nlohmann::json s = summarize_eval(rows, group);
     s["first_index"] = idx.front();
     s["contiguous"] = idx.back() - idx.front() + 1 == static_cast<int64_t>(idx.size());
+    int64_t compared = 0, same = 0;
+    for (const auto& r : rows) {
+      if (r["method"] == "full") break;  // full against itself says nothing
+      auto f = full_answers.find({r["data"].get<std::string>(), r["index"].get<int64_t>()});
+      if (f == full_answers.end() || !r.contains("prediction")) continue;
+      ++compared;
+      same += r["prediction"].get<std::string>() == f->second;
+    }
+    s["compared_with_full"] = compared;
+    s["same_answer_as_full"] = compared ? double(same) / compared : 0.0;
     if (!markdown) std::cout << s.dump() << std::endl;
     summaries.push_back(std::move(s));
   }
   if (markdown) {
     // One row per (data, method); warm TTFT also against full's on the same data when present.
     fmt::print("| data | method | items | accuracy | TTFT cold p50 (ms) | TTFT warm p50 (ms) | warm / full warm | "
-               "tokens computed (warm, mean) | tokens reused (warm, mean) | cache bytes/token |\n"
-               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+               "tokens computed (warm, mean) | tokens reused (warm, mean) | cache bytes/token | same answer as full |\n"
+               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const auto& s : summaries) {
       const std::string data = s["data"].get<std::string>();
       std::string ratio = "-";
@@ -130,13 +146,18 @@ int cmd_report(std::vector<std::string> files) {
           ratio = fmt::format("{:.1f}%", 100.0 * s["ttft_warm_ms_p50"].get<double>() / f["ttft_warm_ms_p50"].get<double>());
       const int64_t n = s["n"].get<int64_t>();
       const int64_t first = s["first_index"].get<int64_t>();
-      fmt::print("| {} | {} | {}{} | {:.1f}% ({}/{}) | {:.0f} | {:.0f} | {} | {:.1f} | {:.1f} | {:.0f} |\n", data,
+      const int64_t compared = s["compared_with_full"].get<int64_t>();
+      const std::string same =
+          compared == 0 ? "-"
+                        : fmt::format("{:.1f}% ({}/{})", 100.0 * s["same_answer_as_full"].get<double>(),
+                                      std::lround(s["same_answer_as_full"].get<double>() * compared), compared);
+      fmt::print("| {} | {} | {}{} | {:.1f}% ({}/{}) | {:.0f} | {:.0f} | {} | {:.1f} | {:.1f} | {:.0f} | {} |\n", data,
                  s["method"].get<std::string>(),
                  first == 0 ? fmt::format("first {}", n) : fmt::format("{}..{}", first, first + n - 1),
                  s["contiguous"].get<bool>() ? "" : " (with gaps)", 100.0 * s["accuracy"].get<double>(),
                  std::lround(s["accuracy"].get<double>() * n), n, s["ttft_cold_ms_p50"].get<double>(),
                  s["ttft_warm_ms_p50"].get<double>(), ratio, s["computed_tokens_warm_mean"].get<double>(),
-                 s["reused_tokens_warm_mean"].get<double>(), s["cache_bytes_per_token"].get<double>());
+                 s["reused_tokens_warm_mean"].get<double>(), s["cache_bytes_per_token"].get<double>(), same);
     }
   }
   return 0;
@@ -310,6 +331,77 @@ int cmd_qa(Args& args, Model& model) {
   return 0;
 }
 
+// `comb make-data codeword`: items whose answer is only in a document. Each has 1-3 notes "The
+// secret code word of <name> is <word>." for different people and asks for one person's word, so
+// the decoder cannot answer without reading (and picking) the right document. A quick check that a
+// plug-in learns to read: the bare decoder guesses, full prefill copies. --split test draws its
+// words from a quarter of the list that --split train never uses.
+int cmd_make_data(Args& args) {
+  const std::string kind = args.str("kind", "codeword");
+  const std::string out_path = args.str("out");
+  const int64_t n = args.num<int64_t>("items", 1000);
+  const uint64_t seed = args.num<uint64_t>("seed", 0);
+  const std::string split = args.str("split", "train");
+  args.check_all_used();
+  COMB_CHECK(kind == "codeword", "make-data knows --kind codeword only, found '{}'", kind);
+  COMB_CHECK(split == "train" || split == "test", "--split expects train or test, found '{}'", split);
+  COMB_CHECK(!out_path.empty(), "make-data needs --out FILE");
+  COMB_CHECK(n > 0, "--items must be > 0, found {}", n);
+  static const char* const names[] = {"Anna", "Ben",  "Clara", "David", "Emma", "Frank", "Grace",
+                                      "Henry", "Iris", "Jack", "Kate", "Leo", "Mia", "Noah",
+                                      "Olga", "Paul", "Rosa", "Sam", "Tina", "Victor"};
+  static const char* const words[] = {
+      "apple",   "river",   "candle",  "garden",  "pencil",  "mirror",  "window",  "basket",  "rocket",  "violin",
+      "tiger",   "forest",  "bottle",  "castle",  "dragon",  "engine",  "feather", "guitar",  "hammer",  "island",
+      "jacket",  "kettle",  "ladder",  "marble",  "needle",  "orange",  "parrot",  "pocket",  "rabbit",  "saddle",
+      "tunnel",  "umbrella", "valley", "wallet",  "yellow",  "zebra",   "anchor",  "bridge",  "cactus",  "desert",
+      "eagle",   "falcon",  "glacier", "harbor",  "jungle",  "koala",   "lemon",   "meadow",  "nickel",  "oyster",
+      "pepper",  "quartz",  "ribbon",  "silver",  "thunder", "velvet",  "walnut",  "canyon",  "copper",  "cotton",
+      "crystal", "diamond", "emerald", "fossil",  "galaxy",  "helmet",  "iceberg", "jasmine", "lantern", "magnet",
+      "nectar",  "olive",   "pebble",  "planet",  "puzzle",  "saturn",  "shadow",  "spider",  "summer",  "sunset",
+      "tomato",  "turtle",  "walrus",  "winter",  "wizard",  "blossom", "compass", "cookie",  "dolphin", "garlic",
+      "hazel",   "insect",  "kitten",  "lobster", "mango",   "onion",   "panda",   "pirate",  "pumpkin", "robot",
+      "salmon",  "tulip",   "vanilla", "wagon"};
+  constexpr size_t n_names = sizeof(names) / sizeof(names[0]), n_all_words = sizeof(words) / sizeof(words[0]);
+  // Disjoint words: every fourth word is a test word, so a test answer was never a training answer.
+  std::vector<const char*> vocabulary;
+  for (size_t w = 0; w < n_all_words; ++w)
+    if ((w % 4 == 0) == (split == "test")) vocabulary.push_back(words[w]);
+  const size_t n_words = vocabulary.size();
+  std::mt19937_64 rng(seed);
+  auto pick = [&](size_t count) { return static_cast<size_t>(rng() % count); };  // the same on every platform
+  const std::string tmp = out_path + ".part";
+  {
+    std::ofstream out(tmp);
+    COMB_CHECK(out.good(), "cannot write '{}'", tmp);
+    for (int64_t i = 0; i < n; ++i) {
+      const size_t n_docs = 1 + pick(3);
+      std::vector<size_t> who, what;  // distinct people, distinct words
+      while (who.size() < n_docs) {
+        size_t a = pick(n_names), b = pick(n_words);
+        if (std::find(who.begin(), who.end(), a) == who.end() && std::find(what.begin(), what.end(), b) == what.end())
+          who.push_back(a), what.push_back(b);
+      }
+      const size_t gold = pick(n_docs);
+      nlohmann::json docs = nlohmann::json::array();
+      for (size_t d = 0; d < n_docs; ++d)
+        docs.push_back({{"title", fmt::format("Note about {}", names[who[d]])},
+                        {"text", fmt::format("The secret code word of {} is {}.", names[who[d]], vocabulary[what[d]])}});
+      out << nlohmann::json{{"id", fmt::format("codeword-{}-{}-{}", split, seed, i)},
+                            {"question", fmt::format("What is the secret code word of {}?", names[who[gold]])},
+                            {"answers", {vocabulary[what[gold]]}},
+                            {"documents", docs},
+                            {"gold_index", gold}}
+                 .dump()
+          << "\n";
+    }
+    COMB_CHECK(out.good(), "writing '{}' failed", tmp);
+  }
+  std::filesystem::rename(tmp, out_path);
+  fmt::print(stderr, "[comb] wrote {} codeword items ({} words, seed {}) to {}\n", n, split, seed, out_path);
+  return 0;
+}
+
 namespace {
 std::pair<std::string, int64_t> file_count(const std::string& spec) {
   size_t colon = spec.rfind(':');
@@ -352,6 +444,11 @@ int cmd_train(Args& args, Model& model) {
   o.resume = args.num<int>("resume", 1) != 0;
   PluginInitOptions init;
   init.n_encoder_layers = args.num<int64_t>("encoder-layers", init.n_encoder_layers);
+  init.cross_layers = parse_int_list(args.str("cross-layers"), "cross-layers");
+  COMB_CHECK(init.cross_layers.empty() || !args.has("encoder-layers") ||
+                 static_cast<int64_t>(init.cross_layers.size()) == init.n_encoder_layers,
+             "--encoder-layers {} and --cross-layers with {} layers disagree (one encoder layer per cross block)",
+             init.n_encoder_layers, init.cross_layers.size());
   init.seed = o.seed;
   const std::string init_from = args.str("init", "first");
   COMB_CHECK(init_from == "first" || init_from == "spread",

@@ -23,6 +23,7 @@ int cmd_eval(Args& args, comb::Model& model);
 int cmd_train(Args& args, comb::Model& model);
 int cmd_report(std::vector<std::string> files);
 int cmd_qa(Args& args, comb::Model& model);
+int cmd_make_data(Args& args);
 comb::Model load_model(Args& args);
 }  // namespace comb::cli
 
@@ -72,6 +73,7 @@ commands:
                 the summary of eval --out files (chunks of runs): per data and method, a JSON
                 line, or with --markdown one table
   train         train a plug-in for a model (decoder frozen)
+  make-data     write generated QA items (--kind codeword): answers only a document holds
   bench         measure prefill and decode throughput
   version       print the version
 
@@ -139,10 +141,16 @@ train options:
   --open-gates X      start a fresh run's attention gates at tanh(gate) = X (default 0)
   --kl-weight X       add X * KL(full-context decoder || plug-in) on answer tokens (default 0)
   --encoder-layers N  for a fresh plug-in (default 4); --plugin FILE continues from a plug-in
-  --init first|spread fresh plug-in: copies of the first decoder layers with cross blocks after
-                      them (default), or copies of the layers the blocks are spread over
+  --cross-layers LIST for a fresh plug-in: the decoder layers its cross blocks run before
+  --init first|spread fresh plug-in: copies of the first decoder layers, cross blocks after them
+                      (default) or at --cross-layers, each with its decoder layer's attention;
+                      or copies of the layers the blocks are spread over
   --seed N            data order and initialisation (default 0)
   --save-every N (200)  --log-every N (10)  --resume 0|1 (1)
+
+make-data options:
+  --out FILE  --items N (1000)  --seed N (0)  --kind codeword (the only kind)
+  --split train|test  test items use words (answers) that train items never use
 
 bench options:
   --prompt-tokens LIST   prompt lengths for prefill, comma separated (default 128,512,2048)
@@ -269,17 +277,7 @@ int cmd_plugin(int argc, char** argv) {
   init.seed = args.num<uint64_t>("seed", 0);
   init.copy_decoder_layers = !args.has("random-init");
   args.str("random-init");
-  std::string layers = args.str("cross-layers");
-  for (size_t pos = 0; pos < layers.size();) {
-    size_t comma = layers.find(',', pos);
-    std::string item = layers.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
-    try {
-      init.cross_layers.push_back(std::stoll(item));
-    } catch (const std::exception&) {
-      throw Error("--cross-layers expects comma-separated layer numbers, found '" + item + "'");
-    }
-    pos = comma == std::string::npos ? layers.size() : comma + 1;
-  }
+  init.cross_layers = comb::cli::parse_int_list(args.str("cross-layers"), "cross-layers");
   comb::Model model = load_model(args);
   args.check_all_used();
   comb::Plugin plugin = comb::Plugin::fresh(model.decoder(), init);
@@ -376,6 +374,10 @@ int main(int argc, char** argv) {
       comb::Model model = load_model(args);
       return comb::cli::cmd_qa(args, model);
     }
+    if (cmd == "make-data") {
+      Args args(argc, argv, 2, {});
+      return comb::cli::cmd_make_data(args);
+    }
     if (cmd == "report") return comb::cli::cmd_report(std::vector<std::string>(argv + 2, argv + argc));
     if (cmd == "train") {
       Args args(argc, argv, 2, {});
@@ -386,7 +388,7 @@ int main(int argc, char** argv) {
       Args args(argc, argv, 2, {"json"});
       return cmd_bench(args);
     }
-    throw Error("unknown command '" + cmd + "' (expected generate, qa, eval, report, train, plugin, bench or version)");
+    throw Error("unknown command '" + cmd + "' (expected generate, qa, eval, report, train, make-data, plugin, bench or version)");
   } catch (const Error& e) {
     if (std::string(e.what()) == "help") {
       std::fputs(kUsage, stdout);
