@@ -67,9 +67,21 @@ int cmd_report(std::vector<std::string> files) {
   auto flag = std::find(files.begin(), files.end(), "--markdown");
   const bool markdown = flag != files.end();
   if (markdown) files.erase(flag);
+  // --first N: only items with index < N, so that rows measured on more items compare on the same.
+  int64_t first_n = -1;
+  flag = std::find(files.begin(), files.end(), "--first");
+  if (flag != files.end()) {
+    COMB_CHECK(flag + 1 != files.end(), "report: --first needs a count");
+    const std::string n = *(flag + 1);
+    COMB_CHECK(!n.empty() && n.find_first_not_of("0123456789") == std::string::npos && std::stoll(n) > 0,
+               "report: --first expects a count > 0, found '{}'", n);
+    first_n = std::stoll(n);
+    files.erase(flag, flag + 2);
+  }
   for (const auto& f : files)
-    COMB_CHECK(f.rfind("--", 0) != 0, "report takes eval --out files and --markdown, found option '{}'", f);
-  COMB_CHECK(!files.empty(), "report needs the --out files of comb eval runs (comb report [--markdown] FILE...)");
+    COMB_CHECK(f.rfind("--", 0) != 0, "report takes eval --out files, --markdown and --first N, found option '{}'", f);
+  COMB_CHECK(!files.empty(),
+             "report needs the --out files of comb eval runs (comb report [--markdown] [--first N] FILE...)");
   // Rows grouped by (data, method), in the order first seen; an item counted once per group.
   std::vector<std::pair<std::string, std::vector<nlohmann::json>>> groups;
   std::map<std::string, std::string> seen;  // group + index -> where it was read
@@ -85,6 +97,7 @@ int cmd_report(std::vector<std::string> files) {
       for (const char* key : {"method", "data", "index", "correct", "ttft_cold_ms", "ttft_warm_ms",
                               "computed_tokens_warm", "reused_tokens_warm", "cache_bytes_per_token"})
         COMB_CHECK(r.contains(key), "{}: an item line of comb eval --out has '{}'; this one does not", where, key);
+      if (first_n > 0 && r["index"].get<int64_t>() >= first_n) continue;
       const std::string group = r["data"].get<std::string>() + " " + r["method"].get<std::string>();
       const std::string key = group + " #" + std::to_string(r["index"].get<int64_t>());
       auto [it, fresh] = seen.emplace(key, where);
@@ -105,6 +118,8 @@ int cmd_report(std::vector<std::string> files) {
     return std::make_pair(d, static_cast<int>(parse_method(rows[0]["method"].get<std::string>())));
   };
   std::stable_sort(groups.begin(), groups.end(), [&](const auto& a, const auto& b) { return rank(a.second) < rank(b.second); });
+  COMB_CHECK(!groups.empty(), "report: no items in {} file(s){}", files.size(),
+             first_n > 0 ? fmt::format(" with an index below {}", first_n) : "");
   // Full's warm answers by (data, index): how often a method answers exactly as full does.
   std::map<std::pair<std::string, int64_t>, std::string> full_answers;
   for (const auto& [group, rows] : groups)
