@@ -64,20 +64,28 @@ class Args {
 };
 
 
+// "a,b,,c" -> {"a", "b", "", "c"}: the items of a comma-separated option value ("" -> {}).
+inline std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  for (size_t pos = 0; pos < text.size();) {
+    size_t comma = text.find(',', pos);
+    out.push_back(text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos));
+    pos = comma == std::string::npos ? text.size() : comma + 1;
+  }
+  return out;
+}
+
 // "6,14,21" -> {6, 14, 21}: the value of a list option such as --cross-layers.
 inline std::vector<int64_t> parse_int_list(const std::string& text, const std::string& option) {
   std::vector<int64_t> out;
-  for (size_t pos = 0; pos < text.size();) {
-    size_t comma = text.find(',', pos);
-    std::string item = text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+  for (const std::string& item : split_list(text)) {
     try {
       size_t end = 0;
       out.push_back(std::stoll(item, &end));
       if (end != item.size()) throw std::invalid_argument(item);
     } catch (const std::exception&) {
-      throw comb::Error("--" + option + " expects comma-separated layer numbers, found '" + item + "'");
+      throw comb::Error("--" + option + " expects comma-separated whole numbers, found '" + item + "'");
     }
-    pos = comma == std::string::npos ? text.size() : comma + 1;
   }
   return out;
 }

@@ -36,6 +36,27 @@ std::string data_name(const std::string& path) {
   return name;
 }
 
+// One request timed cold (nothing cached, to its first token only: decoding on would repeat the
+// warm answer) and warm (after `priming` has cached its documents; full caches nothing, so it
+// skips the priming request and its warm run is a second full prefill).
+struct ColdWarm {
+  GenerationResult cold, warm;
+  PicCounts cold_counts, warm_counts;
+};
+
+ColdWarm run_cold_warm(PicEngine& engine, const PicRequest& request, const PicRequest& priming,
+                       const GenerateOptions& gen) {
+  ColdWarm r;
+  GenerateOptions first = gen;
+  first.max_tokens = 1;
+  engine.clear();
+  r.cold = engine.generate(request, first, &r.cold_counts);
+  engine.clear();
+  if (engine.method() != Method::full) engine.prefill(priming, 1);
+  r.warm = engine.generate(request, gen, &r.warm_counts);
+  return r;
+}
+
 }  // namespace
 
 nlohmann::json summarize_eval(const std::vector<nlohmann::json>& rows, const std::string& where) {
@@ -108,6 +129,8 @@ int cmd_report(std::vector<std::string> files) {
       g->second.push_back(std::move(r));
     }
   }
+  COMB_CHECK(!groups.empty(), "report: no items in {} file(s){}", files.size(),
+             first_n > 0 ? fmt::format(" with an index below {}", first_n) : "");
   // Data in the order first read, methods in the engine's order (full first).
   std::vector<std::string> data_order;
   for (const auto& g : groups)
@@ -118,8 +141,6 @@ int cmd_report(std::vector<std::string> files) {
     return std::make_pair(d, static_cast<int>(parse_method(rows[0]["method"].get<std::string>())));
   };
   std::stable_sort(groups.begin(), groups.end(), [&](const auto& a, const auto& b) { return rank(a.second) < rank(b.second); });
-  COMB_CHECK(!groups.empty(), "report: no items in {} file(s){}", files.size(),
-             first_n > 0 ? fmt::format(" with an index below {}", first_n) : "");
   // Full's warm answers by (data, index): how often a method answers exactly as full does.
   std::map<std::pair<std::string, int64_t>, std::string> full_answers;
   for (const auto& [group, rows] : groups)
@@ -136,13 +157,13 @@ int cmd_report(std::vector<std::string> files) {
     s["first_index"] = idx.front();
     s["contiguous"] = idx.back() - idx.front() + 1 == static_cast<int64_t>(idx.size());
     int64_t compared = 0, same = 0;
-    for (const auto& r : rows) {
-      if (r["method"] == "full") break;  // full against itself says nothing
-      auto f = full_answers.find({r["data"].get<std::string>(), r["index"].get<int64_t>()});
-      if (f == full_answers.end() || !r.contains("prediction")) continue;
-      ++compared;
-      same += r["prediction"].get<std::string>() == f->second;
-    }
+    if (rows[0]["method"] != "full")  // full against itself says nothing
+      for (const auto& r : rows) {
+        auto f = full_answers.find({r["data"].get<std::string>(), r["index"].get<int64_t>()});
+        if (f == full_answers.end() || !r.contains("prediction")) continue;
+        ++compared;
+        same += r["prediction"].get<std::string>() == f->second;
+      }
     s["compared_with_full"] = compared;
     s["same_answer_as_full"] = compared ? double(same) / compared : 0.0;
     if (!markdown) std::cout << s.dump() << std::endl;
@@ -194,10 +215,6 @@ int cmd_eval(Args& args, Model& model) {
   GenerateOptions gen;
   gen.max_tokens = args.num<int64_t>("max-new-tokens", 32);
   args.check_all_used();
-  // The cold run is timed to its first token only: its answer would be the warm one's, decoded
-  // twice. Accuracy is scored on the warm answer.
-  GenerateOptions gen_cold = gen;
-  gen_cold.max_tokens = 1;
 
   // Items [offset, offset + limit), and the one after them: its question primes the last item's
   // warm run, so a long evaluation split into chunks runs each item as the whole would.
@@ -219,23 +236,17 @@ int cmd_eval(Args& args, Model& model) {
   auto t_start = std::chrono::steady_clock::now();
   for (size_t k = offset; k < end; ++k) {
     const auto& item = items[k];
-    PicRequest request = qa_request(model, item.documents, item.question);
-    // Cold: nothing of this item cached.
-    engine.clear();
-    PicCounts cold_stats, warm_stats;
-    GenerationResult cold = engine.generate(request, gen_cold, &cold_stats);
     // Warm: every document cached by another request, in another order (seeded by the item's
     // index, so a chunk of a run shuffles as the whole run does), with the next item's question.
-    engine.clear();
     std::mt19937 rng(1234 + k);
     std::vector<QaDocument> shuffled = item.documents;
     std::shuffle(shuffled.begin(), shuffled.end(), rng);
     if (shuffled.size() > 1 && std::equal(shuffled.begin(), shuffled.end(), item.documents.begin(),
                                           [](const QaDocument& a, const QaDocument& b) { return a.text == b.text; }))
       std::reverse(shuffled.begin(), shuffled.end());
-    if (method != Method::full)  // full caches nothing: its warm run is its cold run again
-      engine.prefill(qa_request(model, shuffled, items[(k + 1) % items.size()].question), 1);
-    GenerationResult warm = engine.generate(request, gen, &warm_stats);
+    ColdWarm t = run_cold_warm(engine, qa_request(model, item.documents, item.question),
+                               qa_request(model, shuffled, items[(k + 1) % items.size()].question), gen);
+    const GenerationResult& warm = t.warm;
     bool ok = answer_correct(warm.text, item.answers);
     correct += ok;
     rows.push_back({{"method", method_name(method)},
@@ -244,12 +255,12 @@ int cmd_eval(Args& args, Model& model) {
                     {"id", item.id},
                     {"prediction", warm.text},
                     {"correct", ok},
-                    {"ttft_cold_ms", cold.ttft_ms},
+                    {"ttft_cold_ms", t.cold.ttft_ms},
                     {"ttft_warm_ms", warm.ttft_ms},
-                    {"computed_tokens_cold", cold_stats.computed},
-                    {"reused_tokens_cold", cold_stats.reused},
-                    {"computed_tokens_warm", warm_stats.computed},
-                    {"reused_tokens_warm", warm_stats.reused},
+                    {"computed_tokens_cold", t.cold_counts.computed},
+                    {"reused_tokens_cold", t.cold_counts.reused},
+                    {"computed_tokens_warm", t.warm_counts.computed},
+                    {"reused_tokens_warm", t.warm_counts.reused},
                     {"cache_bytes_per_token", engine.cache_bytes_per_token()}});
     if (out.is_open())
       out << rows.back().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)  // cut-off UTF-8: U+FFFD
@@ -284,22 +295,15 @@ int cmd_qa(Args& args, Model& model) {
   const std::string question = args.str("question");
   COMB_CHECK(!paths.empty(), "qa needs at least one --document FILE");
   COMB_CHECK(!question.empty(), "qa needs --question TEXT");
-  std::vector<std::string> names;
-  {
-    std::string list = args.str("methods", model.plugin() ? "full,naive,epic,cacheblend,comb" : "full,naive,epic,cacheblend");
-    for (size_t start = 0; start <= list.size();) {
-      size_t comma = std::min(list.find(',', start), list.size());
-      if (comma > start) names.push_back(list.substr(start, comma - start));
-      start = comma + 1;
-    }
-  }
-  COMB_CHECK(!names.empty(), "--methods needs at least one method (full, prefix, naive, cacheblend, epic, comb)");
   std::vector<Method> methods;
-  for (const auto& n : names) {
+  for (const auto& n :
+       split_list(args.str("methods", model.plugin() ? "full,naive,epic,cacheblend,comb" : "full,naive,epic,cacheblend"))) {
+    if (n.empty()) continue;
     methods.push_back(parse_method(n));
     COMB_CHECK(methods.back() != Method::comb || model.plugin(),
                "--methods names comb, which needs a trained plug-in (--plugin FILE)");
   }
+  COMB_CHECK(!methods.empty(), "--methods needs at least one method (full, prefix, naive, cacheblend, epic, comb)");
   GenerateOptions gen;
   gen.max_tokens = args.num<int64_t>("max-new-tokens", 48);
   args.check_all_used();
@@ -324,20 +328,14 @@ int cmd_qa(Args& args, Model& model) {
   double full_warm = -1;
   for (Method m : methods) {
     PicEngine engine(model, m);
-    // Cold: nothing cached. Warm: the documents cached by the other request first.
-    GenerateOptions first = gen;
-    first.max_tokens = 1;
-    PicCounts cold_counts, warm_counts;
-    GenerationResult cold = engine.generate(request, first, &cold_counts);
-    engine.clear();
-    if (m != Method::full) engine.prefill(other, 1);
-    GenerationResult warm = engine.generate(request, gen, &warm_counts);
-    if (m == Method::full) full_warm = warm.ttft_ms;
-    std::string answer = warm.text;
+    ColdWarm t = run_cold_warm(engine, request, other, gen);
+    if (m == Method::full) full_warm = t.warm.ttft_ms;
+    std::string answer = t.warm.text;
     std::replace(answer.begin(), answer.end(), '\n', ' ');
-    std::string ratio = full_warm > 0 && m != Method::full ? fmt::format(" ({:.0f}%)", 100.0 * warm.ttft_ms / full_warm) : "";
-    fmt::print("{:<11} {:>14.1f} {:>14} {:>15} {:>14}  {}\n", method_name(m), cold.ttft_ms,
-               fmt::format("{:.1f}{}", warm.ttft_ms, ratio), warm_counts.computed, warm_counts.reused, answer);
+    std::string ratio =
+        full_warm > 0 && m != Method::full ? fmt::format(" ({:.0f}%)", 100.0 * t.warm.ttft_ms / full_warm) : "";
+    fmt::print("{:<11} {:>14.1f} {:>14} {:>15} {:>14}  {}\n", method_name(m), t.cold.ttft_ms,
+               fmt::format("{:.1f}{}", t.warm.ttft_ms, ratio), t.warm_counts.computed, t.warm_counts.reused, answer);
     std::fflush(stdout);
   }
   fmt::print("\nTTFT: request start to first token, cache look-ups and document encoding included. Cold: nothing\n"

@@ -310,13 +310,9 @@ int cmd_bench(Args& args) {
     if (json) std::cout << nlohmann::json{{"bench", what}, {"tokens", tokens}, {"tokens_per_s", tps}}.dump() << std::endl;
     else fmt::print("{:<8} {:>6} tokens  {:>10.1f} tokens/s\n", what, tokens, tps);
   };
-  size_t pos = 0;
-  while (pos < lengths.size()) {
-    size_t comma = lengths.find(',', pos);
-    std::string item = lengths.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
-    pos = comma == std::string::npos ? lengths.size() : comma + 1;
-    int64_t n = std::stoll(item);
-    if (n <= 0 || n >= model.config().n_ctx) throw Error("--prompt-tokens: " + item + " is outside (0, n_ctx)");
+  for (int64_t n : comb::cli::parse_int_list(lengths, "prompt-tokens")) {
+    if (n <= 0 || n >= model.config().n_ctx)
+      throw Error("--prompt-tokens: " + std::to_string(n) + " is outside (0, n_ctx)");
     at::Tensor ids = prompt(n);
     std::vector<double> times;
     for (int r = 0; r <= repeat; ++r) {  // the first run warms up
