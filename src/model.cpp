@@ -524,6 +524,33 @@ at::Tensor visible_keys(const at::Tensor& positions, int64_t n_keys) {
   return at::arange(n_keys, positions.options().dtype(at::kLong)).unsqueeze(0) <= positions.unsqueeze(1);
 }
 
+namespace {
+// Attention of n new queries q [batch, n_head, n, head_dim] that follow `start` cached positions:
+// query j sees keys [0, start + j] of keys, values [batch, n_head_kv, start + n, head_dim] (grouped).
+at::Tensor attend_after_cache(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start) {
+  const int64_t n = q.size(2), groups = q.size(1) / keys.size(1);
+  COMB_CHECK(keys.size(2) == start + n, "attention after a cache: {} keys for {} cached and {} new positions",
+             keys.size(2), start, n);
+  if (!q.device().is_cpu() || start == 0) {
+    std::optional<at::Tensor> mask;
+    if (start > 0) mask = visible_keys(at::arange(start, start + n, at::TensorOptions().device(q.device())), start + n);
+    return at::scaled_dot_product_attention(q, keys, values, mask, 0.0, start == 0 && n > 1, std::nullopt, true);
+  }
+  // NOTE: one masked call would score every query against every key (the CPU kernel skips no masked
+  // block), a third more work than a causal prefill of the same length. Instead: the cached keys
+  // without a mask, the chunk's own keys causally, and the two partial results merged by their
+  // log-sum-exp, which is exact.
+  at::Tensor k = groups > 1 ? keys.repeat_interleave(groups, 1) : keys;
+  at::Tensor v = groups > 1 ? values.repeat_interleave(groups, 1) : values;
+  auto [old_out, old_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k.narrow(2, 0, start), v.narrow(2, 0, start));
+  auto [new_out, new_lse] =
+      at::_scaled_dot_product_flash_attention_for_cpu(q, k.narrow(2, start, n), v.narrow(2, start, n), 0.0, true);
+  at::Tensor lse = at::logaddexp(old_lse, new_lse);
+  return (old_out * (old_lse - lse).exp().unsqueeze(-1) + new_out * (new_lse - lse).exp().unsqueeze(-1))
+      .to(q.scalar_type());
+}
+}  // namespace
+
 at::Tensor Decoder::rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
   return comb::rms_norm(x, weight, config_.rms_eps);
 }
@@ -537,12 +564,10 @@ at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCache& cache) co
   k = apply_rope(k, cos, sin);
   auto [keys, values] = cache.append(i, k, v);  // [batch, n_head_kv, start + n, head_dim]
   at::Tensor out;
-  if (start == 0 || n == 1) {
-    out = at::scaled_dot_product_attention(q, keys, values, {}, 0.0, /*is_causal=*/n > 1, std::nullopt,
-                                           /*enable_gqa=*/true);
-  } else {  // a chunk after cached positions: query j sees keys [0, start + j]
-    at::Tensor mask = visible_keys(at::arange(start, start + n, at::TensorOptions().device(device_)), start + n);
-    out = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, std::nullopt, true);
+  if (n == 1) {
+    out = at::scaled_dot_product_attention(q, keys, values, {}, 0.0, false, std::nullopt, /*enable_gqa=*/true);
+  } else {  // query j sees keys [0, start + j]
+    out = attend_after_cache(q, keys, values, start);
   }
   out = out.transpose(1, 2).reshape({batch, n, c.q_dim()});
   return at::linear(out, weights_.layers[i].wo);
@@ -652,9 +677,7 @@ at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) co
     });
   } else {
     at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
-    std::optional<at::Tensor> mask;
-    if (start > 0) mask = visible_keys(at::arange(start, start + n), start + n);
-    attn = at::scaled_dot_product_attention(q.transpose(1, 2), keys, values, mask, 0.0, start == 0, std::nullopt, true)
+    attn = attend_after_cache(q.transpose(1, 2), keys, values, start)
                .transpose(1, 2)
                .reshape({batch, n, c.q_dim()});
   }

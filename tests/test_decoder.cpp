@@ -95,6 +95,30 @@ TEST_CASE("incremental decoding with the KV cache equals a full forward", "[deco
   }
 }
 
+TEST_CASE("a chunk after cached positions equals the same rows of one forward, on both CPU paths", "[decoder]") {
+  // A chunk after a cache attends to the cached keys and to its own keys apart and merges the two
+  // (exact): it must give the logits of the same rows in one causal forward.
+  c10::InferenceMode guard;
+  SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
+  at::Tensor ids = ref.load("p3.ids", at::kLong).unsqueeze(0);
+  const int64_t n = ids.size(1), split = n / 3;
+  REQUIRE(split > 4);  // both parts take the prefill path, not the few-row decode kernels
+  auto check = [&](const Decoder& dec) {
+    at::Tensor full = full_logits(dec, ids);
+    KVCache cache = dec.make_cache(1, n);
+    dec.forward(ids.narrow(1, 0, split), cache);
+    at::Tensor rest = dec.forward(ids.narrow(1, split, n - split), cache, LogitsMode::all)[0];
+    CHECK((rest - full.narrow(0, split, n - split)).abs().max().item<double>() <= kPathTolerance);
+    CHECK(cache.length() == n);
+  };
+  SECTION("fused kernels") { check(default_model().decoder()); }
+  SECTION("generic ATen ops") {
+    Options options;
+    options.cpu_kernels = false;
+    check(Model::load(model_path(), options).decoder());
+  }
+}
+
 TEST_CASE("the generic path (fused kernels off) matches transformers too", "[decoder][parity]") {
   c10::InferenceMode guard;
   Options options;
@@ -259,4 +283,18 @@ TEST_CASE("golden: greedy answer of a fixed chat prompt", "[decoder][golden]") {
   CHECK(r.logprobs.size() == r.tokens.size());
   for (float lp : r.logprobs) CHECK(lp <= 0.0f);
   CHECK(r.ttft_ms > 0);
+}
+
+TEST_CASE("keep_freed_memory applies on glibc and generation is unchanged by it", "[decoder]") {
+  c10::InferenceMode guard;
+  const Decoder& dec = default_model().decoder();
+  SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
+  at::Tensor ids = ref.load("p3.ids", at::kLong).unsqueeze(0);
+  at::Tensor before = full_logits(dec, ids);
+#if defined(__GLIBC__)
+  CHECK(comb::keep_freed_memory());
+#else
+  CHECK_FALSE(comb::keep_freed_memory());
+#endif
+  CHECK(at::equal(full_logits(dec, ids), before));
 }

@@ -1,5 +1,6 @@
 #pragma once
 // The whole public API of comb.
+#include "comb/allocator.hpp"
 #include "comb/chat_template.hpp"
 #include "comb/config.hpp"
 #include "comb/decoder.hpp"

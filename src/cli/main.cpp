@@ -85,6 +85,12 @@ common options:
   --threads N         CPU threads (default: LibTorch's choice)
   --cpu-kernels 0|1   fused fp32 CPU kernels (default 1; 0 runs generic ATen ops only)
 
+environment:
+  COMB_MODEL          the default model file
+  COMB_KEEP_FREED_MEMORY=0
+                      leave the C allocator's defaults (by default comb keeps freed blocks of
+                      up to 32 MiB for reuse instead of faulting them in again at each prefill)
+
 generate options:
   --prompt TEXT       the user message (sent through the model's chat template)
   --raw               send the prompt as is, without the chat template
@@ -154,6 +160,8 @@ make-data options:
 
 bench options:
   --prompt-tokens LIST   prompt lengths for prefill, comma separated (default 128,512,2048)
+  --cached N             each prefill follows N cached positions (default 0): the rows
+                         that prefix caching or a chunked prefill computes
   --decode-tokens N      tokens decoded after a 128-token prompt (default 64)
   --repeat N             runs per figure; the median is reported (default 3)
   --json                 one JSON object per figure
@@ -291,6 +299,8 @@ int cmd_bench(Args& args) {
   comb::Model model = load_model(args);
   std::string lengths = args.str("prompt-tokens", "128,512,2048");
   int64_t n_decode = args.num<int64_t>("decode-tokens", 64);
+  int64_t cached = args.num<int64_t>("cached", 0);
+  if (cached < 0) throw Error("--cached: expected a number of positions >= 0, found " + std::to_string(cached));
   int repeat = std::max(1, args.num<int>("repeat", 3));
   bool json = args.has("json");
   args.str("json");
@@ -306,23 +316,34 @@ int cmd_bench(Args& args) {
     return at::tensor(ids, at::kLong).unsqueeze(0);
   };
   auto now = [] { return std::chrono::steady_clock::now(); };
-  auto report = [&](const std::string& what, int64_t tokens, double tps) {
-    if (json) std::cout << nlohmann::json{{"bench", what}, {"tokens", tokens}, {"tokens_per_s", tps}}.dump() << std::endl;
-    else fmt::print("{:<8} {:>6} tokens  {:>10.1f} tokens/s\n", what, tokens, tps);
+  auto report = [&](const std::string& what, int64_t tokens, double tps, int64_t after = 0) {
+    if (json) {
+      nlohmann::json line{{"bench", what}, {"tokens", tokens}, {"tokens_per_s", tps}};
+      if (what == "prefill") line["cached"] = after;
+      std::cout << line.dump() << std::endl;
+    } else if (after > 0) {
+      fmt::print("{:<8} {:>6} tokens  {:>10.1f} tokens/s  after {} cached\n", what, tokens, tps, after);
+    } else {
+      fmt::print("{:<8} {:>6} tokens  {:>10.1f} tokens/s\n", what, tokens, tps);
+    }
   };
+  at::Tensor before = prompt(cached);
   for (int64_t n : comb::cli::parse_int_list(lengths, "prompt-tokens")) {
-    if (n <= 0 || n >= model.config().n_ctx)
-      throw Error("--prompt-tokens: " + std::to_string(n) + " is outside (0, n_ctx)");
+    if (n <= 0) throw Error("--prompt-tokens: expected lengths > 0, found " + std::to_string(n));
+    if (cached + n >= model.config().n_ctx)
+      throw Error(fmt::format("--prompt-tokens: {} tokens after {} cached exceed the model's context ({})", n, cached,
+                              model.config().n_ctx));
     at::Tensor ids = prompt(n);
     std::vector<double> times;
     for (int r = 0; r <= repeat; ++r) {  // the first run warms up
-      comb::KVCache cache = dec.make_cache(1, n);
+      comb::KVCache cache = dec.make_cache(1, cached + n);
+      if (cached > 0) dec.forward(before, cache);  // not timed
       auto t0 = now();
       at::Tensor logits = dec.forward(ids, cache);
       logits.cpu();
       if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
     }
-    report("prefill", n, n / median(times));
+    report("prefill", n, n / median(times), cached);
   }
   if (n_decode > 0) {
     std::vector<double> rates;
@@ -350,6 +371,10 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   std::string cmd = argv[1];
+  // Large activation blocks are reused instead of faulted in again at every prefill (see
+  // comb/allocator.hpp); COMB_KEEP_FREED_MEMORY=0 keeps the allocator's defaults, for comparison.
+  if (const char* keep = std::getenv("COMB_KEEP_FREED_MEMORY"); keep == nullptr || std::string(keep) != "0")
+    comb::keep_freed_memory();
   try {
     if (cmd == "version" || cmd == "--version") {
       std::cout << "comb " << COMB_VERSION_STRING << std::endl;
