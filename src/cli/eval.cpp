@@ -37,22 +37,35 @@ std::string data_name(const std::string& path) {
 }
 
 // One request timed cold (nothing cached, to its first token only: decoding on would repeat the
-// warm answer) and warm (after `priming` has cached its documents; full caches nothing, so it
-// skips the priming request and its warm run is a second full prefill).
+// warm answer) and warm (every document cached by another request). Warm follows a priming
+// request (the same documents in another order, another question) when `prime_all` is set or
+// the method is `prefix`, whose cache depends on order. Without `prime_all`, the per-document
+// methods run warm right after cold: each document's cache is computed alone from position 0, so
+// what the cold request cached is what any other request would have (tested in test_pic.cpp), and
+// `full`, which caches nothing, runs once and reports that request as both.
 struct ColdWarm {
   GenerationResult cold, warm;
   PicCounts cold_counts, warm_counts;
 };
 
 ColdWarm run_cold_warm(PicEngine& engine, const PicRequest& request, const PicRequest& priming,
-                       const GenerateOptions& gen) {
+                       const GenerateOptions& gen, bool prime_all) {
   ColdWarm r;
+  const Method method = engine.method();
+  engine.clear();
+  if (method == Method::full && !prime_all) {
+    r.warm = engine.generate(request, gen, &r.warm_counts);
+    r.cold = r.warm;
+    r.cold_counts = r.warm_counts;
+    return r;
+  }
   GenerateOptions first = gen;
   first.max_tokens = 1;
-  engine.clear();
   r.cold = engine.generate(request, first, &r.cold_counts);
-  engine.clear();
-  if (engine.method() != Method::full) engine.prefill(priming, 1);
+  if (method != Method::full && (prime_all || method == Method::prefix)) {
+    engine.clear();
+    engine.prefill(priming, 1);
+  }
   r.warm = engine.generate(request, gen, &r.warm_counts);
   return r;
 }
@@ -212,6 +225,9 @@ int cmd_eval(Args& args, Model& model) {
   const int64_t offset = args.num<int64_t>("offset", 0);
   COMB_CHECK(limit >= 0 && offset >= 0, "--limit and --offset must be >= 0 (found {} and {})", limit, offset);
   const std::string out_path = args.str("out");
+  const std::string priming = args.str("priming", "auto");
+  COMB_CHECK(priming == "auto" || priming == "always", "--priming: expected auto or always, found '{}'", priming);
+  const bool prime_all = priming == "always";
   GenerateOptions gen;
   gen.max_tokens = args.num<int64_t>("max-new-tokens", 32);
   args.check_all_used();
@@ -245,7 +261,8 @@ int cmd_eval(Args& args, Model& model) {
                                           [](const QaDocument& a, const QaDocument& b) { return a.text == b.text; }))
       std::reverse(shuffled.begin(), shuffled.end());
     ColdWarm t = run_cold_warm(engine, qa_request(model, item.documents, item.question),
-                               qa_request(model, shuffled, items[(k + 1) % items.size()].question), gen);
+                               qa_request(model, shuffled, items[(k + 1) % items.size()].question), gen,
+                               prime_all);
     const GenerationResult& warm = t.warm;
     bool ok = answer_correct(warm.text, item.answers);
     correct += ok;
@@ -261,7 +278,8 @@ int cmd_eval(Args& args, Model& model) {
                     {"reused_tokens_cold", t.cold_counts.reused},
                     {"computed_tokens_warm", t.warm_counts.computed},
                     {"reused_tokens_warm", t.warm_counts.reused},
-                    {"cache_bytes_per_token", engine.cache_bytes_per_token()}});
+                    {"cache_bytes_per_token", engine.cache_bytes_per_token()},
+                    {"priming", priming}});
     if (out.is_open())
       out << rows.back().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)  // cut-off UTF-8: U+FFFD
           << std::endl;  // flushed: a stopped run keeps the items it finished
@@ -328,7 +346,7 @@ int cmd_qa(Args& args, Model& model) {
   double full_warm = -1;
   for (Method m : methods) {
     PicEngine engine(model, m);
-    ColdWarm t = run_cold_warm(engine, request, other, gen);
+    ColdWarm t = run_cold_warm(engine, request, other, gen, /*prime_all=*/true);
     if (m == Method::full) full_warm = t.warm.ttft_ms;
     std::string answer = t.warm.text;
     std::replace(answer.begin(), answer.end(), '\n', ' ');

@@ -126,6 +126,12 @@ eval options:
   --offset N          start at item N (default 0): a long evaluation split into chunks
   --out FILE          one JSON line per item (comb report merges such files)
   --max-new-tokens N  greedy tokens per warm answer (default 32; the cold run stops at the first)
+  --priming auto|always
+                      what warms the caches (default auto): prefix is primed by a request with
+                      the documents in another order and another question; the per-document
+                      methods reuse what their cold request cached (the same K/V any request
+                      leaves); full runs once, reported as cold and warm. always: every method
+                      but full is primed, and full runs twice
   --blend-ratio R     cacheblend: share of document tokens recomputed (default 0.15)
   --check-layer L     cacheblend: layer that picks them (default 1)
   --epic-k K          epic: leading tokens recomputed per document (default 8)
