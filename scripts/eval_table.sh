@@ -25,6 +25,16 @@ for m in "${methods[@]}"; do
     echo "$0: the method comb needs PLUGIN=FILE (a plug-in), found '${PLUGIN:-}'" >&2; exit 1
   fi
 done
+# One table, one binary: the first run copies the comb binary into OUTDIR and every resumption
+# measures with that copy, so a rebuild between sittings cannot mix two builds in one table.
+mkdir -p "$outdir/.bin"
+if [ -x "$outdir/.bin/comb" ]; then
+  echo "[table] measuring with $outdir/.bin/comb, the binary this table started with (delete it to use a new build)" >&2
+else
+  cp "$comb" "$outdir/.bin/comb.part" && mv "$outdir/.bin/comb.part" "$outdir/.bin/comb"
+  echo "[table] measuring with a copy of $comb in $outdir/.bin/" >&2
+fi
+comb=$outdir/.bin/comb
 chunk=${CHUNK:-10} workers=${WORKERS:-1}
 cores=$(nproc)
 threads=${THREADS:-$(( cores / workers > 0 ? cores / workers : 1 ))}
