@@ -25,16 +25,23 @@ for m in "${methods[@]}"; do
     echo "$0: the method comb needs PLUGIN=FILE (a plug-in), found '${PLUGIN:-}'" >&2; exit 1
   fi
 done
-# One table, one binary: the first run copies the comb binary into OUTDIR and every resumption
-# measures with that copy, so a rebuild between sittings cannot mix two builds in one table.
-mkdir -p "$outdir/.bin"
-if [ -x "$outdir/.bin/comb" ]; then
-  echo "[table] measuring with $outdir/.bin/comb, the binary this table started with (delete it to use a new build)" >&2
+# One table, one build: the first run copies the comb binary and its library into OUTDIR/.bin,
+# and every resumption measures with those copies (the library found through LD_LIBRARY_PATH,
+# which comes before the binary's run path), so a rebuild between sittings cannot mix two builds
+# in one table.
+bin=$outdir/.bin
+if [ -x "$bin/comb" ] && [ -f "$bin/libcomb.so.0" ]; then
+  echo "[table] measuring with the build this table started with, in $bin (delete it to use a new build)" >&2
 else
-  cp "$comb" "$outdir/.bin/comb.part" && mv "$outdir/.bin/comb.part" "$outdir/.bin/comb"
-  echo "[table] measuring with a copy of $comb in $outdir/.bin/" >&2
+  lib=$(dirname "$comb")/libcomb.so.0
+  [ -f "$lib" ] || { echo "$0: no library '$lib' beside '$comb'" >&2; exit 1; }
+  mkdir -p "$bin"
+  cp -L "$lib" "$bin/libcomb.so.0.part" && cp "$comb" "$bin/comb.part"
+  mv "$bin/libcomb.so.0.part" "$bin/libcomb.so.0" && mv "$bin/comb.part" "$bin/comb"
+  echo "[table] measuring with a copy of $comb and its library in $bin" >&2
 fi
-comb=$outdir/.bin/comb
+comb=$bin/comb
+export LD_LIBRARY_PATH=$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 chunk=${CHUNK:-10} workers=${WORKERS:-1}
 cores=$(nproc)
 threads=${THREADS:-$(( cores / workers > 0 ? cores / workers : 1 ))}
