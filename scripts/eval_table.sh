@@ -7,7 +7,8 @@
 #
 # Environment: CHUNK (items per chunk, default 10), WORKERS (processes, default 1), THREADS (per
 # process, default: cores / workers), and PAUSE_FILE: worker 2 and up wait between chunks while
-# that file exists (room for a build); PLUGIN, the plug-in file for the method comb. Each worker
+# that file exists (room for a build); PLUGIN, the plug-in file for the method comb; PRIMING,
+# comb eval's --priming (default auto). Each worker
 # is pinned to its own cores when taskset exists. One run per OUTDIR at a time.
 # At the end, `comb report` prints one summary line per method from all chunks.
 set -euo pipefail
@@ -29,7 +30,8 @@ done
 # and every resumption measures with those copies (the library found through LD_LIBRARY_PATH,
 # which comes before the binary's run path), so a rebuild between sittings cannot mix two builds
 # in one table.
-bin=$outdir/.bin
+mkdir -p "$outdir"
+bin=$(cd "$outdir" && pwd)/.bin
 if [ -x "$bin/comb" ] && [ -f "$bin/libcomb.so.0" ]; then
   echo "[table] measuring with the build this table started with, in $bin (delete it to use a new build)" >&2
 else
@@ -76,7 +78,7 @@ worker() {
     echo "[table] worker $w: $m items $off..$(( off + len - 1 ))" >&2
     local extra=()
     [ "$m" = comb ] && extra=(--plugin "$PLUGIN")
-    $pin "$comb" eval --method "$m" "${extra[@]}" --data "$data" --offset "$off" --limit "$len" --threads "$threads" \
+    $pin "$comb" eval --method "$m" "${extra[@]}" --priming "${PRIMING:-auto}" --data "$data" --offset "$off" --limit "$len" --threads "$threads" \
       --out "$f.part" > /dev/null 2> "$f.log" || { echo "[table] $m at $off failed: see $f.log" >&2; return 1; }
     mv "$f.part" "$f"
   done

@@ -139,6 +139,14 @@ int cmd_report(std::vector<std::string> files) {
                  r["data"].get<std::string>(), r["method"].get<std::string>(), it->second);
       auto g = std::find_if(groups.begin(), groups.end(), [&](const auto& p) { return p.first == group; });
       if (g == groups.end()) g = groups.insert(groups.end(), {group, {}});
+      // One group, one protocol: lines from before --priming existed ran as "always".
+      const std::string priming = r.value("priming", "always");
+      if (!g->second.empty()) {
+        const std::string other = g->second[0].value("priming", "always");
+        COMB_CHECK(priming == other, "{}: item {} of {} / {} ran with --priming {}, the items before it with {}",
+                   where, r["index"].get<int64_t>(), r["data"].get<std::string>(), r["method"].get<std::string>(),
+                   priming, other);
+      }
       g->second.push_back(std::move(r));
     }
   }

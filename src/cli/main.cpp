@@ -336,7 +336,7 @@ int cmd_bench(Args& args) {
   at::Tensor before = prompt(cached);
   for (int64_t n : comb::cli::parse_int_list(lengths, "prompt-tokens")) {
     if (n <= 0) throw Error("--prompt-tokens: expected lengths > 0, found " + std::to_string(n));
-    if (cached + n >= model.config().n_ctx)
+    if (cached + n > model.config().n_ctx)
       throw Error(fmt::format("--prompt-tokens: {} tokens after {} cached exceed the model's context ({})", n, cached,
                               model.config().n_ctx));
     at::Tensor ids = prompt(n);
