@@ -1,6 +1,7 @@
 #pragma once
 // The frozen Llama-family decoder: RMSNorm, RoPE (llama3 scaling included), grouped-query
-// attention through at::scaled_dot_product_attention, SwiGLU, tied or untied output head.
+// attention through at::scaled_dot_product_attention (on the CPU, rows after cached ones: two
+// calls merged by log-sum-exp), SwiGLU, tied or untied output head.
 #include <ATen/core/Tensor.h>
 
 #include <array>

@@ -37,7 +37,7 @@ std::string data_name(const std::string& path) {
 }
 
 // One request timed cold (nothing cached, to its first token only: decoding on would repeat the
-// warm answer) and warm (every document cached by another request). Warm follows a priming
+// warm answer) and warm (the documents already cached). Warm follows a priming
 // request (the same documents in another order, another question) when `prime_all` is set or
 // the method is `prefix`, whose cache depends on order. Without `prime_all`, the per-document
 // methods run warm right after cold: each document's cache is computed alone from position 0, so
@@ -241,7 +241,8 @@ int cmd_eval(Args& args, Model& model) {
   args.check_all_used();
 
   // Items [offset, offset + limit), and the one after them: its question primes the last item's
-  // warm run, so a long evaluation split into chunks runs each item as the whole would.
+  // warm run (prefix, or --priming always), so a chunk of a long evaluation runs each item as the
+  // whole would.
   auto items = read_qa_items(data, limit > 0 ? offset + limit + 1 : 0);
   COMB_CHECK(offset < static_cast<int64_t>(items.size()), "--offset {} is past the last item of '{}' ({} items)",
              offset, data, items.size());
