@@ -8,8 +8,8 @@
 # Environment: CHUNK (items per chunk, default 10), WORKERS (processes, default 1), THREADS (per
 # process, default: cores / workers), and PAUSE_FILE: worker 2 and up wait between chunks while
 # that file exists (room for a build); PLUGIN, the plug-in file for the method comb; PRIMING,
-# comb eval's --priming (default auto). Each worker
-# is pinned to its own cores when taskset exists. One run per OUTDIR at a time.
+# comb eval's --priming (default auto). Each worker is pinned to its own cores when taskset
+# exists. One run per OUTDIR at a time.
 # At the end, `comb report` prints one summary line per method from all chunks.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -47,7 +47,6 @@ export LD_LIBRARY_PATH=$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 chunk=${CHUNK:-10} workers=${WORKERS:-1}
 cores=$(nproc)
 threads=${THREADS:-$(( cores / workers > 0 ? cores / workers : 1 ))}
-mkdir -p "$outdir"
 name=$(basename "$data"); name=${name%.gz}; name=${name%.jsonl}
 
 # The work list: chunks in item order, every method at each offset, so that a run stopped early

@@ -261,8 +261,9 @@ int cmd_eval(Args& args, Model& model) {
   auto t_start = std::chrono::steady_clock::now();
   for (size_t k = offset; k < end; ++k) {
     const auto& item = items[k];
-    // Warm: every document cached by another request, in another order (seeded by the item's
-    // index, so a chunk of a run shuffles as the whole run does), with the next item's question.
+    // The priming request (used by prefix, or by every method with --priming always): the same
+    // documents in another order (seeded by the item's index, so a chunk of a run shuffles as the
+    // whole run does), with the next item's question.
     std::mt19937 rng(1234 + k);
     std::vector<QaDocument> shuffled = item.documents;
     std::shuffle(shuffled.begin(), shuffled.end(), rng);
