@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -549,6 +550,32 @@ at::Tensor attend_after_cache(const at::Tensor& q, const at::Tensor& keys, const
   return (old_out * (old_lse - lse).exp().unsqueeze(-1) + new_out * (new_lse - lse).exp().unsqueeze(-1))
       .to(q.scalar_type());
 }
+
+// Rows q [1, n_head, m, head_dim] at `positions` (a CPU tensor [m]): row j sees keys [0, positions[j]]
+// of keys, values [1, n_head_kv, n_keys, head_dim] (grouped).
+at::Tensor attend_at_positions(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                               const at::Tensor& positions) {
+  constexpr int64_t kRowsPerCall = 64;
+  const int64_t m = q.size(2), n_keys = keys.size(2);
+  at::Tensor pos = positions.to(q.device(), at::kLong);
+  if (!q.device().is_cpu() || m <= kRowsPerCall)
+    return at::scaled_dot_product_attention(q, keys, values, visible_keys(pos, n_keys), 0.0, false, std::nullopt, true);
+  // NOTE: the CPU kernel scores every key of a masked call, so rows scattered over a long cache
+  // (CacheBlend's chosen tokens, EPIC's document heads) would each score all n_keys. In groups of
+  // rows, a call scores only the keys up to its group's last position: about half the work when
+  // the rows spread evenly.
+  const at::Tensor p = pos.contiguous();
+  const int64_t* at_p = p.data_ptr<int64_t>();
+  std::vector<at::Tensor> parts;
+  for (int64_t r = 0; r < m; r += kRowsPerCall) {
+    const int64_t rows = std::min(kRowsPerCall, m - r);
+    const int64_t seen = std::min(n_keys, *std::max_element(at_p + r, at_p + r + rows) + 1);
+    parts.push_back(at::scaled_dot_product_attention(q.narrow(2, r, rows), keys.narrow(2, 0, seen),
+                                                     values.narrow(2, 0, seen), visible_keys(p.narrow(0, r, rows), seen),
+                                                     0.0, false, std::nullopt, true));
+  }
+  return at::cat(parts, 2);
+}
 }  // namespace
 
 at::Tensor Decoder::rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
@@ -600,8 +627,13 @@ at::Tensor Decoder::layer_at(int64_t i, const at::Tensor& x, const at::Tensor& p
   cache.keys(i).index_copy_(2, pos, k.to(cache.keys(i).scalar_type()));
   cache.values(i).index_copy_(2, pos, v.to(cache.values(i).scalar_type()));
   at::Tensor keys = cache.keys(i).narrow(2, 0, n_keys), values = cache.values(i).narrow(2, 0, n_keys);
-  at::Tensor mask = visible_keys(pos, n_keys);
-  at::Tensor attn = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, std::nullopt, true);
+  // Rows that are the last m of the n_keys positions, in order (CacheBlend's pass below its check
+  // layer, EPIC when it recomputes a whole tail), are a prefill after `start` cached positions.
+  const int64_t start = n_keys - m;
+  const at::Tensor cpu_positions = positions.cpu().to(at::kLong);
+  at::Tensor attn = start >= 0 && at::equal(cpu_positions, at::arange(start, n_keys, at::kLong))
+                        ? attend_after_cache(q, keys, values, start)
+                        : attend_at_positions(q, keys, values, cpu_positions);
   at::Tensor h = x + at::linear(attn.transpose(1, 2).reshape({1, m, c.q_dim()}), w.wo);
   return h + feed_forward(i, rms_norm(h, w.ffn_norm));
 }

@@ -119,6 +119,36 @@ TEST_CASE("a chunk after cached positions equals the same rows of one forward, o
   }
 }
 
+TEST_CASE("layer_at on chosen positions equals the same rows of a whole layer", "[decoder]") {
+  // CacheBlend and EPIC recompute chosen rows over a filled cache with layer_at. Three shapes take
+  // three CPU paths: rows scattered over the cache (more than one call's worth, so they are split
+  // into calls by position), a contiguous tail, and every row.
+  c10::InferenceMode guard;
+  const Decoder& dec = default_model().decoder();
+  const int64_t n = 400;
+  at::Tensor ids = (at::arange(n, at::kLong) * 7919 % 20000 + 5).unsqueeze(0);
+  at::Tensor x = dec.embed(ids);
+  KVCache whole = dec.make_cache(1, n);
+  at::Tensor want = dec.layer(0, x, whole)[0];
+  auto error_at = [&](const std::vector<int64_t>& rows) {
+    KVCache cache = dec.make_cache(1, n);
+    cache.write(0, 0, whole.keys(0).narrow(2, 0, n), whole.values(0).narrow(2, 0, n));
+    at::Tensor pos = at::tensor(rows, at::kLong);
+    at::Tensor got = dec.layer_at(0, x.index_select(1, pos), pos, cache, n)[0];
+    REQUIRE(got.sizes() == want.index_select(0, pos).sizes());
+    return (got - want.index_select(0, pos)).abs().max().item<double>();
+  };
+  std::vector<int64_t> scattered, tail, every;
+  for (int64_t p = 1; p < n; p += 3) scattered.push_back(p);
+  for (int64_t p = 250; p < n; ++p) tail.push_back(p);
+  for (int64_t p = 0; p < n; ++p) every.push_back(p);
+  REQUIRE(scattered.size() > 128);
+  CHECK(error_at(scattered) <= kPathTolerance);
+  CHECK(error_at(tail) <= kPathTolerance);
+  CHECK(error_at(every) <= kPathTolerance);
+  CHECK(error_at({0, 7, 399}) <= kPathTolerance);
+}
+
 TEST_CASE("the generic path (fused kernels off) matches transformers too", "[decoder][parity]") {
   c10::InferenceMode guard;
   Options options;
