@@ -6,8 +6,9 @@
 
 namespace comb::ops {
 
-// Cross-attention of decoder queries over the cached documents of each request, read in place
-// (no concatenated copy; grouped-query heads by index, no repeat_interleave). Not causal, no RoPE.
+// Cross-attention of decoder queries over the cached documents of each request. Not causal, no
+// RoPE. The CUDA kernel reads each document in place (grouped-query heads by index); the CPU one
+// concatenates a request's documents for one GEMM-based attention call.
 //   q:          [batch, n, n_head, head_dim]
 //   keys[d]:    [n_head_kv, len_d, head_dim]  (document d; any floating dtype)
 //   values[d]:  [n_head_kv, len_d, head_dim]
