@@ -540,12 +540,21 @@ at::Tensor attend_after_cache(const at::Tensor& q, const at::Tensor& keys, const
   // NOTE: one masked call would score every query against every key (the CPU kernel skips no
   // masked block): 61.6 against 36.8 ms a layer for 1,227 rows after 60 (docs/benchmarks.md).
   // Instead: the cached keys without a mask, the chunk's own keys causally, and the two partial
-  // results merged by their log-sum-exp, which is exact.
-  at::Tensor k = groups > 1 ? keys.repeat_interleave(groups, 1) : keys;
-  at::Tensor v = groups > 1 ? values.repeat_interleave(groups, 1) : values;
-  auto [old_out, old_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k.narrow(2, 0, start), v.narrow(2, 0, start));
-  auto [new_out, new_lse] =
-      at::_scaled_dot_product_flash_attention_for_cpu(q, k.narrow(2, start, n), v.narrow(2, start, n), 0.0, true);
+  // results merged by their log-sum-exp, which is exact. The cached part needs no mask, so the
+  // query heads that share a KV head are folded into rows of that head ([batch, n_head_kv,
+  // groups * n, head_dim]) and the cached K/V are read as they lie; only the chunk's own K/V are
+  // repeated per group for the causal call.
+  const int64_t batch = q.size(0), n_head = q.size(1), head_dim = q.size(3), n_kv = keys.size(1);
+  auto [old_out, old_lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+      q.reshape({batch, n_kv, groups * n, head_dim}), keys.narrow(2, 0, start), values.narrow(2, 0, start));
+  old_out = old_out.reshape({batch, n_head, n, head_dim});
+  old_lse = old_lse.reshape({batch, n_head, n});
+  at::Tensor k = keys.narrow(2, start, n), v = values.narrow(2, start, n);
+  if (groups > 1) {
+    k = k.repeat_interleave(groups, 1);
+    v = v.repeat_interleave(groups, 1);
+  }
+  auto [new_out, new_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, true);
   at::Tensor lse = at::logaddexp(old_lse, new_lse);
   return (old_out * (old_lse - lse).exp().unsqueeze(-1) + new_out * (new_lse - lse).exp().unsqueeze(-1))
       .to(q.scalar_type());
