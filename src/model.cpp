@@ -560,13 +560,12 @@ at::Tensor attend_after_cache(const at::Tensor& q, const at::Tensor& keys, const
       .to(q.scalar_type());
 }
 
-// Rows q [1, n_head, m, head_dim] at `positions` (a CPU tensor [m]): row j sees keys [0, positions[j]]
+// Rows q [1, n_head, m, head_dim] at `pos` (int64 [m], on q's device): row j sees keys [0, pos[j]]
 // of keys, values [1, n_head_kv, n_keys, head_dim] (grouped).
 at::Tensor attend_at_positions(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                               const at::Tensor& positions) {
+                               const at::Tensor& pos) {
   constexpr int64_t kRowsPerCall = 64;
   const int64_t m = q.size(2), n_keys = keys.size(2);
-  at::Tensor pos = positions.to(q.device(), at::kLong);
   if (!q.device().is_cpu() || m <= kRowsPerCall)
     return at::scaled_dot_product_attention(q, keys, values, visible_keys(pos, n_keys), 0.0, false, std::nullopt, true);
   // NOTE: the CPU kernel scores every key of a masked call, so rows scattered over a long cache
@@ -642,7 +641,7 @@ at::Tensor Decoder::layer_at(int64_t i, const at::Tensor& x, const at::Tensor& p
   const at::Tensor cpu_positions = positions.cpu().to(at::kLong);
   at::Tensor attn = start >= 0 && at::equal(cpu_positions, at::arange(start, n_keys, at::kLong))
                         ? attend_after_cache(q, keys, values, start)
-                        : attend_at_positions(q, keys, values, cpu_positions);
+                        : attend_at_positions(q, keys, values, pos);
   at::Tensor h = x + at::linear(attn.transpose(1, 2).reshape({1, m, c.q_dim()}), w.wo);
   return h + feed_forward(i, rms_norm(h, w.ffn_norm));
 }
