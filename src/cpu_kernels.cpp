@@ -133,6 +133,19 @@ void rope_and_store(const float* qkv, const float* cos_table, const float* sin_t
   }
 }
 
+void rotate_rows(const float* x, int64_t x_stride, const float* cos, const float* sin, int64_t head_dim, int64_t n,
+                 float* y, int64_t y_stride) {
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x + i * x_stride;
+    float* yi = y + i * y_stride;
+    for (int64_t d = 0; d < half; ++d) {
+      yi[d] = xi[d] * cos[d] - xi[d + half] * sin[d];
+      yi[d + half] = xi[d + half] * cos[d + half] + xi[d] * sin[d + half];
+    }
+  }
+}
+
 void attention_rows(const float* q, const float* k_cache, const float* v_cache, const AttentionShape& s, float* out,
                     float* scratch, int64_t begin, int64_t end) {
   const int64_t hd = s.head_dim, q_dim = s.n_head * hd, group = s.n_head / s.n_head_kv;

@@ -483,6 +483,42 @@ KVCache Decoder::make_cache(int64_t batch, int64_t capacity) const {
   return KVCache(config_, batch, capacity, dtype_, device_);
 }
 
+void Decoder::place(int64_t layer, KVCache& cache, int64_t pos, const at::Tensor& k, const at::Tensor& v) const {
+  const auto& c = config_;
+  COMB_CHECK(layer >= 0 && layer < cache.n_layers(), "place: layer {} outside [0, {})", layer, cache.n_layers());
+  COMB_CHECK(k.dim() == 4 && k.size(0) == cache.batch() && k.size(1) == c.n_head_kv && k.size(3) == c.head_dim &&
+                 v.sizes() == k.sizes(),
+             "place: expected k, v [{}, {}, n, {}], found k [{}] and v [{}]", cache.batch(), c.n_head_kv, c.head_dim,
+             fmt::join(k.sizes(), ", "), fmt::join(v.sizes(), ", "));
+  const int64_t n = k.size(2);
+  COMB_CHECK(pos >= 0 && pos + n <= cache.capacity(), "place: positions [{}, {}) outside the cache's capacity {}", pos,
+             pos + n, cache.capacity());
+  if (pos == 0) return cache.write(layer, 0, k, v);
+  const bool in_place = cpu_kernels() && k.device().is_cpu() && v.device().is_cpu() &&
+                        k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.stride(3) == 1 &&
+                        v.stride(3) == 1;
+  if (!in_place) {
+    return cache.write(layer, pos, apply_rope(k, rope_cos_.narrow(0, pos, 1), rope_sin_.narrow(0, pos, 1)), v);
+  }
+  // NOTE: straight into the cache, one pass per head: the ATen rotation makes five temporaries of
+  // each document's keys per layer before the copy.
+  const int64_t hd = c.head_dim, cap = cache.capacity();
+  const float* cos = rope_cos_.data_ptr<float>() + pos * hd;
+  const float* sin = rope_sin_.data_ptr<float>() + pos * hd;
+  const float* k_src = k.data_ptr<float>();
+  const float* v_src = v.data_ptr<float>();
+  float* k_dst = cache.keys(layer).data_ptr<float>();
+  float* v_dst = cache.values(layer).data_ptr<float>();
+  for (int64_t b = 0; b < k.size(0); ++b) {
+    for (int64_t h = 0; h < c.n_head_kv; ++h) {
+      const int64_t at = ((b * c.n_head_kv + h) * cap + pos) * hd;
+      detail::cpu::rotate_rows(k_src + b * k.stride(0) + h * k.stride(1), k.stride(2), cos, sin, hd, n, k_dst + at, hd);
+      const float* vr = v_src + b * v.stride(0) + h * v.stride(1);
+      for (int64_t i = 0; i < n; ++i) std::copy(vr + i * v.stride(2), vr + i * v.stride(2) + hd, v_dst + at + i * hd);
+    }
+  }
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   if (x.scalar_type() == at::kFloat) return at::rms_norm(x, {x.size(-1)}, weight, eps);
   // Half precision: normalise in fp32, scale in the compute dtype (as the reference does).

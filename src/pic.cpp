@@ -204,12 +204,9 @@ void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, std::vector<Do
   auto place = [&](const std::vector<int32_t>& tokens, bool is_document) {
     auto kv = decoder_kv(tokens, out);
     const int64_t n = static_cast<int64_t>(tokens.size());
-    // NOTE: RoPE rotations compose: R(pos + i) = R(pos) R(i), so one rotation by `pos` moves every key.
-    at::Tensor cos = dec.rope_cos().narrow(0, pos, 1), sin = dec.rope_sin().narrow(0, pos, 1);
     for (int64_t l = 0; l < out.cache.n_layers(); ++l) {
-      at::Tensor k = kv->keys[l].to(dec.device(), dec.dtype()).unsqueeze(0);
-      at::Tensor v = kv->values[l].to(dec.device(), dec.dtype()).unsqueeze(0);
-      out.cache.write(l, pos, pos == 0 ? k : apply_rope(k, cos, sin), v);
+      dec.place(l, out.cache, pos, kv->keys[l].to(dec.device(), dec.dtype()).unsqueeze(0),
+                kv->values[l].to(dec.device(), dec.dtype()).unsqueeze(0));
     }
     if (is_document) spans.push_back({pos, n});
     pos += n;

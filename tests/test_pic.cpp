@@ -80,6 +80,46 @@ TEST_CASE("RoPE re-rotation of cached keys is exact", "[pic]") {
   }
 }
 
+TEST_CASE("placing cached K/V at a later position equals computing them there, on both CPU paths", "[pic]") {
+  // Decoder::place is how naive, CacheBlend and EPIC put a reused document where it stands: the
+  // fused path rotates straight into the cache, the generic one through apply_rope.
+  c10::InferenceMode guard;
+  Options generic;
+  generic.cpu_kernels = false;
+  const Model generic_default = Model::load(model_path(), generic);
+  const Model generic_tiny = Model::load(oracle_dir() + "/tiny-llama", generic);
+  const std::pair<const Model*, const Model*> pairs[] = {{&default_model(), &generic_default}, {&tiny(), &generic_tiny}};
+  for (const auto& [fused_model, generic_model] : pairs) {
+    const Decoder& fused = fused_model->decoder();
+    REQUIRE(fused.cpu_kernels());
+    REQUIRE_FALSE(generic_model->decoder().cpu_kernels());
+    const int64_t n = 37, n_kv = fused.config().n_head_kv, hd = fused.config().head_dim;
+    at::Tensor x = fused.embed(ids_tensor(random_tokens(n, 8)));
+    // Strided like a stored entry: a narrow of a wider per-document cache.
+    at::Tensor k0 = at::zeros({1, n_kv, n + 9, hd}).narrow(2, 0, n);
+    k0.copy_(fused.keys_at(0, x, at::arange(n)));
+    at::Tensor v = at::randn({1, n_kv, n + 9, hd}).narrow(2, 0, n);
+    for (int64_t offset : {0, 1, 17, 300}) {
+      at::Tensor direct = fused.keys_at(0, x, at::arange(offset, offset + n));
+      const double scale = std::max(1.0, direct.abs().max().item<double>());
+      at::Tensor placed[2];
+      for (int path = 0; path < 2; ++path) {
+        const Decoder& dec = path == 0 ? fused : generic_model->decoder();
+        KVCache cache = dec.make_cache(1, 400);
+        dec.place(0, cache, offset, k0, v);
+        placed[path] = cache.keys(0).narrow(2, offset, n);
+        INFO("rope scaling " << dec.config().rope_scaling.type << ", offset " << offset << ", path " << path);
+        CHECK(max_diff(placed[path], direct) <= 1e-4 * scale);
+        CHECK(cache.values(0).narrow(2, offset, n).equal(v));
+      }
+      CHECK(max_diff(placed[0], placed[1]) <= 1e-6 * scale);
+    }
+    KVCache cache = fused.make_cache(1, 40);
+    CHECK_THROWS_AS(fused.place(0, cache, 10, k0, v), Error);  // past the capacity
+    CHECK_THROWS_AS(fused.place(0, cache, 0, k0.narrow(1, 0, 1), v.narrow(1, 0, 1)), Error);  // one KV head
+  }
+}
+
 TEST_CASE("naive with one document equals full", "[pic]") {
   c10::InferenceMode guard;
   for (const Model* model : {&default_model(), &tiny()}) {

@@ -101,6 +101,11 @@ class Decoder {
   // K (after RoPE) that layer `i` would compute for x [1, m, n_embd] at `positions`: [1, n_head_kv, m, head_dim].
   at::Tensor keys_at(int64_t i, const at::Tensor& x, const at::Tensor& positions) const;
 
+  // Writes the K/V that layer `layer` computed for n tokens at positions [0, n) (k, v [batch,
+  // n_head_kv, n, head_dim]) into `cache` at positions [pos, pos + n), the keys rotated by `pos`
+  // with this model's RoPE (exact up to rounding: R(pos + i) = R(pos) R(i)). Reused documents.
+  void place(int64_t layer, KVCache& cache, int64_t pos, const at::Tensor& k, const at::Tensor& v) const;
+
   KVCache make_cache(int64_t batch, int64_t capacity) const;
   const ModelConfig& config() const { return config_; }
   const LlamaWeights& weights() const { return weights_; }

@@ -169,6 +169,8 @@ bench options:
   --cached N             each prefill follows N cached positions (default 0): the rows
                          that prefix caching or a chunked prefill computes
   --decode-tokens N      tokens decoded after a 128-token prompt (default 64)
+  --place N              also time placing N cached tokens, in documents of 64 tokens each moved
+                         to where it lands (keys rotated), as naive, CacheBlend and EPIC do (default 0: off)
   --repeat N             runs per figure; the median is reported (default 3)
   --json                 one JSON object per figure
 )";
@@ -307,6 +309,10 @@ int cmd_bench(Args& args) {
   int64_t n_decode = args.num<int64_t>("decode-tokens", 64);
   int64_t cached = args.num<int64_t>("cached", 0);
   if (cached < 0) throw Error("--cached: expected a number of positions >= 0, found " + std::to_string(cached));
+  int64_t n_place = args.num<int64_t>("place", 0);
+  if (n_place < 0 || n_place > model.config().n_ctx)
+    throw Error(fmt::format("--place: expected a number of tokens in [0, {}] (the model's context), found {}",
+                            model.config().n_ctx, n_place));
   int repeat = std::max(1, args.num<int>("repeat", 3));
   bool json = args.has("json");
   args.str("json");
@@ -365,6 +371,23 @@ int cmd_bench(Args& args) {
       if (r > 0) rates.push_back(n_decode / std::chrono::duration<double>(now() - t0).count());
     }
     report("decode", n_decode, median(rates));
+  }
+  if (n_place > 0) {
+    const int64_t doc_len = std::min<int64_t>(64, n_place);
+    comb::KVCache doc = dec.make_cache(1, doc_len);
+    dec.forward(prompt(doc_len), doc);  // one document's K/V at positions [0, doc_len), reused throughout
+    std::vector<double> times;
+    for (int r = 0; r <= repeat; ++r) {
+      comb::KVCache cache = dec.make_cache(1, n_place);
+      auto t0 = now();
+      for (int64_t pos = 0; pos < n_place; pos += doc_len) {
+        const int64_t m = std::min(doc_len, n_place - pos);
+        for (int64_t l = 0; l < cache.n_layers(); ++l)
+          dec.place(l, cache, pos, doc.keys(l).narrow(2, 0, m), doc.values(l).narrow(2, 0, m));
+      }
+      if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
+    }
+    report("place", n_place, n_place / median(times));
   }
   return 0;
 }

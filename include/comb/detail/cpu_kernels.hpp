@@ -30,6 +30,12 @@ struct AttentionShape {
 void rope_and_store(const float* qkv, const float* cos, const float* sin, const AttentionShape& s, float* q_out,
                     float* k_cache, float* v_cache, int64_t begin, int64_t end);
 
+// Rows i in [0, n) of one head, x [n, head_dim] (row stride x_stride), rotated by a single
+// cos/sin row [head_dim] (rotate-half RoPE) into y (row stride y_stride). RoPE composes, R(p + i) =
+// R(p) R(i), so this moves keys computed at positions [0, n) to [p, p + n).
+void rotate_rows(const float* x, int64_t x_stride, const float* cos, const float* sin, int64_t head_dim, int64_t n,
+                 float* y, int64_t y_stride);
+
 // Causal attention of q [batch * n_tokens, n_head, head_dim] over the caches, query i of a
 // sequence seeing positions [0, start + i]. Items are (sequence, head) pairs in [begin, end);
 // out: [batch * n_tokens, n_head * head_dim]. `scratch` holds start + n_tokens floats per call.
