@@ -140,8 +140,9 @@ void rotate_rows(const float* x, int64_t x_stride, const float* cos, const float
     const float* xi = x + i * x_stride;
     float* yi = y + i * y_stride;
     for (int64_t d = 0; d < half; ++d) {
-      yi[d] = xi[d] * cos[d] - xi[d + half] * sin[d];
-      yi[d + half] = xi[d + half] * cos[d + half] + xi[d] * sin[d + half];
+      const float a = xi[d], b = xi[d + half];  // read both before writing: y may be x
+      yi[d] = a * cos[d] - b * sin[d];
+      yi[d + half] = b * cos[d + half] + a * sin[d + half];
     }
   }
 }

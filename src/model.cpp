@@ -493,12 +493,26 @@ void Decoder::place(int64_t layer, KVCache& cache, int64_t pos, const at::Tensor
   const int64_t n = k.size(2);
   COMB_CHECK(pos >= 0 && pos + n <= cache.capacity(), "place: positions [{}, {}) outside the cache's capacity {}", pos,
              pos + n, cache.capacity());
+  COMB_CHECK(pos + n <= rope_cos_.size(0), "place: positions [{}, {}) past the model's context of {} tokens", pos,
+             pos + n, rope_cos_.size(0));
+  const at::Tensor& k_cache = cache.keys(layer);
+  const at::Tensor& v_cache = cache.values(layer);
+  COMB_CHECK(k_cache.size(1) == c.n_head_kv && k_cache.size(3) == c.head_dim,
+             "place: the cache holds [{}] per layer, this decoder needs {} KV heads of size {}",
+             fmt::join(k_cache.sizes(), ", "), c.n_head_kv, c.head_dim);
   if (pos == 0) return cache.write(layer, 0, k, v);
-  const bool in_place = cpu_kernels() && k.device().is_cpu() && v.device().is_cpu() &&
-                        k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.stride(3) == 1 &&
-                        v.stride(3) == 1;
+  // The fused kernel reads k, v while it writes the cache: only for inputs in other storage than
+  // the cache's (rows of the cache itself go through the generic path, which works on copies).
+  const auto apart = [](const at::Tensor& a, const at::Tensor& b) { return !a.is_alias_of(b); };
+  const bool in_place = cpu_kernels() && k.device().is_cpu() && v.device().is_cpu() && k_cache.device().is_cpu() &&
+                        k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                        k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
+                        k_cache.is_contiguous() && v_cache.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1 &&
+                        apart(k, k_cache) && apart(v, v_cache);
   if (!in_place) {
-    return cache.write(layer, pos, apply_rope(k, rope_cos_.narrow(0, pos, 1), rope_sin_.narrow(0, pos, 1)), v);
+    // apply_rope returns a new tensor; v is copied first if it shares storage with the cache.
+    return cache.write(layer, pos, apply_rope(k, rope_cos_.narrow(0, pos, 1), rope_sin_.narrow(0, pos, 1)),
+                       apart(v, v_cache) ? v : v.clone());
   }
   // NOTE: straight into the cache, one pass per head: the ATen rotation makes five temporaries of
   // each document's keys per layer before the copy.
@@ -507,8 +521,8 @@ void Decoder::place(int64_t layer, KVCache& cache, int64_t pos, const at::Tensor
   const float* sin = rope_sin_.data_ptr<float>() + pos * hd;
   const float* k_src = k.data_ptr<float>();
   const float* v_src = v.data_ptr<float>();
-  float* k_dst = cache.keys(layer).data_ptr<float>();
-  float* v_dst = cache.values(layer).data_ptr<float>();
+  float* k_dst = k_cache.data_ptr<float>();
+  float* v_dst = v_cache.data_ptr<float>();
   for (int64_t b = 0; b < k.size(0); ++b) {
     for (int64_t h = 0; h < c.n_head_kv; ++h) {
       const int64_t at = ((b * c.n_head_kv + h) * cap + pos) * hd;

@@ -99,25 +99,67 @@ TEST_CASE("placing cached K/V at a later position equals computing them there, o
     at::Tensor k0 = at::zeros({1, n_kv, n + 9, hd}).narrow(2, 0, n);
     k0.copy_(fused.keys_at(0, x, at::arange(n)));
     at::Tensor v = at::randn({1, n_kv, n + 9, hd}).narrow(2, 0, n);
+    // Rows outside [offset, offset + n) must keep what the cache held: fill it with a marker first.
+    const float marker = -7.5f;
+    const auto untouched_outside = [&](const at::Tensor& t, int64_t offset) {
+      const int64_t cap = t.size(2);
+      return (t.narrow(2, 0, offset) == marker).all().item<bool>() &&
+             (t.narrow(2, offset + n, cap - offset - n) == marker).all().item<bool>();
+    };
     for (int64_t offset : {0, 1, 17, 300}) {
       at::Tensor direct = fused.keys_at(0, x, at::arange(offset, offset + n));
       const double scale = std::max(1.0, direct.abs().max().item<double>());
       at::Tensor placed[2];
       for (int path = 0; path < 2; ++path) {
         const Decoder& dec = path == 0 ? fused : generic_model->decoder();
-        KVCache cache = dec.make_cache(1, 400);
-        dec.place(0, cache, offset, k0, v);
-        placed[path] = cache.keys(0).narrow(2, offset, n);
         INFO("rope scaling " << dec.config().rope_scaling.type << ", offset " << offset << ", path " << path);
-        CHECK(max_diff(placed[path], direct) <= 1e-4 * scale);
-        CHECK(cache.values(0).narrow(2, offset, n).equal(v));
+        {
+          KVCache cache = dec.make_cache(1, 400);
+          cache.keys(0).fill_(marker), cache.values(0).fill_(marker);
+          dec.place(0, cache, offset, k0, v);
+          placed[path] = cache.keys(0).narrow(2, offset, n);
+          CHECK(max_diff(placed[path], direct) <= 1e-4 * scale);
+          CHECK(cache.values(0).narrow(2, offset, n).equal(v));
+          CHECK(untouched_outside(cache.keys(0), offset));
+          CHECK(untouched_outside(cache.values(0), offset));
+        }
+        {
+          // Two sequences at once: the second holds twice the first's K/V (the rotation is linear).
+          KVCache cache = dec.make_cache(2, 400);
+          cache.keys(0).fill_(marker), cache.values(0).fill_(marker);
+          dec.place(0, cache, offset, at::cat({k0, 2 * k0}), at::cat({v, 2 * v}));
+          CHECK(max_diff(cache.keys(0).narrow(2, offset, n), at::cat({direct, 2 * direct})) <= 2e-4 * scale);
+          CHECK(cache.values(0).narrow(2, offset, n).equal(at::cat({v, 2 * v})));
+          CHECK(untouched_outside(cache.keys(0), offset));
+          CHECK(untouched_outside(cache.values(0), offset));
+        }
+        if (offset > 0) {
+          // The cache's own rows [0, n) moved to [offset, offset + n): apart (300) or overlapping (1, 17).
+          KVCache cache = dec.make_cache(1, 400);
+          dec.place(0, cache, 0, k0, v);
+          dec.place(0, cache, offset, cache.keys(0).narrow(2, 0, n), cache.values(0).narrow(2, 0, n));
+          CHECK(max_diff(cache.keys(0).narrow(2, offset, n), direct) <= 1e-4 * scale);
+          CHECK(cache.values(0).narrow(2, offset, n).equal(v));
+        }
       }
       CHECK(max_diff(placed[0], placed[1]) <= 1e-6 * scale);
     }
     KVCache cache = fused.make_cache(1, 40);
     CHECK_THROWS_AS(fused.place(0, cache, 10, k0, v), Error);  // past the capacity
     CHECK_THROWS_AS(fused.place(0, cache, 0, k0.narrow(1, 0, 1), v.narrow(1, 0, 1)), Error);  // one KV head
+    CHECK_THROWS_AS(fused.place(fused.config().n_layer, cache, 0, k0, v), Error);  // no such layer
+    CHECK_THROWS_AS(fused.place(-1, cache, 0, k0, v), Error);
+    const int64_t n_ctx = fused.config().n_ctx;
+    if (n_ctx <= 2048) {  // a cache larger than the context (small for the tiny model only)
+      KVCache long_cache = fused.make_cache(1, n_ctx + 64);
+      CHECK_NOTHROW(fused.place(0, long_cache, n_ctx - n, k0, v));
+      CHECK_THROWS_AS(fused.place(0, long_cache, n_ctx - n + 1, k0, v), Error);  // past the model's context
+    }
   }
+  // A cache made for another decoder (other heads) is refused, not written out of bounds.
+  KVCache other = tiny().decoder().make_cache(1, 64);
+  at::Tensor k = at::zeros({1, default_model().config().n_head_kv, 8, default_model().config().head_dim});
+  CHECK_THROWS_AS(default_model().decoder().place(0, other, 4, k, k), Error);
 }
 
 TEST_CASE("naive with one document equals full", "[pic]") {

@@ -104,6 +104,8 @@ class Decoder {
   // Writes the K/V that layer `layer` computed for n tokens at positions [0, n) (k, v [batch,
   // n_head_kv, n, head_dim]) into `cache` at positions [pos, pos + n), the keys rotated by `pos`
   // with this model's RoPE (exact up to rounding: R(pos + i) = R(pos) R(i)). Reused documents.
+  // k, v may be rows of `cache` itself. Throws if [pos, pos + n) is past the cache's capacity or
+  // the model's context, or if the shapes differ from the cache's.
   void place(int64_t layer, KVCache& cache, int64_t pos, const at::Tensor& k, const at::Tensor& v) const;
 
   KVCache make_cache(int64_t batch, int64_t capacity) const;
