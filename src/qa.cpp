@@ -67,7 +67,10 @@ std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
 
 std::string normalize_answer(const std::string& s) {
   std::string t;
-  for (unsigned char c : s) t += std::ispunct(c) ? ' ' : static_cast<char>(std::tolower(c));
+  // Punctuation is dropped, not turned into a space: "Destiny's Child" -> "destinys child", and
+  // "The A-Team" keeps its "ateam" (as the SQuAD-style scorer the data's README follows does).
+  for (unsigned char c : s)
+    if (!std::ispunct(c)) t += static_cast<char>(std::tolower(c));
   std::string out, word;
   auto flush = [&] {
     if (!word.empty() && word != "a" && word != "an" && word != "the") out += (out.empty() ? "" : " ") + word;

@@ -249,6 +249,22 @@ TEST_CASE("prefix cache eviction never frees a block a running request holds", "
   CHECK_THROWS_WITH(prefix.release({12345}), Catch::Contains("not held"));
 }
 
+TEST_CASE("answers are scored as the data's README says", "[pic]") {
+  // Lower case, punctuation removed (not replaced by a space), articles dropped, spaces collapsed.
+  CHECK(normalize_answer("Destiny's Child") == "destinys child");
+  CHECK(normalize_answer("The A-Team") == "ateam");
+  CHECK(normalize_answer("  An  apple,\tthe PIE. ") == "apple pie");
+  CHECK(normalize_answer("10.13.4") == "10134");
+  CHECK(normalize_answer("Théâtre") == "théâtre");  // bytes beyond ASCII kept as they are
+  CHECK(answer_correct("They were called Destinys Child.", {"Destiny's Child"}));
+  CHECK(answer_correct("It is 10.13.4, I think", {"x", "10.13.4"}));
+  CHECK_FALSE(answer_correct("the team won", {"The A-Team"}));
+  CHECK_FALSE(answer_correct("anything at all", {"the", ""}));  // an answer that normalizes to nothing never matches
+  const std::string uuid = "bb3ba2a5-7de8-434b-a86e-a88bb9fa7289";
+  CHECK(answer_correct("The value associated with the key is \"" + uuid + "\".", {uuid}));
+  CHECK_FALSE(answer_correct("The value is bb3ba2a5-7de8-434b-a86e-a88bb9fa7280.", {uuid}));
+}
+
 TEST_CASE("engine input errors", "[pic][errors]") {
   CHECK_THROWS_WITH(parse_method("fastest"), Catch::Contains("unknown method 'fastest'"));
   CHECK_THROWS_WITH(PicEngine(tiny(), Method::comb), Catch::Contains("needs a plug-in"));

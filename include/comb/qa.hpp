@@ -25,7 +25,8 @@ struct QaItem {
 // comb::Error naming the file and line of a malformed item.
 std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit = 0);
 
-// Lower case, ASCII punctuation and the articles a/an/the removed, white space collapsed.
+// Lower case, ASCII punctuation removed (not replaced by a space), then the words a/an/the
+// dropped and white space collapsed.
 std::string normalize_answer(const std::string& text);
 // True when a normalized answer is a substring of the normalized prediction.
 bool answer_correct(const std::string& prediction, const std::vector<std::string>& answers);

@@ -112,10 +112,28 @@ int cmd_report(std::vector<std::string> files) {
     first_n = std::stoll(n);
     files.erase(flag, flag + 2);
   }
+  // --data FILE, once per data set: each item's stored prediction is scored again against that
+  // file's answers, by this build's rule (lines written by an older build keep their own verdict
+  // otherwise).
+  struct Rescore {
+    std::string path;
+    std::map<std::string, std::vector<std::string>> answers;  // item id -> answers
+    int64_t items = 0, changed = 0;
+  };
+  std::map<std::string, Rescore> rescore;  // data name -> its file's answers
+  while ((flag = std::find(files.begin(), files.end(), "--data")) != files.end()) {
+    COMB_CHECK(flag + 1 != files.end() && (flag + 1)->rfind("--", 0) != 0, "report: --data needs a data file");
+    const std::string path = *(flag + 1);
+    Rescore& r = rescore[data_name(path)];
+    COMB_CHECK(r.path.empty(), "report: --data {} and {} are the same data set '{}'", r.path, path, data_name(path));
+    r.path = path;
+    for (auto& item : read_qa_items(path)) r.answers[item.id] = std::move(item.answers);
+    files.erase(flag, flag + 2);
+  }
   for (const auto& f : files)
-    COMB_CHECK(f.rfind("--", 0) != 0, "report takes eval --out files, --markdown and --first N, found option '{}'", f);
+    COMB_CHECK(f.rfind("--", 0) != 0, "report takes eval --out files, --markdown, --first N and --data FILE, found option '{}'", f);
   COMB_CHECK(!files.empty(),
-             "report needs the --out files of comb eval runs (comb report [--markdown] [--first N] FILE...)");
+             "report needs the --out files of comb eval runs (comb report [--markdown] [--first N] [--data FILE] FILE...)");
   // Rows grouped by (data, method), in the order first seen; an item counted once per group.
   std::vector<std::pair<std::string, std::vector<nlohmann::json>>> groups;
   std::map<std::string, std::string> seen;  // group + index -> where it was read
@@ -132,6 +150,17 @@ int cmd_report(std::vector<std::string> files) {
                               "computed_tokens_warm", "reused_tokens_warm", "cache_bytes_per_token"})
         COMB_CHECK(r.contains(key), "{}: an item line of comb eval --out has '{}'; this one does not", where, key);
       if (first_n > 0 && r["index"].get<int64_t>() >= first_n) continue;
+      if (auto d = rescore.find(r["data"].get<std::string>()); d != rescore.end()) {
+        COMB_CHECK(r.contains("id") && r.contains("prediction"),
+                   "{}: scoring again (--data) needs the item's 'id' and 'prediction'; this line lacks one", where);
+        auto a = d->second.answers.find(r["id"].get<std::string>());
+        COMB_CHECK(a != d->second.answers.end(), "{}: item '{}' is not in {}", where, r["id"].get<std::string>(),
+                   d->second.path);
+        const bool ok = answer_correct(r["prediction"].get<std::string>(), a->second);
+        d->second.items += 1;
+        d->second.changed += ok != r["correct"].get<bool>();
+        r["correct"] = ok;
+      }
       const std::string group = r["data"].get<std::string>() + " " + r["method"].get<std::string>();
       const std::string key = group + " #" + std::to_string(r["index"].get<int64_t>());
       auto [it, fresh] = seen.emplace(key, where);
@@ -152,6 +181,11 @@ int cmd_report(std::vector<std::string> files) {
   }
   COMB_CHECK(!groups.empty(), "report: no items in {} file(s){}", files.size(),
              first_n > 0 ? fmt::format(" with an index below {}", first_n) : "");
+  for (const auto& [name, r] : rescore) {
+    COMB_CHECK(r.items > 0, "report: --data {} is data set '{}', which no item read belongs to", r.path, name);
+    fmt::print(stderr, "report: {} scored again against {}: {} of {} lines change their verdict\n", name, r.path,
+               r.changed, r.items);
+  }
   // Data in the order first read, methods in the engine's order (full first).
   std::vector<std::string> data_order;
   for (const auto& g : groups)

@@ -69,9 +69,10 @@ commands:
   plugin init   write a fresh plug-in for a model
   plugin memory bytes per cached document token, COMB against the decoder's KV cache
   eval          one method on a multi-document QA file: accuracy, TTFT cold and warm
-  report [--markdown] [--first N] FILE...
+  report [--markdown] [--first N] [--data FILE]... FILE...
                 the summary of eval --out files (chunks of runs): per data and method, a JSON
-                line, or with --markdown one table; --first N: items 0..N-1 only
+                line, or with --markdown one table; --first N: items 0..N-1 only; --data FILE:
+                score the stored predictions again against that data file's answers
   train         train a plug-in for a model (decoder frozen)
   make-data     write generated QA items (--kind codeword): answers only a document holds
   bench         measure prefill and decode throughput
