@@ -66,12 +66,22 @@ std::vector<uint64_t> PrefixCache::acquire(const std::vector<int32_t>& tokens) {
     auto it = blocks_.find(h);
     if (it == blocks_.end()) break;
     ++it->second.refs;
-    lru_.erase(it->second.lru);
-    lru_.push_front(h);
-    it->second.lru = lru_.begin();
     out.push_back(h);
   }
+  touch(out);
   return out;
+}
+
+// Makes a chain's blocks the most recently used, its first block the most recent of all: a chain
+// then loses its tail first, and what stays of it is still a prefix that can be matched (a chain
+// whose first block went would keep its other blocks in memory with no way to reach them).
+void PrefixCache::touch(const std::vector<uint64_t>& chain) {
+  for (auto h = chain.rbegin(); h != chain.rend(); ++h) {
+    Block& block = blocks_.at(*h);
+    lru_.erase(block.lru);
+    lru_.push_front(*h);
+    block.lru = lru_.begin();
+  }
 }
 
 void PrefixCache::release(const std::vector<uint64_t>& blocks) {
@@ -95,12 +105,7 @@ void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t n, const KV
   COMB_CHECK(cache.batch() == 1, "prefix cache: one sequence at a time, found a batch of {}", cache.batch());
   auto hashes = chain(tokens, std::min<int64_t>(n, cache.length()));
   for (size_t b = 0; b < hashes.size(); ++b) {
-    if (auto it = blocks_.find(hashes[b]); it != blocks_.end()) {  // used again: now the most recent
-      lru_.erase(it->second.lru);
-      lru_.push_front(hashes[b]);
-      it->second.lru = lru_.begin();
-      continue;
-    }
+    if (blocks_.count(hashes[b])) continue;  // used again: touched below
     Block block;
     for (int64_t l = 0; l < cache.n_layers(); ++l) {
       block.k.push_back(cache.keys(l).narrow(2, static_cast<int64_t>(b) * block_, block_).clone());
@@ -112,6 +117,7 @@ void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t n, const KV
     block.lru = lru_.begin();
     blocks_.emplace(hashes[b], std::move(block));
   }
+  touch(hashes);
   evict();
 }
 
@@ -248,17 +254,27 @@ PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_tokens) {
       break;
     }
     case Method::prefix: {
-      auto held = prefix_->acquire(decoder_tokens);
-      while (!held.empty() && static_cast<int64_t>(held.size()) * prefix_->block_tokens() >= n) {  // keep one to compute
-        prefix_->release({held.back()});
-        held.pop_back();
+      // The blocks this request reads stay held until it is done with them, failure included:
+      // a block left referenced could never be evicted.
+      struct Held {
+        PrefixCache& cache;
+        std::vector<uint64_t> blocks;
+        ~Held() {
+          try {
+            if (!blocks.empty()) cache.release(blocks);
+          } catch (...) {  // release() throws only for blocks not held, which acquire() rules out
+          }
+        }
+      } held{*prefix_, prefix_->acquire(decoder_tokens)};
+      while (!held.blocks.empty() && static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens() >= n) {
+        prefix_->release({held.blocks.back()});  // keep at least one token to compute
+        held.blocks.pop_back();
       }
-      const int64_t m = static_cast<int64_t>(held.size()) * prefix_->block_tokens();
-      prefix_->fill(held, out.cache);
+      const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
+      prefix_->fill(held.blocks, out.cache);
       out.cache.set_length(m);
       out.logits = dec.forward(ids_of(decoder_tokens, m, n), out.cache)[0][-1];
       prefix_->insert(decoder_tokens, n, out.cache);
-      prefix_->release(held);
       out.computed = n - m;
       out.reused = m;
       break;

@@ -36,7 +36,8 @@ struct PicOptions {
 };
 
 // Decoder K/V of whole token blocks, keyed by a hash chain over the tokens: reuse of an exact
-// prefix. Blocks a running request holds (acquire() .. release()) are never evicted.
+// prefix. Blocks a running request holds (acquire() .. release()) are never evicted; of the others
+// the least recently used go first, and within a chain its last blocks before its first.
 class PrefixCache {
  public:
   PrefixCache(int64_t block_tokens, int64_t budget_bytes) : block_(block_tokens), budget_(budget_bytes) {}
@@ -61,6 +62,7 @@ class PrefixCache {
     std::list<uint64_t>::iterator lru;
   };
   std::vector<uint64_t> chain(const std::vector<int32_t>& tokens, int64_t n) const;
+  void touch(const std::vector<uint64_t>& chain);
   void evict();
   int64_t block_, budget_, bytes_ = 0;
   std::unordered_map<uint64_t, Block> blocks_;
