@@ -315,7 +315,8 @@ TEST_CASE("golden: greedy answer of a fixed chat prompt", "[decoder][golden]") {
   CHECK(r.ttft_ms > 0);
 }
 
-TEST_CASE("keep_freed_memory applies on glibc and generation is unchanged by it", "[decoder]") {
+// Tagged apart so that ctest runs it in a process of its own: the setting lasts for the process.
+TEST_CASE("keep_freed_memory applies on glibc and generation is unchanged by it", "[allocator]") {
   c10::InferenceMode guard;
   const Decoder& dec = default_model().decoder();
   SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");

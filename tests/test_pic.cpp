@@ -168,6 +168,16 @@ TEST_CASE("naive with one document equals full", "[pic]") {
     PicRequest r = request(0, {45}, 11, 4);  // the document starts the sequence, as it was cached
     INFO("rope scaling " << model->config().rope_scaling.type);
     CHECK(max_diff(prefill_logits(*model, Method::naive, r), prefill_logits(*model, Method::full, r)) <= 1e-3);
+    // After other text the rotation is no longer the identity. From layer 1 on a reused document's
+    // K/V differ from full's (they never saw that text), but layer 0's depend on the tokens and
+    // their positions alone: there, naive's rotated keys must be full's, every row.
+    r = request(12, {30}, 8, 6);
+    PicPrefill naive = PicEngine(*model, Method::naive).prefill(r, 1);
+    PicPrefill full = PicEngine(*model, Method::full).prefill(r, 1);
+    at::Tensor want = full.cache.keys(0).narrow(2, 0, 42);
+    CHECK(max_diff(naive.cache.keys(0).narrow(2, 0, 42), want) <= 1e-4 * std::max(1.0, want.abs().max().item<double>()));
+    CHECK(max_diff(naive.cache.values(0).narrow(2, 0, 42), full.cache.values(0).narrow(2, 0, 42)) <= 1e-4);
+    CHECK(max_diff(naive.cache.keys(1).narrow(2, 12, 30), full.cache.keys(1).narrow(2, 12, 30)) > 1e-3);
   }
   // With documents after other text, naive reuse is an approximation: it must differ.
   PicRequest r = request(12, {30, 30}, 8, 5);
@@ -206,17 +216,21 @@ TEST_CASE("a per-document cache does not depend on the request that filled it", 
   PicRequest other = r;
   std::reverse(other.documents.begin(), other.documents.end());
   other.suffix = random_tokens(7, 77);
-  for (Method method : {Method::naive, Method::epic, Method::cacheblend}) {
+  Model with_plugin = Model::load(oracle_dir() + "/tiny-llama");
+  with_plugin.set_plugin(random_plugin(with_plugin.decoder()));
+  for (Method method : {Method::naive, Method::epic, Method::cacheblend, Method::comb}) {
     INFO(method_name(method));
-    PicEngine engine(default_model(), method);
+    const bool comb = method == Method::comb;  // caches the encoder's K/V of each document only
+    PicEngine engine(comb ? with_plugin : default_model(), method);
     engine.prefill(r, 1);
     PicPrefill after_itself = engine.prefill(r, 1);
     engine.clear();
     engine.prefill(other, 1);
     PicPrefill after_other = engine.prefill(r, 1);
     CHECK(at::equal(after_itself.logits, after_other.logits));
-    CHECK(after_itself.reused == 14 + 75);  // the instruction and the documents
-    CHECK(after_other.reused == 14 + 75);
+    const int64_t reused = comb ? 75 : 14 + 75;  // the documents (and the instruction)
+    CHECK(after_itself.reused == reused);
+    CHECK(after_other.reused == reused);
     CHECK(after_itself.computed == after_other.computed);
   }
 }
