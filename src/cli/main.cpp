@@ -1,4 +1,5 @@
-// The `comb` command-line tool: generate and bench.
+// The `comb` command-line tool: generate, qa, plugin, bench and version here; eval, report, train
+// and make-data in eval.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -105,6 +106,10 @@ generate options:
   --document FILE     a document for the encoder; repeat for several, in any order
   --cache-dir DIR     keep document caches on disk in DIR (survives restarts)
   --cache-mb N        cache budget per tier in MiB (default 1024)
+
+plugin memory options:
+  --plugin FILE       the plug-in whose encoder layers count (else --encoder-layers)
+  --encoder-layers N  encoder layers (default 4)
 
 plugin init options:
   --out FILE          where to write the plug-in (safetensors)
