@@ -104,6 +104,22 @@ void PrefixCache::fill(const std::vector<uint64_t>& blocks, KVCache& cache) cons
 void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t n, const KVCache& cache) {
   COMB_CHECK(cache.batch() == 1, "prefix cache: one sequence at a time, found a batch of {}", cache.batch());
   auto hashes = chain(tokens, std::min<int64_t>(n, cache.length()));
+  // Should a copy fail part way, the blocks added so far still get the chain's order (first block
+  // the most recent) before the error goes on.
+  struct Order {
+    PrefixCache& self;
+    const std::vector<uint64_t>& hashes;
+    bool done = false;
+    ~Order() {
+      if (done) return;
+      std::vector<uint64_t> present;
+      for (uint64_t h : hashes) {
+        if (!self.blocks_.count(h)) break;
+        present.push_back(h);
+      }
+      self.touch(present);
+    }
+  } order{*this, hashes};
   for (size_t b = 0; b < hashes.size(); ++b) {
     if (blocks_.count(hashes[b])) continue;  // used again: touched below
     Block block;
@@ -117,6 +133,7 @@ void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t n, const KV
     block.lru = lru_.begin();
     blocks_.emplace(hashes[b], std::move(block));
   }
+  order.done = true;
   touch(hashes);
   evict();
 }

@@ -96,42 +96,48 @@ nlohmann::json summarize_eval(const std::vector<nlohmann::json>& rows, const std
           {"cache_bytes_per_token", rows[0].at("cache_bytes_per_token")}};
 }
 
-int cmd_report(std::vector<std::string> files) {
-  // --markdown anywhere among the files: a table instead of JSON lines.
-  auto flag = std::find(files.begin(), files.end(), "--markdown");
-  const bool markdown = flag != files.end();
-  if (markdown) files.erase(flag);
-  // --first N: only items with index < N, so that rows measured on more items compare on the same.
-  int64_t first_n = -1;
-  flag = std::find(files.begin(), files.end(), "--first");
-  if (flag != files.end()) {
-    COMB_CHECK(flag + 1 != files.end(), "report: --first needs a count");
-    const std::string n = *(flag + 1);
-    COMB_CHECK(!n.empty() && n.find_first_not_of("0123456789") == std::string::npos && std::stoll(n) > 0,
-               "report: --first expects a count > 0, found '{}'", n);
-    first_n = std::stoll(n);
-    files.erase(flag, flag + 2);
-  }
-  // --data FILE, once per data set: each item's stored prediction is scored again against that
-  // file's answers, by this build's rule (lines written by an older build keep their own verdict
-  // otherwise).
+int cmd_report(std::vector<std::string> args) {
+  // Options and files read left to right:
+  //   --markdown    a table instead of JSON lines
+  //   --first N     only items with index < N, so that rows measured on more items compare on the same
+  //   --data FILE   once per data set: each item's stored prediction is scored again against that
+  //                 file's answers, by this build's rule (otherwise a line keeps the verdict of the
+  //                 build that wrote it)
   struct Rescore {
     std::string path;
     std::map<std::string, std::vector<std::string>> answers;  // item id -> answers
     int64_t items = 0, changed = 0;
   };
   std::map<std::string, Rescore> rescore;  // data name -> its file's answers
-  while ((flag = std::find(files.begin(), files.end(), "--data")) != files.end()) {
-    COMB_CHECK(flag + 1 != files.end() && (flag + 1)->rfind("--", 0) != 0, "report: --data needs a data file");
-    const std::string path = *(flag + 1);
-    Rescore& r = rescore[data_name(path)];
-    COMB_CHECK(r.path.empty(), "report: --data {} and {} are the same data set '{}'", r.path, path, data_name(path));
-    r.path = path;
-    for (auto& item : read_qa_items(path)) r.answers[item.id] = std::move(item.answers);
-    files.erase(flag, flag + 2);
+  bool markdown = false;
+  int64_t first_n = -1;
+  std::vector<std::string> files;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--markdown") {
+      markdown = true;
+    } else if (a == "--first" || a == "--data") {
+      COMB_CHECK(i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0, "report: {} needs {}", a,
+                 a == "--first" ? "a count" : "a data file");
+      const std::string value = args[++i];
+      if (a == "--first") {
+        COMB_CHECK(!value.empty() && value.find_first_not_of("0123456789") == std::string::npos && value.size() < 18 &&
+                       std::stoll(value) > 0,
+                   "report: --first expects a count > 0, found '{}'", value);
+        first_n = std::stoll(value);
+      } else {
+        Rescore& r = rescore[data_name(value)];
+        COMB_CHECK(r.path.empty(), "report: --data {} and {} are the same data set '{}'", r.path, value,
+                   data_name(value));
+        r.path = value;
+        for (auto& item : read_qa_items(value)) r.answers[item.id] = std::move(item.answers);
+      }
+    } else {
+      COMB_CHECK(a.rfind("--", 0) != 0,
+                 "report takes eval --out files, --markdown, --first N and --data FILE, found option '{}'", a);
+      files.push_back(a);
+    }
   }
-  for (const auto& f : files)
-    COMB_CHECK(f.rfind("--", 0) != 0, "report takes eval --out files, --markdown, --first N and --data FILE, found option '{}'", f);
   COMB_CHECK(!files.empty(),
              "report needs the --out files of comb eval runs (comb report [--markdown] [--first N] [--data FILE] FILE...)");
   // Rows grouped by (data, method), in the order first seen; an item counted once per group.
