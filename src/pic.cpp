@@ -104,22 +104,6 @@ void PrefixCache::fill(const std::vector<uint64_t>& blocks, KVCache& cache) cons
 void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t n, const KVCache& cache) {
   COMB_CHECK(cache.batch() == 1, "prefix cache: one sequence at a time, found a batch of {}", cache.batch());
   auto hashes = chain(tokens, std::min<int64_t>(n, cache.length()));
-  // Should a copy fail part way, the blocks added so far still get the chain's order (first block
-  // the most recent) before the error goes on.
-  struct Order {
-    PrefixCache& self;
-    const std::vector<uint64_t>& hashes;
-    bool done = false;
-    ~Order() {
-      if (done) return;
-      std::vector<uint64_t> present;
-      for (uint64_t h : hashes) {
-        if (!self.blocks_.count(h)) break;
-        present.push_back(h);
-      }
-      self.touch(present);
-    }
-  } order{*this, hashes};
   for (size_t b = 0; b < hashes.size(); ++b) {
     if (blocks_.count(hashes[b])) continue;  // used again: touched below
     Block block;
@@ -129,11 +113,11 @@ void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t n, const KV
       block.bytes += 2 * block.k.back().numel() * block.k.back().element_size();
     }
     bytes_ += block.bytes;
-    lru_.push_front(hashes[b]);
-    block.lru = lru_.begin();
+    // Right behind the block before it (the first block at the front): a chain's first block stays
+    // ahead of its last even if a later copy fails; touch() below then makes the chain the most recent.
+    block.lru = lru_.insert(b == 0 ? lru_.begin() : std::next(blocks_.at(hashes[b - 1]).lru), hashes[b]);
     blocks_.emplace(hashes[b], std::move(block));
   }
-  order.done = true;
   touch(hashes);
   evict();
 }
