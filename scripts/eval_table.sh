@@ -10,7 +10,8 @@
 # that file exists (room for a build); PLUGIN, the plug-in file for the method comb; PRIMING,
 # comb eval's --priming (default auto). Each worker is pinned to its own cores when taskset
 # exists. One run per OUTDIR at a time.
-# At the end, `comb report` prints one summary line per method from all chunks.
+# At the end, `comb report --data DATA` of the current build (not the table's copy) prints one
+# summary line per method from all chunks, every stored prediction scored by the current rule.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 comb="${COMB_BUILD_DIR:-$root/build}/comb"
@@ -42,6 +43,7 @@ else
   mv "$bin/libcomb.so.0.part" "$bin/libcomb.so.0" && mv "$bin/comb.part" "$bin/comb"
   echo "[table] measuring with a copy of $comb and its library in $bin" >&2
 fi
+current=$comb current_ld=${LD_LIBRARY_PATH:-}
 comb=$bin/comb
 export LD_LIBRARY_PATH=$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 chunk=${CHUNK:-10} workers=${WORKERS:-1}
@@ -88,4 +90,4 @@ for ((w = 1; w <= workers; ++w)); do worker "$w" & pids+=($!); done
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=1; done
 [ $status -eq 0 ] || exit $status
-"$comb" report "$outdir"/*."$name".[0-9]*.jsonl
+LD_LIBRARY_PATH=$current_ld "$current" report --data "$data" "$outdir"/*."$name".[0-9]*.jsonl
