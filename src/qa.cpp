@@ -19,6 +19,20 @@ std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
   std::string line;
   char buffer[1 << 16];
   int64_t number = 0;
+  // gzgets stops alike at the end of the file and at a damaged or cut-short gzip stream; only
+  // gzerror tells them apart, so every read is checked (a truncated download must not read as a
+  // shorter data set).
+  auto check_stream = [&] {
+    int code = Z_OK;
+    const char* message = gzerror(f, &code);
+    COMB_CHECK(code == Z_OK || code == Z_STREAM_END, "'{}' is damaged or cut short ({} lines read whole): {}", path, number,
+               message ? message : "read error");
+  };
+  // What a field must be, said with the file, the line and the field.
+  auto expect = [&](bool ok, const std::string& field, const char* expected, const nlohmann::json& found) {
+    COMB_CHECK(ok, "'{}' line {}: '{}' must be {}, found {}", path, number, field, expected,
+               found.is_null() ? std::string("null") : std::string(found.type_name()) + " " + found.dump().substr(0, 60));
+  };
   try {
     while (limit <= 0 || static_cast<int64_t>(items.size()) < limit) {
       line.clear();
@@ -28,6 +42,7 @@ std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
         line += buffer;
         if (!line.empty() && line.back() == '\n') break;
       }
+      check_stream();
       if (!got) break;
       ++number;
       if (line.find_first_not_of(" \t\r\n") == std::string::npos) continue;
@@ -37,20 +52,38 @@ std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
       for (const char* key : {"id", "question", "answers", "documents"})
         COMB_CHECK(j.contains(key), "'{}' line {}: missing '{}' (expected id, question, answers, documents)", path,
                    number, key);
-      COMB_CHECK(j["answers"].is_array() && j["documents"].is_array(),
-                 "'{}' line {}: 'answers' and 'documents' must be lists", path, number);
       QaItem item;
-      item.id = j["id"].is_string() ? j["id"].get<std::string>() : j["id"].dump();
+      const auto& id = j["id"];
+      expect(id.is_string() || id.is_number_integer(), "id", "a string or a whole number", id);
+      item.id = id.is_string() ? id.get<std::string>() : id.dump();
+      expect(j["question"].is_string(), "question", "a string", j["question"]);
       item.question = j["question"].get<std::string>();
-      for (const auto& a : j["answers"]) item.answers.push_back(a.get<std::string>());
-      for (const auto& d : j["documents"]) {
-        COMB_CHECK(d.is_object(), "'{}' line {}: a document must be an object {{title, text}}", path, number);
-        item.documents.push_back({d.value("title", ""), d.value("text", "")});
+      const auto& answers = j["answers"];
+      expect(answers.is_array() && !answers.empty(), "answers", "a non-empty list of strings", answers);
+      for (size_t a = 0; a < answers.size(); ++a) {
+        expect(answers[a].is_string(), fmt::format("answers[{}]", a), "a string", answers[a]);
+        item.answers.push_back(answers[a].get<std::string>());
       }
-      item.gold_index = j.value("gold_index", int64_t(-1));
-      COMB_CHECK(item.gold_index < static_cast<int64_t>(item.documents.size()),
-                 "'{}' line {}: gold_index {} but only {} documents", path, number, item.gold_index,
-                 item.documents.size());
+      const auto& documents = j["documents"];
+      expect(documents.is_array(), "documents", "a list of {title, text} objects", documents);
+      for (size_t d = 0; d < documents.size(); ++d) {
+        const auto& doc = documents[d];
+        expect(doc.is_object(), fmt::format("documents[{}]", d), "an object {title, text}", doc);
+        for (const char* key : {"title", "text"}) {
+          const auto& value = doc.contains(key) ? doc[key] : nlohmann::json();
+          expect(value.is_string(), fmt::format("documents[{}].{}", d, key), "a string", value);
+        }
+        item.documents.push_back({doc["title"].get<std::string>(), doc["text"].get<std::string>()});
+      }
+      if (j.contains("gold_index")) {
+        const auto& gold = j["gold_index"];
+        bool ok = gold.is_number_integer() && gold.get<int64_t>() >= -1 &&
+                  gold.get<int64_t>() < static_cast<int64_t>(item.documents.size());
+        expect(ok, "gold_index", fmt::format("-1 or a document's index below {}", item.documents.size()).c_str(), gold);
+        item.gold_index = gold.get<int64_t>();
+      } else {
+        item.gold_index = -1;
+      }
       items.push_back(std::move(item));
     }
   } catch (const nlohmann::json::exception& e) {
@@ -103,6 +136,7 @@ std::pair<std::string, std::string> user_turn(const Model& model) {
   const std::string marker = "\x01";
   std::string rendered = model.chat_template().apply({{"user", marker}}, true);
   size_t at = rendered.find(marker);
+  COMB_CHECK(at != std::string::npos, "the chat template drops the user's message (rendered: '{}')", rendered);
   return {rendered.substr(0, at), rendered.substr(at + marker.size())};
 }
 }  // namespace

@@ -1,9 +1,14 @@
 #pragma once
 // Command-line options of the comb tool ("--key value" and "--flag"), and its median.
 #include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "comb/error.hpp"
@@ -39,17 +44,41 @@ class Args {
     auto it = values_.find(key);
     return it == values_.end() ? std::vector<std::string>{} : it->second;
   }
+  // The option's value as a number, `fallback` when the option is absent. Whole-number options
+  // take whole numbers in their type's range only: "2.5", "0x10", "1e30" and "-1" (for an unsigned
+  // option) are refused, not rounded or wrapped; other options take any finite number.
   template <typename T>
   T num(const std::string& key, T fallback) {
+    if (!has(key)) {
+      used_.push_back(key);
+      return fallback;
+    }
     std::string s = str(key);
-    if (s.empty()) return fallback;
-    try {
-      size_t end = 0;
-      double v = std::stod(s, &end);
-      if (end != s.size()) throw std::invalid_argument(s);
+    auto refuse = [&](const std::string& expected) {
+      return comb::Error("option --" + key + " expects " + expected + ", found '" + s + "'");
+    };
+    if constexpr (std::is_integral_v<T>) {
+      const std::string range = "a whole number from " + std::to_string(std::numeric_limits<T>::min()) + " to " +
+                                std::to_string(std::numeric_limits<T>::max());
+      size_t first = !s.empty() && s[0] == '-' ? 1 : 0;
+      bool digits = s.size() > first && std::all_of(s.begin() + first, s.end(), [](char c) { return c >= '0' && c <= '9'; });
+      if (!digits) throw refuse(range);
+      errno = 0;
+      if constexpr (std::is_signed_v<T>) {
+        long long v = std::strtoll(s.c_str(), nullptr, 10);
+        if (errno == ERANGE || v < std::numeric_limits<T>::min() || v > std::numeric_limits<T>::max()) throw refuse(range);
+        return static_cast<T>(v);
+      } else {
+        unsigned long long v = std::strtoull(s.c_str(), nullptr, 10);
+        if (first || errno == ERANGE || v > std::numeric_limits<T>::max()) throw refuse(range);
+        return static_cast<T>(v);
+      }
+    } else {
+      char* end = nullptr;
+      errno = 0;
+      double v = s.empty() ? 0 : std::strtod(s.c_str(), &end);
+      if (s.empty() || end != s.c_str() + s.size() || errno == ERANGE || !std::isfinite(v)) throw refuse("a finite number");
       return static_cast<T>(v);
-    } catch (const std::exception&) {
-      throw comb::Error("option --" + key + " expects a number, found '" + s + "'");
     }
   }
   // Rejects options no one asked for (typos).

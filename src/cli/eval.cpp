@@ -155,6 +155,18 @@ int cmd_report(std::vector<std::string> args) {
       for (const char* key : {"method", "data", "index", "correct", "ttft_cold_ms", "ttft_warm_ms",
                               "computed_tokens_warm", "reused_tokens_warm", "cache_bytes_per_token"})
         COMB_CHECK(r.contains(key), "{}: an item line of comb eval --out has '{}'; this one does not", where, key);
+      // Each field of the type comb eval writes, checked here where the file and line are known.
+      auto expect = [&](const char* key, bool ok, const char* expected) {
+        COMB_CHECK(ok, "{}: '{}' must be {}, found {}", where, key, expected, r[key].dump().substr(0, 60));
+      };
+      for (const char* key : {"method", "data"}) expect(key, r[key].is_string(), "a string");
+      expect("index", r["index"].is_number_integer() && r["index"].get<int64_t>() >= 0, "a whole number >= 0");
+      expect("correct", r["correct"].is_boolean(), "true or false");
+      for (const char* key : {"ttft_cold_ms", "ttft_warm_ms", "computed_tokens_warm", "reused_tokens_warm",
+                              "cache_bytes_per_token"})
+        expect(key, r[key].is_number(), "a number");
+      for (const char* key : {"id", "prediction", "priming"})
+        if (r.contains(key)) expect(key, r[key].is_string(), "a string");
       if (first_n > 0 && r["index"].get<int64_t>() >= first_n) continue;
       if (auto d = rescore.find(r["data"].get<std::string>()); d != rescore.end()) {
         COMB_CHECK(r.contains("id") && r.contains("prediction"),
@@ -278,6 +290,8 @@ int cmd_eval(Args& args, Model& model) {
   const bool prime_all = priming == "always";
   GenerateOptions gen;
   gen.max_tokens = args.num<int64_t>("max-new-tokens", 32);
+  COMB_CHECK(gen.max_tokens >= 1, "--max-new-tokens must be >= 1 (TTFT and the answer need a token), found {}",
+             gen.max_tokens);
   args.check_all_used();
 
   // Items [offset, offset + limit), and the one after them: its question primes the last item's
@@ -299,51 +313,69 @@ int cmd_eval(Args& args, Model& model) {
   std::vector<nlohmann::json> rows;
   int64_t correct = 0;
   auto t_start = std::chrono::steady_clock::now();
+  double last_report = 0;
   for (size_t k = offset; k < end; ++k) {
     const auto& item = items[k];
-    // The priming request (used by prefix, or by every method with --priming always): the same
-    // documents in another order (seeded by the item's index, so a chunk of a run shuffles as the
-    // whole run does), with the next item's question.
-    std::mt19937 rng(1234 + k);
-    std::vector<QaDocument> shuffled = item.documents;
-    std::shuffle(shuffled.begin(), shuffled.end(), rng);
-    if (shuffled.size() > 1 && std::equal(shuffled.begin(), shuffled.end(), item.documents.begin(),
-                                          [](const QaDocument& a, const QaDocument& b) { return a.text == b.text; }))
-      std::reverse(shuffled.begin(), shuffled.end());
-    ColdWarm t = run_cold_warm(engine, qa_request(model, item.documents, item.question),
-                               qa_request(model, shuffled, items[(k + 1) % items.size()].question), gen,
-                               prime_all);
-    const GenerationResult& warm = t.warm;
-    bool ok = answer_correct(warm.text, item.answers);
-    correct += ok;
-    rows.push_back({{"method", method_name(method)},
-                    {"data", name},
-                    {"index", k},
-                    {"id", item.id},
-                    {"prediction", warm.text},
-                    {"correct", ok},
-                    {"ttft_cold_ms", t.cold.ttft_ms},
-                    {"ttft_warm_ms", warm.ttft_ms},
-                    {"computed_tokens_cold", t.cold_counts.computed},
-                    {"reused_tokens_cold", t.cold_counts.reused},
-                    {"computed_tokens_warm", t.warm_counts.computed},
-                    {"reused_tokens_warm", t.warm_counts.reused},
-                    {"cache_bytes_per_token", engine.cache_bytes_per_token()},
-                    {"priming", priming}});
-    if (out.is_open())
-      out << rows.back().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)  // cut-off UTF-8: U+FFFD
-          << std::endl;  // flushed: a stopped run keeps the items it finished
+    try {
+      // The priming request (used by prefix, or by every method with --priming always): the same
+      // documents in another order (seeded by the item's index, so a chunk of a run shuffles as the
+      // whole run does), with the next item's question.
+      std::mt19937 rng(1234 + k);
+      std::vector<QaDocument> shuffled = item.documents;
+      std::shuffle(shuffled.begin(), shuffled.end(), rng);
+      if (shuffled.size() > 1 && std::equal(shuffled.begin(), shuffled.end(), item.documents.begin(),
+                                            [](const QaDocument& a, const QaDocument& b) { return a.text == b.text; }))
+        std::reverse(shuffled.begin(), shuffled.end());
+      // Another question: the next item's, or where that is the same text (a one-item file), this
+      // one's with "Once more: " before it.
+      std::string other = items[(k + 1) % items.size()].question;
+      if (other == item.question) other = "Once more: " + other;
+      ColdWarm t = run_cold_warm(engine, qa_request(model, item.documents, item.question),
+                                 qa_request(model, shuffled, other), gen, prime_all);
+      const GenerationResult& warm = t.warm;
+      bool ok = answer_correct(warm.text, item.answers);
+      correct += ok;
+      rows.push_back({{"method", method_name(method)},
+                      {"data", name},
+                      {"index", k},
+                      {"id", item.id},
+                      {"prediction", warm.text},
+                      {"correct", ok},
+                      {"ttft_cold_ms", t.cold.ttft_ms},
+                      {"ttft_warm_ms", warm.ttft_ms},
+                      {"computed_tokens_cold", t.cold_counts.computed},
+                      {"reused_tokens_cold", t.cold_counts.reused},
+                      {"computed_tokens_warm", t.warm_counts.computed},
+                      {"reused_tokens_warm", t.warm_counts.reused},
+                      {"cache_bytes_per_token", engine.cache_bytes_per_token()},
+                      {"priming", priming}});
+      if (out.is_open()) {
+        out << rows.back().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)  // cut-off UTF-8: U+FFFD
+            << std::endl;  // flushed: a stopped run keeps the items it finished
+        COMB_CHECK(out.good(), "writing '{}' failed at item {} (is the disk full?)", out_path, k);
+      }
+    } catch (const std::exception& e) {
+      if (tty) fmt::print(stderr, "\n");
+      COMB_FAIL("'{}' item {} (id '{}'): {}", data, k, item.id, e.what());
+    }
     const size_t done = rows.size();
     double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     double eta = elapsed / done * (n_items - done);
-    if (tty || done % 10 == 0 || done == n_items) {
+    // On a terminal the bar is redrawn after every item; in a log, every 10 items and at least
+    // once a minute (a kv-75 item can take minutes).
+    if (tty || done % 10 == 0 || done == n_items || elapsed - last_report >= 60) {
+      last_report = elapsed;
       int width = 30, filled = static_cast<int>(width * done / n_items);
       fmt::print(stderr, "{}[eval {}] [{}{}] {}/{} acc {:.1f}% elapsed {} eta {}{}", tty ? "\r" : "",
                  method_name(method), std::string(filled, '#'), std::string(width - filled, '.'), done, n_items,
-                 100.0 * correct / done, clock_text(elapsed), clock_text(eta), tty ? "" : "\n");
+                 100.0 * correct / done, clock_text(elapsed), clock_text(eta), tty ? "\x1b[K" : "\n");
     }
   }
   if (tty) fmt::print(stderr, "\n");
+  if (out.is_open()) {
+    out.close();
+    COMB_CHECK(!out.fail(), "writing '{}' failed when closing it (is the disk full?)", out_path);
+  }
   std::cout << summarize_eval(rows, "--data " + data).dump() << std::endl;
   return 0;
 }
