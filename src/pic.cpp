@@ -103,6 +103,8 @@ void PrefixCache::fill(const std::vector<uint64_t>& blocks, KVCache& cache) cons
 
 void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t n, const KVCache& cache) {
   COMB_CHECK(cache.batch() == 1, "prefix cache: one sequence at a time, found a batch of {}", cache.batch());
+  COMB_CHECK(n >= 0 && n <= static_cast<int64_t>(tokens.size()), "prefix cache: insert of {} tokens from a list of {}",
+             n, tokens.size());
   auto hashes = chain(tokens, std::min<int64_t>(n, cache.length()));
   for (size_t b = 0; b < hashes.size(); ++b) {
     if (blocks_.count(hashes[b])) continue;  // used again: touched below
@@ -112,11 +114,18 @@ void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t n, const KV
       block.v.push_back(cache.values(l).narrow(2, static_cast<int64_t>(b) * block_, block_).clone());
       block.bytes += 2 * block.k.back().numel() * block.k.back().element_size();
     }
-    bytes_ += block.bytes;
-    // Right behind the block before it (the first block at the front): a chain's first block stays
-    // ahead of its last even if a later copy fails; touch() below then makes the chain the most recent.
-    block.lru = lru_.insert(b == 0 ? lru_.begin() : std::next(blocks_.at(hashes[b - 1]).lru), hashes[b]);
-    blocks_.emplace(hashes[b], std::move(block));
+    // Map, then LRU list, then byte count, each step undone if the next throws, so that every
+    // listed block exists and bytes_ counts exactly the blocks held. The block goes right behind the
+    // one before it (the first block at the front): a chain's first block stays ahead of its last
+    // even if a later copy fails; touch() below then makes the chain the most recent.
+    auto slot = blocks_.emplace(hashes[b], std::move(block)).first;
+    try {
+      slot->second.lru = lru_.insert(b == 0 ? lru_.begin() : std::next(blocks_.at(hashes[b - 1]).lru), hashes[b]);
+    } catch (...) {
+      blocks_.erase(slot);
+      throw;
+    }
+    bytes_ += slot->second.bytes;
   }
   touch(hashes);
   evict();
@@ -149,8 +158,11 @@ PicEngine::PicEngine(const Model& model, Method method, PicOptions options)
     : model_(model), method_(method), options_(std::move(options)) {
   COMB_CHECK(options_.blend_ratio >= 0 && options_.blend_ratio <= 1, "CacheBlend ratio must be in [0, 1], found {}",
              options_.blend_ratio);
-  COMB_CHECK(options_.check_layer >= 0 && options_.check_layer < model.config().n_layer,
-             "CacheBlend check layer must be in [0, {}), found {}", model.config().n_layer, options_.check_layer);
+  // Layer 0's keys depend on the token and its position alone: reused ones equal fresh ones there,
+  // so the first layer with a deviation to rank is 1.
+  COMB_CHECK(method != Method::cacheblend || (options_.check_layer >= 1 && options_.check_layer < model.config().n_layer),
+             "CacheBlend check layer must be in [1, {}) (layer 0's keys do not depend on the context), found {}",
+             model.config().n_layer, options_.check_layer);
   COMB_CHECK(options_.epic_k >= 0, "EPIC k must be >= 0, found {}", options_.epic_k);
   COMB_CHECK(options_.prefix_block > 0, "prefix block must be > 0, found {}", options_.prefix_block);
   if (method == Method::comb) COMB_CHECK(model.plugin(), "--method comb needs a plug-in (--plugin FILE)");
@@ -293,7 +305,9 @@ PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_tokens) {
       fill_reused(r, out, spans);
       std::vector<int64_t> positions;
       for (const auto& s : spans)
-        if (s.offset > 0)  // a document at position 0 already has exact K/V
+        // EPIC spares the first chunk, whose K/V are exact: a document at position 0. With a prompt
+        // prefix (the eval's instruction), the prefix is that chunk and every document is recomputed.
+        if (s.offset > 0)
           for (int64_t i = 0; i < std::min(options_.epic_k, s.length); ++i) positions.push_back(s.offset + i);
       for (int64_t p = out.cache.length(); p < n; ++p) positions.push_back(p);
       out.logits = recompute(decoder_tokens, positions, 0, {}, out);

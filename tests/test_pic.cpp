@@ -2,6 +2,9 @@
 // where naive, CacheBlend and EPIC must equal full prefill.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <set>
+
 #include "helpers.hpp"
 
 using namespace comb;
@@ -204,6 +207,80 @@ TEST_CASE("CacheBlend at ratio 1 and EPIC with k >= document length equal full",
     double naive = max_diff(prefill_logits(*model, Method::naive, r), want);
     double half = max_diff(prefill_logits(*model, Method::cacheblend, r, part), want);
     CHECK(half < naive);
+  }
+}
+
+TEST_CASE("CacheBlend recomputes the document rows whose keys deviate most, EPIC each document's first k", "[pic]") {
+  // The settings above recompute everything; these pin which rows a partial setting recomputes,
+  // found independently of the engine, on warm requests (every chunk cached by the request before).
+  c10::InferenceMode guard;
+  for (const Model* model : {&default_model(), &tiny()}) {
+    INFO("rope scaling " << model->config().rope_scaling.type);
+    const std::vector<int64_t> lengths = {25, 31, 19};
+    const int64_t prefix = 14, suffix = 10, n_context = prefix + 25 + 31 + 19;
+    PicRequest r = request(prefix, lengths, suffix, 6);
+    auto warm = [&](Method method, PicOptions options) {
+      PicEngine engine(*model, method, options);
+      engine.prefill(r, 1);
+      return engine.prefill(r, 1);
+    };
+    PicPrefill full = PicEngine(*model, Method::full).prefill(r, 1);
+    PicPrefill naive = warm(Method::naive, {});
+    // Keys of layer 1 at one position, every KV head.
+    auto row = [](const PicPrefill& p, int64_t pos) { return p.cache.keys(1).select(2, pos); };
+    const double scale = std::max(1.0, full.cache.keys(1).narrow(2, 0, n_context).abs().max().item<double>());
+    {
+      // CacheBlend, check layer 1, ratio 0.2: the layers below it are exact, so the fresh keys there
+      // are full's; the ceil(0.2 * 75) = 15 document rows farthest from naive's are recomputed
+      // (equal full's at that layer), every other row keeps naive's reused keys.
+      PicOptions options;
+      options.blend_ratio = 0.2;
+      PicPrefill blend = warm(Method::cacheblend, options);
+      std::vector<std::pair<double, int64_t>> deviation;
+      for (int64_t p = prefix; p < n_context; ++p)
+        deviation.push_back({(row(full, p) - row(naive, p)).pow(2).sum().item<double>(), p});
+      std::sort(deviation.rbegin(), deviation.rend());
+      const size_t pick = 15;
+      REQUIRE(deviation[pick - 1].first > deviation[pick].first);  // no tie at the cut
+      std::set<int64_t> chosen;
+      for (size_t i = 0; i < pick; ++i) chosen.insert(deviation[i].second);
+      int64_t recomputed = 0;
+      for (int64_t p = prefix; p < n_context; ++p) {
+        INFO("position " << p);
+        if (chosen.count(p)) {
+          CHECK(max_diff(row(blend, p), row(full, p)) <= 1e-4 * scale);
+        } else {
+          CHECK(max_diff(row(blend, p), row(naive, p)) <= 1e-6 * scale);
+        }
+        recomputed += max_diff(row(blend, p), row(naive, p)) > 1e-6 * scale;
+      }
+      CHECK(recomputed == static_cast<int64_t>(pick));
+      CHECK(blend.computed == static_cast<int64_t>(pick) + suffix);
+    }
+    {
+      // EPIC, k = 8: the first 8 rows of every document (the prompt's prefix is the exact first
+      // chunk) go through every layer again with the whole context before them; layer 0 is exact
+      // for every row, so at layer 1 those rows equal full's, and every other row keeps naive's.
+      PicOptions options;
+      options.epic_k = 8;
+      PicPrefill epic = warm(Method::epic, options);
+      int64_t offset = prefix, leading = 0;
+      for (int64_t length : lengths) {
+        for (int64_t i = 0; i < length; ++i) {
+          INFO("document at " << offset << ", row " << i);
+          if (i < 8) {
+            CHECK(max_diff(row(epic, offset + i), row(full, offset + i)) <= 1e-4 * scale);
+            CHECK(max_diff(row(epic, offset + i), row(naive, offset + i)) > 1e-3 * scale);
+          } else {
+            CHECK(max_diff(row(epic, offset + i), row(naive, offset + i)) <= 1e-6 * scale);
+          }
+        }
+        leading += std::min<int64_t>(8, length);
+        offset += length;
+      }
+      CHECK(epic.computed == leading + suffix);
+      CHECK(max_diff(epic.logits, full.logits) > 1e-4);  // an approximation still
+    }
   }
 }
 
