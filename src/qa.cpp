@@ -149,7 +149,13 @@ std::vector<int32_t> qa_prefix(const Model& model) {
 }
 
 std::vector<int32_t> qa_suffix(const Model& model, const std::string& question) {
-  return model.tokenizer().encode("Question: " + question + user_turn(model).second);
+  // The question is data, like a document: "<|im_end|>" written in it stays text. Only the
+  // template's own tail is read for control tokens.
+  const Tokenizer& tok = model.tokenizer();
+  std::vector<int32_t> ids = tok.encode("Question: " + question, false);
+  std::vector<int32_t> tail = tok.encode(user_turn(model).second);
+  ids.insert(ids.end(), tail.begin(), tail.end());
+  return ids;
 }
 
 PicRequest qa_request(const Model& model, const std::vector<QaDocument>& documents, const std::string& question) {

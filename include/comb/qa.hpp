@@ -37,7 +37,8 @@ extern const char* const kQaInstruction;
 // One document's tokens as every prompt renders it, alone: "Title: <title>\n<text>\n\n".
 std::vector<int32_t> qa_document_tokens(const Model& model, const QaDocument& document);
 // The segments around the documents: chat header + instruction, and "Question: <question>" +
-// the assistant header.
+// the assistant header. Documents and the question are data: control tokens written in them stay
+// text (encoded without parsing special tokens).
 std::vector<int32_t> qa_prefix(const Model& model);
 std::vector<int32_t> qa_suffix(const Model& model, const std::string& question);
 // qa_prefix | each document alone | qa_suffix.
