@@ -59,7 +59,8 @@ std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
       expect(j["question"].is_string(), "question", "a string", j["question"]);
       item.question = j["question"].get<std::string>();
       const auto& answers = j["answers"];
-      expect(answers.is_array() && !answers.empty(), "answers", "a non-empty list of strings", answers);
+      // An empty list is read (training skips such items); comb eval refuses it.
+      expect(answers.is_array(), "answers", "a list of strings", answers);
       for (size_t a = 0; a < answers.size(); ++a) {
         expect(answers[a].is_string(), fmt::format("answers[{}]", a), "a string", answers[a]);
         item.answers.push_back(answers[a].get<std::string>());
@@ -77,8 +78,11 @@ std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
       }
       if (j.contains("gold_index")) {
         const auto& gold = j["gold_index"];
-        bool ok = gold.is_number_integer() && gold.get<int64_t>() >= -1 &&
-                  gold.get<int64_t>() < static_cast<int64_t>(item.documents.size());
+        // Read as unsigned first where it is one: 2^64 - 1 must not wrap to -1.
+        bool ok = gold.is_number_integer() &&
+                  (gold.is_number_unsigned() ? gold.get<uint64_t>() < item.documents.size()
+                                             : gold.get<int64_t>() >= -1 &&
+                                                   gold.get<int64_t>() < static_cast<int64_t>(item.documents.size()));
         expect(ok, "gold_index", fmt::format("-1 or a document's index below {}", item.documents.size()).c_str(), gold);
         item.gold_index = gold.get<int64_t>();
       } else {

@@ -241,7 +241,9 @@ TEST_CASE("CacheBlend recomputes the document rows whose keys deviate most, EPIC
         deviation.push_back({(row(full, p) - row(naive, p)).pow(2).sum().item<double>(), p});
       std::sort(deviation.rbegin(), deviation.rend());
       const size_t pick = 15;
-      REQUIRE(deviation[pick - 1].first > deviation[pick].first);  // no tie at the cut
+      // No near tie at the cut: the engine ranks with its own fresh keys, equal to full's only up
+      // to rounding.
+      REQUIRE(deviation[pick - 1].first > deviation[pick].first * (1 + 1e-3));
       std::set<int64_t> chosen;
       for (size_t i = 0; i < pick; ++i) chosen.insert(deviation[i].second);
       int64_t recomputed = 0;

@@ -77,7 +77,9 @@ class Args {
       char* end = nullptr;
       errno = 0;
       double v = s.empty() ? 0 : std::strtod(s.c_str(), &end);
-      if (s.empty() || end != s.c_str() + s.size() || errno == ERANGE || !std::isfinite(v)) throw refuse("a finite number");
+      if (s.empty() || end != s.c_str() + s.size() || errno == ERANGE || !std::isfinite(v) ||
+          std::abs(v) > static_cast<double>(std::numeric_limits<T>::max()))  // 1e39 is no float
+        throw refuse("a finite number");
       return static_cast<T>(v);
     }
   }

@@ -302,6 +302,9 @@ int cmd_eval(Args& args, Model& model) {
              offset, data, items.size());
   const size_t end = limit > 0 ? std::min<size_t>(offset + limit, items.size()) : items.size();
   const size_t n_items = end - offset;
+  for (size_t k = offset; k < end; ++k)
+    COMB_CHECK(!items[k].answers.empty(), "'{}' item {} (id '{}') has no answers: it could never be scored correct",
+               data, k, items[k].id);
   PicEngine engine(model, method, options);
   const std::string name = data_name(data);
   std::ofstream out;
