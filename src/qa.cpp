@@ -28,11 +28,13 @@ std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
     COMB_CHECK(code == Z_OK || code == Z_STREAM_END, "'{}' is damaged or cut short ({} lines read whole): {}", path, number,
                message ? message : "read error");
   };
-  // What a field must be, said with the file, the line and the field.
-  auto expect = [&](bool ok, const std::string& field, const char* expected, const nlohmann::json& found) {
-    COMB_CHECK(ok, "'{}' line {}: '{}' must be {}, found {}", path, number, field, expected,
-               found.is_null() ? std::string("null") : std::string(found.type_name()) + " " + found.dump().substr(0, 60));
+  // A field that is not what it must be, said with the file, the line and the field. Callers
+  // test first, so field names are formatted only for the message.
+  auto refuse = [&](const std::string& field, const std::string& expected, const nlohmann::json& found) {
+    COMB_FAIL("'{}' line {}: '{}' must be {}, found {}", path, number, field, expected,
+              found.is_null() ? std::string("null") : std::string(found.type_name()) + " " + found.dump().substr(0, 60));
   };
+  static const nlohmann::json missing;  // what an absent document field is reported as
   try {
     while (limit <= 0 || static_cast<int64_t>(items.size()) < limit) {
       line.clear();
@@ -54,27 +56,29 @@ std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
                    number, key);
       QaItem item;
       const auto& id = j["id"];
-      expect(id.is_string() || id.is_number_integer(), "id", "a string or a whole number", id);
+      if (!id.is_string() && !id.is_number_integer()) refuse("id", "a string or a whole number", id);
       item.id = id.is_string() ? id.get<std::string>() : id.dump();
-      expect(j["question"].is_string(), "question", "a string", j["question"]);
+      if (!j["question"].is_string()) refuse("question", "a string", j["question"]);
       item.question = j["question"].get<std::string>();
       const auto& answers = j["answers"];
       // An empty list is read (training skips such items); comb eval refuses it.
-      expect(answers.is_array(), "answers", "a list of strings", answers);
+      if (!answers.is_array()) refuse("answers", "a list of strings", answers);
       for (size_t a = 0; a < answers.size(); ++a) {
-        expect(answers[a].is_string(), fmt::format("answers[{}]", a), "a string", answers[a]);
+        if (!answers[a].is_string()) refuse(fmt::format("answers[{}]", a), "a string", answers[a]);
         item.answers.push_back(answers[a].get<std::string>());
       }
       const auto& documents = j["documents"];
-      expect(documents.is_array(), "documents", "a list of {title, text} objects", documents);
+      if (!documents.is_array()) refuse("documents", "a list of {title, text} objects", documents);
       for (size_t d = 0; d < documents.size(); ++d) {
         const auto& doc = documents[d];
-        expect(doc.is_object(), fmt::format("documents[{}]", d), "an object {title, text}", doc);
-        for (const char* key : {"title", "text"}) {
-          const auto& value = doc.contains(key) ? doc[key] : nlohmann::json();
-          expect(value.is_string(), fmt::format("documents[{}].{}", d, key), "a string", value);
-        }
-        item.documents.push_back({doc["title"].get<std::string>(), doc["text"].get<std::string>()});
+        if (!doc.is_object()) refuse(fmt::format("documents[{}]", d), "an object {title, text}", doc);
+        auto text_of = [&](const char* key) -> const std::string& {
+          auto at = doc.find(key);
+          const nlohmann::json& value = at == doc.end() ? missing : *at;
+          if (!value.is_string()) refuse(fmt::format("documents[{}].{}", d, key), "a string", value);
+          return value.get_ref<const std::string&>();
+        };
+        item.documents.push_back({text_of("title"), text_of("text")});  // read in this order
       }
       if (j.contains("gold_index")) {
         const auto& gold = j["gold_index"];
@@ -83,7 +87,7 @@ std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
                   (gold.is_number_unsigned() ? gold.get<uint64_t>() < item.documents.size()
                                              : gold.get<int64_t>() >= -1 &&
                                                    gold.get<int64_t>() < static_cast<int64_t>(item.documents.size()));
-        expect(ok, "gold_index", fmt::format("-1 or a document's index below {}", item.documents.size()).c_str(), gold);
+        if (!ok) refuse("gold_index", fmt::format("-1 or a document's index below {}", item.documents.size()), gold);
         item.gold_index = gold.get<int64_t>();
       } else {
         item.gold_index = -1;

@@ -364,8 +364,8 @@ int cmd_eval(Args& args, Model& model) {
     const size_t done = rows.size();
     double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     double eta = elapsed / done * (n_items - done);
-    // On a terminal the bar is redrawn after every item; in a log, every 10 items and at least
-    // once a minute (a kv-75 item can take minutes).
+    // On a terminal the bar is redrawn after every item; in a log, every 10 items and after any
+    // item that ends a minute or more after the last line (a kv-75 item can take minutes).
     if (tty || done % 10 == 0 || done == n_items || elapsed - last_report >= 60) {
       last_report = elapsed;
       int width = 30, filled = static_cast<int>(width * done / n_items);
