@@ -737,7 +737,7 @@ at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) co
   const int64_t batch = x.size(0), n = x.size(1), rows = batch * n, start = cache.length();
   COMB_CHECK(start + n <= cache.capacity(), "KV cache full: {} positions held, {} more asked, capacity {}", start, n,
              cache.capacity());
-  // Few rows (decode): fused kernels throughout. Many rows (prefill): BLAS GEMMs and SDPA (after
+  // Few rows (decode): fused kernels throughout. Many rows (prefill): oneDNN GEMMs (packed at load) and SDPA (after
   // cached rows: attend_after_cache), fused RoPE.
   const bool few = rows <= kFusedMaxRows;
   auto norm = [&](const at::Tensor& t, const at::Tensor& weight) {
@@ -986,7 +986,7 @@ void Model::save(const std::string& dir) const {
          {"text_config", text},
          {"cross_attention_layers", plugin_->config().cross_layers},
          {"num_hidden_layers", c.n_layer + n_blocks},
-         {"tie_word_embeddings", false},
+         {"tie_word_embeddings", c.tie_embeddings},
          {"comb", {{"max_document_tokens", plugin_->config().max_document_tokens}}}};
   }
   save_safetensors(dir + "/model.safetensors", tensors, {{"format", "pt"}});

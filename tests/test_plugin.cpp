@@ -181,6 +181,10 @@ TEST_CASE("plug-in files: round trip, GGUF base + plug-in equals the merged chec
   auto config = nlohmann::json::parse(read_bytes(dir + "/merged/config.json"));
   CHECK(config["model_type"] == "combllama");
   CHECK(config["num_hidden_layers"] == 31);
+  // The default model ties its output head to the embedding: the top level says so as text_config
+  // does, so a reader of the top level does not look for an lm_head.weight that is not written.
+  CHECK(config["tie_word_embeddings"] == true);
+  CHECK(config["text_config"]["tie_word_embeddings"] == true);
   Model merged = Model::load(dir + "/merged");
   REQUIRE(merged.plugin());
   auto d3 = documents_of(merged, tokens);

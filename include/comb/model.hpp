@@ -50,8 +50,9 @@ struct GenerationResult {
 
 class Model {
  public:
-  // Loads a .gguf file, or a Hugging Face directory (config.json, tokenizer.json, *.safetensors);
-  // a directory whose config says `model_type: combllama` brings its plug-in along.
+  // Loads a .gguf file, or a Hugging Face directory (config.json, tokenizer.json, and
+  // model.safetensors or a sharded model.safetensors.index.json); a directory whose config says
+  // `model_type: combllama` brings its plug-in along.
   static Model load(const std::string& path, const Options& options = {});
 
   const ModelConfig& config() const { return decoder_->config(); }

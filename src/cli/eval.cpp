@@ -447,7 +447,7 @@ int cmd_qa(Args& args, Model& model) {
   return 0;
 }
 
-// `comb make-data codeword`: items whose answer is only in a document. Each has 1-3 notes "The
+// `comb make-data --kind codeword`: items whose answer is only in a document. Each has 1-3 notes "The
 // secret code word of <name> is <word>." for different people and asks for one person's word, so
 // the decoder cannot answer without reading (and picking) the right document. A quick check that a
 // plug-in learns to read: the bare decoder guesses, full prefill copies. --split test draws its

@@ -1,4 +1,4 @@
-// The `comb` command-line tool: generate, qa, plugin, bench and version here; eval, report, train
+// The `comb` command-line tool: generate, plugin, bench and version here; eval, qa, report, train
 // and make-data in eval.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -79,7 +79,7 @@ commands:
   bench         measure prefill and decode throughput
   version       print the version
 
-common options:
+options of every command that loads a model (all but make-data and report):
   --model FILE        model file (.gguf) or Hugging Face directory
                       (default: $COMB_MODEL, else the model the set-up installed)
   --device DEV        cpu (default), cuda, cuda:N
