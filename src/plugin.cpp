@@ -76,6 +76,9 @@ Plugin::Plugin(PluginConfig config, PluginWeights weights, const Decoder& base)
     : config_(std::move(config)), weights_(std::move(weights)), base_config_(base.config()) {
   check_cross_layers(config_.cross_layers, base_config_.n_layer);
   if (config_.max_document_tokens <= 0) config_.max_document_tokens = base_config_.n_ctx;
+  // A plug-in that does not name its base (a merged checkpoint's) is bound to this one, so its
+  // fingerprint, and with it every cache key of its documents, depends on the base.
+  if (config_.base_fingerprint.empty()) config_.base_fingerprint = base_fingerprint(base);
   refresh_fingerprint();
 }
 

@@ -187,6 +187,10 @@ TEST_CASE("plug-in files: round trip, GGUF base + plug-in equals the merged chec
   CHECK(config["text_config"]["tie_word_embeddings"] == true);
   Model merged = Model::load(dir + "/merged");
   REQUIRE(merged.plugin());
+  // The merged layout names no base: the plug-in is bound to the one it is loaded on, so its
+  // fingerprint (and every cache key of its documents) is the plug-in file's, not base-free.
+  CHECK(merged.plugin()->config().base_fingerprint == base_fingerprint(merged.decoder()));
+  CHECK(merged.plugin()->fingerprint() == loaded.plugin()->fingerprint());
   auto d3 = documents_of(merged, tokens);
   LinkedDocuments l3 = Linker(c10::kCPU).link(d3);
   CHECK(logits_with(merged, ids, &l3).equal(want));
