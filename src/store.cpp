@@ -115,8 +115,13 @@ std::optional<DocumentKV> deserialize(const std::string& path, const CacheKey& k
   if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 2) return why = "bad magic or version", std::nullopt;
   if (h.key_high != key.high || h.key_low != key.low) return why = "holds another key", std::nullopt;
   const c10::ScalarType dtype = code_dtype(h.dtype);
-  const uint64_t block = uint64_t(h.n_head_kv) * h.n_tokens * h.head_dim * c10::elementSize(dtype);
-  if (h.n_blocks == 0 || block == 0 || h.payload_bytes != 2 * block * h.n_blocks ||
+  // Sizes multiplied with overflow checks: a header whose product wraps around is refused here,
+  // not trusted to size a tensor.
+  uint64_t block = 0, total = 0;
+  const bool wraps = __builtin_mul_overflow(uint64_t(h.n_head_kv) * h.head_dim, h.n_tokens, &block) ||
+                     __builtin_mul_overflow(block, uint64_t(c10::elementSize(dtype)), &block) ||
+                     __builtin_mul_overflow(block, 2 * uint64_t(h.n_blocks), &total);
+  if (wraps || h.n_blocks == 0 || block == 0 || h.payload_bytes != total ||
       f.size() != sizeof(DiskHeader) + h.payload_bytes)
     return why = "truncated or sizes inconsistent", std::nullopt;
   const uint8_t* payload = f.data() + sizeof(DiskHeader);
@@ -184,33 +189,42 @@ struct PICacheStore::Impl {
     for (; t < memory.size(); ++t) {
       MemoryTier& tier = memory[t];
       if (!tier.enabled()) continue;
-      if (kv->keys[0].device() != tier.device)
+      // Storage bytes are known before any copy: an entry this tier cannot hold beside its pinned
+      // ones is neither copied to its device nor allowed to evict anything.
+      const int64_t bytes = storage_bytes(*kv);
+      if (bytes > tier.budget - pinned_bytes(tier)) continue;
+      if (kv->keys[0].device() != tier.device || kv->keys[0].scalar_type() != options.dtype)
         kv = std::make_shared<const DocumentKV>(kv->to(tier.device, options.dtype));
-      const int64_t bytes = kv->bytes();
-      if (bytes > tier.budget) continue;
       std::vector<std::pair<CacheKey, std::shared_ptr<const DocumentKV>>> evicted;
-      bool fits = true;
-      while (tier.stats.bytes + bytes > tier.budget) {
+      while (tier.stats.bytes + bytes > tier.budget) {  // ends: the unpinned bytes cover the excess
         auto victim = tier.lru.rbegin();
-        while (victim != tier.lru.rend() && tier.slots.at(*victim).pinned) ++victim;
-        if (victim == tier.lru.rend()) {
-          fits = false;
-          break;
-        }
+        while (tier.slots.at(*victim).pinned) ++victim;
         CacheKey vk = *victim;
         evicted.emplace_back(vk, tier.slots.at(vk).kv);
         tier.erase(vk);
         ++tier.stats.evictions;
       }
-      if (fits) {
-        tier.lru.push_front(key);
-        tier.slots[key] = {kv, tier.lru.begin(), bytes, false};
-        tier.stats.bytes += bytes;
-      }
+      tier.lru.push_front(key);
+      tier.slots[key] = {kv, tier.lru.begin(), bytes, false};
+      tier.stats.bytes += bytes;
       for (auto& [vk, vkv] : evicted) insert(t + 1, vk, vkv);
-      if (fits) return kv;
+      return kv;
     }
     return kv;
+  }
+
+  // Bytes `kv` takes once converted to the storage dtype.
+  int64_t storage_bytes(const DocumentKV& kv) const {
+    int64_t elements = 0;
+    for (const auto* list : {&kv.keys, &kv.values})
+      for (const auto& t : *list) elements += t.numel();
+    return elements * static_cast<int64_t>(c10::elementSize(options.dtype));
+  }
+  static int64_t pinned_bytes(const MemoryTier& tier) {
+    int64_t n = 0;
+    for (const auto& [k, slot] : tier.slots)
+      if (slot.pinned) n += slot.bytes;
+    return n;
   }
 
   void disk_write(const CacheKey& key, const DocumentKV& kv) {
@@ -307,9 +321,12 @@ std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& key) {
     }
     ++memory[t].stats.hits;
     std::shared_ptr<const DocumentKV> kv = it->second.kv;
-    if (t > 0 && memory[0].enabled() && !it->second.pinned) {  // promote to the fastest tier
+    if (t > 0 && memory[0].enabled() && !it->second.pinned &&
+        it->second.bytes <= memory[0].budget - Impl::pinned_bytes(memory[0])) {  // promote to the fastest tier
+      // The copy first: if it throws (device memory), the entry stays where it was.
+      auto moved = std::make_shared<const DocumentKV>(kv->to(memory[0].device, impl_->options.dtype));
       memory[t].erase(key);
-      return impl_->insert(0, key, kv);
+      return impl_->insert(0, key, moved);
     }
     memory[t].touch(it->second, key);
     return kv;
@@ -321,7 +338,7 @@ std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& key) {
       std::optional<DocumentKV> kv;
       try {
         kv = deserialize(impl_->path_of(key), key, why);
-      } catch (const Error& e) {
+      } catch (const std::exception& e) {  // comb::Error, c10::Error, std::bad_alloc: a bad file, not a crash
         why = e.what();
       }
       if (kv) {
@@ -329,6 +346,8 @@ std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& key) {
         impl_->disk_lru.erase(it->second.first);
         impl_->disk_lru.push_front(key);
         it->second.first = impl_->disk_lru.begin();
+        // A file written by a store of another storage dtype is converted, like every entry.
+        if (kv->keys[0].scalar_type() != impl_->options.dtype) *kv = kv->to(at::kCPU, impl_->options.dtype);
         return impl_->insert(0, key, std::make_shared<const DocumentKV>(std::move(*kv)));
       }
       ++impl_->corrupt;
@@ -343,13 +362,25 @@ std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& key) {
 std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& key, const DocumentKV& kv) {
   COMB_CHECK(!kv.keys.empty() && kv.keys.size() == kv.values.size(), "cache entry {} has no K/V blocks", key.hex());
   std::lock_guard<std::mutex> lock(impl_->mutex);
+  bool pinned = false;  // a replaced entry keeps its pin
   for (auto& tier : impl_->memory)
-    if (tier.slots.count(key)) tier.erase(key);  // replaced
-  auto top = std::find_if(impl_->memory.begin(), impl_->memory.end(), [](const MemoryTier& t) { return t.enabled(); });
+    if (auto it = tier.slots.find(key); it != tier.slots.end()) {
+      pinned = pinned || it->second.pinned;
+      tier.erase(key);
+    }
+  // Converted on the first tier that can hold it (the device tier only when it fits there).
+  const int64_t bytes = impl_->storage_bytes(kv);
+  auto top = std::find_if(impl_->memory.begin(), impl_->memory.end(), [&](const MemoryTier& t) {
+    return t.enabled() && bytes <= t.budget - Impl::pinned_bytes(t);
+  });
   c10::Device where = top == impl_->memory.end() ? c10::Device(c10::kCPU) : top->device;
   auto entry = std::make_shared<const DocumentKV>(kv.to(where, impl_->options.dtype));
   impl_->disk_write(key, *entry);
-  return impl_->insert(0, key, entry);
+  auto stored = impl_->insert(0, key, entry);
+  if (pinned)
+    for (auto& tier : impl_->memory)
+      if (auto it = tier.slots.find(key); it != tier.slots.end()) it->second.pinned = true;
+  return stored;
 }
 
 bool PICacheStore::pin(const CacheKey& key) {

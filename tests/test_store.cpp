@@ -1,11 +1,17 @@
 // PICacheStore: keys, LRU eviction, budgets, pinning, persistence, corruption, concurrency.
+// LibTorch before Catch: c10 defines its own CHECK (fatal), and the later definition wins. The
+// ThreadSanitizer build compiles this file without the test PCH, which has the same order.
+#include "helpers.hpp"
+
 #include <catch2/catch.hpp>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
 #include <unistd.h>
 
-#include "helpers.hpp"
+#define XXH_INLINE_ALL  // the disk format's checksum, without linking xxHash
+#include <xxhash.h>
 
 using namespace comb;
 using namespace comb::test;
@@ -132,6 +138,73 @@ TEST_CASE("the disk tier persists across stores and drops corrupt entries", "[st
   CHECK(store.get(key_of(3)) == nullptr);
   CHECK(store.stats().corrupt == 3);
   CHECK(holds(store.get(key_of(0)), 0));  // the rest is still fine
+}
+
+TEST_CASE("pins hold through replacements and full tiers; entries come in the storage dtype", "[store]") {
+  StoreOptions options;
+  SECTION("an entry that cannot fit beside the pinned ones evicts nothing") {
+    options.host_bytes = 3 * kEntryBytes;
+    PICacheStore store(options);
+    for (int i = 1; i <= 3; ++i) store.put(key_of(i), entry(i));
+    CHECK(store.pin(key_of(1)));
+    CHECK(store.pin(key_of(2)));
+    store.put(key_of(4), entry(4, 16));  // 2 entries' bytes; only 1 is not pinned
+    CHECK(store.get(key_of(4)) == nullptr);
+    CHECK(holds(store.get(key_of(3)), 3));
+    CHECK(store.stats().host.evictions == 0);
+  }
+  SECTION("replacing a pinned entry keeps its pin") {
+    options.host_bytes = 2 * kEntryBytes;
+    PICacheStore store(options);
+    store.put(key_of(1), entry(1));
+    CHECK(store.pin(key_of(1)));
+    store.put(key_of(1), entry(11));
+    store.put(key_of(2), entry(2));
+    store.put(key_of(3), entry(3));  // evicts 2, the only unpinned entry
+    CHECK(holds(store.get(key_of(1)), 11));
+    CHECK(store.get(key_of(2)) == nullptr);
+    CHECK(holds(store.get(key_of(3)), 3));
+  }
+  SECTION("a disk entry written at another storage dtype is converted on its way in") {
+    options.disk_bytes = 1 << 20;
+    options.disk_dir = temp_dir("dtype");
+    options.dtype = at::kBFloat16;
+    {
+      PICacheStore writer(options);
+      CHECK(writer.put(key_of(1), entry(1.5))->keys[0].scalar_type() == at::kBFloat16);
+    }
+    for (int64_t host : {int64_t(1) << 20, int64_t(0)}) {  // with and without a memory tier
+      options.dtype = at::kFloat;
+      options.host_bytes = host;
+      PICacheStore reader(options);
+      auto kv = reader.get(key_of(1));
+      REQUIRE(kv);
+      CHECK(kv->keys[0].scalar_type() == at::kFloat);
+      CHECK(kv->values[1].scalar_type() == at::kFloat);
+      CHECK(holds(kv, 1.5));
+    }
+  }
+  SECTION("a disk header whose sizes wrap around is a corrupt entry, not a crash") {
+    options.host_bytes = 0;
+    options.disk_bytes = 1 << 20;
+    options.disk_dir = temp_dir("wrap");
+    PICacheStore store(options);
+    store.put(key_of(1), entry(1));
+    const std::string path = options.disk_dir + "/" + key_of(1).hex() + ".kv";
+    // The documented header (docs/formats.md): 1 block of 1 head x (2^62 + 1) tokens x 1 float,
+    // whose byte count wraps to 4 per tensor, with a matching 8-byte payload and checksum.
+    std::string bytes = read_bytes(path).substr(0, 72) + std::string(8, '\x01');
+    auto put32 = [&](size_t at, uint32_t v) { std::memcpy(&bytes[at], &v, 4); };
+    auto put64 = [&](size_t at, uint64_t v) { std::memcpy(&bytes[at], &v, 8); };
+    put32(12, 0);                                      // float32
+    put32(16, 1), put32(20, 1), put32(24, 1);          // n_blocks, n_head_kv, head_dim
+    put64(32, (uint64_t(1) << 62) + 1), put64(40, 8);  // n_tokens, payload_bytes
+    put64(48, XXH3_64bits(bytes.data() + 72, 8));
+    write_bytes(path, bytes);
+    CHECK(store.get(key_of(1)) == nullptr);
+    CHECK(store.stats().corrupt == 1);
+    CHECK_FALSE(fs::exists(path));
+  }
 }
 
 TEST_CASE("a cache directory that cannot be written is a clear error; the store stays usable", "[store][errors]") {

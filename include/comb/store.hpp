@@ -52,11 +52,14 @@ class PICacheStore {
   static CacheKey key(const std::vector<int32_t>& tokens, const std::string& plugin_fingerprint,
                       const std::string& tenant = "");
 
-  // The entry, from the fastest tier that has it (promoted to the fastest memory tier), or nullptr.
+  // The entry, from the fastest tier that has it (promoted to the fastest memory tier when it fits
+  // there), or nullptr. An entry read from disk comes in the storage dtype, whatever store wrote it.
   std::shared_ptr<const DocumentKV> get(const CacheKey& key);
-  // Stores `kv` (converted to the storage dtype) and returns the stored entry.
+  // Stores `kv` (converted to the storage dtype) and returns the stored entry. Replacing an entry
+  // keeps its pin.
   std::shared_ptr<const DocumentKV> put(const CacheKey& key, const DocumentKV& kv);
-  // Pinned entries are never evicted from memory; pin() is false when no memory tier holds the key.
+  // Pinned entries are never evicted from memory, and an entry that cannot fit beside a tier's
+  // pinned ones evicts nothing there. pin() is false when no memory tier holds the key.
   bool pin(const CacheKey& key);
   void unpin(const CacheKey& key);
   StoreStats stats() const;
