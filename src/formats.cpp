@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -87,9 +88,16 @@ class AtomicWriter {
   explicit AtomicWriter(const std::string& path) : path_(path) {
     fs::path p(path);
     std::string dir = p.parent_path().empty() ? "." : p.parent_path().string();
-    tmp_ = dir + "/." + p.filename().string() + ".tmp-XXXXXX";
-    fd_ = ::mkstemp(tmp_.data());
-    COMB_CHECK(fd_ >= 0, "cannot write '{}' (temporary file in '{}'): {}", path, dir, std::strerror(errno));
+    dir_ = dir;
+    // open(O_EXCL) with mode 0666 rather than mkstemp (0600): the file gets the permissions the
+    // umask gives any new file, like a file written in place would.
+    static std::atomic<uint64_t> counter{0};
+    for (int attempt = 0; fd_ < 0; ++attempt) {
+      tmp_ = fmt::format("{}/.{}.tmp-{}-{}", dir, p.filename().string(), ::getpid(), counter++);
+      fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+      COMB_CHECK(fd_ >= 0 || (errno == EEXIST && attempt < 100), "cannot write '{}' (temporary file in '{}'): {}",
+                 path, dir, std::strerror(errno));
+    }
   }
   ~AtomicWriter() {
     if (fd_ >= 0) ::close(fd_);
@@ -107,14 +115,22 @@ class AtomicWriter {
   }
   void commit() {
     COMB_CHECK(::fsync(fd_) == 0, "cannot write '{}': {}", path_, std::strerror(errno));
-    ::close(fd_);
+    const int closed = ::close(fd_);
     fd_ = -1;
+    COMB_CHECK(closed == 0, "cannot write '{}': {}", path_, std::strerror(errno));
     COMB_CHECK(::rename(tmp_.c_str(), path_.c_str()) == 0, "cannot write '{}': {}", path_, std::strerror(errno));
     committed_ = true;
+    // The rename is durable once the directory is synced; a file system that cannot sync a
+    // directory still has the file whole under its name, so that failure is not an error.
+    const int d = ::open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (d >= 0) {
+      ::fsync(d);
+      ::close(d);
+    }
   }
 
  private:
-  std::string path_, tmp_;
+  std::string path_, tmp_, dir_;
   int fd_ = -1;
   bool committed_ = false;
 };
@@ -149,6 +165,13 @@ struct Cursor {
   void need(uint64_t n, const std::string& what) const {
     COMB_CHECK(n <= size - pos, "'{}': truncated or corrupt GGUF: {} needs {} bytes at offset {}, but the file ends at {}",
                path, what, n, pos, size);
+  }
+  // `n` items of at least `each` bytes: compared by division, so a count that would wrap a
+  // multiplication is refused as well.
+  void need_items(uint64_t n, uint64_t each, const std::string& what) const {
+    COMB_CHECK(n <= (size - pos) / each,
+               "'{}': truncated or corrupt GGUF: {} of at least {} bytes each do not fit in the {} bytes left at offset {}",
+               path, what, each, size - pos, pos);
   }
   template <typename T>
   T read(const std::string& what) {
@@ -196,10 +219,11 @@ nlohmann::json read_gguf_value(Cursor& c, uint32_t type, const std::string& key,
       COMB_CHECK(depth < 4, "'{}': GGUF metadata '{}' nests arrays too deeply", c.path, key);
       uint32_t elem = c.read<uint32_t>(key + " (array type)");
       uint64_t n = c.read<uint64_t>(key + " (array length)");
-      size_t min_size = gguf_scalar_size(elem);
-      COMB_CHECK(elem == kArray || min_size > 0, "'{}': GGUF metadata '{}' has unknown array element type {}", c.path,
-                 key, elem);
-      if (min_size > 0) c.need(n * min_size, key + " (array of " + std::to_string(n) + ")");
+      // A nested array takes at least its type and length (12 bytes).
+      size_t min_size = elem == kArray ? 12 : gguf_scalar_size(elem);
+      COMB_CHECK(min_size > 0, "'{}': GGUF metadata '{}' has unknown array element type {} (at offset {})", c.path,
+                 key, elem, c.pos - 12);
+      c.need_items(n, min_size, fmt::format("'{}' (an array of {} elements)", key, n));
       nlohmann::json out = nlohmann::json::array();
       out.get_ref<nlohmann::json::array_t&>().reserve(n);
       for (uint64_t i = 0; i < n; ++i) out.push_back(read_gguf_value(c, elem, key, depth + 1));
@@ -295,15 +319,15 @@ GgufFile::GgufFile(const std::string& path) : file_(std::make_unique<detail::Map
              version_);
   uint64_t n_tensors = c.read<uint64_t>("the tensor count");
   uint64_t n_kv = c.read<uint64_t>("the metadata count");
-  // Every entry takes at least 8 (+8) bytes: a count past the end of the file is corrupt.
-  c.need(n_kv * 12, fmt::format("{} metadata entries", n_kv));
+  // Every entry takes at least 8 (+4) bytes: a count past the end of the file is corrupt.
+  c.need_items(n_kv, 12, fmt::format("{} metadata entries", n_kv));
   metadata_ = nlohmann::json::object();
   for (uint64_t i = 0; i < n_kv; ++i) {
     std::string key = c.read_string(fmt::format("metadata key {}", i));
     uint32_t type = c.read<uint32_t>(key + " (type)");
     metadata_[key] = read_gguf_value(c, type, key);
   }
-  c.need(n_tensors * 24, fmt::format("{} tensor descriptions", n_tensors));
+  c.need_items(n_tensors, 24, fmt::format("{} tensor descriptions", n_tensors));
   entries_.reserve(n_tensors);
   for (uint64_t i = 0; i < n_tensors; ++i) {
     Entry e;
@@ -313,7 +337,8 @@ GgufFile::GgufFile(const std::string& path) : file_(std::make_unique<detail::Map
     std::vector<int64_t> dims(n_dims);
     for (auto& d : dims) {
       uint64_t v = c.read<uint64_t>(e.info.name + " (dims)");
-      COMB_CHECK(v > 0 && v < (uint64_t(1) << 40), "'{}': tensor '{}' has dimension {}", path, e.info.name, v);
+      COMB_CHECK(v > 0 && v < (uint64_t(1) << 40), "'{}': tensor '{}' has dimension {} (expected 1 to 2^40 - 1)",
+                 path, e.info.name, v);
       d = static_cast<int64_t>(v);
     }
     e.info.shape.assign(dims.rbegin(), dims.rend());  // GGUF lists the fastest dimension first
@@ -327,25 +352,32 @@ GgufFile::GgufFile(const std::string& path) : file_(std::make_unique<detail::Map
   uint64_t alignment = 32;
   if (metadata_.contains("general.alignment")) {
     const auto& a = metadata_["general.alignment"];
-    COMB_CHECK(a.is_number_unsigned() && a.get<uint64_t>() > 0 && (a.get<uint64_t>() & (a.get<uint64_t>() - 1)) == 0,
-               "'{}': general.alignment must be a power of two, found {}", path, a.dump());
+    COMB_CHECK(a.is_number_unsigned() && a.get<uint64_t>() > 0 && a.get<uint64_t>() < (uint64_t(1) << 32) &&
+                   (a.get<uint64_t>() & (a.get<uint64_t>() - 1)) == 0,
+               "'{}': general.alignment must be a power of two below 2^32 (a uint32), found {}", path, a.dump());
     alignment = a.get<uint64_t>();
   }
-  uint64_t data_start = (c.pos + alignment - 1) / alignment * alignment;
+  const uint64_t size = file_->size();
+  const uint64_t data_start = (c.pos + alignment - 1) / alignment * alignment;
   for (auto& e : entries_) {
     auto [block, block_bytes] = ggml_block(e.type);
     COMB_CHECK(e.offset % alignment == 0, "'{}': tensor '{}' offset {} is not a multiple of the alignment {}", path,
                e.info.name, e.offset, alignment);
     if (block == 0) continue;  // unknown type: its size is unknown, reading it is refused later
-    int64_t numel = 1;
-    for (auto d : e.info.shape) numel *= d;
     COMB_CHECK(e.info.shape.back() % block == 0, "'{}': tensor '{}' rows of {} are not whole {} blocks of {}", path,
                e.info.name, e.info.shape.back(), e.info.dtype, block);
-    e.n_bytes = static_cast<uint64_t>(numel / block * block_bytes);
+    // Sizes and offsets with overflow checks: a product or sum that wraps around would otherwise
+    // pass the bounds check and point anywhere in the file.
+    uint64_t numel = 1;
+    bool wraps = false;
+    for (auto d : e.info.shape) wraps = wraps || __builtin_mul_overflow(numel, uint64_t(d), &numel);
+    wraps = wraps || __builtin_mul_overflow(numel / block, uint64_t(block_bytes), &e.n_bytes);
+    COMB_CHECK(!wraps && data_start <= size && e.offset <= size - data_start &&
+                   e.n_bytes <= size - data_start - e.offset,
+               "'{}': tensor '{}' ({} of shape [{}]) at offset {} after the data start {} lies past the end of the file "
+               "({} bytes): truncated or corrupt",
+               path, e.info.name, e.info.dtype, fmt::join(e.info.shape, ", "), e.offset, data_start, size);
     e.offset += data_start;
-    COMB_CHECK(e.offset <= file_->size() && e.n_bytes <= file_->size() - e.offset,
-               "'{}': tensor '{}' data [{}, {}) lies past the end of the file ({} bytes): truncated or corrupt", path,
-               e.info.name, e.offset, e.offset + e.n_bytes, file_->size());
   }
 }
 
@@ -400,6 +432,11 @@ at::Tensor GgufFile::load(const std::string& name, c10::ScalarType dtype) const 
   auto type = static_cast<GgmlType>(e.type);
   if (type == GgmlType::F32 || type == GgmlType::F16 || type == GgmlType::BF16) {
     auto stored = type == GgmlType::F32 ? at::kFloat : type == GgmlType::F16 ? at::kHalf : at::kBFloat16;
+    if (reinterpret_cast<uintptr_t>(src) % c10::elementSize(stored) != 0) {  // general.alignment 1 or 2
+      at::Tensor out = at::empty(e.info.shape, stored);
+      std::memcpy(out.data_ptr(), src, e.n_bytes);
+      return out.to(dtype);
+    }
     return at::from_blob(src, e.info.shape, at::TensorOptions().dtype(stored)).to(dtype, false, /*copy=*/true);
   }
   at::Tensor out = at::empty(e.info.shape, at::kFloat);
@@ -472,14 +509,20 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : file_(std::make_uniq
                "'{}': tensor '{}' needs dtype, shape and data_offsets", path, name);
     Entry e;
     e.info.name = name;
+    COMB_CHECK(value["dtype"].is_string(), "'{}': tensor '{}' dtype should be a string, found {}", path, name,
+               value["dtype"].type_name());
     e.info.dtype = value["dtype"].get<std::string>();
     e.type = safetensors_dtype(e.info.dtype, path, name);
-    int64_t numel = 1;
-    for (const auto& d : value["shape"]) {
-      COMB_CHECK(d.is_number_integer() && d.get<int64_t>() >= 0, "'{}': tensor '{}' has a bad shape {}", path, name,
-                 value["shape"].dump());
-      e.info.shape.push_back(d.get<int64_t>());
-      numel *= d.get<int64_t>();
+    const auto& shape = value["shape"];
+    COMB_CHECK(shape.is_array() && shape.size() <= 8, "'{}': tensor '{}' shape should be a list of at most 8 sizes, found {}",
+               path, name, shape.is_array() ? fmt::format("{} entries", shape.size()) : std::string(shape.type_name()));
+    uint64_t numel = 1;
+    bool wraps = false;
+    for (const auto& d : shape) {
+      COMB_CHECK(d.is_number_unsigned(), "'{}': tensor '{}' shape should hold sizes >= 0, found {}", path, name,
+                 d.is_primitive() ? d.dump() : std::string(d.type_name()));
+      e.info.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
+      wraps = wraps || d.get<uint64_t>() > uint64_t(INT64_MAX) || __builtin_mul_overflow(numel, d.get<uint64_t>(), &numel);
     }
     const auto& off = value["data_offsets"];
     COMB_CHECK(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() && off[1].is_number_unsigned(),
@@ -488,14 +531,25 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : file_(std::make_uniq
     COMB_CHECK(b <= en && en <= data_size,
                "'{}': tensor '{}' data_offsets [{}, {}) lie outside the data section ({} bytes): truncated or corrupt",
                path, name, b, en, data_size);
-    uint64_t expected = static_cast<uint64_t>(numel) * c10::elementSize(e.type);
-    COMB_CHECK(en - b == expected, "'{}': tensor '{}' holds {} bytes but its shape {} of {} needs {}", path, name,
-               en - b, value["shape"].dump(), e.info.dtype, expected);
+    uint64_t expected = 0;
+    wraps = wraps || __builtin_mul_overflow(numel, uint64_t(c10::elementSize(e.type)), &expected);
+    COMB_CHECK(!wraps && en - b == expected, "'{}': tensor '{}' holds {} bytes but its shape {} of {} needs {}", path,
+               name, en - b, shape.dump(), e.info.dtype,
+               wraps ? std::string("more than 2^64") : std::to_string(expected));
     e.begin = data_start + b;
     e.end = data_start + en;
     entries_.push_back(std::move(e));
   }
   std::sort(entries_.begin(), entries_.end(), [](const Entry& a, const Entry& b) { return a.begin < b.begin; });
+  // No two tensors may share bytes (empty tensors take none).
+  const Entry* last = nullptr;
+  for (const auto& e : entries_) {
+    if (e.begin == e.end) continue;
+    COMB_CHECK(!last || e.begin >= last->end, "'{}': tensors '{}' [{}, {}) and '{}' [{}, {}) overlap in the data section",
+               path, last ? last->info.name : "", last ? last->begin - data_start : 0, last ? last->end - data_start : 0,
+               e.info.name, e.begin - data_start, e.end - data_start);
+    last = &e;
+  }
   for (size_t i = 0; i < entries_.size(); ++i) index_[entries_[i].info.name] = i;
 }
 
@@ -540,7 +594,13 @@ ShardedSafetensors::ShardedSafetensors(const std::string& index_path) : index_pa
   fs::path dir = fs::path(index_path).parent_path();
   std::map<std::string, const SafetensorsFile*> by_file;
   for (auto& [tensor, file] : index["weight_map"].items()) {
+    COMB_CHECK(file.is_string(), "'{}': the weight map's entry for '{}' should be a file name, found {}", index_path,
+               tensor, file.type_name());
     std::string f = file.get<std::string>();
+    // Shards sit beside the index: a name with a directory in it ('../x', '/x') is refused.
+    COMB_CHECK(!f.empty() && f.find('/') == std::string::npos && f != "." && f != "..",
+               "'{}': the weight map puts '{}' in '{}'; expected a file name in the index's directory", index_path,
+               tensor, f);
     if (!by_file.count(f)) {
       shards_.push_back(std::make_unique<SafetensorsFile>((dir / f).string()));
       by_file[f] = shards_.back().get();

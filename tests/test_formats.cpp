@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "helpers.hpp"
@@ -266,4 +267,90 @@ TEST_CASE("safetensors errors name the file and the problem", "[formats][errors]
   }
   CHECK_THAT(error_of([&] { save_safetensors(dir + "/nodir/x.safetensors", {{"w", at::ones({2})}}); }),
              Catch::Contains("cannot write") && Catch::Contains("nodir"));
+}
+
+TEST_CASE("sizes that wrap around, shared bytes and shard paths outside the directory are refused",
+          "[formats][errors]") {
+  auto dir = temp_dir("wrap");
+  auto gguf_error = [&](const std::string& name, const std::string& bytes) {
+    write_bytes(dir + "/" + name, bytes);
+    return error_of([&] { GgufFile(dir + "/" + name); });  // any other exception fails the test
+  };
+  auto put64 = [](std::string& bytes, size_t at, uint64_t v) { std::memcpy(&bytes[at], &v, 8); };
+
+  // GGUF: a tensor offset that wraps past 2^64 back into the header.
+  GgufWriter one;
+  one.tensor("t", {32}, 0, std::string(128, '\0'));
+  std::string bytes = one.bytes();
+  put64(bytes, bytes.find('t') + 1 + 4 + 8 + 4, ~uint64_t(0) - 31);  // 2^64 - 32: a multiple of 32
+  CHECK_THAT(gguf_error("offset-wraps.gguf", bytes), Catch::Contains("'t'") && Catch::Contains("past the end"));
+
+  // GGUF: dims whose byte count wraps to 0 (2^31 x 2^31 floats = 2^64 bytes), with no data.
+  GgufWriter huge;
+  huge.tensor("t", {uint64_t(1) << 31, uint64_t(1) << 31}, 0, "");
+  CHECK_THAT(gguf_error("bytes-wrap.gguf", huge.bytes()), Catch::Contains("'t'") && Catch::Contains("past the end"));
+
+  // GGUF: counts whose multiplication by the least item size wraps to a few bytes.
+  GgufWriter array;
+  array.kv_strs("k", {"a"});
+  const size_t count_at = 24 + 8 + 1 + 4 + 4;  // key length, "k", type, element type
+  bytes = array.bytes();
+  put64(bytes, count_at, (uint64_t(1) << 61) + 1);  // x 8 bytes = 8 (mod 2^64)
+  CHECK_THAT(gguf_error("array-wraps.gguf", bytes), Catch::Contains("truncated or corrupt") && Catch::Contains("'k'"));
+  bytes = array.bytes();
+  uint32_t nested = 9;  // an array of 2^40 arrays
+  std::memcpy(&bytes[count_at - 4], &nested, 4);
+  put64(bytes, count_at, uint64_t(1) << 40);
+  CHECK_THAT(gguf_error("nested-count.gguf", bytes), Catch::Contains("truncated or corrupt"));
+  bytes = sample_gguf().bytes();
+  put64(bytes, 8, 0x0AAAAAAAAAAAAAABull);  // x 24 bytes = 8 (mod 2^64)
+  CHECK_THAT(gguf_error("tensor-count.gguf", bytes), Catch::Contains("tensor descriptions"));
+
+  // safetensors: field types, a byte count past 2^64, two tensors on the same bytes.
+  auto st_error = [&](const std::string& name, const std::string& header, size_t data) {
+    std::string out(8, '\0');
+    uint64_t n = header.size();
+    std::memcpy(&out[0], &n, 8);
+    write_bytes(dir + "/" + name, out + header + std::string(data, '\0'));
+    return error_of([&] { SafetensorsFile(dir + "/" + name); });
+  };
+  CHECK_THAT(st_error("dtype.safetensors", R"({"w":{"dtype":1,"shape":[1],"data_offsets":[0,4]}})", 4),
+             Catch::Contains("'w' dtype should be a string"));
+  CHECK_THAT(st_error("shape.safetensors", R"({"w":{"dtype":"F32","shape":5,"data_offsets":[0,4]}})", 4),
+             Catch::Contains("'w' shape should be a list"));
+  CHECK_THAT(st_error("shape-wraps.safetensors",
+                      R"({"w":{"dtype":"F64","shape":[2147483648,1073741824],"data_offsets":[0,0]}})", 0),
+             Catch::Contains("more than 2^64"));
+  CHECK_THAT(st_error("overlap.safetensors",
+                      R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+                      R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16),
+             Catch::Contains("overlap") && Catch::Contains("'a'") && Catch::Contains("'b'"));
+  CHECK(st_error("empty-inside.safetensors",  // an empty tensor takes no bytes: no overlap
+                 R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+                 R"("e":{"dtype":"F32","shape":[0],"data_offsets":[8,8]}})", 16) == "");
+
+  // A sharded index names files beside it only.
+  save_safetensors(dir + "/shard.safetensors", {{"w", at::ones({2})}});
+  fs::create_directories(dir + "/model");
+  auto index_error = [&](const std::string& map) {
+    write_bytes(dir + "/model/model.safetensors.index.json", R"({"weight_map":)" + map + "}");
+    return error_of([&] { ShardedSafetensors(dir + "/model/model.safetensors.index.json"); });
+  };
+  CHECK_THAT(index_error(R"({"w":"../shard.safetensors"})"), Catch::Contains("expected a file name"));
+  CHECK_THAT(index_error(R"({"w":")" + dir + R"(/shard.safetensors"})"), Catch::Contains("expected a file name"));
+  CHECK_THAT(index_error(R"({"w":1})"), Catch::Contains("should be a file name"));
+  fs::copy_file(dir + "/shard.safetensors", dir + "/model/shard.safetensors");
+  CHECK(index_error(R"({"w":"shard.safetensors"})") == "");
+}
+
+TEST_CASE("a written file gets the mode the umask gives a new file", "[formats]") {
+  auto dir = temp_dir("mode");
+  const mode_t before = ::umask(022);
+  save_safetensors(dir + "/m.safetensors", {{"w", at::ones({2})}});
+  ::umask(before);
+  CHECK((fs::status(dir + "/m.safetensors").permissions() & fs::perms::all) ==
+        (fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read | fs::perms::others_read));
+  int leftovers = 0;
+  for (const auto& e : fs::directory_iterator(dir)) leftovers += e.path().filename().string() != "m.safetensors";
+  CHECK(leftovers == 0);
 }
