@@ -85,16 +85,16 @@ namespace {
 // Writes a file under a temporary name in the same directory; commit() makes it appear whole.
 class AtomicWriter {
  public:
-  explicit AtomicWriter(const std::string& path) : path_(path) {
+  explicit AtomicWriter(const std::string& path, unsigned mode = 0666) : path_(path) {
     fs::path p(path);
     std::string dir = p.parent_path().empty() ? "." : p.parent_path().string();
     dir_ = dir;
-    // open(O_EXCL) with mode 0666 rather than mkstemp (0600): the file gets the permissions the
+    // open(O_EXCL) with `mode` rather than mkstemp (always 0600): the file gets the permissions the
     // umask gives any new file, like a file written in place would.
     static std::atomic<uint64_t> counter{0};
     for (int attempt = 0; fd_ < 0; ++attempt) {
       tmp_ = fmt::format("{}/.{}.tmp-{}-{}", dir, p.filename().string(), ::getpid(), counter++);
-      fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+      fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, static_cast<mode_t>(mode));
       COMB_CHECK(fd_ >= 0 || (errno == EEXIST && attempt < 100), "cannot write '{}' (temporary file in '{}'): {}",
                  path, dir, std::strerror(errno));
     }
@@ -136,8 +136,8 @@ class AtomicWriter {
 };
 }  // namespace
 
-void write_file_atomic(const std::string& path, const std::string& bytes) {
-  AtomicWriter writer(path);
+void write_file_atomic(const std::string& path, const std::string& bytes, unsigned mode) {
+  AtomicWriter writer(path, mode);
   writer.write(bytes.data(), bytes.size());
   writer.commit();
 }

@@ -234,7 +234,7 @@ struct PICacheStore::Impl {
     if (size > options.disk_bytes) return;
     try {
       while (disk.bytes + size > options.disk_bytes) disk_remove(disk_lru.back(), /*evicted=*/true);
-      detail::write_file_atomic(path_of(key), bytes);
+      detail::write_file_atomic(path_of(key), bytes, 0600);  // documents' K/V: the owner's only
     } catch (const Error& e) {
       ++write_errors;
       log(LogLevel::warning, "cache store: disk write failed, the entry stays in memory only: {}", e.what());

@@ -23,8 +23,12 @@ inline std::string oracle_dir() { return env_or("COMB_ORACLE_DIR", "build/oracle
 inline std::string model_path() { return env_or("COMB_MODEL", ""); }
 
 // The default model in fp32 on CPU, loaded once for all tests.
+// Loaded outside inference mode whichever test asks first, so that training tests can use it.
 inline const Model& default_model() {
-  static const Model model = Model::load(model_path());
+  static const Model model = [] {
+    c10::InferenceMode off(false);
+    return Model::load(model_path());
+  }();
   return model;
 }
 

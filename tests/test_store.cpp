@@ -120,6 +120,8 @@ TEST_CASE("the disk tier persists across stores and drops corrupt entries", "[st
   CHECK(holds(store.get(key_of(0)), 0));
 
   auto path = [&](int i) { return dir + "/" + key_of(i).hex() + ".kv"; };
+  // Entries hold documents' K/V: readable by their owner only, whatever the umask.
+  CHECK((fs::status(path(0)).permissions() & fs::perms::all) == (fs::perms::owner_read | fs::perms::owner_write));
   std::string bytes = read_bytes(path(1));
   bytes[bytes.size() - 5] ^= 0x10;  // a flipped bit in the payload
   write_bytes(path(1), bytes);

@@ -27,6 +27,7 @@ class MappedFile {
 std::string read_text_file(const std::string& path);
 
 // Writes `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename.
-void write_file_atomic(const std::string& path, const std::string& bytes);
+// The file is created with `mode` less the umask.
+void write_file_atomic(const std::string& path, const std::string& bytes, unsigned mode = 0666);
 
 }  // namespace comb::detail
