@@ -994,6 +994,12 @@ void Model::save(const std::string& dir) const {
   tokenizer_->save_hf(dir);
 }
 
+const ChatTemplate& Model::chat_template() const {
+  COMB_CHECK(chat_template_, "this model ships no chat template (none in its GGUF metadata, tokenizer_config.json "
+             "or chat_template.jinja)");
+  return *chat_template_;
+}
+
 std::vector<int32_t> Model::chat_prompt(const std::string& user_message) const {
   COMB_CHECK(chat_template_, "this model ships no chat template; send the prompt raw instead");
   std::string text = chat_template_->apply({{"user", user_message}}, true);

@@ -376,8 +376,13 @@ Tokenizer Tokenizer::from_hf_json(const nlohmann::json& j, const std::string& wh
     impl->tokens[i] = tok;
   }
   if (j.contains("added_tokens")) {
+    // Added tokens extend the vocabulary: an id past the vocabulary and the added tokens together
+    // (or below 0) would be a write out of bounds or a vast resize.
+    const int64_t limit = static_cast<int64_t>(vocab.size() + j["added_tokens"].size());
     for (const auto& t : j["added_tokens"]) {
       int64_t i = t.at("id").get<int64_t>();
+      COMB_CHECK(i >= 0 && i < limit, "{}: added token '{}' has id {} outside [0, {}) (the vocabulary and the added tokens)",
+                 where, t.value("content", "?"), i, limit);
       if (i >= static_cast<int64_t>(impl->tokens.size())) impl->tokens.resize(i + 1);
       impl->tokens[i] = t.at("content").get<std::string>();
       impl->bytes.resize(impl->tokens.size());
@@ -411,7 +416,16 @@ Tokenizer Tokenizer::from_hf_file(const std::string& path) {
   } catch (const nlohmann::json::exception& ex) {
     COMB_FAIL("'{}': not valid JSON: {}", path, ex.what());
   }
-  Tokenizer tok = from_hf_json(j, path);
+  // A field of the wrong type or a missing one throws nlohmann's error, which names neither the
+  // file nor the field: the file is named here.
+  auto named = [](const std::string& file, auto&& read) {
+    try {
+      return read();
+    } catch (const nlohmann::json::exception& ex) {
+      COMB_FAIL("'{}': a field is missing or of the wrong type: {}", file, ex.what());
+    }
+  };
+  Tokenizer tok = named(path, [&] { return from_hf_json(j, path); });
   // tokenizer_config.json beside it names BOS/EOS and carries the chat template.
   fs::path config = fs::path(path).parent_path() / "tokenizer_config.json";
   auto token_text = [](const nlohmann::json& v) {
@@ -419,12 +433,15 @@ Tokenizer Tokenizer::from_hf_file(const std::string& path) {
   };
   if (fs::exists(config)) {
     nlohmann::json c = nlohmann::json::parse(detail::read_text_file(config.string()), nullptr, false);
-    COMB_CHECK(!c.is_discarded(), "'{}': not valid JSON", config.string());
-    if (c.contains("bos_token")) tok.impl_->bos = tok.find_token(token_text(c["bos_token"]));
-    if (c.contains("eos_token")) tok.impl_->eos = tok.find_token(token_text(c["eos_token"]));
-    tok.impl_->add_bos = c.value("add_bos_token", false);
-    if (c.contains("chat_template") && c["chat_template"].is_string())
-      tok.impl_->chat_template = c["chat_template"].get<std::string>();
+    COMB_CHECK(!c.is_discarded() && c.is_object(), "'{}': not a JSON object", config.string());
+    named(config.string(), [&] {
+      if (c.contains("bos_token")) tok.impl_->bos = tok.find_token(token_text(c["bos_token"]));
+      if (c.contains("eos_token")) tok.impl_->eos = tok.find_token(token_text(c["eos_token"]));
+      tok.impl_->add_bos = c.value("add_bos_token", false);
+      if (c.contains("chat_template") && c["chat_template"].is_string())
+        tok.impl_->chat_template = c["chat_template"].get<std::string>();
+      return 0;
+    });
   }
   fs::path jinja = fs::path(path).parent_path() / "chat_template.jinja";
   if (fs::exists(jinja)) tok.impl_->chat_template = detail::read_text_file(jinja.string());

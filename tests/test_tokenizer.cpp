@@ -1,10 +1,12 @@
 // Tokenizer parity with Hugging Face `tokenizers`, round trips, streaming, and chat templates.
 #include <catch2/catch.hpp>
+#include <filesystem>
 
 #include "helpers.hpp"
 
 using namespace comb;
 using namespace comb::test;
+namespace fs = std::filesystem;
 
 namespace {
 void check_parity(const Tokenizer& tok, const std::string& cases_path) {
@@ -100,4 +102,36 @@ TEST_CASE("Llama-3 chat format and unknown templates", "[tokenizer][chat]") {
         "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
   CHECK(llama3.end_of_turn() == "<|eot_id|>");
   CHECK_THROWS_WITH(ChatTemplate::from_source("{{ messages }}"), Catch::Contains("not recognised"));
+}
+
+TEST_CASE("bad tokenizer files name the file; a model without a chat template says so", "[tokenizer][errors]") {
+  const std::string dir = temp_dir("tok-bad");
+  auto error_of = [&](const std::string& tokenizer, const std::string& config) {
+    write_bytes(dir + "/tokenizer.json", tokenizer);
+    if (config.empty()) fs::remove(dir + "/tokenizer_config.json");
+    else write_bytes(dir + "/tokenizer_config.json", config);
+    try {
+      Tokenizer::from_hf_file(dir + "/tokenizer.json");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const std::string vocab = R"({"model":{"type":"BPE","vocab":{"a":0,"b":1},"merges":[]})";
+  CHECK(error_of(vocab + "}", "").empty());  // the minimal file is valid
+  // An added token's id below 0 (was written at tokens[-1]) or far past the vocabulary.
+  CHECK_THAT(error_of(vocab + R"(,"added_tokens":[{"id":-1,"content":"<x>"}]})", ""),
+             Catch::Contains("'<x>' has id -1 outside [0, 3)") && Catch::Contains("tokenizer.json"));
+  CHECK_THAT(error_of(vocab + R"(,"added_tokens":[{"id":4000000000,"content":"<x>"}]})", ""),
+             Catch::Contains("id 4000000000 outside"));
+  CHECK(error_of(vocab + R"(,"added_tokens":[{"id":2,"content":"<x>"}]})", "").empty());
+  // Fields of the wrong type: the file is named, not only nlohmann's type error.
+  CHECK_THAT(error_of(R"({"model":{"type":"BPE","vocab":{"a":"zero"},"merges":[]}})", ""),
+             Catch::Contains("tokenizer.json': a field is missing or of the wrong type"));
+  CHECK_THAT(error_of(vocab + "}", R"({"add_bos_token":null})"),
+             Catch::Contains("tokenizer_config.json': a field is missing or of the wrong type"));
+  CHECK_THAT(error_of(vocab + "}", "[1]"), Catch::Contains("tokenizer_config.json': not a JSON object"));
+
+  Model tiny = Model::load(oracle_dir() + "/tiny-llama");  // a tokenizer.json and no template
+  CHECK_THROWS_WITH(tiny.chat_template(), Catch::Contains("ships no chat template"));
 }

@@ -57,7 +57,8 @@ class Model {
 
   const ModelConfig& config() const { return decoder_->config(); }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
-  const ChatTemplate& chat_template() const { return *chat_template_; }
+  // The model's chat template; an error for a model that ships none.
+  const ChatTemplate& chat_template() const;
   const Decoder& decoder() const { return *decoder_; }
 
   // Token ids of one user message through the chat template, ready for generation.
