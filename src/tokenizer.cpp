@@ -283,10 +283,19 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
   std::string model = gguf.get_string("tokenizer.ggml.model");
   COMB_CHECK(model == "gpt2", "'{}': tokenizer model '{}' is not supported (expected byte-level BPE, 'gpt2')",
              gguf.where(), model);
-  for (const auto& t : gguf.get("tokenizer.ggml.tokens")) impl->tokens.push_back(t.get<std::string>());
+  // Typed reads that name the key, rather than JSON type errors that name nothing.
+  auto list_of = [&](const char* key, bool (nlohmann::json::*is)() const noexcept, const char* what) -> const nlohmann::json& {
+    const auto& v = gguf.get(key);
+    bool ok = v.is_array();
+    for (size_t i = 0; ok && i < v.size(); ++i) ok = (v[i].*is)();
+    COMB_CHECK(ok, "'{}': GGUF metadata '{}' should be a list of {}", gguf.where(), key, what);
+    return v;
+  };
+  for (const auto& t : list_of("tokenizer.ggml.tokens", &nlohmann::json::is_string, "strings"))
+    impl->tokens.push_back(t.get<std::string>());
   impl->special.assign(impl->tokens.size(), false);
   if (gguf.has("tokenizer.ggml.token_type")) {
-    const auto& types = gguf.get("tokenizer.ggml.token_type");
+    const auto& types = list_of("tokenizer.ggml.token_type", &nlohmann::json::is_number_integer, "integers");
     COMB_CHECK(types.size() == impl->tokens.size(), "'{}': {} token types for {} tokens", gguf.where(), types.size(),
                impl->tokens.size());
     for (size_t i = 0; i < types.size(); ++i) {
@@ -304,7 +313,7 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
   impl->finish();
   if (gguf.has("tokenizer.ggml.merges")) {
     int32_t rank = 0;
-    for (const auto& m : gguf.get("tokenizer.ggml.merges")) {
+    for (const auto& m : list_of("tokenizer.ggml.merges", &nlohmann::json::is_string, "strings")) {
       std::string s = m.get<std::string>();
       size_t sp = s.find(' ', 1);
       COMB_CHECK(sp != std::string::npos, "'{}': merge {} '{}' has no space", gguf.where(), rank, s);
@@ -320,7 +329,12 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
   };
   impl->bos = id("tokenizer.ggml.bos_token_id");
   impl->eos = id("tokenizer.ggml.eos_token_id");
-  impl->add_bos = gguf.has("tokenizer.ggml.add_bos_token") && gguf.get("tokenizer.ggml.add_bos_token").get<bool>();
+  if (gguf.has("tokenizer.ggml.add_bos_token")) {
+    const auto& v = gguf.get("tokenizer.ggml.add_bos_token");
+    COMB_CHECK(v.is_boolean(), "'{}': GGUF metadata 'tokenizer.ggml.add_bos_token' should be true or false, found {}",
+               gguf.where(), v.type_name());
+    impl->add_bos = v.get<bool>();
+  }
   if (gguf.has("tokenizer.chat_template")) impl->chat_template = gguf.get_string("tokenizer.chat_template");
   return Tokenizer(std::move(impl));
 }

@@ -135,3 +135,32 @@ TEST_CASE("bad tokenizer files name the file; a model without a chat template sa
   Model tiny = Model::load(oracle_dir() + "/tiny-llama");  // a tokenizer.json and no template
   CHECK_THROWS_WITH(tiny.chat_template(), Catch::Contains("ships no chat template"));
 }
+
+TEST_CASE("GGUF tokenizer metadata of the wrong type names its key", "[tokenizer][errors]") {
+  const std::string dir = temp_dir("tok-gguf");
+  auto error_of = [&](const GgufWriter& w) {
+    write_bytes(dir + "/t.gguf", w.bytes());
+    GgufFile gguf(dir + "/t.gguf");
+    try {
+      Tokenizer::from_gguf(gguf);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto base = [] {
+    GgufWriter w;
+    w.kv_str("tokenizer.ggml.model", "gpt2");
+    return w;
+  };
+  GgufWriter good = base();
+  good.kv_strs("tokenizer.ggml.tokens", {"a", "b", "ab"});
+  good.kv_strs("tokenizer.ggml.merges", {"a b"});
+  CHECK(error_of(good).empty());
+  GgufWriter tokens = base();
+  tokens.kv_str("tokenizer.ggml.tokens", "a");
+  CHECK_THAT(error_of(tokens), Catch::Contains("'tokenizer.ggml.tokens' should be a list of strings"));
+  GgufWriter bos = good;
+  bos.kv_u32("tokenizer.ggml.add_bos_token", 1);
+  CHECK_THAT(error_of(bos), Catch::Contains("'tokenizer.ggml.add_bos_token' should be true or false"));
+}
