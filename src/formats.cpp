@@ -150,6 +150,20 @@ void write_file_atomic(const std::string& path, const std::string& bytes, unsign
 
 namespace {
 
+// A tensor of `stored` elements read from mapped bytes and converted to `dtype`, always a copy.
+// Bytes not aligned to their element (GGUF general.alignment 1 or 2, a safetensors offset) are
+// copied as bytes first: the element type may not be read from them in place.
+at::Tensor tensor_from_bytes(const uint8_t* src, uint64_t n_bytes, const std::vector<int64_t>& shape,
+                             c10::ScalarType stored, c10::ScalarType dtype) {
+  if (reinterpret_cast<uintptr_t>(src) % c10::elementSize(stored) != 0) {
+    at::Tensor out = at::empty(shape, stored);
+    std::memcpy(out.data_ptr(), src, n_bytes);
+    return out.to(dtype);
+  }
+  return at::from_blob(const_cast<uint8_t*>(src), shape, at::TensorOptions().dtype(stored))
+      .to(dtype, false, /*copy=*/true);
+}
+
 enum GgufValueType : uint32_t {
   kU8 = 0, kI8 = 1, kU16 = 2, kI16 = 3, kU32 = 4, kI32 = 5, kF32 = 6, kBool = 7,
   kString = 8, kArray = 9, kU64 = 10, kI64 = 11, kF64 = 12,
@@ -432,12 +446,7 @@ at::Tensor GgufFile::load(const std::string& name, c10::ScalarType dtype) const 
   auto type = static_cast<GgmlType>(e.type);
   if (type == GgmlType::F32 || type == GgmlType::F16 || type == GgmlType::BF16) {
     auto stored = type == GgmlType::F32 ? at::kFloat : type == GgmlType::F16 ? at::kHalf : at::kBFloat16;
-    if (reinterpret_cast<uintptr_t>(src) % c10::elementSize(stored) != 0) {  // general.alignment 1 or 2
-      at::Tensor out = at::empty(e.info.shape, stored);
-      std::memcpy(out.data_ptr(), src, e.n_bytes);
-      return out.to(dtype);
-    }
-    return at::from_blob(src, e.info.shape, at::TensorOptions().dtype(stored)).to(dtype, false, /*copy=*/true);
+    return tensor_from_bytes(static_cast<const uint8_t*>(src), e.n_bytes, e.info.shape, stored, dtype);
   }
   at::Tensor out = at::empty(e.info.shape, at::kFloat);
   dequantize(e.type, static_cast<const uint8_t*>(src), out.data_ptr<float>(), out.numel() / block);
@@ -572,14 +581,7 @@ at::Tensor SafetensorsFile::load(const std::string& name, c10::ScalarType dtype)
   auto it = index_.find(name);
   COMB_CHECK(it != index_.end(), "'{}': no tensor named '{}'", file_->path(), name);
   const Entry& e = entries_[it->second];
-  auto options = at::TensorOptions().dtype(e.type);
-  const uint8_t* src = file_->data() + e.begin;
-  if (reinterpret_cast<uintptr_t>(src) % c10::elementSize(e.type) != 0) {  // misaligned: copy bytes first
-    at::Tensor out = at::empty(e.info.shape, options);
-    std::memcpy(out.data_ptr(), src, e.end - e.begin);
-    return out.to(dtype);
-  }
-  return at::from_blob(const_cast<uint8_t*>(src), e.info.shape, options).to(dtype, false, /*copy=*/true);
+  return tensor_from_bytes(file_->data() + e.begin, e.end - e.begin, e.info.shape, e.type, dtype);
 }
 
 ShardedSafetensors::ShardedSafetensors(const std::string& index_path) : index_path_(index_path) {

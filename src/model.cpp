@@ -996,13 +996,12 @@ void Model::save(const std::string& dir) const {
 
 const ChatTemplate& Model::chat_template() const {
   COMB_CHECK(chat_template_, "this model ships no chat template (none in its GGUF metadata, tokenizer_config.json "
-             "or chat_template.jinja)");
+             "or chat_template.jinja); send the prompt raw instead (comb generate --raw)");
   return *chat_template_;
 }
 
 std::vector<int32_t> Model::chat_prompt(const std::string& user_message) const {
-  COMB_CHECK(chat_template_, "this model ships no chat template; send the prompt raw instead");
-  std::string text = chat_template_->apply({{"user", user_message}}, true);
+  std::string text = chat_template().apply({{"user", user_message}}, true);
   std::vector<int32_t> ids;
   auto bos = tokenizer_->bos_id();
   if (tokenizer_->add_bos() && bos && text.rfind(tokenizer_->token_bytes(*bos), 0) != 0) ids.push_back(*bos);

@@ -188,11 +188,10 @@ struct PICacheStore::Impl {
   std::shared_ptr<const DocumentKV> insert(size_t t, const CacheKey& key, std::shared_ptr<const DocumentKV> kv) {
     for (; t < memory.size(); ++t) {
       MemoryTier& tier = memory[t];
-      if (!tier.enabled()) continue;
       // Storage bytes are known before any copy: an entry this tier cannot hold beside its pinned
       // ones is neither copied to its device nor allowed to evict anything.
       const int64_t bytes = storage_bytes(*kv);
-      if (bytes > tier.budget - pinned_bytes(tier)) continue;
+      if (!fits(tier, bytes)) continue;
       if (kv->keys[0].device() != tier.device || kv->keys[0].scalar_type() != options.dtype)
         kv = std::make_shared<const DocumentKV>(kv->to(tier.device, options.dtype));
       std::vector<std::pair<CacheKey, std::shared_ptr<const DocumentKV>>> evicted;
@@ -220,11 +219,13 @@ struct PICacheStore::Impl {
       for (const auto& t : *list) elements += t.numel();
     return elements * static_cast<int64_t>(c10::elementSize(options.dtype));
   }
-  static int64_t pinned_bytes(const MemoryTier& tier) {
-    int64_t n = 0;
+  // Whether `tier` can hold `bytes` beside its pinned entries (evicting unpinned ones as needed).
+  static bool fits(const MemoryTier& tier, int64_t bytes) {
+    if (!tier.enabled()) return false;
+    int64_t pinned = 0;
     for (const auto& [k, slot] : tier.slots)
-      if (slot.pinned) n += slot.bytes;
-    return n;
+      if (slot.pinned) pinned += slot.bytes;
+    return bytes <= tier.budget - pinned;
   }
 
   void disk_write(const CacheKey& key, const DocumentKV& kv) {
@@ -321,8 +322,7 @@ std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& key) {
     }
     ++memory[t].stats.hits;
     std::shared_ptr<const DocumentKV> kv = it->second.kv;
-    if (t > 0 && memory[0].enabled() && !it->second.pinned &&
-        it->second.bytes <= memory[0].budget - Impl::pinned_bytes(memory[0])) {  // promote to the fastest tier
+    if (t > 0 && !it->second.pinned && Impl::fits(memory[0], it->second.bytes)) {  // promote to the fastest tier
       // The copy first: if it throws (device memory), the entry stays where it was.
       auto moved = std::make_shared<const DocumentKV>(kv->to(memory[0].device, impl_->options.dtype));
       memory[t].erase(key);
@@ -370,9 +370,8 @@ std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& key, const D
     }
   // Converted on the first tier that can hold it (the device tier only when it fits there).
   const int64_t bytes = impl_->storage_bytes(kv);
-  auto top = std::find_if(impl_->memory.begin(), impl_->memory.end(), [&](const MemoryTier& t) {
-    return t.enabled() && bytes <= t.budget - Impl::pinned_bytes(t);
-  });
+  auto top = std::find_if(impl_->memory.begin(), impl_->memory.end(),
+                          [&](const MemoryTier& t) { return Impl::fits(t, bytes); });
   c10::Device where = top == impl_->memory.end() ? c10::Device(c10::kCPU) : top->device;
   auto entry = std::make_shared<const DocumentKV>(kv.to(where, impl_->options.dtype));
   impl_->disk_write(key, *entry);
