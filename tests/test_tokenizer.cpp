@@ -136,6 +136,20 @@ TEST_CASE("bad tokenizer files name the file; a model without a chat template sa
   CHECK_THROWS_WITH(tiny.chat_template(), Catch::Contains("ships no chat template"));
 }
 
+TEST_CASE("a split pattern that exhausts the regex engine is an error, not one piece", "[tokenizer][errors]") {
+  const std::string dir = temp_dir("tok-split");
+  // (a+)+[^a] tries every way of cutting a run of a's before failing: 2^40 for the run below,
+  // past PCRE2's match limit (10 million), while the same pattern splits ordinary text.
+  write_bytes(dir + "/tokenizer.json",
+              R"({"model":{"type":"BPE","vocab":{"a":0,"b":1},"merges":[]},)"
+              R"("pre_tokenizer":{"type":"Split","pattern":{"Regex":"(a+)+[^a]"},"behavior":"Isolated"}})");
+  Tokenizer tok = Tokenizer::from_hf_file(dir + "/tokenizer.json");
+  CHECK(tok.encode("aab") == std::vector<int32_t>{0, 0, 1});
+  CHECK_THROWS_WITH(tok.encode(std::string(40, 'a')),
+                    Catch::Contains("tokenizer pattern '(a+)+[^a]' failed searching from byte 0 of a 40-byte piece") &&
+                        Catch::Contains("limit"));
+}
+
 TEST_CASE("GGUF tokenizer metadata of the wrong type names its key", "[tokenizer][errors]") {
   const std::string dir = temp_dir("tok-gguf");
   auto error_of = [&](const GgufWriter& w) {

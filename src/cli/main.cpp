@@ -177,6 +177,8 @@ bench options:
   --decode-tokens N      tokens decoded after a 128-token prompt (default 64)
   --place N              also time placing N cached tokens, in documents of 64 tokens each moved
                          to where it lands (keys rotated), as naive, CacheBlend and EPIC do (default 0: off)
+  --tokenize N           also time the tokenizer on one word of N random letters, a new one
+                         each run (BPE merges inside one pre-tokenized piece) (default 0: off)
   --repeat N             runs per figure; the median is reported (default 3)
   --json                 one JSON object per figure
 )";
@@ -319,6 +321,8 @@ int cmd_bench(Args& args) {
   if (n_place < 0 || n_place > model.config().n_ctx)
     throw Error(fmt::format("--place: expected a number of tokens in [0, {}] (the model's context), found {}",
                             model.config().n_ctx, n_place));
+  int64_t n_tokenize = args.num<int64_t>("tokenize", 0);
+  if (n_tokenize < 0) throw Error("--tokenize: expected a number of characters >= 0, found " + std::to_string(n_tokenize));
   int repeat = std::max(1, args.num<int>("repeat", 3));
   bool json = args.has("json");
   args.str("json");
@@ -394,6 +398,24 @@ int cmd_bench(Args& args) {
       if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
     }
     report("place", n_place, n_place / median(times));
+  }
+  if (n_tokenize > 0) {
+    std::uniform_int_distribution<int> letter('a', 'z');
+    std::vector<double> times;
+    size_t n_ids = 0;
+    for (int r = 0; r <= repeat; ++r) {
+      std::string word(static_cast<size_t>(n_tokenize), 'a');
+      for (auto& ch : word) ch = static_cast<char>(letter(rng));  // a new word: the piece cache cannot answer
+      auto t0 = now();
+      n_ids = model.tokenizer().encode(word, /*parse_special=*/false).size();
+      if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
+    }
+    const double cps = n_tokenize / median(times);
+    if (json)
+      std::cout << nlohmann::json{{"bench", "tokenize"}, {"chars", n_tokenize}, {"tokens", n_ids}, {"chars_per_s", cps}}.dump()
+                << std::endl;
+    else
+      fmt::print("{:<8} {:>6} chars   {:>10.1f} chars/s  ({} tokens)\n", "tokenize", n_tokenize, cps, n_ids);
   }
   return 0;
 }

@@ -126,6 +126,12 @@ def cases(seed: int = 1234):
         msgs = "".join(f"<|im_start|>{rng.choice(roles)}\n{rng.choice(docs)['text'][:rng.randint(5, 200)]}<|im_end|>\n"
                        for _ in range(rng.randint(1, 3)))
         out.append(msgs + rng.choice(["", "<|im_start|>assistant\n", "<|endoftext|>"]))
+    # Long pieces, where BPE merges thousands of symbols inside one pre-tokenized piece: words of
+    # random letters, runs of one letter, of one CJK character, of one emoji, of spaces.
+    for n in (1000, 4000):
+        out.append("".join(rng.choice("etaoinshrdlucmfwypvbgkjqxz") for _ in range(n)))
+        out.append("a" * n)
+    out += ["語" * 1500, "😀" * 800, " " * 3000 + "x", "ab" * 1500 + " end", "Z" * 2500]
     return out
 
 
