@@ -38,12 +38,7 @@ class Regex {
     PCRE2_SIZE at = 0;
     code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.c_str()), pattern.size(),
                           PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &err, &at, nullptr);
-    if (!code_) {
-      std::array<PCRE2_UCHAR, 256> msg{};
-      pcre2_get_error_message(err, msg.data(), msg.size());
-      COMB_FAIL("tokenizer pattern '{}' does not compile at offset {}: {}", pattern, at,
-                reinterpret_cast<const char*>(msg.data()));
-    }
+    COMB_CHECK(code_, "tokenizer pattern '{}' does not compile at offset {}: {}", pattern, at, message(err));
     pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // falls back to the interpreter on failure
   }
   ~Regex() { pcre2_code_free(code_); }
@@ -63,12 +58,8 @@ class Regex {
     while (pos <= n) {
       int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(text), n, pos, 0, md, nullptr);
       if (rc == PCRE2_ERROR_NOMATCH) break;
-      if (rc < 0) {
-        std::array<PCRE2_UCHAR, 256> msg{};
-        pcre2_get_error_message(rc, msg.data(), msg.size());
-        COMB_FAIL("tokenizer pattern '{}' failed searching from byte {} of a {}-byte piece: {}", pattern_, pos, n,
-                  reinterpret_cast<const char*>(msg.data()));
-      }
+      COMB_CHECK(rc >= 0, "tokenizer pattern '{}' failed searching from byte {} of a {}-byte piece: {}", pattern_, pos,
+                 n, message(rc));
       PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
       size_t b = ov[0], e = ov[1];
       if (e == b) {  // empty match: step over one character
@@ -82,6 +73,13 @@ class Regex {
   }
 
  private:
+  // PCRE2's text for an error code (compiling or matching).
+  static std::string message(int code) {
+    std::array<PCRE2_UCHAR, 256> msg{};
+    pcre2_get_error_message(code, msg.data(), msg.size());
+    return reinterpret_cast<const char*>(msg.data());
+  }
+
   std::string pattern_;
   pcre2_code* code_ = nullptr;
 };
@@ -494,7 +492,6 @@ Tokenizer Tokenizer::from_hf_file(const std::string& path) {
       tok.impl_->add_bos = c.value("add_bos_token", false);
       if (c.contains("chat_template") && c["chat_template"].is_string())
         tok.impl_->chat_template = c["chat_template"].get<std::string>();
-      return 0;
     });
   }
   fs::path jinja = fs::path(path).parent_path() / "chat_template.jinja";

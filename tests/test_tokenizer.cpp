@@ -148,6 +148,12 @@ TEST_CASE("a split pattern that exhausts the regex engine is an error, not one p
   CHECK_THROWS_WITH(tok.encode(std::string(40, 'a')),
                     Catch::Contains("tokenizer pattern '(a+)+[^a]' failed searching from byte 0 of a 40-byte piece") &&
                         Catch::Contains("limit"));
+  // A pattern that does not compile is refused when the file is read, with PCRE2's reason.
+  write_bytes(dir + "/tokenizer.json",
+              R"({"model":{"type":"BPE","vocab":{"a":0,"b":1},"merges":[]},)"
+              R"("pre_tokenizer":{"type":"Split","pattern":{"Regex":"(a"},"behavior":"Isolated"}})");
+  CHECK_THROWS_WITH(Tokenizer::from_hf_file(dir + "/tokenizer.json"),
+                    Catch::Contains("tokenizer pattern '(a' does not compile at offset 2: missing closing parenthesis"));
 }
 
 TEST_CASE("GGUF tokenizer metadata of the wrong type names its key", "[tokenizer][errors]") {
