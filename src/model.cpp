@@ -902,7 +902,7 @@ Model Model::load(const std::string& path, const Options& options) {
       combined = PluginConfig::from_json(j, config_path);
       if (j.contains("comb")) combined->max_document_tokens = j["comb"].value("max_document_tokens", int64_t(0));
       int64_t total = j.value("num_hidden_layers", text.value("num_hidden_layers", int64_t(0)));
-      text["num_hidden_layers"] = total - combined->n_encoder_layers();
+      text["num_hidden_layers"] = total - combined->n_blocks();
       text["model_type"] = "llama";
       config = ModelConfig::from_hf_json(text, config_path + " (text_config)");
       hf_prefix = "language_model.";
@@ -958,12 +958,14 @@ at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, const Linked
   COMB_CHECK(static_cast<int64_t>(documents->doc_counts.size()) == tokens.size(0),
              "linked documents are for a batch of {}, the tokens a batch of {}", documents->doc_counts.size(),
              tokens.size(0));
-  COMB_CHECK(static_cast<int64_t>(documents->keys.size()) == plugin_->config().n_encoder_layers(),
+  COMB_CHECK(static_cast<int64_t>(documents->keys.size()) == plugin_->config().n_blocks(),
              "linked documents have {} blocks, the plug-in {}", documents->keys.size(),
-             plugin_->config().n_encoder_layers());
+             plugin_->config().n_blocks());
+  const int64_t start = cache.length();  // the prompt position of the first new token
   return decoder_->forward(tokens, cache, mode, [&](int64_t layer, const at::Tensor& x) {
     int64_t k = plugin_->block_before(layer);
-    return k < 0 ? x : plugin_->cross_block(k, x, documents->keys[k], documents->values[k], documents->doc_counts);
+    return k < 0 ? x
+                 : plugin_->cross_block(k, x, documents->keys[k], documents->values[k], documents->doc_counts, start);
   });
 }
 
@@ -979,7 +981,7 @@ void Model::save(const std::string& dir) const {
     for (auto& [name, t] : tensors) name = "language_model." + name;
     auto extra = plugin_->named_tensors();
     tensors.insert(tensors.end(), extra.begin(), extra.end());
-    int64_t n_blocks = plugin_->config().n_encoder_layers();
+    int64_t n_blocks = plugin_->config().n_blocks();
     text["num_hidden_layers"] = c.n_layer + n_blocks;
     j = {{"model_type", "combllama"},
          {"architectures", {"CombLlamaForConditionalGeneration"}},
@@ -988,6 +990,10 @@ void Model::save(const std::string& dir) const {
          {"num_hidden_layers", c.n_layer + n_blocks},
          {"tie_word_embeddings", c.tie_embeddings},
          {"comb", {{"max_document_tokens", plugin_->config().max_document_tokens}}}};
+    // A layout other than the reference's names its keys beside cross_attention_layers.
+    const nlohmann::json layout = plugin_->config().to_json();
+    for (const auto& [key, value] : layout.items())
+      if (key != "cross_attention_layers" && key != "max_document_tokens" && key != "base_fingerprint") j[key] = value;
   }
   save_safetensors(dir + "/model.safetensors", tensors, {{"format", "pt"}});
   detail::write_file_atomic(dir + "/config.json", j.dump(2));

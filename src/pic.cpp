@@ -187,7 +187,7 @@ double PicEngine::cache_bytes_per_token() const {
   const double element = static_cast<double>(c10::elementSize(options_.cache_dtype));
   switch (method_) {
     case Method::full: return 0;
-    case Method::comb: return 2.0 * model_.plugin()->config().n_encoder_layers() * c.kv_dim() * element;
+    case Method::comb: return 2.0 * model_.plugin()->config().n_blocks() * c.kv_dim() * element;
     case Method::prefix: return 2.0 * c.n_layer * c.kv_dim() * c10::elementSize(model_.decoder().dtype());
     default: return 2.0 * c.n_layer * c.kv_dim() * element;
   }

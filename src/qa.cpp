@@ -175,3 +175,22 @@ PicRequest qa_request(const Model& model, const std::vector<QaDocument>& documen
 }
 
 }  // namespace comb
+
+namespace comb {
+std::vector<std::vector<int32_t>> qa_probe_prompts(const Model& model) {
+  static const char* const questions[] = {
+      "who wrote the book that the film was based on",      "when was the bridge over the river first opened",
+      "what is the name of the largest city in the region", "how many people live in the country today",
+      "which team won the championship that year",          "where did the author spend the last years of his life",
+      "what does the word mean in the original language",   "who was the first person to hold the office"};
+  std::vector<std::vector<int32_t>> out;
+  const std::vector<int32_t> prefix = qa_prefix(model);
+  for (const char* q : questions) {
+    std::vector<int32_t> p = prefix;
+    std::vector<int32_t> s = qa_suffix(model, q);
+    p.insert(p.end(), s.begin(), s.end());
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+}  // namespace comb

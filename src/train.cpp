@@ -239,9 +239,12 @@ TrainBatch make_train_batch(const std::vector<TrainExample>& examples, c10::Devi
   std::vector<uint8_t> doc_mask(n_docs * max_len, 0);
   std::vector<std::vector<int64_t>> links(batch);
   int64_t real = 0, d = 0, max_linked = 1;
+  TrainBatch out;
   for (int64_t b = 0; b < batch; ++b) {
     const auto& e = examples[b];
+    out.doc_counts.push_back(e.documents.size());
     for (const auto& doc : e.documents) {
+      out.doc_lens.push_back(doc->size());
       for (size_t t = 0; t < doc->size(); ++t) {
         doc_tokens[d * max_len + t] = (*doc)[t];
         doc_mask[d * max_len + t] = 1;
@@ -275,7 +278,6 @@ TrainBatch make_train_batch(const std::vector<TrainExample>& examples, c10::Devi
   auto mask = [&](std::vector<uint8_t>& v, std::vector<int64_t> shape) {
     return at::from_blob(v.data(), shape, at::kByte).to(at::kBool).to(device);
   };
-  TrainBatch out;
   out.doc_tokens = i64(doc_tokens, {n_docs, max_len});
   out.doc_mask = mask(doc_mask, {n_docs, max_len});
   out.link = i64(link, {batch, max_linked});
@@ -310,43 +312,20 @@ at::Tensor head_logits(const Decoder& base, const at::Tensor& hidden, const at::
 
 at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const PluginWeights& pw,
                                const TrainBatch& batch) {
-  const auto& c = base.config();
-  const c10::ScalarType dt = base.dtype();
-  auto W = [&](const at::Tensor& t) { return t.scalar_type() == dt ? t : t.to(dt); };
-  const int64_t n_docs = batch.doc_tokens.size(0), len = batch.doc_tokens.size(1);
-  const int64_t n_blocks = plugin.config().n_encoder_layers();
-  COMB_CHECK(len <= plugin.config().max_document_tokens, "a document has {} tokens; the encoder takes at most {}", len,
-             plugin.config().max_document_tokens);
-  // Encoder: every document alone, positions 0..len-1, bidirectional over its real tokens.
-  at::Tensor h = at::embedding(pw.tok_embd.defined() ? W(pw.tok_embd) : base.weights().tok_embd, batch.doc_tokens);
-  at::Tensor cos = base.rope_cos().narrow(0, 0, len), sin = base.rope_sin().narrow(0, 0, len);
-  at::Tensor enc_mask = batch.doc_mask.view({n_docs, 1, 1, len});
-  std::vector<at::Tensor> keys, values;  // per block: [batch, n_head_kv, max_linked, head_dim]
-  const int64_t B = batch.tokens.size(0), S = batch.link.size(1);
-  at::Tensor flat_link = batch.link.reshape({-1});
-  for (int64_t j = 0; j < n_blocks; ++j) {
-    const LayerWeights& l = pw.encoder[j];
-    h = llama_layer(h, {W(l.attn_norm), W(l.wqkv), W(l.wo), W(l.ffn_norm), W(l.w_gate_up), W(l.w_down)}, c, cos, sin,
-                    /*causal=*/false, enc_mask);
-    at::Tensor ke = rms_norm(at::linear(h, W(pw.wk[j])).view({n_docs * len, c.n_head_kv, c.head_dim}),
-                             W(pw.cross[j].k_norm), c.rms_eps);
-    at::Tensor ve = at::linear(h, W(pw.wv[j])).view({n_docs * len, c.n_head_kv, c.head_dim});
-    keys.push_back(ke.index_select(0, flat_link).view({B, S, c.n_head_kv, c.head_dim}).transpose(1, 2));
-    values.push_back(ve.index_select(0, flat_link).view({B, S, c.n_head_kv, c.head_dim}).transpose(1, 2));
-  }
-  at::Tensor cross_mask = batch.link_mask.view({B, 1, 1, S});
-  const double scale = 1.0 / std::sqrt(double(c.head_dim));
+  // The inference code itself: every document through Plugin::encode_batch (alone, padding after
+  // its tokens), each example's documents read through Plugin::cross_block (comb::cross_attention,
+  // differentiable), with `pw` in place of the plug-in's own weights.
+  auto [keys, values] = plugin.encode_batch(base, pw, batch.doc_tokens, batch.doc_mask);
+  const int64_t n_blocks = plugin.config().n_blocks();
+  std::vector<std::vector<at::Tensor>> doc_keys(n_blocks), doc_values(n_blocks);
+  for (int64_t k = 0; k < n_blocks; ++k)
+    for (size_t d = 0; d < batch.doc_lens.size(); ++d) {
+      doc_keys[k].push_back(keys[k][d].narrow(1, 0, batch.doc_lens[d]));
+      doc_values[k].push_back(values[k][d].narrow(1, 0, batch.doc_lens[d]));
+    }
   auto hook = [&](int64_t layer, const at::Tensor& x) -> at::Tensor {
     int64_t k = plugin.block_before(layer);
-    if (k < 0) return x;
-    const CrossBlockWeights& b = pw.cross[k];
-    const int64_t n = x.size(1);
-    at::Tensor q = at::linear(rms_norm(x, W(b.attn_norm), c.rms_eps), W(b.wq)).view({B, n, c.n_head, c.head_dim});
-    q = rms_norm(q, W(b.q_norm), c.rms_eps).transpose(1, 2);
-    at::Tensor a = at::scaled_dot_product_attention(q, keys[k], values[k], cross_mask, 0.0, false, scale,
-                                                    /*enable_gqa=*/true);
-    at::Tensor y = x + at::tanh(W(b.attn_gate)) * at::linear(a.transpose(1, 2).reshape({B, n, c.q_dim()}), W(b.wo));
-    return y + at::tanh(W(b.mlp_gate)) * swiglu_mlp(rms_norm(y, W(b.ffn_norm), c.rms_eps), W(b.w_gate_up), W(b.w_down));
+    return k < 0 ? x : plugin.cross_block(pw, k, x, doc_keys[k], doc_values[k], batch.doc_counts);
   };
   return head_logits(base, decoder_hidden(base, batch.tokens, hook), batch.target_rows);
 }
@@ -379,25 +358,33 @@ at::Tensor full_context_logits(const Decoder& base, const std::vector<TrainExamp
 // The loop
 // ================================================================================================
 
-std::vector<std::pair<std::string, at::Tensor*>> plugin_parameters(PluginWeights& w) {
+std::vector<std::pair<std::string, at::Tensor*>> plugin_parameters(const PluginConfig& config, PluginWeights& w,
+                                                                   bool train_encoder) {
   std::vector<std::pair<std::string, at::Tensor*>> out;
-  for (size_t j = 0; j < w.encoder.size(); ++j) {
-    auto& l = w.encoder[j];
-    std::string p = fmt::format("encoder.{}.", j);
-    for (auto [name, t] : {std::pair{"attn_norm", &l.attn_norm}, {"wqkv", &l.wqkv}, {"wo", &l.wo},
-                           {"ffn_norm", &l.ffn_norm}, {"w_gate_up", &l.w_gate_up}, {"w_down", &l.w_down}})
-      out.emplace_back(p + name, t);
-    out.emplace_back(fmt::format("wk.{}", j), &w.wk[j]);
-    out.emplace_back(fmt::format("wv.{}", j), &w.wv[j]);
+  auto add = [&](std::string name, at::Tensor* t) {
+    if (t->defined()) out.emplace_back(std::move(name), t);  // a layout leaves some out
+  };
+  if (train_encoder && !config.encoder_from_base)
+    for (size_t j = 0; j < w.encoder.size(); ++j) {
+      auto& l = w.encoder[j];
+      std::string p = fmt::format("encoder.{}.", j);
+      for (auto [name, t] : {std::pair{"attn_norm", &l.attn_norm}, {"wqkv", &l.wqkv}, {"wo", &l.wo},
+                             {"ffn_norm", &l.ffn_norm}, {"w_gate_up", &l.w_gate_up}, {"w_down", &l.w_down}})
+        add(p + name, t);
+    }
+  for (size_t k = 0; k < w.wk.size(); ++k) {
+    if (k < w.kv_norm.size()) add(fmt::format("kv_norm.{}", k), &w.kv_norm[k]);
+    add(fmt::format("wk.{}", k), &w.wk[k]);
+    add(fmt::format("wv.{}", k), &w.wv[k]);
   }
   for (size_t k = 0; k < w.cross.size(); ++k) {
     auto& b = w.cross[k];
     std::string p = fmt::format("cross.{}.", k);
     for (auto [name, t] : {std::pair{"attn_norm", &b.attn_norm}, {"wq", &b.wq}, {"q_norm", &b.q_norm},
-                           {"k_norm", &b.k_norm}, {"wo", &b.wo}, {"attn_gate", &b.attn_gate},
+                           {"k_norm", &b.k_norm}, {"wo", &b.wo}, {"attn_gate", &b.attn_gate}, {"sinks", &b.sinks},
                            {"ffn_norm", &b.ffn_norm}, {"w_gate_up", &b.w_gate_up}, {"w_down", &b.w_down},
                            {"mlp_gate", &b.mlp_gate}})
-      out.emplace_back(p + name, t);
+      add(p + name, t);
   }
   return out;
 }
@@ -424,7 +411,7 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
   const fs::path ckpt = fs::path(o.dir) / "checkpoint.safetensors", optim = fs::path(o.dir) / "optimizer.safetensors",
                  csv_path = fs::path(o.dir) / "loss.csv";
   TrainResult result;
-  auto params = plugin_parameters(plugin.mutable_weights());
+  auto params = plugin_parameters(plugin.config(), plugin.mutable_weights());
   // fp32 masters that take gradients; the forward casts them to the decoder's dtype.
   std::vector<at::Tensor> m, v;
   int64_t step = 0;
@@ -434,7 +421,7 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
                "'{}' holds a plug-in with cross blocks before layers [{}], not [{}]: use another --dir", ckpt.string(),
                fmt::join(saved.config().cross_layers, ", "), fmt::join(plugin.config().cross_layers, ", "));
     plugin = saved;
-    params = plugin_parameters(plugin.mutable_weights());
+    params = plugin_parameters(plugin.config(), plugin.mutable_weights());
     SafetensorsFile f(optim.string());
     auto it = f.metadata().find("step");
     COMB_CHECK(it != f.metadata().end(), "'{}' has no 'step' metadata", optim.string());
@@ -561,7 +548,7 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
       double attn_gate = 0, mlp_gate = 0;
       for (const auto& b : plugin.weights().cross) {
         attn_gate += std::tanh(b.attn_gate.item<double>());
-        mlp_gate += std::tanh(b.mlp_gate.item<double>());
+        if (b.mlp_gate.defined()) mlp_gate += std::tanh(b.mlp_gate.item<double>());
       }
       attn_gate /= plugin.weights().cross.size();
       mlp_gate /= plugin.weights().cross.size();

@@ -1,6 +1,7 @@
 // The COMB plug-in: identity when off or fresh, order invariance, caches equal fresh encodings,
 // checkpoints, the custom op, and bad input.
 #include <catch2/catch.hpp>
+#include <torch/csrc/autograd/autograd.h>
 #include <algorithm>
 #include <filesystem>
 
@@ -316,4 +317,132 @@ TEST_CASE("bytes per cached document token are L_E/L of the decoder's KV", "[plu
     INFO(c10::toString(dtype) << ": " << comb_per_token << " vs " << decoder_per_token << " bytes per token");
     CHECK(comb_per_token / decoder_per_token <= double(init.n_encoder_layers) / c.n_layer + 1e-12);
   }
+}
+
+// ---- Sinks, gradients, and the layout that reads from the start ---------------------------------
+
+namespace {
+// Softmax over [scores | sink] written out, then the sink's column dropped: the plain reference.
+at::Tensor reference_with_sinks(const at::Tensor& q, const std::vector<at::Tensor>& keys,
+                                const std::vector<at::Tensor>& values, const std::vector<int64_t>& counts,
+                                double scale, const at::Tensor& sinks) {
+  std::vector<at::Tensor> out;
+  size_t d = 0;
+  for (size_t b = 0; b < counts.size(); ++b) {
+    if (counts[b] == 0) {
+      out.push_back(at::zeros_like(q[b]));
+      continue;
+    }
+    std::vector<at::Tensor> ks(keys.begin() + d, keys.begin() + d + counts[b]),
+        vs(values.begin() + d, values.begin() + d + counts[b]);
+    d += counts[b];
+    const int64_t group = q.size(2) / ks[0].size(0);
+    at::Tensor k = at::cat(ks, 1).repeat_interleave(group, 0), v = at::cat(vs, 1).repeat_interleave(group, 0);
+    at::Tensor qb = q[b].transpose(0, 1);                            // [n_head, n, hd]
+    at::Tensor scores = at::matmul(qb, k.transpose(1, 2)) * scale;  // [n_head, n, len]
+    at::Tensor sink = sinks.view({-1, 1, 1}).expand({scores.size(0), scores.size(1), 1});
+    at::Tensor p = at::softmax(at::cat({scores, sink}, 2), 2).narrow(2, 0, scores.size(2));
+    out.push_back(at::matmul(p, v).transpose(0, 1));
+  }
+  return at::stack(out, 0);
+}
+}  // namespace
+
+TEST_CASE("comb::cross_attention with sinks: a zero-valued key of the sink's score, differentiable", "[ops]") {
+  auto gen = at::detail::createCPUGenerator(21);
+  std::vector<int64_t> counts{2, 0, 1};
+  std::vector<at::Tensor> keys, values;
+  for (int64_t len : {5, 9, 3}) {
+    keys.push_back(at::randn({3, len, 16}, gen).requires_grad_());
+    values.push_back(at::randn({3, len, 16}, gen).requires_grad_());
+  }
+  at::Tensor q = at::randn({3, 4, 6, 16}, gen).requires_grad_();
+  at::Tensor sinks = (at::randn({6}, gen) * 2).requires_grad_();
+  at::Tensor weight = at::randn({3, 4, 6, 16}, gen);
+  at::Tensor got = ops::cross_attention(q, keys, values, counts, 0.25, sinks);
+  at::Tensor want = reference_with_sinks(q, keys, values, counts, 0.25, sinks);
+  CHECK((got - want).abs().max().item<double>() <= 1e-5);
+  CHECK(got[1].abs().max().item<double>() == 0);  // no documents: nothing read, sink or not
+  // A sink takes weight from the documents: with a very low one the output is the plain op's.
+  {
+    c10::InferenceMode guard;
+    at::Tensor low = ops::cross_attention(q.detach(), {keys[0].detach(), keys[1].detach(), keys[2].detach()},
+                                          {values[0].detach(), values[1].detach(), values[2].detach()}, counts, 0.25,
+                                          at::full({6}, -1e4));
+    at::Tensor plain = ops::cross_attention(q.detach(), {keys[0].detach(), keys[1].detach(), keys[2].detach()},
+                                            {values[0].detach(), values[1].detach(), values[2].detach()}, counts, 0.25);
+    CHECK((low - plain).abs().max().item<double>() <= 1e-6);
+    CHECK((plain - got.detach()).abs().max().item<double>() > 1e-3);
+  }
+  // Gradients of the op (its Autograd kernel) equal the reference's, for every input.
+  std::vector<at::Tensor> inputs{q, sinks};
+  inputs.insert(inputs.end(), keys.begin(), keys.end());
+  inputs.insert(inputs.end(), values.begin(), values.end());
+  auto g_got = torch::autograd::grad({(got * weight).sum()}, inputs);
+  auto g_want = torch::autograd::grad({(want * weight).sum()}, inputs);
+  REQUIRE(g_got.size() == g_want.size());
+  for (size_t i = 0; i < g_got.size(); ++i) {
+    INFO("input " << i);
+    REQUIRE(g_got[i].defined());
+    CHECK(g_got[i].abs().max().item<double>() > 0);
+    CHECK((g_got[i] - g_want[i]).abs().max().item<double>() <= 1e-5);
+  }
+  CHECK_THROWS_WITH(ops::cross_attention(q, keys, values, counts, 0.25, at::zeros({5})),
+                    Catch::Contains("sinks should be [6]"));
+}
+
+TEST_CASE("a plug-in that reads from the start: saved and loaded, order-free, off is the bare decoder", "[plugin]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  PluginInitOptions init;
+  init.reads = true;
+  init.cross_layers = {1, 2};
+  init.encoder_prefix = {7};
+  for (uint64_t s = 0; s < 3; ++s) {
+    at::Tensor p = prompt_ids(12 + s, 40 + s)[0];
+    init.probes.push_back(std::vector<int32_t>(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + p.numel()));
+  }
+  auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
+  const PluginConfig& c = plugin->config();
+  CHECK(c.encoder_from_base);
+  CHECK(c.encoder_causal);
+  CHECK(c.attention_sinks);
+  CHECK(c.relative_positions);
+  CHECK_FALSE(c.qk_norm);
+  CHECK_FALSE(c.cross_mlp);
+  CHECK(c.read_depths == std::vector<int64_t>{1, 2});
+  CHECK(c.n_encoder_layers() == 2);
+  // Each block starts as its decoder layer's attention: its q/o projections are that layer's.
+  const auto& layer2 = model.decoder().weights().layers[2];
+  CHECK(plugin->weights().cross[1].wq.equal(layer2.wqkv.narrow(0, 0, model.config().q_dim())));
+  CHECK(plugin->weights().cross[1].wo.equal(layer2.wo));
+  CHECK(std::isfinite(plugin->weights().cross[0].sinks.sum().item<double>()));
+  model.set_plugin(plugin);
+
+  auto tokens = sample_documents(3, 15, 9);
+  auto docs = documents_of(model, tokens);
+  at::Tensor ids = prompt_ids(20);
+  LinkedDocuments linked = Linker(c10::kCPU).link(docs);
+  at::Tensor want = logits_with(model, ids, &linked);
+  CHECK_FALSE(want.equal(logits_with(tiny_model(), ids, nullptr)));  // it reads the documents
+  LinkedDocuments none;
+  CHECK(logits_with(model, ids, &none).equal(logits_with(tiny_model(), ids, nullptr)));  // off: the bare decoder
+  LinkedDocuments reversed = Linker(c10::kCPU).link({docs[2], docs[1], docs[0]});
+  CHECK((logits_with(model, ids, &reversed) - want).abs().max().item<double>() <= 1e-5);
+
+  // The file holds no encoder layers (they are the base's) and loads to the same plug-in.
+  std::string path = temp_dir("reads") + "/reads.safetensors";
+  plugin->save(path);
+  SafetensorsFile file(path);
+  for (const auto& name : file.names()) CHECK(name.find("chunk_model.layers.") == std::string::npos);
+  Model loaded = Model::load(oracle_dir() + "/tiny-llama");
+  loaded.set_plugin(std::make_shared<Plugin>(Plugin::load(path, loaded.decoder())));
+  CHECK(loaded.plugin()->fingerprint() == plugin->fingerprint());
+  LinkedDocuments again = Linker(c10::kCPU).link(documents_of(loaded, tokens));
+  CHECK(logits_with(loaded, ids, &again).equal(want));
+  // Decoding one token after a cached prompt reads with the query at its real position.
+  KVCache cache = model.decoder().make_cache(1, ids.size(1));
+  model.forward(ids.narrow(1, 0, ids.size(1) - 1), cache, &linked, LogitsMode::all);
+  at::Tensor last = model.forward(ids.narrow(1, ids.size(1) - 1, 1), cache, &linked, LogitsMode::all);
+  CHECK((last[0][0] - want[0][ids.size(1) - 1]).abs().max().item<double>() <= 1e-4);
 }

@@ -58,15 +58,35 @@ std::string write_items(const std::string& dir) {
 
 std::vector<at::Tensor> weights_of(Plugin& p) {
   std::vector<at::Tensor> out;
-  for (auto& [name, t] : plugin_parameters(p.mutable_weights())) out.push_back(t->detach().clone());
+  for (auto& [name, t] : plugin_parameters(p.config(), p.mutable_weights())) out.push_back(t->detach().clone());
   return out;
 }
 
 }  // namespace
 
+namespace {
+// A plug-in of the layout that reads from the start (encoder of the base's layers, sinks, RoPE
+// from the document's end, an encoder prefix token), with its weights moved off their start.
+std::shared_ptr<Plugin> reads_plugin(const Decoder& base) {
+  PluginInitOptions init;
+  init.reads = true;
+  init.cross_layers = {1, 2};
+  init.encoder_prefix = {7};
+  std::mt19937 rng(4);
+  for (int i = 0; i < 3; ++i) init.probes.push_back(random_tokens(rng, 12 + i));
+  auto plugin = std::make_shared<Plugin>(Plugin::fresh(base, init));
+  auto gen = at::detail::createCPUGenerator(5);
+  for (auto& b : plugin->mutable_weights().cross) b.wq.add_(at::randn(b.wq.sizes(), gen) * 0.05);
+  plugin->refresh_fingerprint();
+  return plugin;
+}
+}  // namespace
+
 TEST_CASE("the training forward equals the inference path, document by document", "[train]") {
   Model model = Model::load(oracle_dir() + "/tiny-llama");
-  auto plugin = random_plugin(model.decoder(), 2, 3);
+  const bool reads = GENERATE(false, true);
+  INFO((reads ? "layout that reads from the start" : "reference layout"));
+  auto plugin = reads ? reads_plugin(model.decoder()) : random_plugin(model.decoder(), 2, 3);
   model.set_plugin(plugin);
   auto examples = random_examples(4, 11);
   TrainBatch batch = make_train_batch(examples, c10::kCPU);

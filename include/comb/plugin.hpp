@@ -17,15 +17,35 @@ namespace comb {
 class TensorSource;
 
 struct PluginConfig {
-  std::vector<int64_t> cross_layers;  // decoder layer each cross block runs before; one per encoder layer
+  std::vector<int64_t> cross_layers;  // decoder layer each cross block runs before (increasing)
   int64_t max_document_tokens = 0;    // longest document the encoder takes
   std::string base_fingerprint;       // the base decoder the plug-in was built for (base_fingerprint())
+  // The layout. Defaults are the reference implementation's: one bidirectional encoder layer per
+  // cross block, block k reading the output of encoder layer k, QK-norm, a gated MLP per block.
+  int64_t encoder_layers = 0;         // 0: one per cross block
+  std::vector<int64_t> read_depths;   // per block: how many encoder layers its K/V come after; empty: k + 1
+  bool encoder_from_base = false;     // encoder layer j is the base decoder's layer j (frozen, not in the file)
+  bool encoder_causal = false;        // the encoder attends causally (as the decoder does) instead of both ways
+  std::vector<int64_t> encoder_prefix;  // tokens the encoder reads before every document, not read by the blocks
+  bool kv_norm = false;               // an RMSNorm (weight per block) on encoder states before k/v projections
+  bool qk_norm = true;                // RMSNorm on cross-attention queries and keys
+  // RoPE in the cross-attention: a document's keys at positions -n..-1 (counted back from its own
+  // end, so every document sits right before the prompt, whatever its place among the others) and
+  // the queries at their positions in the prompt. Still position-independent: a document's cache
+  // depends on its own tokens only.
+  bool relative_positions = false;
+  bool attention_sinks = false;       // a learned logit per head for attending to nothing
+  bool cross_mlp = true;              // a gated MLP after each cross-attention
 
-  int64_t n_encoder_layers() const { return static_cast<int64_t>(cross_layers.size()); }
+  int64_t n_blocks() const { return static_cast<int64_t>(cross_layers.size()); }
+  int64_t n_encoder_layers() const { return encoder_layers > 0 ? encoder_layers : n_blocks(); }
+  int64_t read_depth(int64_t k) const { return read_depths.empty() ? k + 1 : read_depths.at(k); }
   nlohmann::json to_json() const;
   static PluginConfig from_json(const nlohmann::json& j, const std::string& where);
 };
 
+// Tensors a layout leaves out are undefined (q_norm, k_norm without QK-norm; sinks without sinks;
+// the MLP's without cross_mlp).
 struct CrossBlockWeights {
   at::Tensor attn_norm;  // [n_embd]
   at::Tensor wq;         // [q_dim, n_embd]
@@ -37,12 +57,14 @@ struct CrossBlockWeights {
   at::Tensor w_gate_up;  // [2 * n_ff, n_embd]
   at::Tensor w_down;     // [n_embd, n_ff]
   at::Tensor mlp_gate;   // [1]
+  at::Tensor sinks;      // [n_head]: logit of attending to nothing
 };
 
 struct PluginWeights {
   at::Tensor tok_embd;                 // [n_vocab, n_embd] own encoder embedding, or undefined: the base's
-  std::vector<LayerWeights> encoder;   // L_E bidirectional Llama layers
-  std::vector<at::Tensor> wk, wv;      // per encoder layer: [kv_dim, n_embd]
+  std::vector<LayerWeights> encoder;   // L_E Llama layers (empty when the encoder is the base's layers)
+  std::vector<at::Tensor> kv_norm;     // per cross block: [n_embd] (with kv_norm)
+  std::vector<at::Tensor> wk, wv;      // per cross block: [kv_dim, n_embd]
   std::vector<CrossBlockWeights> cross;
 };
 
@@ -57,6 +79,20 @@ struct DocumentKV {
 };
 
 struct PluginInitOptions {
+  // `reads`: a plug-in that reads its documents before any training. The encoder is the base's own
+  // first layers, causal (each document's states are the decoder's states of that document alone);
+  // cross block k, before decoder layer L = cross_layers[k], reads the depth-L states through layer
+  // L's own attention (its input norm on the states, its q/k/v/o projections, its score scale, no
+  // QK-norm, no positions), with a sink per head at the log-sum-exp that head gives its own context
+  // on `probes` (so the documents get the share of attention they would get beside that context),
+  // the attention gate open and no MLP. Needs cross_layers.
+  bool reads = false;
+  std::vector<std::vector<int32_t>> probes;  // `reads`: prompts whose self-attention sets the sinks
+  // `reads`: read by the encoder before each document and dropped (its first token, where a
+  // decoder parks attention, so that the document's own first token does not become that sink).
+  std::vector<int64_t> encoder_prefix;
+  double open_gate = 0.995;                  // `reads`: tanh(attention gate)
+  bool relative_positions = true;            // `reads`: see PluginConfig
   int64_t n_encoder_layers = 4;
   std::vector<int64_t> cross_layers;  // empty: spread evenly, the last block before the last layer
   bool copy_decoder_layers = true;    // encoder layer i starts as a copy of decoder layer cross_layers[i]
@@ -92,11 +128,24 @@ class Plugin {
   // Cross block index that runs before decoder layer `layer`, or -1.
   int64_t block_before(int64_t layer) const;
 
-  // Encodes one document [n] (positions 0..n-1, bidirectional) into per-block K/V.
+  // Encodes one document [n] (positions 0..n-1) into per-block K/V.
   DocumentKV encode(const Decoder& base, const std::vector<int32_t>& tokens) const;
   // Cross block `k` on x [batch, n, n_embd], reading linked keys/values (see Linker).
+  // `start`: the prompt position of x's first row (with relative_positions).
   at::Tensor cross_block(int64_t k, const at::Tensor& x, const std::vector<at::Tensor>& keys,
-                         const std::vector<at::Tensor>& values, const std::vector<int64_t>& doc_counts) const;
+                         const std::vector<at::Tensor>& values, const std::vector<int64_t>& doc_counts,
+                         int64_t start = 0) const;
+
+  // The same two steps with other weights of this layout (training's float32 masters, cast to the
+  // base's dtype inside): differentiable in `w`. encode_batch takes documents [n_docs, len] padded
+  // after their real tokens (`mask` [n_docs, len] bool, undefined: none) and returns per block
+  // K and V [n_docs, n_head_kv, len, head_dim].
+  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> encode_batch(const Decoder& base, const PluginWeights& w,
+                                                                           const at::Tensor& tokens,
+                                                                           const at::Tensor& mask) const;
+  at::Tensor cross_block(const PluginWeights& w, int64_t k, const at::Tensor& x, const std::vector<at::Tensor>& keys,
+                         const std::vector<at::Tensor>& values, const std::vector<int64_t>& doc_counts,
+                         int64_t start = 0) const;
   // Names and tensors of the plug-in, in the reference checkpoint's naming.
   std::vector<std::pair<std::string, at::Tensor>> named_tensors() const;
   void refresh_fingerprint();
@@ -106,6 +155,7 @@ class Plugin {
   PluginConfig config_;
   PluginWeights weights_;
   ModelConfig base_config_;
+  at::Tensor rope_cos_, rope_sin_;  // the base's tables [n_ctx, head_dim] (shared storage)
   std::string fingerprint_;
 };
 

@@ -41,6 +41,9 @@ std::vector<int32_t> qa_document_tokens(const Model& model, const QaDocument& do
 // text (encoded without parsing special tokens).
 std::vector<int32_t> qa_prefix(const Model& model);
 std::vector<int32_t> qa_suffix(const Model& model, const std::string& question);
+// Prompts without documents (qa_prefix | qa_suffix of a few fixed, generic questions): what a
+// plug-in's attention sinks are measured on.
+std::vector<std::vector<int32_t>> qa_probe_prompts(const Model& model);
 // qa_prefix | each document alone | qa_suffix.
 PicRequest qa_request(const Model& model, const std::vector<QaDocument>& documents, const std::string& question);
 

@@ -70,6 +70,8 @@ class TrainData {
 struct TrainBatch {
   at::Tensor doc_tokens;   // [n_docs, max_len] int64, 0-padded
   at::Tensor doc_mask;     // [n_docs, max_len] bool: real tokens
+  std::vector<int64_t> doc_lens;    // [n_docs] real tokens of each document row
+  std::vector<int64_t> doc_counts;  // [batch] documents of each example (rows in order)
   at::Tensor link;         // [batch, max_linked] int64: rows of the flattened [n_docs * max_len] document tokens
   at::Tensor link_mask;    // [batch, max_linked] bool
   at::Tensor tokens;       // [batch, max_tokens] int64 decoder tokens: prefix, suffix, answer (0-padded)
@@ -127,7 +129,9 @@ struct TrainResult {
 // float32; checkpoints go to options.dir.
 TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& data, const TrainOptions& options);
 
-// The plug-in's trainable tensors by name (the reference naming; gate|up fused as the plug-in keeps them).
-std::vector<std::pair<std::string, at::Tensor*>> plugin_parameters(PluginWeights& weights);
+// The plug-in's trainable tensors by name (gate|up fused as the plug-in keeps them): those its layout
+// has, the encoder's only when it is the plug-in's own and `train_encoder`.
+std::vector<std::pair<std::string, at::Tensor*>> plugin_parameters(const PluginConfig& config, PluginWeights& weights,
+                                                                   bool train_encoder = true);
 
 }  // namespace comb

@@ -567,10 +567,12 @@ int cmd_train(Args& args, Model& model) {
              init.n_encoder_layers, init.cross_layers.size());
   init.seed = o.seed;
   const std::string init_from = args.str("init", "first");
-  COMB_CHECK(init_from == "first" || init_from == "spread",
-             "--init expects first (encoder = the decoder's first layers, cross blocks after them) or spread, found '{}'",
+  COMB_CHECK(init_from == "first" || init_from == "spread" || init_from == "reads",
+             "--init expects first (encoder = the decoder's first layers, cross blocks after them), spread or reads "
+             "(the base's own attention over the documents' states, needs --cross-layers), found '{}'",
              init_from);
   init.first_layers = init_from == "first";
+  init.reads = init_from == "reads";
   const std::string save_dtype = args.str("save-dtype", "bfloat16");
   args.check_all_used();
   const c10::ScalarType out_dtype = parse_dtype(save_dtype);
@@ -579,6 +581,10 @@ int cmd_train(Args& args, Model& model) {
     if (level != LogLevel::debug) fmt::print(stderr, "[comb] {}\n", m);
   });
   // A plug-in given with --plugin continues from its weights; otherwise a fresh one.
+  if (init.reads && !model.plugin()) {
+    init.probes = qa_probe_prompts(model);
+    init.encoder_prefix = {init.probes[0][0]};  // the prompt's first token
+  }
   Plugin plugin = model.plugin() ? *model.plugin() : Plugin::fresh(model.decoder(), init);
   TrainData examples(model, data);
   fmt::print(stderr, "[train] {} QA items ({} held out), kv share {}, needle share {}; {} steps of {} x {} examples; "

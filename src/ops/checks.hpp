@@ -7,7 +7,7 @@
 namespace comb::ops::detail {
 
 inline void check_cross_attention(const at::Tensor& q, at::TensorList keys, at::TensorList values,
-                                  c10::IntArrayRef doc_counts) {
+                                  c10::IntArrayRef doc_counts, const std::optional<at::Tensor>& sinks = {}) {
   COMB_CHECK(q.dim() == 4, "cross_attention: q should be [batch, n, n_head, head_dim], found {} dims", q.dim());
   COMB_CHECK(static_cast<int64_t>(doc_counts.size()) == q.size(0),
              "cross_attention: {} document counts for a batch of {}", doc_counts.size(), q.size(0));
@@ -20,6 +20,10 @@ inline void check_cross_attention(const at::Tensor& q, at::TensorList keys, at::
   }
   COMB_CHECK(total == static_cast<int64_t>(keys.size()), "cross_attention: document counts add up to {}, but {} given",
              total, keys.size());
+  if (sinks && sinks->defined())
+    COMB_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(2) && sinks->device() == q.device(),
+               "cross_attention: sinks should be [{}] (one per query head) on {}, found {} on {}", q.size(2),
+               q.device().str(), fmt::join(sinks->sizes(), "x"), sinks->device().str());
   const int64_t head_dim = q.size(3);
   for (size_t d = 0; d < keys.size(); ++d) {
     const auto& k = keys[d];

@@ -12,8 +12,8 @@ namespace comb::ops {
 namespace {
 
 at::Tensor cross_attention_cuda(const at::Tensor& q_in, at::TensorList keys_in, at::TensorList values_in,
-                                c10::IntArrayRef doc_counts, double scale) {
-  detail::check_cross_attention(q_in, keys_in, values_in, doc_counts);
+                                c10::IntArrayRef doc_counts, double scale, const std::optional<at::Tensor>& sinks) {
+  detail::check_cross_attention(q_in, keys_in, values_in, doc_counts, sinks);
   COMB_CHECK(q_in.size(3) <= 128, "cross_attention on CUDA supports head_dim up to 128, found {}", q_in.size(3));
   c10::cuda::CUDAGuard guard(q_in.device());
   const int64_t batch = q_in.size(0), n = q_in.size(1), n_head = q_in.size(2), hd = q_in.size(3);
@@ -32,6 +32,8 @@ at::Tensor cross_attention_cuda(const at::Tensor& q_in, at::TensorList keys_in, 
   for (int64_t b = 0; b < batch; ++b) first[b + 1] = first[b] + doc_counts[b];
   auto table = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(q.device()); };
   at::Tensor k_table = table(key_ptrs), v_table = table(value_ptrs), len_table = table(lens), first_table = table(first);
+  at::Tensor sink_table;  // float32 [n_head], or none
+  if (sinks && sinks->defined()) sink_table = sinks->to(at::kFloat).contiguous();
   const auto type = keys[0].scalar_type();
   COMB_CHECK(type == at::kFloat || type == at::kHalf || type == at::kBFloat16,
              "cross_attention on CUDA reads float32, float16 or bfloat16 documents, found {}", c10::toString(type));
@@ -41,7 +43,8 @@ at::Tensor cross_attention_cuda(const at::Tensor& q_in, at::TensorList keys_in, 
   cudaError_t err = comb::detail::cuda::cross_attention(
       q.data_ptr<float>(), reinterpret_cast<const void* const*>(k_table.data_ptr<int64_t>()),
       reinterpret_cast<const void* const*>(v_table.data_ptr<int64_t>()), len_table.data_ptr<int64_t>(),
-      first_table.data_ptr<int64_t>(), kv_type, batch, n, n_head, keys[0].size(0), hd, static_cast<float>(scale),
+      first_table.data_ptr<int64_t>(),
+      sink_table.defined() ? sink_table.data_ptr<float>() : nullptr, kv_type, batch, n, n_head, keys[0].size(0), hd, static_cast<float>(scale),
       out.data_ptr<float>(), at::cuda::getCurrentCUDAStream());
   COMB_CHECK(err == cudaSuccess, "cross_attention CUDA launch failed: {}", cudaGetErrorString(err));
   return out.to(q_in.scalar_type());

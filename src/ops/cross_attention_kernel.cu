@@ -17,7 +17,7 @@ __device__ inline float load(const __nv_bfloat16* p) { return __bfloat162float(*
 
 template <typename KV>
 __global__ void cross_attention_kernel(const float* __restrict__ q, const void* const* keys, const void* const* values,
-                                       const int64_t* lens, const int64_t* first_doc, int64_t rows, int64_t n,
+                                       const int64_t* lens, const int64_t* first_doc, const float* sinks, int64_t rows, int64_t n,
                                        int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale,
                                        float* __restrict__ out) {
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -30,7 +30,9 @@ __global__ void cross_attention_kernel(const float* __restrict__ q, const void* 
     int64_t d = lane + 32 * i;
     qreg[i] = d < head_dim ? q[row * head_dim + d] : 0.0f;
   }
+  // A sink is a key of score sinks[h] and value 0: the softmax starts with it.
   float running_max = -INFINITY, total = 0.0f;
+  if (sinks != nullptr && first_doc[b + 1] > first_doc[b]) running_max = sinks[h], total = 1.0f;
   for (int64_t doc = first_doc[b]; doc < first_doc[b + 1]; ++doc) {
     const int64_t len = lens[doc];
     const KV* kp = static_cast<const KV*>(keys[doc]) + kvh * len * head_dim;
@@ -62,7 +64,7 @@ __global__ void cross_attention_kernel(const float* __restrict__ q, const void* 
 }  // namespace
 
 cudaError_t cross_attention(const float* q, const void* const* keys, const void* const* values, const int64_t* lens,
-                            const int64_t* first_doc, KVType kv_type, int64_t batch, int64_t n, int64_t n_head,
+                            const int64_t* first_doc, const float* sinks, KVType kv_type, int64_t batch, int64_t n, int64_t n_head,
                             int64_t n_head_kv, int64_t head_dim, float scale, float* out, cudaStream_t stream) {
   if (head_dim > 128 || n_head_kv <= 0 || n_head % n_head_kv != 0) return cudaErrorInvalidValue;
   const int64_t rows = batch * n * n_head;
@@ -71,15 +73,15 @@ cudaError_t cross_attention(const float* q, const void* const* keys, const void*
   const int64_t blocks = (rows * 32 + threads - 1) / threads;
   switch (kv_type) {
     case KVType::f32:
-      cross_attention_kernel<float><<<blocks, threads, 0, stream>>>(q, keys, values, lens, first_doc, rows, n, n_head,
+      cross_attention_kernel<float><<<blocks, threads, 0, stream>>>(q, keys, values, lens, first_doc, sinks, rows, n, n_head,
                                                                      n_head_kv, head_dim, scale, out);
       break;
     case KVType::f16:
-      cross_attention_kernel<__half><<<blocks, threads, 0, stream>>>(q, keys, values, lens, first_doc, rows, n, n_head,
+      cross_attention_kernel<__half><<<blocks, threads, 0, stream>>>(q, keys, values, lens, first_doc, sinks, rows, n, n_head,
                                                                       n_head_kv, head_dim, scale, out);
       break;
     case KVType::bf16:
-      cross_attention_kernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(q, keys, values, lens, first_doc, rows, n,
+      cross_attention_kernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(q, keys, values, lens, first_doc, sinks, rows, n,
                                                                              n_head, n_head_kv, head_dim, scale, out);
       break;
   }

@@ -2,5 +2,5 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(comb, m) {
-  m.def("cross_attention(Tensor q, Tensor[] keys, Tensor[] values, int[] doc_counts, float scale) -> Tensor");
+  m.def("cross_attention(Tensor q, Tensor[] keys, Tensor[] values, int[] doc_counts, float scale, Tensor? sinks=None) -> Tensor");
 }
