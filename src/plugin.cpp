@@ -273,7 +273,7 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
       w.wv.push_back((qkv[2] * g / rms).contiguous());
       w.cross.push_back({dst.attn_norm.clone(), qkv[0].clone(), ones(c.head_dim), ones(c.head_dim), dst.wo.clone(),
                          at::zeros({1}, opts), dst.ffn_norm.clone(), dst.w_gate_up.clone(), dst.w_down.clone(),
-                         at::zeros({1}, opts)});
+                         at::zeros({1}, opts), /*sinks=*/at::Tensor()});
     }
     return Plugin(std::move(config), std::move(w), base);
   }
@@ -287,7 +287,7 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
       w.wv.push_back(qkv[2].clone());
       w.cross.push_back({src.attn_norm.clone(), qkv[0].clone(), ones(c.head_dim), ones(c.head_dim), src.wo.clone(),
                          at::zeros({1}, opts), src.ffn_norm.clone(), src.w_gate_up.clone(), src.w_down.clone(),
-                         at::zeros({1}, opts)});
+                         at::zeros({1}, opts), /*sinks=*/at::Tensor()});
     } else {
       w.encoder.push_back({ones(c.n_embd), randn({c.q_dim() + 2 * c.kv_dim(), c.n_embd}), randn({c.n_embd, c.q_dim()}),
                            ones(c.n_embd), randn({2 * c.n_ff, c.n_embd}), randn({c.n_embd, c.n_ff})});
@@ -295,7 +295,8 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
       w.wv.push_back(randn({c.kv_dim(), c.n_embd}));
       w.cross.push_back({ones(c.n_embd), randn({c.q_dim(), c.n_embd}), ones(c.head_dim), ones(c.head_dim),
                          randn({c.n_embd, c.q_dim()}), at::zeros({1}, opts), ones(c.n_embd),
-                         randn({2 * c.n_ff, c.n_embd}), randn({c.n_embd, c.n_ff}), at::zeros({1}, opts)});
+                         randn({2 * c.n_ff, c.n_embd}), randn({c.n_embd, c.n_ff}), at::zeros({1}, opts),
+                         /*sinks=*/at::Tensor()});
     }
   }
   return Plugin(std::move(config), std::move(w), base);
