@@ -237,8 +237,7 @@ TrainBatch make_train_batch(const std::vector<TrainExample>& examples, c10::Devi
   const int64_t batch = examples.size();
   std::vector<int64_t> doc_tokens(n_docs * max_len, 0), tokens(batch * max_tokens, 0), rows, targets;
   std::vector<uint8_t> doc_mask(n_docs * max_len, 0);
-  std::vector<std::vector<int64_t>> links(batch);
-  int64_t real = 0, d = 0, max_linked = 1;
+  int64_t real = 0, d = 0;
   TrainBatch out;
   for (int64_t b = 0; b < batch; ++b) {
     const auto& e = examples[b];
@@ -248,12 +247,10 @@ TrainBatch make_train_batch(const std::vector<TrainExample>& examples, c10::Devi
       for (size_t t = 0; t < doc->size(); ++t) {
         doc_tokens[d * max_len + t] = (*doc)[t];
         doc_mask[d * max_len + t] = 1;
-        links[b].push_back(d * max_len + t);
       }
       real += doc->size();
       ++d;
     }
-    max_linked = std::max<int64_t>(max_linked, links[b].size());
     std::vector<int32_t> seq = e.prefix;
     seq.insert(seq.end(), e.suffix.begin(), e.suffix.end());
     const int64_t answer_at = seq.size();
@@ -265,13 +262,6 @@ TrainBatch make_train_batch(const std::vector<TrainExample>& examples, c10::Devi
     }
     real += seq.size() - 1;  // the last answer token is a target only
   }
-  std::vector<int64_t> link(batch * max_linked, 0);
-  std::vector<uint8_t> link_mask(batch * max_linked, 0);
-  for (int64_t b = 0; b < batch; ++b)
-    for (size_t j = 0; j < links[b].size(); ++j) {
-      link[b * max_linked + j] = links[b][j];
-      link_mask[b * max_linked + j] = 1;
-    }
   auto i64 = [&](std::vector<int64_t>& v, std::vector<int64_t> shape) {
     return at::from_blob(v.data(), shape, at::kLong).clone().to(device);
   };
@@ -280,8 +270,6 @@ TrainBatch make_train_batch(const std::vector<TrainExample>& examples, c10::Devi
   };
   out.doc_tokens = i64(doc_tokens, {n_docs, max_len});
   out.doc_mask = mask(doc_mask, {n_docs, max_len});
-  out.link = i64(link, {batch, max_linked});
-  out.link_mask = mask(link_mask, {batch, max_linked});
   out.tokens = i64(tokens, {batch, max_tokens});
   out.target_rows = i64(rows, {static_cast<int64_t>(rows.size())});
   out.targets = i64(targets, {static_cast<int64_t>(targets.size())});
@@ -358,13 +346,12 @@ at::Tensor full_context_logits(const Decoder& base, const std::vector<TrainExamp
 // The loop
 // ================================================================================================
 
-std::vector<std::pair<std::string, at::Tensor*>> plugin_parameters(const PluginConfig& config, PluginWeights& w,
-                                                                   bool train_encoder) {
+std::vector<std::pair<std::string, at::Tensor*>> plugin_parameters(const PluginConfig& config, PluginWeights& w) {
   std::vector<std::pair<std::string, at::Tensor*>> out;
   auto add = [&](std::string name, at::Tensor* t) {
     if (t->defined()) out.emplace_back(std::move(name), t);  // a layout leaves some out
   };
-  if (train_encoder && !config.encoder_from_base)
+  if (!config.encoder_from_base)
     for (size_t j = 0; j < w.encoder.size(); ++j) {
       auto& l = w.encoder[j];
       std::string p = fmt::format("encoder.{}.", j);

@@ -72,8 +72,6 @@ struct TrainBatch {
   at::Tensor doc_mask;     // [n_docs, max_len] bool: real tokens
   std::vector<int64_t> doc_lens;    // [n_docs] real tokens of each document row
   std::vector<int64_t> doc_counts;  // [batch] documents of each example (rows in order)
-  at::Tensor link;         // [batch, max_linked] int64: rows of the flattened [n_docs * max_len] document tokens
-  at::Tensor link_mask;    // [batch, max_linked] bool
   at::Tensor tokens;       // [batch, max_tokens] int64 decoder tokens: prefix, suffix, answer (0-padded)
   at::Tensor target_rows;  // [m] int64: flat rows of [batch * max_tokens] whose next token is a target
   at::Tensor targets;      // [m] int64
@@ -130,8 +128,7 @@ struct TrainResult {
 TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& data, const TrainOptions& options);
 
 // The plug-in's trainable tensors by name (gate|up fused as the plug-in keeps them): those its layout
-// has, the encoder's only when it is the plug-in's own and `train_encoder`.
-std::vector<std::pair<std::string, at::Tensor*>> plugin_parameters(const PluginConfig& config, PluginWeights& weights,
-                                                                   bool train_encoder = true);
+// has, the encoder's only when it is the plug-in's own (not the base's layers).
+std::vector<std::pair<std::string, at::Tensor*>> plugin_parameters(const PluginConfig& config, PluginWeights& weights);
 
 }  // namespace comb

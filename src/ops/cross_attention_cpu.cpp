@@ -62,11 +62,6 @@ at::Tensor cross_attention_aten(const at::Tensor& q_in, at::TensorList keys_in, 
   return at::stack(rows, 0).to(q_in.scalar_type());
 }
 
-at::Tensor cross_attention_cpu(const at::Tensor& q, at::TensorList keys, at::TensorList values,
-                               c10::IntArrayRef doc_counts, double scale, const std::optional<at::Tensor>& sinks) {
-  return cross_attention_aten(q, keys, values, doc_counts, scale, sinks);
-}
-
 bool needs_grad(const at::Tensor& q, at::TensorList keys, at::TensorList values,
                 const std::optional<at::Tensor>& sinks) {
   if (!c10::GradMode::is_enabled()) return false;
@@ -99,5 +94,6 @@ at::Tensor cross_attention(const at::Tensor& q, const std::vector<at::Tensor>& k
 
 }  // namespace comb::ops
 
-TORCH_LIBRARY_IMPL(comb, CPU, m) { m.impl("cross_attention", &comb::ops::cross_attention_cpu); }
+// On the CPU the ATen path is the kernel.
+TORCH_LIBRARY_IMPL(comb, CPU, m) { m.impl("cross_attention", &comb::ops::cross_attention_aten); }
 TORCH_LIBRARY_IMPL(comb, Autograd, m) { m.impl("cross_attention", &comb::ops::cross_attention_autograd); }
