@@ -560,13 +560,54 @@ at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at
   return at::linear(at::silu(parts[0]) * parts[1], w_down);
 }
 
+at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                           const JointKV& joint) {
+  const int64_t batch = q.size(0), n_head = q.size(1), n = q.size(2), head_dim = q.size(3);
+  const int64_t n_kv = keys.size(1), m = joint.keys.size(2), n_self = keys.size(2);
+  COMB_CHECK(n_self == start + n, "joint attention: {} context keys for {} cached and {} new positions", n_self, start, n);
+  COMB_CHECK(joint.keys.dim() == 4 && joint.keys.size(0) == batch && joint.keys.size(1) == n_kv &&
+                 joint.keys.size(3) == head_dim && joint.values.sizes() == joint.keys.sizes(),
+             "joint attention: keys [{}] and values [{}] should be [{}, {}, m, {}]", fmt::join(joint.keys.sizes(), ", "),
+             fmt::join(joint.values.sizes(), ", "), batch, n_kv, head_dim);
+  const auto dt = q.scalar_type();
+  const auto opts = q.options();
+  // One float mask: the joined keys' bias (or -inf where not valid), then the causal mask of the
+  // context.
+  const auto fopts = opts.dtype(at::kFloat);
+  at::Tensor joined = joint.bias.defined()
+                          ? joint.bias.to(at::kFloat).view({1, n_head, 1, 1}).expand({batch, n_head, n, m})
+                          : at::zeros({batch, 1, n, m}, fopts);
+  if (joint.valid.defined())
+    joined = joined.masked_fill(joint.valid.logical_not().view({batch, 1, 1, m}), -INFINITY);
+  at::Tensor seen = visible_keys(at::arange(start, start + n, opts.dtype(at::kLong)), n_self);  // [n, n_self]
+  at::Tensor own = at::zeros({n, n_self}, fopts).masked_fill(seen.logical_not(), -INFINITY);
+  // The query heads that share a KV head are folded into rows of that head, so that the joined
+  // and cached K/V are read as they lie (not repeated per group): q [batch, n_kv, groups * n, d].
+  const int64_t groups = n_head / n_kv;
+  // Row g * n + i of KV head h is query head h * groups + g at position i.
+  joined = joined.size(1) == n_head ? joined.reshape({batch, n_kv, groups * n, m})  // a bias per query head
+                                    : joined.repeat({1, 1, groups, 1});
+  at::Tensor mask = at::cat({joined,
+                             own.repeat({groups, 1}).view({1, 1, groups * n, n_self})
+                                 .expand({batch, joined.size(1), groups * n, n_self})},
+                            -1);
+  at::Tensor k = at::cat({joint.keys.to(dt), keys}, 2), v = at::cat({joint.values.to(dt), values}, 2);
+  // Written out (not a fused kernel): a mask that needs its gradient (the bias) is not taken by all.
+  at::Tensor scores = at::matmul(q.reshape({batch, n_kv, groups * n, head_dim}), k.transpose(-1, -2)).to(at::kFloat) *
+                          (1.0 / std::sqrt(double(head_dim))) +
+                      mask;
+  return at::matmul(at::softmax(scores, -1).to(dt), v).view({batch, n_head, n, head_dim});
+}
+
 at::Tensor llama_layer(const at::Tensor& x, const LayerWeights& l, const ModelConfig& c, const at::Tensor& cos,
-                       const at::Tensor& sin, bool causal, const at::Tensor& mask) {
+                       const at::Tensor& sin, bool causal, const at::Tensor& mask, const JointKV* joint) {
   const int64_t batch = x.size(0), n = x.size(1);
   auto [q, k, v] = split_qkv(at::linear(rms_norm(x, l.attn_norm, c.rms_eps), l.wqkv), c);
-  at::Tensor attn = at::scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
-                                                     mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
-                                                     0.0, causal, std::nullopt, /*enable_gqa=*/true);
+  COMB_CHECK(!joint || (causal && !mask.defined()), "a layer reads joined keys only when causal and unmasked");
+  at::Tensor attn = joint ? joint_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, 0, *joint)
+                          : at::scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
+                                                             mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+                                                             0.0, causal, std::nullopt, /*enable_gqa=*/true);
   at::Tensor h = x + at::linear(attn.transpose(1, 2).reshape({batch, n, c.q_dim()}), l.wo);
   return h + swiglu_mlp(rms_norm(h, l.ffn_norm, c.rms_eps), l.w_gate_up, l.w_down);
 }
@@ -640,7 +681,7 @@ at::Tensor Decoder::rms_norm(const at::Tensor& x, const at::Tensor& weight) cons
   return comb::rms_norm(x, weight, config_.rms_eps);
 }
 
-at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCache& cache) const {
+at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
   const auto& c = config_;
   const int64_t batch = x.size(0), n = x.size(1), start = cache.length();
   auto [q, k, v] = split_qkv(at::linear(x, weights_.layers[i].wqkv), c);
@@ -649,7 +690,9 @@ at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCache& cache) co
   k = apply_rope(k, cos, sin);
   auto [keys, values] = cache.append(i, k, v);  // [batch, n_head_kv, start + n, head_dim]
   at::Tensor out;
-  if (n == 1) {
+  if (joint) {
+    out = joint_attention(q, keys, values, start, *joint);
+  } else if (n == 1) {
     out = at::scaled_dot_product_attention(q, keys, values, {}, 0.0, false, std::nullopt, /*enable_gqa=*/true);
   } else {  // query j sees keys [0, start + j]
     out = attend_after_cache(q, keys, values, start);
@@ -787,9 +830,9 @@ at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) co
 
 // ---- Generic path -----------------------------------------------------------------------------
 
-at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& cache) const {
-  if (cpu_kernels()) return layer_cpu(i, x, cache);
-  at::Tensor h = x + attention(i, rms_norm(x, weights_.layers[i].attn_norm), cache);
+at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
+  if (cpu_kernels() && !joint) return layer_cpu(i, x, cache);
+  at::Tensor h = x + attention(i, rms_norm(x, weights_.layers[i].attn_norm), cache, joint);
   return h + feed_forward(i, rms_norm(h, weights_.layers[i].ffn_norm));
 }
 
@@ -801,7 +844,7 @@ at::Tensor Decoder::logits(const at::Tensor& x, LogitsMode mode) const {
 }
 
 at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache, LogitsMode mode,
-                            const LayerHook& before_layer) const {
+                            const LayerHook& before_layer, const JointHook& joint) const {
   COMB_CHECK(tokens.dim() == 2 && tokens.size(1) > 0, "decoder input should be [batch, n>0] token ids, found shape [{}]",
              fmt::join(tokens.sizes(), ", "));
   COMB_CHECK(tokens.size(0) == cache.batch(), "decoder input batch {} does not match the KV cache batch {}",
@@ -810,7 +853,8 @@ at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache, LogitsMode
   COMB_CHECK(cache.length() + n <= config_.n_ctx, "{} positions exceed the model's context of {} tokens",
              cache.length() + n, config_.n_ctx);
   at::Tensor x = embed(tokens);
-  for (int64_t i = 0; i < config_.n_layer; ++i) x = layer(i, before_layer ? before_layer(i, x) : x, cache);
+  for (int64_t i = 0; i < config_.n_layer; ++i)
+    x = layer(i, before_layer ? before_layer(i, x) : x, cache, joint ? joint(i) : nullptr);
   cache.advance(n);
   return logits(x, mode);
 }
@@ -961,6 +1005,25 @@ at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, const Linked
   COMB_CHECK(static_cast<int64_t>(documents->keys.size()) == plugin_->config().n_blocks(),
              "linked documents have {} blocks, the plug-in {}", documents->keys.size(),
              plugin_->config().n_blocks());
+  if (plugin_->config().joint_attention) {  // the blocks join their layers' attention
+    auto& joined = *documents->joined;
+    std::vector<JointKV> joint;
+    {
+      std::lock_guard<std::mutex> lock(joined.mutex);
+      if (joined.plugin != plugin_->fingerprint()) {
+        joined.blocks.clear();
+        for (int64_t k = 0; k < plugin_->config().n_blocks(); ++k)
+          joined.blocks.push_back(plugin_->joint_kv(plugin_->weights(), k, documents->keys[k], documents->values[k],
+                                                    documents->doc_counts));
+        joined.plugin = plugin_->fingerprint();
+      }
+      joint = joined.blocks;  // tensors are shared, not copied
+    }
+    return decoder_->forward(tokens, cache, mode, nullptr, [&](int64_t layer) -> const JointKV* {
+      int64_t k = plugin_->block_before(layer);
+      return k < 0 ? nullptr : &joint[k];
+    });
+  }
   const int64_t start = cache.length();  // the prompt position of the first new token
   return decoder_->forward(tokens, cache, mode, [&](int64_t layer, const at::Tensor& x) {
     int64_t k = plugin_->block_before(layer);

@@ -32,6 +32,7 @@ nlohmann::json PluginConfig::to_json() const {
   if (relative_positions) j["relative_positions"] = true;
   if (attention_sinks) j["attention_sinks"] = true;
   if (!cross_mlp) j["cross_mlp"] = false;
+  if (joint_attention) j["joint_attention"] = true;
   return j;
 }
 
@@ -71,6 +72,7 @@ PluginConfig PluginConfig::from_json(const nlohmann::json& j, const std::string&
   c.relative_positions = flag("relative_positions", false);
   c.attention_sinks = flag("attention_sinks", false);
   c.cross_mlp = flag("cross_mlp", true);
+  c.joint_attention = flag("joint_attention", false);
   return c;
 }
 
@@ -121,6 +123,10 @@ void check_layout(const PluginConfig& p, const ModelConfig& c) {
                p.n_encoder_layers());
   for (int64_t id : p.encoder_prefix)
     COMB_CHECK(id >= 0 && id < c.n_vocab, "encoder_prefix token {} is outside the vocabulary [0, {})", id, c.n_vocab);
+  COMB_CHECK(!p.joint_attention || (!p.qk_norm && !p.cross_mlp && !p.attention_sinks && p.relative_positions),
+             "joint cross blocks have no QK-norm, MLP or sinks of their own and read documents at relative positions "
+             "(joint_attention with qk_norm {}, cross_mlp {}, attention_sinks {}, relative_positions {})",
+             p.qk_norm, p.cross_mlp, p.attention_sinks, p.relative_positions);
   COMB_CHECK(!p.encoder_from_base || p.n_encoder_layers() <= c.n_layer,
              "an encoder of the base's layers can have at most its {} layers, found {}", c.n_layer,
              p.n_encoder_layers());
@@ -159,7 +165,7 @@ void Plugin::refresh_fingerprint() {
 }
 
 int64_t Plugin::block_before(int64_t layer) const {
-  for (int64_t k = 0; k < config_.n_encoder_layers(); ++k)
+  for (int64_t k = 0; k < config_.n_blocks(); ++k)
     if (config_.cross_layers[k] == layer) return k;
   return -1;
 }
@@ -206,19 +212,22 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
   PluginConfig config;
   if (o.reads) {
     COMB_CHECK(!o.cross_layers.empty(), "a plug-in that reads from the start needs its cross layers (--cross-layers)");
-    COMB_CHECK(!o.probes.empty(), "a plug-in that reads from the start needs probe prompts for its sinks");
+    COMB_CHECK(o.joint_attention || !o.probes.empty(), "a plug-in that reads from the start needs probe prompts for its sinks");
     COMB_CHECK(o.open_gate > 0 && o.open_gate < 1, "the open gate must be in (0, 1), found {}", o.open_gate);
     config.cross_layers = o.cross_layers;
     config.read_depths = o.cross_layers;
     config.encoder_layers = std::max<int64_t>(1, o.cross_layers.back());
-    config.encoder_from_base = config.encoder_causal = config.kv_norm = config.attention_sinks = true;
+    config.encoder_from_base = config.encoder_causal = config.kv_norm = true;
+    config.attention_sinks = !o.joint_attention;
+    config.joint_attention = o.joint_attention;
     config.qk_norm = config.cross_mlp = false;
     config.relative_positions = o.relative_positions;
     config.encoder_prefix = o.encoder_prefix;
     config.max_document_tokens = c.n_ctx - static_cast<int64_t>(o.encoder_prefix.size());
     config.base_fingerprint = base_fingerprint(base);
     check_layout(config, c);
-    std::vector<at::Tensor> lse = self_attention_lse(base, config.cross_layers, o.probes);
+    std::vector<at::Tensor> lse;
+    if (!o.joint_attention) lse = self_attention_lse(base, config.cross_layers, o.probes);
     auto opts = at::TensorOptions().dtype(base.dtype()).device(base.device());
     PluginWeights w;
     for (size_t k = 0; k < config.cross_layers.size(); ++k) {
@@ -228,6 +237,11 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
       w.wk.push_back(qkv[1].clone());
       w.wv.push_back(qkv[2].clone());
       CrossBlockWeights b;
+      if (o.joint_attention) {  // the layer's own attention does the rest
+        b.doc_bias = at::zeros({c.n_head}, opts);
+        w.cross.push_back(std::move(b));
+        continue;
+      }
       b.attn_norm = l.attn_norm.clone();
       b.wq = qkv[0].clone();
       b.wo = l.wo.clone();
@@ -273,7 +287,7 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
       w.wv.push_back((qkv[2] * g / rms).contiguous());
       w.cross.push_back({dst.attn_norm.clone(), qkv[0].clone(), ones(c.head_dim), ones(c.head_dim), dst.wo.clone(),
                          at::zeros({1}, opts), dst.ffn_norm.clone(), dst.w_gate_up.clone(), dst.w_down.clone(),
-                         at::zeros({1}, opts), /*sinks=*/at::Tensor()});
+                         at::zeros({1}, opts), /*sinks=*/at::Tensor(), /*doc_bias=*/at::Tensor()});
     }
     return Plugin(std::move(config), std::move(w), base);
   }
@@ -287,7 +301,7 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
       w.wv.push_back(qkv[2].clone());
       w.cross.push_back({src.attn_norm.clone(), qkv[0].clone(), ones(c.head_dim), ones(c.head_dim), src.wo.clone(),
                          at::zeros({1}, opts), src.ffn_norm.clone(), src.w_gate_up.clone(), src.w_down.clone(),
-                         at::zeros({1}, opts), /*sinks=*/at::Tensor()});
+                         at::zeros({1}, opts), /*sinks=*/at::Tensor(), /*doc_bias=*/at::Tensor()});
     } else {
       w.encoder.push_back({ones(c.n_embd), randn({c.q_dim() + 2 * c.kv_dim(), c.n_embd}), randn({c.n_embd, c.q_dim()}),
                            ones(c.n_embd), randn({2 * c.n_ff, c.n_embd}), randn({c.n_embd, c.n_ff})});
@@ -296,7 +310,7 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
       w.cross.push_back({ones(c.n_embd), randn({c.q_dim(), c.n_embd}), ones(c.head_dim), ones(c.head_dim),
                          randn({c.n_embd, c.q_dim()}), at::zeros({1}, opts), ones(c.n_embd),
                          randn({2 * c.n_ff, c.n_embd}), randn({c.n_embd, c.n_ff}), at::zeros({1}, opts),
-                         /*sinks=*/at::Tensor()});
+                         /*sinks=*/at::Tensor(), /*doc_bias=*/at::Tensor()});
     }
   }
   return Plugin(std::move(config), std::move(w), base);
@@ -318,6 +332,10 @@ std::vector<std::pair<std::string, at::Tensor>> Plugin::named_tensors() const {
   for (size_t k = 0; k < weights_.cross.size(); ++k) {
     const auto& b = weights_.cross[k];
     std::string pre = fmt::format("language_model.model.cross_layers.{}.", k);
+    if (p.joint_attention) {
+      out.emplace_back(pre + "cross_attn.doc_bias", b.doc_bias);
+      continue;
+    }
     out.emplace_back(pre + "input_layernorm.weight", b.attn_norm);
     out.emplace_back(pre + "cross_attn.q_proj.weight", b.wq);
     if (p.qk_norm) {
@@ -355,6 +373,11 @@ Plugin Plugin::from_checkpoint(const TensorSource& source, const PluginConfig& c
     w.wv.push_back(r.get(fmt::format("chunk_model.v_proj.{}.weight", k), {c.kv_dim(), d}));
     std::string p = fmt::format("language_model.model.cross_layers.{}.", k);
     CrossBlockWeights b;
+    if (config.joint_attention) {
+      b.doc_bias = r.get(p + "cross_attn.doc_bias", {c.n_head});
+      w.cross.push_back(std::move(b));
+      continue;
+    }
     b.attn_norm = r.get(p + "input_layernorm.weight", {d});
     b.wq = r.get(p + "cross_attn.q_proj.weight", {c.q_dim(), d});
     if (config.qk_norm) {
@@ -478,6 +501,46 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::encode_batch
     project(j + 1);
   }
   return {std::move(keys), std::move(values)};
+}
+
+JointKV Plugin::joint_kv(const PluginWeights& w, int64_t k, const std::vector<at::Tensor>& keys,
+                         const std::vector<at::Tensor>& values, const std::vector<int64_t>& doc_counts) const {
+  COMB_CHECK(config_.joint_attention, "joint_kv: this plug-in's blocks do not join their layers' attention");
+  COMB_CHECK(keys.size() == values.size(), "joint_kv: {} keys and {} values", keys.size(), values.size());
+  const int64_t rows = static_cast<int64_t>(doc_counts.size());
+  std::vector<int64_t> lens(rows, 0);
+  size_t d = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < doc_counts[r]; ++j, ++d) {
+      COMB_CHECK(d < keys.size(), "joint_kv: doc_counts name more documents than the {} linked", keys.size());
+      lens[r] += keys[d].size(1);
+    }
+  COMB_CHECK(d == keys.size(), "joint_kv: doc_counts name {} documents, {} are linked", d, keys.size());
+  COMB_CHECK(!keys.empty(), "joint_kv: no documents linked");
+  const int64_t m = *std::max_element(lens.begin(), lens.end());
+  const auto& c = base_config_;
+  // Joined and padded with cat and pad (differentiable: training runs this too).
+  std::vector<at::Tensor> row_keys, row_values;
+  d = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<at::Tensor> ks, vs;
+    for (int64_t j = 0; j < doc_counts[r]; ++j, ++d) {
+      ks.push_back(keys[d]);
+      vs.push_back(values[d]);
+    }
+    at::Tensor kr = ks.empty() ? at::zeros({c.n_head_kv, 0, c.head_dim}, keys[0].options()) : at::cat(ks, 1);
+    at::Tensor vr = vs.empty() ? at::zeros({c.n_head_kv, 0, c.head_dim}, values[0].options()) : at::cat(vs, 1);
+    row_keys.push_back(at::constant_pad_nd(kr, {0, 0, 0, m - lens[r]}));
+    row_values.push_back(at::constant_pad_nd(vr, {0, 0, 0, m - lens[r]}));
+  }
+  JointKV out;
+  out.keys = at::stack(row_keys);
+  out.values = at::stack(row_values);
+  if (std::any_of(lens.begin(), lens.end(), [&](int64_t l) { return l != m; }))
+    out.valid = at::arange(m, keys[0].options().dtype(at::kLong)).unsqueeze(0) <
+                at::tensor(lens, at::kLong).to(keys[0].device()).unsqueeze(1);
+  out.bias = w.cross.at(k).doc_bias;
+  return out;
 }
 
 at::Tensor Plugin::cross_block(int64_t k, const at::Tensor& x, const std::vector<at::Tensor>& keys,

@@ -281,14 +281,16 @@ namespace {
 // The decoder over tokens [batch, n] at positions 0..n-1, causal, without a cache; `hook` runs
 // before each layer (the cross blocks). Returns the final-normed hidden state [batch, n, n_embd].
 at::Tensor decoder_hidden(const Decoder& base, const at::Tensor& tokens,
-                          const std::function<at::Tensor(int64_t, const at::Tensor&)>& hook) {
+                          const std::function<at::Tensor(int64_t, const at::Tensor&)>& hook,
+                          const Decoder::JointHook& joint = nullptr) {
   const auto& c = base.config();
   const auto& w = base.weights();
   const int64_t n = tokens.size(1);
   COMB_CHECK(n <= c.n_ctx, "a training sequence has {} tokens; the context holds {}", n, c.n_ctx);
   at::Tensor x = at::embedding(w.tok_embd, tokens);
   at::Tensor cos = base.rope_cos().narrow(0, 0, n), sin = base.rope_sin().narrow(0, 0, n);
-  for (int64_t i = 0; i < c.n_layer; ++i) x = llama_layer(hook ? hook(i, x) : x, w.layers[i], c, cos, sin, /*causal=*/true);
+  for (int64_t i = 0; i < c.n_layer; ++i)
+    x = llama_layer(hook ? hook(i, x) : x, w.layers[i], c, cos, sin, /*causal=*/true, {}, joint ? joint(i) : nullptr);
   return rms_norm(x, w.output_norm, c.rms_eps);
 }
 
@@ -311,6 +313,18 @@ at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const 
       doc_keys[k].push_back(keys[k][d].narrow(1, 0, batch.doc_lens[d]));
       doc_values[k].push_back(values[k][d].narrow(1, 0, batch.doc_lens[d]));
     }
+  if (plugin.config().joint_attention) {
+    std::vector<JointKV> joint;
+    for (int64_t k = 0; k < n_blocks; ++k)
+      joint.push_back(plugin.joint_kv(pw, k, doc_keys[k], doc_values[k], batch.doc_counts));
+    return head_logits(base,
+                       decoder_hidden(base, batch.tokens, nullptr,
+                                      [&](int64_t layer) -> const JointKV* {
+                                        int64_t k = plugin.block_before(layer);
+                                        return k < 0 ? nullptr : &joint[k];
+                                      }),
+                       batch.target_rows);
+  }
   auto hook = [&](int64_t layer, const at::Tensor& x) -> at::Tensor {
     int64_t k = plugin.block_before(layer);
     return k < 0 ? x : plugin.cross_block(pw, k, x, doc_keys[k], doc_values[k], batch.doc_counts);
@@ -370,7 +384,7 @@ std::vector<std::pair<std::string, at::Tensor*>> plugin_parameters(const PluginC
     for (auto [name, t] : {std::pair{"attn_norm", &b.attn_norm}, {"wq", &b.wq}, {"q_norm", &b.q_norm},
                            {"k_norm", &b.k_norm}, {"wo", &b.wo}, {"attn_gate", &b.attn_gate}, {"sinks", &b.sinks},
                            {"ffn_norm", &b.ffn_norm}, {"w_gate_up", &b.w_gate_up}, {"w_down", &b.w_down},
-                           {"mlp_gate", &b.mlp_gate}})
+                           {"mlp_gate", &b.mlp_gate}, {"doc_bias", &b.doc_bias}})
       add(p + name, t);
   }
   return out;
@@ -425,7 +439,8 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
   COMB_CHECK(o.open_gates >= 0 && o.open_gates < 1, "open gates must be in [0, 1), found {}", o.open_gates);
   if (step == 0 && o.open_gates > 0)
     // Closed gates pass no gradient to the blocks' weights; opened a little, they learn from the start.
-    for (auto& b : plugin.mutable_weights().cross) b.attn_gate = at::full_like(b.attn_gate, std::atanh(o.open_gates));
+    for (auto& b : plugin.mutable_weights().cross)
+      if (b.attn_gate.defined()) b.attn_gate = at::full_like(b.attn_gate, std::atanh(o.open_gates));
   for (auto& [name, p] : params) {
     at::Tensor t = p->detach().to(device, at::kFloat).clone();
     t.set_requires_grad(true);
@@ -532,9 +547,10 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
       auto now = std::chrono::steady_clock::now();
       double secs = std::chrono::duration<double>(now - window_t0).count();
       double tps = window_tokens / std::max(secs, 1e-9);
-      double attn_gate = 0, mlp_gate = 0;
+      // Joint blocks have no gates: their column is NaN.
+      double attn_gate = plugin.config().joint_attention ? std::nan("") : 0.0, mlp_gate = 0;
       for (const auto& b : plugin.weights().cross) {
-        attn_gate += std::tanh(b.attn_gate.item<double>());
+        if (b.attn_gate.defined()) attn_gate += std::tanh(b.attn_gate.item<double>());
         if (b.mlp_gate.defined()) mlp_gate += std::tanh(b.mlp_gate.item<double>());
       }
       attn_gate /= plugin.weights().cross.size();

@@ -446,3 +446,120 @@ TEST_CASE("a plug-in that reads from the start: saved and loaded, order-free, of
   at::Tensor last = model.forward(ids.narrow(1, ids.size(1) - 1, 1), cache, &linked, LogitsMode::all);
   CHECK((last[0][0] - want[0][ids.size(1) - 1]).abs().max().item<double>() <= 1e-4);
 }
+
+TEST_CASE("joint_attention is one softmax over the joined keys and the causal context", "[ops]") {
+  auto gen = at::detail::createCPUGenerator(11);
+  const int64_t batch = 2, n_head = 4, n_kv = 2, d = 8, start = 3, n = 5, m = 6;
+  at::Tensor q = at::randn({batch, n_head, n, d}, gen).requires_grad_();
+  at::Tensor keys = at::randn({batch, n_kv, start + n, d}, gen).requires_grad_();
+  at::Tensor values = at::randn({batch, n_kv, start + n, d}, gen);
+  JointKV joint;
+  joint.keys = at::randn({batch, n_kv, m, d}, gen).requires_grad_();
+  joint.values = at::randn({batch, n_kv, m, d}, gen).requires_grad_();
+  joint.valid = at::ones({batch, m}, at::kBool);
+  joint.valid[1].narrow(0, 4, 2).fill_(false);  // row 1 has 4 real keys
+  joint.bias = at::randn({n_head}, gen).requires_grad_();
+  at::Tensor got = joint_attention(q, keys, values, start, joint);
+  // Written out row by row: the scores of the real joined keys plus the bias, then of the visible
+  // context keys, one softmax.
+  at::Tensor want = at::zeros_like(got);
+  const double scale = 1.0 / std::sqrt(double(d));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < n_head; ++h)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t g = h / (n_head / n_kv), real = b == 1 ? 4 : m;
+        at::Tensor qi = q[b][h][i];
+        at::Tensor s_doc = at::mv(joint.keys[b][g].narrow(0, 0, real), qi) * scale + joint.bias[h];
+        at::Tensor s_own = at::mv(keys[b][g].narrow(0, 0, start + i + 1), qi) * scale;
+        at::Tensor p = at::softmax(at::cat({s_doc, s_own}), 0);
+        at::Tensor v = at::cat({joint.values[b][g].narrow(0, 0, real), values[b][g].narrow(0, 0, start + i + 1)});
+        want[b][h][i] = at::mv(v.t(), p);
+      }
+  CHECK((got - want).abs().max().item<double>() < 1e-5);
+  // Gradients (the bias's through the mask) equal the written-out ones.
+  at::Tensor w = at::randn(got.sizes(), gen);
+  auto g1 = torch::autograd::grad({(got * w).sum()}, {q, keys, joint.keys, joint.values, joint.bias});
+  auto g2 = torch::autograd::grad({(want * w).sum()}, {q, keys, joint.keys, joint.values, joint.bias});
+  for (size_t i = 0; i < g1.size(); ++i) {
+    INFO("gradient " << i);
+    CHECK((g1[i] - g2[i]).abs().max().item<double>() < 1e-5);
+  }
+  // No valid joined key: exactly the context's causal attention.
+  c10::InferenceMode guard;
+  JointKV none = joint;
+  none.valid = at::zeros({batch, m}, at::kBool);
+  none.bias = at::Tensor();  // and no bias: the path without one
+  at::Tensor alone = at::scaled_dot_product_attention(
+      q.detach(), keys.detach().repeat_interleave(2, 1).narrow(2, 0, start + n),
+      values.repeat_interleave(2, 1), visible_keys(at::arange(start, start + n, at::kLong), start + n));
+  CHECK((joint_attention(q.detach(), keys.detach(), values, start, none) - alone).abs().max().item<double>() < 1e-5);
+  JointKV wrong = joint;
+  wrong.keys = at::zeros({batch, n_kv + 1, m, d});
+  CHECK_THROWS_WITH(joint_attention(q.detach(), keys.detach(), values, start, wrong),
+                    Catch::Contains("joint attention: keys"));
+}
+
+TEST_CASE("joint blocks at every layer read one document exactly as the decoder reads it in context", "[plugin]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  const int64_t n_layer = model.config().n_layer;
+  PluginInitOptions init;
+  init.reads = init.joint_attention = true;
+  for (int64_t l = 0; l < n_layer; ++l) init.cross_layers.push_back(l);
+  auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
+  const PluginConfig& c = plugin->config();
+  CHECK(c.joint_attention);
+  CHECK(c.relative_positions);
+  CHECK_FALSE(c.attention_sinks);
+  CHECK(plugin->weights().cross[0].doc_bias.equal(at::zeros({model.config().n_head})));
+  CHECK_FALSE(plugin->weights().cross[0].wq.defined());
+  model.set_plugin(plugin);
+
+  // A document read through the plug-in, the prompt after it: relative positions put the document
+  // right before the prompt, each block's keys are its layer's keys of the document's own states,
+  // and the softmax is shared, so this is the decoder over document + prompt.
+  auto tokens = sample_documents(3, 12, 21);
+  at::Tensor ids = prompt_ids(9);
+  LinkedDocuments one = Linker(c10::kCPU).link(documents_of(model, {tokens[0]}));
+  at::Tensor got = logits_with(model, ids, &one)[0];
+  std::vector<int64_t> whole(tokens[0].begin(), tokens[0].end());
+  for (int64_t i = 0; i < ids.size(1); ++i) whole.push_back(ids[0][i].item<int64_t>());
+  at::Tensor in_context = logits_with(tiny_model(), at::tensor(whole, at::kLong).unsqueeze(0), nullptr)[0];
+  const int64_t n_doc = static_cast<int64_t>(tokens[0].size());
+  CHECK((got - in_context.narrow(0, n_doc, ids.size(1))).abs().max().item<double>() < 1e-4);
+
+  // Several documents: any order gives the same logits; none is the bare decoder, bit for bit.
+  auto docs = documents_of(model, tokens);
+  LinkedDocuments linked = Linker(c10::kCPU).link(docs);
+  at::Tensor want = logits_with(model, ids, &linked);
+  LinkedDocuments reversed = Linker(c10::kCPU).link({docs[2], docs[0], docs[1]});
+  CHECK((logits_with(model, ids, &reversed) - want).abs().max().item<double>() <= 1e-5);
+  LinkedDocuments none;
+  CHECK(logits_with(model, ids, &none).equal(logits_with(tiny_model(), ids, nullptr)));
+  // A batch of two requests with different documents equals each alone (rows padded).
+  LinkedDocuments pair = Linker(c10::kCPU).link_batch({{docs[0]}, {docs[1], docs[2]}});
+  at::Tensor both = logits_with(model, at::cat({ids, ids}), &pair);
+  LinkedDocuments second = Linker(c10::kCPU).link({docs[1], docs[2]});
+  CHECK((both[0] - got).abs().max().item<double>() < 1e-5);
+  CHECK((both[1] - logits_with(model, ids, &second)[0]).abs().max().item<double>() < 1e-5);
+  // Decoding after a cached prompt reads the documents with the query at its real position.
+  KVCache cache = model.decoder().make_cache(1, ids.size(1));
+  model.forward(ids.narrow(1, 0, ids.size(1) - 1), cache, &linked, LogitsMode::all);
+  at::Tensor last = model.forward(ids.narrow(1, ids.size(1) - 1, 1), cache, &linked, LogitsMode::all);
+  CHECK((last[0][0] - want[0][ids.size(1) - 1]).abs().max().item<double>() <= 1e-4);
+
+  // The file holds the K/V projections and biases only, and loads to the same plug-in.
+  std::string path = temp_dir("joint") + "/joint.safetensors";
+  plugin->save(path);
+  SafetensorsFile file(path);
+  for (const auto& name : file.names()) {
+    CHECK(name.find("chunk_model.layers.") == std::string::npos);
+    CHECK(name.find("q_proj") == std::string::npos);
+  }
+  Model loaded = Model::load(oracle_dir() + "/tiny-llama");
+  loaded.set_plugin(std::make_shared<Plugin>(Plugin::load(path, loaded.decoder())));
+  CHECK(loaded.plugin()->fingerprint() == plugin->fingerprint());
+  CHECK(loaded.plugin()->config().joint_attention);
+  LinkedDocuments again = Linker(c10::kCPU).link(documents_of(loaded, tokens));
+  CHECK(logits_with(loaded, ids, &again).equal(want));
+}

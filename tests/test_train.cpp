@@ -67,16 +67,22 @@ std::vector<at::Tensor> weights_of(Plugin& p) {
 namespace {
 // A plug-in of the layout that reads from the start (encoder of the base's layers, sinks, RoPE
 // from the document's end, an encoder prefix token), with its weights moved off their start.
-std::shared_ptr<Plugin> reads_plugin(const Decoder& base) {
+std::shared_ptr<Plugin> reads_plugin(const Decoder& base, bool joint = false) {
   PluginInitOptions init;
   init.reads = true;
+  init.joint_attention = joint;
   init.cross_layers = {1, 2};
   init.encoder_prefix = {7};
   std::mt19937 rng(4);
   for (int i = 0; i < 3; ++i) init.probes.push_back(random_tokens(rng, 12 + i));
   auto plugin = std::make_shared<Plugin>(Plugin::fresh(base, init));
   auto gen = at::detail::createCPUGenerator(5);
-  for (auto& b : plugin->mutable_weights().cross) b.wq.add_(at::randn(b.wq.sizes(), gen) * 0.05);
+  for (auto& b : plugin->mutable_weights().cross)
+    if (joint)
+      b.doc_bias.add_(at::randn(b.doc_bias.sizes(), gen));
+    else
+      b.wq.add_(at::randn(b.wq.sizes(), gen) * 0.05);
+  for (auto& wk : plugin->mutable_weights().wk) wk.add_(at::randn(wk.sizes(), gen) * 0.05);
   plugin->refresh_fingerprint();
   return plugin;
 }
@@ -84,9 +90,9 @@ std::shared_ptr<Plugin> reads_plugin(const Decoder& base) {
 
 TEST_CASE("the training forward equals the inference path, document by document", "[train]") {
   Model model = Model::load(oracle_dir() + "/tiny-llama");
-  const bool reads = GENERATE(false, true);
-  INFO((reads ? "layout that reads from the start" : "reference layout"));
-  auto plugin = reads ? reads_plugin(model.decoder()) : random_plugin(model.decoder(), 2, 3);
+  const int layout = GENERATE(0, 1, 2);
+  INFO((layout == 0 ? "reference layout" : layout == 1 ? "layout that reads from the start" : "joint blocks"));
+  auto plugin = layout == 0 ? random_plugin(model.decoder(), 2, 3) : reads_plugin(model.decoder(), layout == 2);
   model.set_plugin(plugin);
   auto examples = random_examples(4, 11);
   TrainBatch batch = make_train_batch(examples, c10::kCPU);

@@ -60,12 +60,25 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::array<at::Tensor, 3> split_qkv(const at::Tensor& qkv, const ModelConfig& config);
 // Llama's MLP: down(silu(gate(x)) * up(x)) with w_gate_up [2 * n_ff, n_embd] (gate rows first).
 at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down);
+// Keys and values a layer's queries read beside their own context, in the same softmax (the
+// plug-in's joint blocks): keys, values [batch, n_head_kv, m, head_dim] (RoPE applied as wanted),
+// valid [batch, m] bool (undefined: all are real), bias [n_head] (undefined: 0) added to every
+// score of them. A row with no valid key gets exactly its own context's attention.
+struct JointKV {
+  at::Tensor keys, values, valid, bias;
+};
+// Grouped-query attention of q [batch, n_head, n, head_dim] (RoPE applied) over `joint`'s keys and
+// its own context keys, values [batch, n_head_kv, start + n, head_dim], query j seeing context keys
+// [0, start + j]: one softmax over both, differentiable in every input.
+at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                           const JointKV& joint);
 // One Llama layer over x [batch, n, n_embd] at positions 0..n-1 without a cache: RMSNorm, RoPE
 // (cos, sin [n, head_dim]), grouped-query attention (causal, or bidirectional under `mask`
 // [batch, 1, 1, n] bool, true = attend; undefined: every key), SwiGLU. The encoder's layers and
 // training's decoder pass.
+// With `joint` (causal only): the attention also reads its keys, see joint_attention().
 at::Tensor llama_layer(const at::Tensor& x, const LayerWeights& l, const ModelConfig& config, const at::Tensor& cos,
-                       const at::Tensor& sin, bool causal, const at::Tensor& mask = {});
+                       const at::Tensor& sin, bool causal, const at::Tensor& mask = {}, const JointKV* joint = nullptr);
 // Which of keys [0, n_keys) queries at `positions` [m] see (causal by position): bool [m, n_keys].
 at::Tensor visible_keys(const at::Tensor& positions, int64_t n_keys);
 // Rotate-half RoPE on x [..., n, head_dim] with cos, sin [n, head_dim].
@@ -83,15 +96,18 @@ class Decoder {
   // Runs on the hidden state [batch, n, n_embd] before decoder layer `layer` (the plug-in's
   // cross blocks); returns the state the layer reads.
   using LayerHook = std::function<at::Tensor(int64_t layer, const at::Tensor& x)>;
+  // What layer `layer`'s attention reads beside its context (joint_attention()), or nullptr.
+  using JointHook = std::function<const JointKV*(int64_t layer)>;
 
   // Runs `tokens` [batch, n] (int64) at positions cache.length() .. + n, appends their K/V to
   // `cache`, and returns float32 logits [batch, n or 1, n_vocab].
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache, LogitsMode mode = LogitsMode::last,
-                     const LayerHook& before_layer = nullptr) const;
+                     const LayerHook& before_layer = nullptr, const JointHook& joint = nullptr) const;
 
   // The steps of forward(), for wrappers that add blocks between layers.
   at::Tensor embed(const at::Tensor& tokens) const;                                    // -> [batch, n, n_embd]
-  at::Tensor layer(int64_t i, const at::Tensor& x, KVCache& cache) const;            // x: [batch, n, n_embd]
+  at::Tensor layer(int64_t i, const at::Tensor& x, KVCache& cache,
+                   const JointKV* joint = nullptr) const;  // x: [batch, n, n_embd]
   at::Tensor logits(const at::Tensor& x, LogitsMode mode) const;                      // -> [batch, n|1, n_vocab]
   // Layer `i` for tokens at explicit, increasing `positions` [m] (batch 1): their K/V go into
   // `cache` at those positions, and each attends to every cached position up to its own among
@@ -118,7 +134,7 @@ class Decoder {
 
  private:
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
-  at::Tensor attention(int64_t i, const at::Tensor& x, KVCache& cache) const;
+  at::Tensor attention(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint = nullptr) const;
   at::Tensor feed_forward(int64_t i, const at::Tensor& x) const;
   at::Tensor layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) const;
   at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w) const;

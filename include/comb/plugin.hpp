@@ -36,6 +36,11 @@ struct PluginConfig {
   bool relative_positions = false;
   bool attention_sinks = false;       // a learned logit per head for attending to nothing
   bool cross_mlp = true;              // a gated MLP after each cross-attention
+  // Each block joins its decoder layer's attention instead of running before it: the layer's own
+  // queries read the documents' K/V and their context in one softmax (joint_attention()), with a
+  // learned logit per head added to the documents' scores. Such a block has no query, output,
+  // gate or MLP weights of its own; only its K/V projections (and kv_norm) and that bias.
+  bool joint_attention = false;
 
   int64_t n_blocks() const { return static_cast<int64_t>(cross_layers.size()); }
   int64_t n_encoder_layers() const { return encoder_layers > 0 ? encoder_layers : n_blocks(); }
@@ -58,6 +63,7 @@ struct CrossBlockWeights {
   at::Tensor w_down;     // [n_embd, n_ff]
   at::Tensor mlp_gate;   // [1]
   at::Tensor sinks;      // [n_head]: logit of attending to nothing
+  at::Tensor doc_bias;   // [n_head]: joint_attention: added to every document score
 };
 
 struct PluginWeights {
@@ -92,6 +98,9 @@ struct PluginInitOptions {
   // decoder parks attention, so that the document's own first token does not become that sink).
   std::vector<int64_t> encoder_prefix;
   double open_gate = 0.995;                  // `reads`: tanh(attention gate)
+  // `reads`: blocks that join their layer's attention (see PluginConfig::joint_attention), bias 0:
+  // at step 0, the layer attends to the documents' states as to its own context.
+  bool joint_attention = false;
   bool relative_positions = true;            // `reads`: see PluginConfig
   int64_t n_encoder_layers = 4;
   std::vector<int64_t> cross_layers;  // empty: spread evenly, the last block before the last layer
@@ -146,6 +155,10 @@ class Plugin {
   at::Tensor cross_block(const PluginWeights& w, int64_t k, const at::Tensor& x, const std::vector<at::Tensor>& keys,
                          const std::vector<at::Tensor>& values, const std::vector<int64_t>& doc_counts,
                          int64_t start = 0) const;
+  // joint_attention: what block `k` adds to its layer's attention, from linked keys/values (see
+  // Linker), the documents of each batch row joined and the rows padded to the longest.
+  JointKV joint_kv(const PluginWeights& w, int64_t k, const std::vector<at::Tensor>& keys,
+                   const std::vector<at::Tensor>& values, const std::vector<int64_t>& doc_counts) const;
   // Names and tensors of the plug-in, in the reference checkpoint's naming.
   std::vector<std::pair<std::string, at::Tensor>> named_tensors() const;
   void refresh_fingerprint();

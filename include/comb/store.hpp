@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -78,6 +79,14 @@ struct LinkedDocuments {
   std::vector<int64_t> doc_counts;              // [batch]: documents of each request
   std::vector<std::shared_ptr<const DocumentKV>> held;  // keeps every linked entry alive
   bool empty() const { return held.empty(); }
+  // A joint-attention plug-in's view of them (Plugin::joint_kv per block), built by the first
+  // Model::forward that reads them and reused by every decoding step after it.
+  struct Joined {
+    std::mutex mutex;
+    std::string plugin;  // the fingerprint of the plug-in that built `blocks`
+    std::vector<JointKV> blocks;
+  };
+  std::shared_ptr<Joined> joined = std::make_shared<Joined>();
 };
 
 class Linker {

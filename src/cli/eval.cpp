@@ -567,12 +567,14 @@ int cmd_train(Args& args, Model& model) {
              init.n_encoder_layers, init.cross_layers.size());
   init.seed = o.seed;
   const std::string init_from = args.str("init", "first");
-  COMB_CHECK(init_from == "first" || init_from == "spread" || init_from == "reads",
-             "--init expects first (encoder = the decoder's first layers, cross blocks after them), spread or reads "
-             "(the base's own attention over the documents' states, needs --cross-layers), found '{}'",
+  COMB_CHECK(init_from == "first" || init_from == "spread" || init_from == "reads" || init_from == "joint",
+             "--init expects first (encoder = the decoder's first layers, cross blocks after them), spread, reads "
+             "(the base's own attention over the documents' states, needs --cross-layers) or joint (reads, the "
+             "blocks joining their layers' attention), found '{}'",
              init_from);
   init.first_layers = init_from == "first";
-  init.reads = init_from == "reads";
+  init.reads = init_from == "reads" || init_from == "joint";
+  init.joint_attention = init_from == "joint";
   const std::string save_dtype = args.str("save-dtype", "bfloat16");
   args.check_all_used();
   const c10::ScalarType out_dtype = parse_dtype(save_dtype);

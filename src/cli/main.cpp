@@ -117,10 +117,12 @@ plugin init options:
   --cross-layers LIST decoder layers the cross blocks run before (default: spread evenly)
   --random-init       random encoder and cross blocks (default: copies of decoder layers)
   --seed N            random seed (default 0)
-  --init identity|reads  identity (default): gates closed, so the plug-in changes nothing until
+  --init identity|reads|joint  identity (default): gates closed, so the plug-in changes nothing until
                       trained; reads: the encoder is the base's first layers (causal, not stored),
                       each block at --cross-layers L is layer L's attention over the documents'
-                      depth-L states, with attention sinks measured on probe prompts (docs/training.md)
+                      depth-L states, with attention sinks measured on probe prompts (docs/training.md);
+                      joint: as reads, but each block joins layer L's own attention (one softmax over
+                      the documents and the context, a learned bias per head on the documents)
   --open-gate X       reads: tanh of the attention gates (default 0.995)
   --relative-positions 0|1  reads: RoPE with documents before the prompt (default 1), or none
   --encoder-prefix 0|1      reads: the encoder reads the prompt's first token before each document (default 1)
@@ -167,10 +169,10 @@ train options:
   --kl-weight X       add X * KL(full-context decoder || plug-in) on answer tokens (default 0)
   --encoder-layers N  for a fresh plug-in (default 4); --plugin FILE continues from a plug-in
   --cross-layers LIST for a fresh plug-in: the decoder layers its cross blocks run before
-  --init first|spread|reads  fresh plug-in: copies of the first decoder layers, cross blocks
+  --init first|spread|reads|joint fresh plug-in: copies of the first decoder layers, cross blocks
                       after them (default) or at --cross-layers, each with its decoder layer's
                       attention; or copies of the layers the blocks are spread over; or reads
-                      (as plugin init --init reads, at --cross-layers)
+                      (as plugin init --init reads or joint, at --cross-layers)
   --seed N            data order and initialisation (default 0)
   --save-every N (200)  --log-every N (10)  --resume 0|1 (1)
 
@@ -311,9 +313,10 @@ int cmd_plugin(int argc, char** argv) {
   args.str("random-init");
   init.cross_layers = comb::cli::parse_int_list(args.str("cross-layers"), "cross-layers");
   const std::string how = args.str("init", "identity");
-  if (how != "identity" && how != "reads")
-    throw Error(fmt::format("--init must be identity or reads, found '{}'", how));
-  init.reads = how == "reads";
+  if (how != "identity" && how != "reads" && how != "joint")
+    throw Error(fmt::format("--init must be identity, reads or joint, found '{}'", how));
+  init.reads = how == "reads" || how == "joint";
+  init.joint_attention = how == "joint";
   init.open_gate = args.num<double>("open-gate", init.open_gate);
   const bool args_prefix = args.num<int>("encoder-prefix", 1) != 0;
   init.relative_positions = args.num<int>("relative-positions", 1) != 0;
