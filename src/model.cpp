@@ -604,8 +604,10 @@ at::Tensor llama_layer(const at::Tensor& x, const LayerWeights& l, const ModelCo
   const int64_t batch = x.size(0), n = x.size(1);
   auto [q, k, v] = split_qkv(at::linear(rms_norm(x, l.attn_norm, c.rms_eps), l.wqkv), c);
   COMB_CHECK(!joint || (causal && !mask.defined()), "a layer reads joined keys only when causal and unmasked");
-  at::Tensor attn = joint ? joint_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, 0, *joint)
-                          : at::scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
+  q = apply_rope(q, cos, sin);
+  k = apply_rope(k, cos, sin);
+  at::Tensor attn = joint ? joint_attention(q, k, v, 0, *joint)
+                          : at::scaled_dot_product_attention(q, k, v,
                                                              mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
                                                              0.0, causal, std::nullopt, /*enable_gqa=*/true);
   at::Tensor h = x + at::linear(attn.transpose(1, 2).reshape({batch, n, c.q_dim()}), l.wo);
@@ -1011,10 +1013,7 @@ at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, const Linked
     {
       std::lock_guard<std::mutex> lock(joined.mutex);
       if (joined.plugin != plugin_->fingerprint()) {
-        joined.blocks.clear();
-        for (int64_t k = 0; k < plugin_->config().n_blocks(); ++k)
-          joined.blocks.push_back(plugin_->joint_kv(plugin_->weights(), k, documents->keys[k], documents->values[k],
-                                                    documents->doc_counts));
+        joined.blocks = plugin_->joint_kv(plugin_->weights(), documents->keys, documents->values, documents->doc_counts);
         joined.plugin = plugin_->fingerprint();
       }
       joint = joined.blocks;  // tensors are shared, not copied

@@ -503,43 +503,46 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::encode_batch
   return {std::move(keys), std::move(values)};
 }
 
-JointKV Plugin::joint_kv(const PluginWeights& w, int64_t k, const std::vector<at::Tensor>& keys,
-                         const std::vector<at::Tensor>& values, const std::vector<int64_t>& doc_counts) const {
+std::vector<JointKV> Plugin::joint_kv(const PluginWeights& w, const std::vector<std::vector<at::Tensor>>& keys,
+                                     const std::vector<std::vector<at::Tensor>>& values,
+                                     const std::vector<int64_t>& doc_counts) const {
   COMB_CHECK(config_.joint_attention, "joint_kv: this plug-in's blocks do not join their layers' attention");
-  COMB_CHECK(keys.size() == values.size(), "joint_kv: {} keys and {} values", keys.size(), values.size());
-  const int64_t rows = static_cast<int64_t>(doc_counts.size());
-  std::vector<int64_t> lens(rows, 0);
-  size_t d = 0;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < doc_counts[r]; ++j, ++d) {
-      COMB_CHECK(d < keys.size(), "joint_kv: doc_counts name more documents than the {} linked", keys.size());
-      lens[r] += keys[d].size(1);
-    }
-  COMB_CHECK(d == keys.size(), "joint_kv: doc_counts name {} documents, {} are linked", d, keys.size());
-  COMB_CHECK(!keys.empty(), "joint_kv: no documents linked");
-  const int64_t m = *std::max_element(lens.begin(), lens.end());
+  COMB_CHECK(static_cast<int64_t>(keys.size()) == config_.n_blocks() && values.size() == keys.size(),
+             "joint_kv: K/V for {} and {} blocks, the plug-in has {}", keys.size(), values.size(), config_.n_blocks());
   const auto& c = base_config_;
-  // Joined and padded with cat and pad (differentiable: training runs this too).
-  std::vector<at::Tensor> row_keys, row_values;
-  d = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    std::vector<at::Tensor> ks, vs;
-    for (int64_t j = 0; j < doc_counts[r]; ++j, ++d) {
-      ks.push_back(keys[d]);
-      vs.push_back(values[d]);
+  std::vector<JointKV> out;
+  for (size_t k = 0; k < keys.size(); ++k) {
+    const auto& ks = keys[k];
+    const auto& vs = values[k];
+    COMB_CHECK(!ks.empty() && ks.size() == vs.size(), "joint_kv: {} keys and {} values linked", ks.size(), vs.size());
+    // Each row's documents joined (cat, differentiable: training runs this too), then padded.
+    std::vector<at::Tensor> row_keys, row_values;
+    std::vector<int64_t> lens;
+    size_t d = 0;
+    for (int64_t count : doc_counts) {
+      COMB_CHECK(count >= 0 && d + count <= ks.size(), "joint_kv: doc_counts name more documents than the {} linked",
+                 ks.size());
+      std::vector<at::Tensor> rk(ks.begin() + d, ks.begin() + d + count), rv(vs.begin() + d, vs.begin() + d + count);
+      d += count;
+      row_keys.push_back(rk.empty() ? at::zeros({c.n_head_kv, 0, c.head_dim}, ks[0].options()) : at::cat(rk, 1));
+      row_values.push_back(rv.empty() ? at::zeros({c.n_head_kv, 0, c.head_dim}, vs[0].options()) : at::cat(rv, 1));
+      lens.push_back(row_keys.back().size(1));
     }
-    at::Tensor kr = ks.empty() ? at::zeros({c.n_head_kv, 0, c.head_dim}, keys[0].options()) : at::cat(ks, 1);
-    at::Tensor vr = vs.empty() ? at::zeros({c.n_head_kv, 0, c.head_dim}, values[0].options()) : at::cat(vs, 1);
-    row_keys.push_back(at::constant_pad_nd(kr, {0, 0, 0, m - lens[r]}));
-    row_values.push_back(at::constant_pad_nd(vr, {0, 0, 0, m - lens[r]}));
+    COMB_CHECK(d == ks.size(), "joint_kv: doc_counts name {} documents, {} are linked", d, ks.size());
+    const int64_t m = *std::max_element(lens.begin(), lens.end());
+    for (size_t r = 0; r < lens.size(); ++r) {
+      row_keys[r] = at::constant_pad_nd(row_keys[r], {0, 0, 0, m - lens[r]});
+      row_values[r] = at::constant_pad_nd(row_values[r], {0, 0, 0, m - lens[r]});
+    }
+    JointKV j;
+    j.keys = at::stack(row_keys);
+    j.values = at::stack(row_values);
+    if (std::any_of(lens.begin(), lens.end(), [&](int64_t l) { return l != m; }))
+      j.valid = at::arange(m, ks[0].options().dtype(at::kLong)).unsqueeze(0) <
+                at::tensor(lens, at::kLong).to(ks[0].device()).unsqueeze(1);
+    j.bias = w.cross.at(k).doc_bias;
+    out.push_back(std::move(j));
   }
-  JointKV out;
-  out.keys = at::stack(row_keys);
-  out.values = at::stack(row_values);
-  if (std::any_of(lens.begin(), lens.end(), [&](int64_t l) { return l != m; }))
-    out.valid = at::arange(m, keys[0].options().dtype(at::kLong)).unsqueeze(0) <
-                at::tensor(lens, at::kLong).to(keys[0].device()).unsqueeze(1);
-  out.bias = w.cross.at(k).doc_bias;
   return out;
 }
 

@@ -314,9 +314,7 @@ at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const 
       doc_values[k].push_back(values[k][d].narrow(1, 0, batch.doc_lens[d]));
     }
   if (plugin.config().joint_attention) {
-    std::vector<JointKV> joint;
-    for (int64_t k = 0; k < n_blocks; ++k)
-      joint.push_back(plugin.joint_kv(pw, k, doc_keys[k], doc_values[k], batch.doc_counts));
+    std::vector<JointKV> joint = plugin.joint_kv(pw, doc_keys, doc_values, batch.doc_counts);
     return head_logits(base,
                        decoder_hidden(base, batch.tokens, nullptr,
                                       [&](int64_t layer) -> const JointKV* {

@@ -155,10 +155,12 @@ class Plugin {
   at::Tensor cross_block(const PluginWeights& w, int64_t k, const at::Tensor& x, const std::vector<at::Tensor>& keys,
                          const std::vector<at::Tensor>& values, const std::vector<int64_t>& doc_counts,
                          int64_t start = 0) const;
-  // joint_attention: what block `k` adds to its layer's attention, from linked keys/values (see
-  // Linker), the documents of each batch row joined and the rows padded to the longest.
-  JointKV joint_kv(const PluginWeights& w, int64_t k, const std::vector<at::Tensor>& keys,
-                   const std::vector<at::Tensor>& values, const std::vector<int64_t>& doc_counts) const;
+  // joint_attention: what each block adds to its layer's attention, from linked keys/values
+  // [block][document] (see Linker), the documents of each batch row joined and the rows padded to
+  // the longest.
+  std::vector<JointKV> joint_kv(const PluginWeights& w, const std::vector<std::vector<at::Tensor>>& keys,
+                                const std::vector<std::vector<at::Tensor>>& values,
+                                const std::vector<int64_t>& doc_counts) const;
   // Names and tensors of the plug-in, in the reference checkpoint's naming.
   std::vector<std::pair<std::string, at::Tensor>> named_tensors() const;
   void refresh_fingerprint();

@@ -79,7 +79,7 @@ struct LinkedDocuments {
   std::vector<int64_t> doc_counts;              // [batch]: documents of each request
   std::vector<std::shared_ptr<const DocumentKV>> held;  // keeps every linked entry alive
   bool empty() const { return held.empty(); }
-  // A joint-attention plug-in's view of them (Plugin::joint_kv per block), built by the first
+  // A joint-attention plug-in's view of them (Plugin::joint_kv), built by the first
   // Model::forward that reads them and reused by every decoding step after it.
   struct Joined {
     std::mutex mutex;
