@@ -2,6 +2,11 @@
 #include <zlib.h>
 
 #include <cctype>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <set>
 
 #include "comb/error.hpp"
 #include "comb/qa.hpp"
@@ -12,10 +17,13 @@ const char* const kQaInstruction =
     "Write a high-quality answer for the given question using only the provided documents (some of which might be "
     "irrelevant).";
 
-std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
+namespace {
+// Calls fn(line number, object) for each non-blank line of a JSON Lines file (gzip or plain) until
+// fn returns false. A line that is not a JSON object, a damaged gzip stream and a JSON type error
+// in fn are errors naming the file and line.
+void each_json_line(const std::string& path, const std::function<bool(int64_t, const nlohmann::json&)>& fn) {
   gzFile f = gzopen(path.c_str(), "rb");
   COMB_CHECK(f, "cannot open data file '{}'", path);
-  std::vector<QaItem> items;
   std::string line;
   char buffer[1 << 16];
   int64_t number = 0;
@@ -28,15 +36,8 @@ std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
     COMB_CHECK(code == Z_OK || code == Z_STREAM_END, "'{}' is damaged or cut short ({} lines read whole): {}", path, number,
                message ? message : "read error");
   };
-  // A field that is not what it must be, said with the file, the line and the field. Callers
-  // test first, so field names are formatted only for the message.
-  auto refuse = [&](const std::string& field, const std::string& expected, const nlohmann::json& found) {
-    COMB_FAIL("'{}' line {}: '{}' must be {}, found {}", path, number, field, expected,
-              found.is_null() ? std::string("null") : std::string(found.type_name()) + " " + found.dump().substr(0, 60));
-  };
-  static const nlohmann::json missing;  // what an absent document field is reported as
   try {
-    while (limit <= 0 || static_cast<int64_t>(items.size()) < limit) {
+    for (;;) {
       line.clear();
       bool got = false;
       while (gzgets(f, buffer, sizeof(buffer))) {
@@ -51,48 +52,7 @@ std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
       nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
       COMB_CHECK(!j.is_discarded() && j.is_object(), "'{}' line {}: not valid JSON (expected one object per line)", path,
                  number);
-      for (const char* key : {"id", "question", "answers", "documents"})
-        COMB_CHECK(j.contains(key), "'{}' line {}: missing '{}' (expected id, question, answers, documents)", path,
-                   number, key);
-      QaItem item;
-      const auto& id = j["id"];
-      if (!id.is_string() && !id.is_number_integer()) refuse("id", "a string or a whole number", id);
-      item.id = id.is_string() ? id.get<std::string>() : id.dump();
-      if (!j["question"].is_string()) refuse("question", "a string", j["question"]);
-      item.question = j["question"].get<std::string>();
-      const auto& answers = j["answers"];
-      // An empty list is read (training skips such items); comb eval refuses it.
-      if (!answers.is_array()) refuse("answers", "a list of strings", answers);
-      for (size_t a = 0; a < answers.size(); ++a) {
-        if (!answers[a].is_string()) refuse(fmt::format("answers[{}]", a), "a string", answers[a]);
-        item.answers.push_back(answers[a].get<std::string>());
-      }
-      const auto& documents = j["documents"];
-      if (!documents.is_array()) refuse("documents", "a list of {title, text} objects", documents);
-      for (size_t d = 0; d < documents.size(); ++d) {
-        const auto& doc = documents[d];
-        if (!doc.is_object()) refuse(fmt::format("documents[{}]", d), "an object {title, text}", doc);
-        auto text_of = [&](const char* key) -> const std::string& {
-          auto at = doc.find(key);
-          const nlohmann::json& value = at == doc.end() ? missing : *at;
-          if (!value.is_string()) refuse(fmt::format("documents[{}].{}", d, key), "a string", value);
-          return value.get_ref<const std::string&>();
-        };
-        item.documents.push_back({text_of("title"), text_of("text")});  // read in this order
-      }
-      if (j.contains("gold_index")) {
-        const auto& gold = j["gold_index"];
-        // Read as unsigned first where it is one: 2^64 - 1 must not wrap to -1.
-        bool ok = gold.is_number_integer() &&
-                  (gold.is_number_unsigned() ? gold.get<uint64_t>() < item.documents.size()
-                                             : gold.get<int64_t>() >= -1 &&
-                                                   gold.get<int64_t>() < static_cast<int64_t>(item.documents.size()));
-        if (!ok) refuse("gold_index", fmt::format("-1 or a document's index below {}", item.documents.size()), gold);
-        item.gold_index = gold.get<int64_t>();
-      } else {
-        item.gold_index = -1;
-      }
-      items.push_back(std::move(item));
+      if (!fn(number, j)) break;
     }
   } catch (const nlohmann::json::exception& e) {
     gzclose(f);
@@ -102,8 +62,252 @@ std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
     throw;
   }
   gzclose(f);
+}
+
+// A field that is not what it must be, said with the file, the line and the field.
+[[noreturn]] void refuse(const std::string& path, int64_t number, const std::string& field, const std::string& expected,
+                         const nlohmann::json& found) {
+  COMB_FAIL("'{}' line {}: '{}' must be {}, found {}", path, number, field, expected,
+            found.is_null() ? std::string("null") : std::string(found.type_name()) + " " + found.dump().substr(0, 60));
+}
+}  // namespace
+
+std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
+  std::vector<QaItem> items;
+  static const nlohmann::json missing;  // what an absent document field is reported as
+  each_json_line(path, [&](int64_t number, const nlohmann::json& j) {
+    // Callers test first, so field names are formatted only for the message.
+    auto bad = [&](const std::string& field, const std::string& expected, const nlohmann::json& found) {
+      refuse(path, number, field, expected, found);
+    };
+    for (const char* key : {"id", "question", "answers", "documents"})
+      COMB_CHECK(j.contains(key), "'{}' line {}: missing '{}' (expected id, question, answers, documents)", path,
+                 number, key);
+    QaItem item;
+    const auto& id = j["id"];
+    if (!id.is_string() && !id.is_number_integer()) bad("id", "a string or a whole number", id);
+    item.id = id.is_string() ? id.get<std::string>() : id.dump();
+    if (!j["question"].is_string()) bad("question", "a string", j["question"]);
+    item.question = j["question"].get<std::string>();
+    const auto& answers = j["answers"];
+    // An empty list is read (training skips such items); comb eval refuses it.
+    if (!answers.is_array()) bad("answers", "a list of strings", answers);
+    for (size_t a = 0; a < answers.size(); ++a) {
+      if (!answers[a].is_string()) bad(fmt::format("answers[{}]", a), "a string", answers[a]);
+      item.answers.push_back(answers[a].get<std::string>());
+    }
+    const auto& documents = j["documents"];
+    if (!documents.is_array()) bad("documents", "a list of {title, text} objects", documents);
+    for (size_t d = 0; d < documents.size(); ++d) {
+      const auto& doc = documents[d];
+      if (!doc.is_object()) bad(fmt::format("documents[{}]", d), "an object {title, text}", doc);
+      auto text_of = [&](const char* key) -> const std::string& {
+        auto at = doc.find(key);
+        const nlohmann::json& value = at == doc.end() ? missing : *at;
+        if (!value.is_string()) bad(fmt::format("documents[{}].{}", d, key), "a string", value);
+        return value.get_ref<const std::string&>();
+      };
+      item.documents.push_back({text_of("title"), text_of("text")});  // read in this order
+    }
+    if (j.contains("gold_index")) {
+      const auto& gold = j["gold_index"];
+      // Read as unsigned first where it is one: 2^64 - 1 must not wrap to -1.
+      bool ok = gold.is_number_integer() &&
+                (gold.is_number_unsigned() ? gold.get<uint64_t>() < item.documents.size()
+                                           : gold.get<int64_t>() >= -1 &&
+                                                 gold.get<int64_t>() < static_cast<int64_t>(item.documents.size()));
+      if (!ok) bad("gold_index", fmt::format("-1 or a document's index below {}", item.documents.size()), gold);
+      item.gold_index = gold.get<int64_t>();
+    } else {
+      item.gold_index = -1;
+    }
+    items.push_back(std::move(item));
+    return limit <= 0 || static_cast<int64_t>(items.size()) < limit;
+  });
   COMB_CHECK(!items.empty(), "'{}' holds no items", path);
   return items;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Data sets made from their public source files
+// ------------------------------------------------------------------------------------------------
+
+namespace {
+// rng() % n: the same draws on every platform (std::uniform_int_distribution is not).
+size_t draw(std::mt19937_64& rng, size_t n) { return static_cast<size_t>(rng() % n); }
+}  // namespace
+
+std::vector<QaItem> nq_multidoc_items(const std::string& source, const NqMultidocOptions& o) {
+  COMB_CHECK(o.documents >= 1, "an nq-multidoc item needs at least one document (the gold one), found {}", o.documents);
+  struct Question {
+    std::string question;
+    std::vector<std::string> answers;
+    QaDocument gold;
+  };
+  std::vector<Question> questions;
+  each_json_line(source, [&](int64_t number, const nlohmann::json& j) {
+    auto bad = [&](const std::string& field, const std::string& expected, const nlohmann::json& found) {
+      refuse(source, number, field, expected, found);
+    };
+    static const nlohmann::json missing;
+    auto field = [&](const nlohmann::json& obj, const std::string& key) -> const nlohmann::json& {
+      auto at = obj.find(key);
+      return at == obj.end() ? missing : *at;
+    };
+    Question q;
+    const auto& question = field(j, "question");
+    if (!question.is_string()) bad("question", "a string", question);
+    q.question = question.get<std::string>();
+    const auto& answers = field(j, "answers");
+    if (!answers.is_array() || answers.empty()) bad("answers", "a non-empty list of strings", answers);
+    for (size_t a = 0; a < answers.size(); ++a) {
+      if (!answers[a].is_string()) bad(fmt::format("answers[{}]", a), "a string", answers[a]);
+      q.answers.push_back(answers[a].get<std::string>());
+    }
+    // The gold passage: the ctx marked isgold, else the annotated long answer.
+    bool found = false;
+    const auto& ctxs = field(j, "ctxs");
+    if (!ctxs.is_null() && !ctxs.is_array()) bad("ctxs", "a list of {title, text, isgold} objects", ctxs);
+    for (size_t c = 0; !found && ctxs.is_array() && c < ctxs.size(); ++c) {
+      const auto& ctx = ctxs[c];
+      if (!ctx.is_object()) bad(fmt::format("ctxs[{}]", c), "an object {title, text, isgold}", ctx);
+      if (field(ctx, "isgold") != true) continue;
+      for (const char* key : {"title", "text"})
+        if (!field(ctx, key).is_string()) bad(fmt::format("ctxs[{}].{}", c, key), "a string", field(ctx, key));
+      q.gold = {ctx["title"].get<std::string>(), ctx["text"].get<std::string>()};
+      found = true;
+    }
+    const auto& annotated = field(j, "nq_annotated_gold");
+    if (!found && annotated.is_object()) {
+      if (!field(annotated, "title").is_string()) bad("nq_annotated_gold.title", "a string", field(annotated, "title"));
+      const auto& text = field(annotated, "chunked_long_answer");
+      if (!text.is_string()) bad("nq_annotated_gold.chunked_long_answer", "a string", text);
+      q.gold = {annotated["title"].get<std::string>(), text.get<std::string>()};
+      found = true;
+    }
+    COMB_CHECK(found, "'{}' line {}: no gold passage (expected a ctx with \"isgold\": true or nq_annotated_gold)", source,
+               number);
+    questions.push_back(std::move(q));
+    return o.items <= 0 || static_cast<int64_t>(questions.size()) < o.items;
+  });
+  COMB_CHECK(!questions.empty(), "'{}' holds no questions", source);
+  // The distractor pool: every question's gold passage once (title and text).
+  std::vector<QaDocument> pool;
+  {
+    std::set<std::pair<std::string, std::string>> seen;
+    for (const auto& q : questions)
+      if (seen.insert({q.gold.title, q.gold.text}).second) pool.push_back(q.gold);
+  }
+  std::vector<std::string> pool_text;  // what the answer check reads: title and text
+  for (const auto& d : pool) pool_text.push_back(d.title + "\n" + d.text);
+  std::mt19937_64 rng(o.seed);
+  std::vector<QaItem> items;
+  for (size_t i = 0; i < questions.size(); ++i) {
+    const Question& q = questions[i];
+    // Candidates in a random order (Fisher-Yates with draw()); the first documents - 1 that are
+    // not the gold passage and hold none of the answers are the distractors.
+    std::vector<size_t> order(pool.size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::vector<QaDocument> distractors;
+    for (size_t k = 0; k < order.size() && static_cast<int64_t>(distractors.size()) + 1 < o.documents; ++k) {
+      std::swap(order[k], order[k + draw(rng, order.size() - k)]);
+      const QaDocument& d = pool[order[k]];
+      if ((d.title == q.gold.title && d.text == q.gold.text) || answer_correct(pool_text[order[k]], q.answers)) continue;
+      distractors.push_back(d);
+    }
+    COMB_CHECK(static_cast<int64_t>(distractors.size()) + 1 == o.documents,
+               "'{}': question {} ('{}') has {} passages without its answer to draw from; {} documents need {}", source,
+               i, q.question.substr(0, 60), distractors.size(), o.documents, o.documents - 1);
+    QaItem item;
+    item.id = fmt::format("{}-{:04d}", o.id_prefix, i);
+    item.question = q.question;
+    item.answers = q.answers;
+    item.gold_index = static_cast<int64_t>(draw(rng, o.documents));
+    item.documents = std::move(distractors);
+    item.documents.insert(item.documents.begin() + item.gold_index, q.gold);
+    items.push_back(std::move(item));
+  }
+  return items;
+}
+
+std::vector<QaItem> kv_retrieval_items(const std::string& source, const KvRetrievalOptions& o) {
+  COMB_CHECK(o.pairs_per_document >= 1, "a key-value document holds at least one pair, found {}",
+             o.pairs_per_document);
+  std::vector<QaItem> items;
+  each_json_line(source, [&](int64_t number, const nlohmann::json& j) {
+    static const nlohmann::json missing;
+    auto field = [&](const std::string& key) -> const nlohmann::json& {
+      auto at = j.find(key);
+      return at == j.end() ? missing : *at;
+    };
+    const auto& records = field("ordered_kv_records");
+    if (!records.is_array() || records.empty())
+      refuse(source, number, "ordered_kv_records", "a non-empty list of [key, value] pairs", records);
+    for (const char* k : {"key", "value"})
+      if (!field(k).is_string()) refuse(source, number, k, "a string", field(k));
+    const std::string key = j["key"].get<std::string>(), value = j["value"].get<std::string>();
+    QaItem item;
+    item.id = fmt::format("{}-{:04d}", o.id_prefix, items.size());
+    item.question = fmt::format("Extract the value corresponding to the key \"{}\" from the JSON objects above.", key);
+    item.answers = {value};
+    std::string text;
+    int64_t in_doc = 0;
+    bool holds_key = false;
+    auto close = [&] {
+      item.documents.push_back({"", text + "}"});
+      if (holds_key) item.gold_index = static_cast<int64_t>(item.documents.size()) - 1;
+      text.clear();
+      in_doc = 0;
+      holds_key = false;
+    };
+    for (size_t r = 0; r < records.size(); ++r) {
+      const auto& pair = records[r];
+      if (!pair.is_array() || pair.size() != 2 || !pair[0].is_string() || !pair[1].is_string())
+        refuse(source, number, fmt::format("ordered_kv_records[{}]", r), "a [key, value] pair of strings", pair);
+      // Written as a JSON object: {"key": "value", "key": "value"}.
+      text += (in_doc == 0 ? "{" : ", ") + nlohmann::json(pair[0]).dump() + ": " + nlohmann::json(pair[1]).dump();
+      if (pair[0] == key) {
+        COMB_CHECK(pair[1] == value, "'{}' line {}: the record of key '{}' holds '{}', not the item's value '{}'",
+                   source, number, key, pair[1].get<std::string>(), value);
+        holds_key = true;
+      }
+      if (++in_doc == o.pairs_per_document) close();
+    }
+    if (in_doc > 0) close();
+    COMB_CHECK(item.gold_index >= 0, "'{}' line {}: key '{}' is not among its records", source, number, key);
+    items.push_back(std::move(item));
+    return o.items <= 0 || static_cast<int64_t>(items.size()) < o.items;
+  });
+  COMB_CHECK(!items.empty(), "'{}' holds no items", source);
+  return items;
+}
+
+void write_qa_items(const std::string& path, const std::vector<QaItem>& items) {
+  const bool gz = path.size() > 3 && path.compare(path.size() - 3, 3, ".gz") == 0;
+  const std::string tmp = path + ".part";
+  std::string data;
+  for (const auto& it : items) {
+    // Fields in the order the format lists them (ordered_json keeps insertion order).
+    nlohmann::ordered_json docs = nlohmann::ordered_json::array();
+    for (const auto& d : it.documents) docs.push_back({{"title", d.title}, {"text", d.text}});
+    data += nlohmann::ordered_json{{"id", it.id}, {"question", it.question}, {"answers", it.answers},
+                                   {"documents", docs}, {"gold_index", it.gold_index}}
+                .dump() +
+            "\n";
+  }
+  if (gz) {
+    // mtime 0 in the header (gzopen writes none), so the same items give the same bytes.
+    gzFile f = gzopen(tmp.c_str(), "wb9");
+    COMB_CHECK(f, "cannot write '{}'", tmp);
+    const bool ok = gzwrite(f, data.data(), static_cast<unsigned>(data.size())) == static_cast<int>(data.size());
+    COMB_CHECK(gzclose(f) == Z_OK && ok, "writing '{}' failed", tmp);
+  } else {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << data;
+    out.close();
+    COMB_CHECK(out.good(), "writing '{}' failed", tmp);
+  }
+  std::filesystem::rename(tmp, path);
 }
 
 std::string normalize_answer(const std::string& s) {

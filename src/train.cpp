@@ -12,6 +12,9 @@
 #include <sstream>
 #include <unordered_map>
 
+#include <nlohmann/json.hpp>
+#include <xxhash.h>
+
 #include "comb/error.hpp"
 #include "comb/log.hpp"
 #include "comb/safetensors.hpp"
@@ -355,6 +358,172 @@ at::Tensor full_context_logits(const Decoder& base, const std::vector<TrainExamp
 }
 
 // ================================================================================================
+// Self-distillation: teacher answers and their file
+// ================================================================================================
+
+namespace {
+std::vector<int32_t> full_prompt(const TrainExample& e) {
+  std::vector<int32_t> s = e.prefix;
+  for (const auto& d : e.documents) s.insert(s.end(), d->begin(), d->end());
+  s.insert(s.end(), e.suffix.begin(), e.suffix.end());
+  return s;
+}
+}  // namespace
+
+TeacherAnswer teacher_answer(const Model& model, const TrainExample& example, int64_t max_tokens, int64_t top_k) {
+  COMB_CHECK(max_tokens >= 1 && top_k >= 1, "a teacher answer needs max tokens >= 1 and top-k >= 1 (found {}, {})",
+             max_tokens, top_k);
+  c10::AutoGradMode no_grad(false);
+  GenerateOptions g;
+  g.max_tokens = max_tokens;
+  GenerationResult r = model.generate(full_prompt(example), g);  // no documents: the bare decoder
+  TeacherAnswer t;
+  t.answer = r.tokens;
+  if (r.stop_reason == "stop_token") {
+    const ChatTemplate& tmpl = model.chat_template();
+    if (auto eot = model.tokenizer().find_token(tmpl.end_of_turn())) t.answer.push_back(*eot);
+    else if (auto eos = model.tokenizer().eos_id()) t.answer.push_back(*eos);
+  }
+  if (t.answer.empty()) return t;  // the decoder ended at once and has no end-of-turn token
+  TrainExample with = example;
+  with.answer = t.answer;
+  at::Tensor lp = at::log_softmax(full_context_logits(model.decoder(), {with}, model.decoder().device()), -1);
+  const int64_t k = std::min<int64_t>(top_k, lp.size(-1));
+  auto [values, ids] = lp.topk(k, -1);
+  values = values.to(at::kCPU, at::kFloat).contiguous();
+  ids = ids.to(at::kCPU, at::kInt).contiguous();
+  const float* v = values.data_ptr<float>();
+  const int32_t* id = ids.data_ptr<int32_t>();
+  for (int64_t j = 0; j < values.size(0); ++j) {
+    t.top_ids.emplace_back(id + j * k, id + (j + 1) * k);
+    t.top_logprobs.emplace_back(v + j * k, v + (j + 1) * k);
+  }
+  return t;
+}
+
+std::string TeacherCache::key(const TrainExample& e) {
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_128bits_reset(st);
+  auto part = [&](const std::vector<int32_t>& v) {
+    const uint64_t n = v.size();  // lengths too, so that moving a token across a boundary changes the key
+    XXH3_128bits_update(st, &n, sizeof n);
+    XXH3_128bits_update(st, v.data(), v.size() * sizeof(int32_t));
+  };
+  part(e.prefix);
+  for (const auto& d : e.documents) part(*d);
+  part(e.suffix);
+  XXH128_hash_t h = XXH3_128bits_digest(st);
+  XXH3_freeState(st);
+  return fmt::format("{:016x}{:016x}", h.high64, h.low64);
+}
+
+TeacherCache::TeacherCache(std::string path, std::string base_fingerprint, int64_t max_tokens, int64_t top_k)
+    : path_(std::move(path)), base_(std::move(base_fingerprint)), max_tokens_(max_tokens), top_k_(top_k) {
+  COMB_CHECK(max_tokens >= 1 && top_k >= 1, "teacher answers need max tokens >= 1 and top-k >= 1 (found {}, {})",
+             max_tokens, top_k);
+  const nlohmann::json header = {{"format", "comb-teacher"}, {"version", 1}, {"base", base_},
+                                 {"max_tokens", max_tokens_}, {"top_k", top_k_}};
+  if (!fs::exists(path_) || fs::file_size(path_) == 0) {
+    if (fs::path(path_).has_parent_path()) fs::create_directories(fs::path(path_).parent_path());
+    std::ofstream out(path_, std::ios::trunc);
+    out << header.dump() << "\n";
+    COMB_CHECK(out.good(), "cannot write the teacher file '{}'", path_);
+    return;
+  }
+  std::ifstream in(path_);
+  COMB_CHECK(in.good(), "cannot read the teacher file '{}'", path_);
+  std::string line;
+  std::getline(in, line);
+  nlohmann::json h = nlohmann::json::parse(line, nullptr, false);
+  COMB_CHECK(!h.is_discarded() && h.is_object() && h.value("format", "") == "comb-teacher",
+             "'{}' line 1: expected a comb-teacher header, found '{}'", path_, line.substr(0, 80));
+  for (const char* field : {"base", "max_tokens", "top_k"})
+    COMB_CHECK(h.contains(field) && h[field] == header[field],
+               "'{}' holds teacher answers with {} {}, this run needs {}: name another file (--teacher)", path_,
+               field, h.contains(field) ? h[field].dump() : "(none)", header[field].dump());
+  int64_t line_no = 1, dropped = 0;
+  std::vector<std::string> lines;
+  while (std::getline(in, line)) lines.push_back(line);
+  // The last line may lack its newline when a run was stopped while writing it.
+  for (size_t i = 0; i < lines.size(); ++i) {
+    ++line_no;
+    if (lines[i].empty()) continue;
+    nlohmann::json j = nlohmann::json::parse(lines[i], nullptr, false);
+    if (j.is_discarded() && i + 1 == lines.size()) {
+      ++dropped;
+      break;
+    }
+    auto where = [&] { return fmt::format("'{}' line {}", path_, line_no); };
+    COMB_CHECK(!j.is_discarded() && j.is_object(), "{}: not a JSON object", where());
+    COMB_CHECK(j.contains("key") && j["key"].is_string() && j.contains("answer") && j["answer"].is_array() &&
+                   j.contains("top_ids") && j["top_ids"].is_array() && j.contains("top_logprobs") &&
+                   j["top_logprobs"].is_array(),
+               "{}: expected key, answer, top_ids and top_logprobs", where());
+    TeacherAnswer t;
+    try {
+      t.answer = j["answer"].get<std::vector<int32_t>>();
+      t.top_ids = j["top_ids"].get<std::vector<std::vector<int32_t>>>();
+      t.top_logprobs = j["top_logprobs"].get<std::vector<std::vector<float>>>();
+    } catch (const nlohmann::json::exception&) {
+      throw Error(fmt::format("{}: answer and top_ids hold token ids, top_logprobs numbers", where()));
+    }
+    COMB_CHECK(t.top_ids.size() == t.answer.size() && t.top_logprobs.size() == t.answer.size(),
+               "{}: {} answer tokens but {} top_ids and {} top_logprobs rows", where(), t.answer.size(),
+               t.top_ids.size(), t.top_logprobs.size());
+    for (size_t r = 0; r < t.top_ids.size(); ++r)
+      COMB_CHECK(!t.top_ids[r].empty() && t.top_ids[r].size() == t.top_logprobs[r].size() &&
+                     static_cast<int64_t>(t.top_ids[r].size()) == top_k_,
+                 "{}: row {} has {} ids and {} log-probabilities (expected {} of each)", where(), r,
+                 t.top_ids[r].size(), t.top_logprobs[r].size(), top_k_);
+    entries_[j["key"].get<std::string>()] = std::move(t);
+  }
+  if (dropped) {
+    log(LogLevel::warning, "teacher file '{}': dropped a last line cut short (an interrupted run)", path_);
+    // Rewrite without it, so that new lines do not follow a broken one.
+    std::string tmp = path_ + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << h.dump() << "\n";
+      for (size_t i = 0; i + 1 < lines.size(); ++i)
+        if (!lines[i].empty()) out << lines[i] << "\n";
+      COMB_CHECK(out.good(), "cannot write '{}'", tmp);
+    }
+    fs::rename(tmp, path_);
+  }
+}
+
+const TeacherAnswer* TeacherCache::find(const std::string& key) const {
+  auto it = entries_.find(key);
+  return it == entries_.end() ? nullptr : &it->second;
+}
+
+const TeacherAnswer& TeacherCache::add(const std::string& key, TeacherAnswer answer) {
+  nlohmann::json j = {{"key", key}, {"answer", answer.answer}, {"top_ids", answer.top_ids},
+                      {"top_logprobs", answer.top_logprobs}};
+  std::ofstream out(path_, std::ios::app);
+  out << j.dump() << "\n";
+  out.flush();
+  COMB_CHECK(out.good(), "cannot append to the teacher file '{}'", path_);
+  return entries_[key] = std::move(answer);
+}
+
+at::Tensor top_k_kl(const at::Tensor& student_logits, const at::Tensor& top_ids, const at::Tensor& top_logprobs) {
+  COMB_CHECK(student_logits.dim() == 2 && top_ids.dim() == 2 && top_ids.sizes() == top_logprobs.sizes() &&
+                 top_ids.size(0) == student_logits.size(0),
+             "top_k_kl: expected logits [m, vocab] and top ids/log-probabilities [m, k], found [{}], [{}] and [{}]",
+             fmt::join(student_logits.sizes(), ", "), fmt::join(top_ids.sizes(), ", "),
+             fmt::join(top_logprobs.sizes(), ", "));
+  at::Tensor lq = at::log_softmax(student_logits.to(at::kFloat), -1).gather(1, top_ids);  // [m, k]
+  at::Tensor lp = top_logprobs.to(at::kFloat);
+  at::Tensor p = lp.exp();
+  // The rest of the vocabulary as one bucket: 1 - the top-k mass (kept above 1e-12).
+  at::Tensor p_rest = (1 - p.sum(-1)).clamp_min(1e-12);
+  at::Tensor q_rest = (1 - lq.exp().sum(-1)).clamp_min(1e-12);
+  at::Tensor kl = (p * (lp - lq)).sum(-1) + p_rest * (p_rest.log() - q_rest.log());
+  return kl.mean();
+}
+
+// ================================================================================================
 // The loop
 // ================================================================================================
 
@@ -403,6 +572,9 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
   COMB_CHECK(o.lr > 0 && o.warmup_steps >= 0 && o.min_lr_ratio >= 0 && o.min_lr_ratio <= 1,
              "need lr > 0, warmup >= 0 and min lr ratio in [0, 1] (found {}, {}, {})", o.lr, o.warmup_steps,
              o.min_lr_ratio);
+  COMB_CHECK(o.targets == "gold" || o.targets == "teacher",
+             "targets must be gold (the items' answers) or teacher (the decoder's own full-context answers), found '{}'",
+             o.targets);
   COMB_CHECK(!o.dir.empty(), "training needs a directory for its checkpoints and loss log (--dir)");
   const Decoder& base = model.decoder();
   const c10::Device device = base.device();
@@ -478,6 +650,14 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
     fs::rename(tmp, ckpt);  // the checkpoint last: it and the optimizer state agree when both exist
   };
 
+  std::unique_ptr<TeacherCache> teacher;
+  if (o.targets == "teacher") {
+    const std::string path = o.teacher_file.empty() ? (fs::path(o.dir) / "teacher.jsonl").string() : o.teacher_file;
+    teacher = std::make_unique<TeacherCache>(path, base_fingerprint(base), o.teacher_tokens, o.teacher_top_k);
+    log(LogLevel::info, "train: targets are the decoder's own answers with the documents in context; {} kept in '{}'",
+        teacher->size(), path);
+  }
+
   const double b1 = 0.9, b2 = 0.95, eps = 1e-8;
   auto t0 = std::chrono::steady_clock::now();
   double window_loss = 0, window_ce = 0, window_kl = 0, window_tokens = 0;
@@ -491,11 +671,48 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
       std::mt19937_64 rng(o.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step) * 1000003ull + micro);
       std::vector<TrainExample> examples;
       for (int64_t i = 0; i < o.batch_size; ++i) examples.push_back(data.sample(rng));
+      std::vector<const TeacherAnswer*> taught;
+      if (teacher) {
+        // Each example's target becomes the decoder's own answer (computed once, then from the file);
+        // an example the decoder answers with nothing at all teaches nothing and is left out.
+        std::vector<TrainExample> kept;
+        for (auto& e : examples) {
+          const std::string key = TeacherCache::key(e);
+          const TeacherAnswer* t = teacher->find(key);
+          if (!t) {
+            t = &teacher->add(key, teacher_answer(model, e, o.teacher_tokens, o.teacher_top_k));
+            ++result.teacher_computed;
+          } else {
+            ++result.teacher_reused;
+          }
+          if (t->answer.empty()) continue;
+          e.answer = t->answer;
+          kept.push_back(std::move(e));
+          taught.push_back(t);
+        }
+        examples = std::move(kept);
+        if (examples.empty()) continue;
+      }
       TrainBatch batch = make_train_batch(examples, device);
       at::Tensor logits = plugin_train_logits(base, plugin, plugin.weights(), batch);
       at::Tensor ce = at::cross_entropy_loss(logits, batch.targets);
       at::Tensor loss = ce;
-      if (o.kl_weight > 0) {
+      if (o.kl_weight > 0 && teacher) {
+        // The stored top-k of the teacher at each of its own answer tokens (rows in batch order).
+        std::vector<int64_t> ids;
+        std::vector<float> lps;
+        for (const TeacherAnswer* t : taught)
+          for (size_t r = 0; r < t->answer.size(); ++r) {
+            ids.insert(ids.end(), t->top_ids[r].begin(), t->top_ids[r].end());
+            lps.insert(lps.end(), t->top_logprobs[r].begin(), t->top_logprobs[r].end());
+          }
+        const int64_t rows = logits.size(0), k = o.teacher_top_k;
+        at::Tensor top_ids = at::from_blob(ids.data(), {rows, k}, at::kLong).clone().to(device);
+        at::Tensor top_lp = at::from_blob(lps.data(), {rows, k}, at::kFloat).clone().to(device);
+        at::Tensor kl = top_k_kl(logits, top_ids, top_lp);
+        loss = loss + o.kl_weight * kl;
+        step_kl += kl.item<double>() / o.accumulation;
+      } else if (o.kl_weight > 0) {
         at::Tensor teacher = at::log_softmax(full_context_logits(base, examples, device), -1);
         at::Tensor kl = at::kl_div(at::log_softmax(logits, -1), teacher, at::Reduction::None, /*log_target=*/true)
                             .sum(-1)
@@ -517,7 +734,7 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
       std::vector<at::Tensor> sq;
       for (auto& [name, p] : params)
         if (p->grad().defined()) sq.push_back(p->grad().pow(2).sum());
-      norm = std::sqrt(at::stack(sq).sum().item<double>());
+      norm = sq.empty() ? 0.0 : std::sqrt(at::stack(sq).sum().item<double>());
       double clip_scale = (o.clip > 0 && norm > o.clip) ? o.clip / (norm + 1e-6) : 1.0;
       const double lr = lr_at(o, step);
       const double bc1 = 1 - std::pow(b1, step + 1), bc2 = 1 - std::pow(b2, step + 1);

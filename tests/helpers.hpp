@@ -21,6 +21,8 @@ inline std::string env_or(const char* name, const std::string& fallback) {
 }
 inline std::string oracle_dir() { return env_or("COMB_ORACLE_DIR", "build/oracle"); }
 inline std::string model_path() { return env_or("COMB_MODEL", ""); }
+// The repository's test data (tests/data, $COMB_TEST_DATA).
+inline std::string test_data_dir() { return env_or("COMB_TEST_DATA", "tests/data"); }
 
 // The default model in fp32 on CPU, loaded once for all tests.
 // Loaded outside inference mode whichever test asks first, so that training tests can use it.

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <set>
+#include <fstream>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -353,4 +355,101 @@ TEST_CASE("a written file gets the mode the umask gives a new file", "[formats]"
   int leftovers = 0;
   for (const auto& e : fs::directory_iterator(dir)) leftovers += e.path().filename().string() != "m.safetensors";
   CHECK(leftovers == 0);
+}
+
+TEST_CASE("nq-multidoc and kv items are made from files in their public source layout", "[formats][data]") {
+  const std::string src = test_data_dir() + "/source";
+  NqMultidocOptions o;
+  o.documents = 4;
+  std::vector<QaItem> items = nq_multidoc_items(src + "/nq-open-mini.jsonl", o);
+  REQUIRE(items.size() == 8);
+  // The gold passages, in the source's order (the fourth from nq_annotated_gold: no ctx is marked gold).
+  const char* titles[] = {"Mount Everest", "Amazon River", "Eiffel Tower", "Mariana Trench",
+                          "Great Barrier Reef", "Sistine Chapel ceiling", "Gold", "Human skeleton"};
+  std::set<int64_t> gold_places;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const QaItem& it = items[i];
+    INFO("item " << i);
+    CHECK(it.id == fmt::format("nq-{:04d}", i));
+    REQUIRE(it.documents.size() == 4);
+    REQUIRE(it.gold_index >= 0);
+    REQUIRE(it.gold_index < 4);
+    gold_places.insert(it.gold_index);
+    CHECK(it.documents[it.gold_index].title == titles[i]);
+    CHECK(answer_correct(it.documents[it.gold_index].text, it.answers));
+    std::set<std::string> seen;
+    for (int64_t d = 0; d < 4; ++d) {
+      CHECK(seen.insert(it.documents[d].title).second);  // no passage twice
+      if (d != it.gold_index) CHECK_FALSE(answer_correct(it.documents[d].title + "\n" + it.documents[d].text, it.answers));
+    }
+  }
+  CHECK(gold_places.size() > 1);  // the gold passage is not always in one place
+  CHECK(items[6].answers == std::vector<std::string>{"aurum"});
+  // The same seed gives the same items; another seed other draws.
+  auto same = nq_multidoc_items(src + "/nq-open-mini.jsonl", o);
+  auto titles_of = [](const std::vector<QaItem>& v) {
+    std::vector<std::string> t;
+    for (const auto& it : v)
+      for (const auto& d : it.documents) t.push_back(d.title);
+    return t;
+  };
+  CHECK(titles_of(same) == titles_of(items));
+  o.seed = 1;
+  CHECK(titles_of(nq_multidoc_items(src + "/nq-open-mini.jsonl", o)) != titles_of(items));
+  o.documents = 9;  // 8 questions: 7 other passages at most
+  CHECK_THROWS_WITH(nq_multidoc_items(src + "/nq-open-mini.jsonl", o),
+                    Catch::Contains("has 7 passages without its answer to draw from; 9 documents need 8"));
+
+  // Written and read back through the data reader, plain and gzip.
+  const std::string dir = temp_dir("comb-make-data");
+  for (const std::string name : {"/nq.jsonl", "/nq.jsonl.gz"}) {
+    write_qa_items(dir + name, items);
+    auto back = read_qa_items(dir + name);
+    REQUIRE(back.size() == items.size());
+    for (size_t i = 0; i < items.size(); ++i) {
+      CHECK(back[i].id == items[i].id);
+      CHECK(back[i].question == items[i].question);
+      CHECK(back[i].answers == items[i].answers);
+      CHECK(back[i].gold_index == items[i].gold_index);
+      CHECK(back[i].documents.back().text == items[i].documents.back().text);
+    }
+  }
+  CHECK_FALSE(fs::exists(dir + "/nq.jsonl.gz.part"));
+
+  // Key-value retrieval: 20 records in documents of 5, the key's document the gold one.
+  std::vector<QaItem> kv = kv_retrieval_items(src + "/kv-retrieval-mini.jsonl", {});
+  REQUIRE(kv.size() == 3);
+  for (const auto& it : kv) {
+    REQUIRE(it.documents.size() == 4);
+    REQUIRE(it.answers.size() == 1);
+    const std::string key = it.question.substr(it.question.find('"') + 1, 36);
+    CHECK(it.question == fmt::format("Extract the value corresponding to the key \"{}\" from the JSON objects above.", key));
+    for (int64_t d = 0; d < 4; ++d) {
+      nlohmann::json obj = nlohmann::json::parse(it.documents[d].text);
+      REQUIRE(obj.is_object());
+      CHECK(obj.size() == 5);
+      CHECK(obj.contains(key) == (d == it.gold_index));
+      if (d == it.gold_index) CHECK(obj[key] == it.answers[0]);
+    }
+  }
+
+  // Bad source lines are refused with the file, the line and the field.
+  {
+    std::ofstream f(dir + "/bad.jsonl");
+    f << R"({"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": "x", "isgold": true}]})" << "\n";
+    f << R"({"question": "q2", "answers": "a"})" << "\n";
+  }
+  CHECK_THROWS_WITH(nq_multidoc_items(dir + "/bad.jsonl", {}),
+                    Catch::Contains("bad.jsonl' line 2: 'answers' must be a non-empty list of strings, found string"));
+  {
+    std::ofstream f(dir + "/nogold.jsonl");
+    f << R"({"question": "q", "answers": ["a"], "ctxs": [{"title": "t", "text": "x", "isgold": false}]})" << "\n";
+  }
+  CHECK_THROWS_WITH(nq_multidoc_items(dir + "/nogold.jsonl", {}), Catch::Contains("nogold.jsonl' line 1: no gold passage"));
+  {
+    std::ofstream f(dir + "/badkv.jsonl");
+    f << R"({"ordered_kv_records": [["k1", "v1"], ["k2"]], "key": "k1", "value": "v1"})" << "\n";
+  }
+  CHECK_THROWS_WITH(kv_retrieval_items(dir + "/badkv.jsonl", {}),
+                    Catch::Contains("badkv.jsonl' line 1: 'ordered_kv_records[1]' must be a [key, value] pair of strings"));
 }

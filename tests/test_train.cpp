@@ -222,3 +222,134 @@ TEST_CASE("training input errors are clear", "[train][errors]") {
   missing.files = {"/nonexistent/items.jsonl"};
   CHECK_THROWS_WITH(TrainData(model, missing), Catch::Contains("/nonexistent/items.jsonl"));
 }
+
+TEST_CASE("top-k KL is the KL over the teacher's top tokens and the rest as one bucket", "[train][teacher]") {
+  auto gen = at::detail::createCPUGenerator(3);
+  at::Tensor teacher = at::randn({5, 40}, gen) * 2, student = at::randn({5, 40}, gen) * 2;
+  at::Tensor lp = at::log_softmax(teacher, -1);
+  // k = the whole vocabulary: the exact KL (the rest bucket is empty).
+  auto [all_lp, all_ids] = lp.topk(40, -1);
+  at::Tensor exact = at::kl_div(at::log_softmax(student, -1), lp, at::Reduction::None, true).sum(-1).mean();
+  CHECK(top_k_kl(student, all_ids, all_lp).item<double>() == Approx(exact.item<double>()).epsilon(1e-5));
+  // k = 4: written out per row, the rest of the vocabulary as one bucket.
+  auto [lp4, ids4] = lp.topk(4, -1);
+  at::Tensor lq = at::log_softmax(student, -1);
+  double want = 0;
+  for (int64_t r = 0; r < 5; ++r) {
+    double p_top = 0, q_top = 0, row = 0;
+    for (int64_t j = 0; j < 4; ++j) {
+      double p = std::exp(lp4[r][j].item<double>()), q = std::exp(lq[r][ids4[r][j].item<int64_t>()].item<double>());
+      row += p * (std::log(p) - std::log(q));
+      p_top += p;
+      q_top += q;
+    }
+    row += (1 - p_top) * (std::log(1 - p_top) - std::log(1 - q_top));
+    want += row / 5;
+  }
+  CHECK(top_k_kl(student, ids4, lp4).item<double>() == Approx(want).epsilon(1e-4));
+  // A student equal to the teacher: 0; a gradient reaches the student's logits.
+  CHECK(std::abs(top_k_kl(teacher, ids4, lp4).item<double>()) < 1e-6);
+  at::Tensor s = student.clone().requires_grad_(true);
+  top_k_kl(s, ids4, lp4).backward();
+  CHECK(s.grad().abs().sum().item<double>() > 0);
+  CHECK_THROWS_WITH(top_k_kl(student, ids4, lp4.narrow(1, 0, 3)), Catch::Contains("expected logits [m, vocab]"));
+}
+
+TEST_CASE("teacher answers: the decoder's own full-context answer, kept in a file and reused", "[train][teacher]") {
+  const Model& model = default_model();
+  std::string dir = temp_dir("comb-teacher");
+  TrainDataOptions d;
+  d.files = {write_items(dir)};
+  d.kv_share = 0;
+  d.needle_share = 0;
+  d.max_documents = 3;
+  TrainData data(model, d);
+  std::mt19937_64 rng(11);
+  TrainExample e = data.sample(rng);
+
+  TeacherAnswer t = teacher_answer(model, e, 12, 5);
+  // The greedy answer of the bare decoder with prefix, documents and suffix as one prompt.
+  std::vector<int32_t> prompt = e.prefix;
+  for (const auto& doc : e.documents) prompt.insert(prompt.end(), doc->begin(), doc->end());
+  prompt.insert(prompt.end(), e.suffix.begin(), e.suffix.end());
+  GenerateOptions g;
+  g.max_tokens = 12;
+  GenerationResult r = model.generate(prompt, g);
+  REQUIRE(t.answer.size() >= r.tokens.size());
+  CHECK(std::vector<int32_t>(t.answer.begin(), t.answer.begin() + r.tokens.size()) == r.tokens);
+  CHECK(t.answer.size() == r.tokens.size() + (r.stop_reason == "stop_token" ? 1 : 0));
+  REQUIRE(t.top_ids.size() == t.answer.size());
+  for (size_t j = 0; j < t.answer.size(); ++j) {
+    REQUIRE(t.top_ids[j].size() == 5);
+    // Sorted, and the greedy token is among the top (first, up to ties).
+    for (int k = 0; k + 1 < 5; ++k) CHECK(t.top_logprobs[j][k] >= t.top_logprobs[j][k + 1]);
+    CHECK(std::find(t.top_ids[j].begin(), t.top_ids[j].end(), t.answer[j]) != t.top_ids[j].end());
+    CHECK(t.top_logprobs[j][0] <= 0);
+  }
+
+  // The file: written, read back, refused for other settings, a cut-short last line dropped.
+  const std::string path = dir + "/teacher.jsonl";
+  const std::string base = base_fingerprint(model.decoder());
+  const std::string key = TeacherCache::key(e);
+  {
+    TeacherCache c(path, base, 12, 5);
+    CHECK(c.size() == 0);
+    CHECK(c.find(key) == nullptr);
+    c.add(key, t);
+  }
+  {
+    TeacherCache c(path, base, 12, 5);
+    REQUIRE(c.find(key) != nullptr);
+    CHECK(c.find(key)->answer == t.answer);
+    CHECK(c.find(key)->top_ids == t.top_ids);
+    CHECK(c.find(key)->top_logprobs == t.top_logprobs);
+  }
+  CHECK_THROWS_WITH(TeacherCache(path, base, 12, 6), Catch::Contains("with top_k 5, this run needs 6"));
+  CHECK_THROWS_WITH(TeacherCache(path, "another", 12, 5), Catch::Contains("base"));
+  // Another example (other documents or order) has another key.
+  TrainExample other = e;
+  std::reverse(other.documents.begin(), other.documents.end());
+  if (other.documents.size() > 1) CHECK(TeacherCache::key(other) != key);
+  {
+    std::ofstream f(path, std::ios::app);
+    f << "{\"key\":\"abc\",\"answer\":[1,2";  // an interrupted write
+  }
+  {
+    TeacherCache c(path, base, 12, 5);
+    CHECK(c.size() == 1);
+  }
+  {
+    std::ofstream f(path, std::ios::app);
+    f << "not json\n{\"key\":\"k\",\"answer\":[],\"top_ids\":[],\"top_logprobs\":[]}\n";
+  }
+  CHECK_THROWS_WITH(TeacherCache(path, base, 12, 5), Catch::Contains("teacher.jsonl' line 3: not a JSON object"));
+
+  // Training on teacher targets: computed once, reused by a second run over the same examples.
+  PluginInitOptions init;
+  init.n_encoder_layers = 1;
+  TrainOptions o;
+  o.steps = 1;
+  o.batch_size = 2;
+  o.targets = "teacher";
+  o.teacher_tokens = 6;
+  o.teacher_top_k = 4;
+  o.kl_weight = 1;
+  o.teacher_file = dir + "/shared-teacher.jsonl";
+  o.dir = dir + "/run1";
+  Plugin p1 = Plugin::fresh(model.decoder(), init);
+  TrainResult r1 = train_plugin(model, p1, data, o);
+  CHECK(r1.teacher_computed == 2);
+  CHECK(r1.teacher_reused == 0);
+  std::ifstream csv(o.dir + "/loss.csv");
+  std::string header, row;
+  std::getline(csv, header);
+  std::getline(csv, row);
+  CHECK(std::isfinite(std::stod(row.substr(row.find(',') + 1))));
+  o.dir = dir + "/run2";
+  Plugin p2 = Plugin::fresh(model.decoder(), init);
+  TrainResult r2 = train_plugin(model, p2, data, o);
+  CHECK(r2.teacher_computed == 0);
+  CHECK(r2.teacher_reused == 2);
+  o.targets = "silver";
+  CHECK_THROWS_WITH(train_plugin(model, p2, data, o), Catch::Contains("targets must be gold"));
+}

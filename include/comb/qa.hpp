@@ -25,6 +25,33 @@ struct QaItem {
 // comb::Error naming the file and line of a malformed item.
 std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit = 0);
 
+// Data sets made from public source files (docs/data.md).
+struct NqMultidocOptions {
+  int64_t documents = 10;      // per item: the gold passage and documents - 1 distractors
+  uint64_t seed = 0;           // distractors and the gold passage's place
+  int64_t items = 0;           // the first `items` questions only (0: all)
+  std::string id_prefix = "nq";  // ids <prefix>-0000, -0001, ...
+};
+// Multi-document QA from the Natural Questions oracle file of the lost-in-the-middle repository
+// (qa_data/nq-open-oracle.jsonl.gz: question, answers, ctxs with the gold passage marked
+// "isgold": true, or nq_annotated_gold {title, chunked_long_answer}). Each item keeps its gold
+// passage and draws documents - 1 distractors among the other questions' gold passages that hold
+// none of its answers (the answer check's normalization), the gold one at a random place.
+std::vector<QaItem> nq_multidoc_items(const std::string& source, const NqMultidocOptions& options);
+
+struct KvRetrievalOptions {
+  int64_t pairs_per_document = 5;
+  int64_t items = 0;            // the first `items` only (0: all)
+  std::string id_prefix = "kv";
+};
+// Key-value retrieval from the same repository's kv_retrieval_data/kv-retrieval-N_keys.jsonl.gz
+// (ordered_kv_records [[key, value], ...], key, value): the records in order, pairs_per_document
+// to a document written as a JSON object, the question asking for the key's value.
+std::vector<QaItem> kv_retrieval_items(const std::string& source, const KvRetrievalOptions& options);
+
+// Writes items in the data format (gzip when `path` ends in .gz), whole or not at all.
+void write_qa_items(const std::string& path, const std::vector<QaItem>& items);
+
 // Lower case, ASCII punctuation removed (not replaced by a space), then the words a/an/the
 // dropped and white space collapsed.
 std::string normalize_answer(const std::string& text);

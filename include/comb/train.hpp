@@ -8,6 +8,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -88,6 +89,46 @@ at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const 
 // context (prefix, documents, suffix, answer): the KL term's teacher. No gradient.
 at::Tensor full_context_logits(const Decoder& base, const std::vector<TrainExample>& examples, c10::Device device);
 
+// Self-distillation: the frozen decoder's own greedy answer to an example with every one of its
+// documents in its context (prefix, documents in the example's order, suffix), which a plug-in
+// can always reach by reading, and the decoder's top-k log-probabilities at each answer position.
+struct TeacherAnswer {
+  std::vector<int32_t> answer;                    // greedy tokens, end of turn included when it ended there
+  std::vector<std::vector<int32_t>> top_ids;      // [answer.size()][k], most likely first
+  std::vector<std::vector<float>> top_logprobs;   // [answer.size()][k]
+};
+// Greedy decoding of `model`'s base decoder (the plug-in off) on the full-context prompt, at most
+// max_tokens, then one forward over prompt + answer for the top-k log-probabilities.
+TeacherAnswer teacher_answer(const Model& model, const TrainExample& example, int64_t max_tokens, int64_t top_k);
+
+// Teacher answers computed once and kept in a JSON Lines file (docs/formats.md, "Teacher file"),
+// so that resumed runs and sweeps over the same examples reuse them. The first line names the
+// base decoder and the settings; a file of another decoder or other settings is refused. A line
+// cut short by an interrupted run is dropped (with a warning); any other bad line is an error.
+class TeacherCache {
+ public:
+  TeacherCache(std::string path, std::string base_fingerprint, int64_t max_tokens, int64_t top_k);
+  // The key of an example's full-context prompt: XXH3-128 of its prefix, documents and suffix.
+  static std::string key(const TrainExample& example);
+  const TeacherAnswer* find(const std::string& key) const;
+  // Keeps `answer` and appends it to the file (flushed).
+  const TeacherAnswer& add(const std::string& key, TeacherAnswer answer);
+  int64_t size() const { return static_cast<int64_t>(entries_.size()); }
+  int64_t max_tokens() const { return max_tokens_; }
+  int64_t top_k() const { return top_k_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_, base_;
+  int64_t max_tokens_, top_k_;
+  std::unordered_map<std::string, TeacherAnswer> entries_;
+};
+
+// KL(teacher || student) per answer row over the teacher's top-k tokens and one bucket for the
+// rest of the vocabulary (a lower bound of the full KL), mean over rows. `student_logits` [m,
+// n_vocab]; top_ids [m, k] int64; top_logprobs [m, k] float.
+at::Tensor top_k_kl(const at::Tensor& student_logits, const at::Tensor& top_ids, const at::Tensor& top_logprobs);
+
 // What the loop reports every log_every steps.
 struct TrainProgress {
   int64_t step = 0, steps = 0;
@@ -108,6 +149,12 @@ struct TrainOptions {
   double clip = 1.0;             // global gradient-norm clip (0: none)
   double open_gates = 0;         // a fresh run starts the attention gates at tanh(gate) = this (0: closed)
   double kl_weight = 0;          // + kl_weight * KL(full-context decoder || plug-in) on answer tokens
+  // "gold": the items' answers are the targets; "teacher": the frozen decoder's own full-context
+  // greedy answers (self-distillation; the KL term then uses the stored top-k log-probabilities).
+  std::string targets = "gold";
+  std::string teacher_file;      // teacher answers kept across runs ("": <dir>/teacher.jsonl)
+  int64_t teacher_tokens = 24;   // most tokens of a teacher answer
+  int64_t teacher_top_k = 16;    // log-probabilities kept per answer position
   uint64_t seed = 0;
   std::string dir;               // checkpoint.safetensors, optimizer.safetensors, loss.csv
   int64_t save_every = 200;      // steps between checkpoints (and at the end)
@@ -121,6 +168,8 @@ struct TrainResult {
   int64_t resumed_from = 0;
   double last_loss = 0;     // mean loss of the last logged window
   double seconds = 0;
+  int64_t teacher_computed = 0;  // teacher answers computed in this run (targets = teacher)
+  int64_t teacher_reused = 0;    // and found in the teacher file
 };
 
 // Trains `plugin` (decoder and embedding frozen) on examples from `data`. Its weights end in

@@ -447,77 +447,6 @@ int cmd_qa(Args& args, Model& model) {
   return 0;
 }
 
-// `comb make-data --kind codeword`: items whose answer is only in a document. Each has 1-3 notes "The
-// secret code word of <name> is <word>." for different people and asks for one person's word, so
-// the decoder cannot answer without reading (and picking) the right document. A quick check that a
-// plug-in learns to read: the bare decoder guesses, full prefill copies. --split test draws its
-// words from a quarter of the list that --split train never uses.
-int cmd_make_data(Args& args) {
-  const std::string kind = args.str("kind", "codeword");
-  const std::string out_path = args.str("out");
-  const int64_t n = args.num<int64_t>("items", 1000);
-  const uint64_t seed = args.num<uint64_t>("seed", 0);
-  const std::string split = args.str("split", "train");
-  args.check_all_used();
-  COMB_CHECK(kind == "codeword", "make-data knows --kind codeword only, found '{}'", kind);
-  COMB_CHECK(split == "train" || split == "test", "--split expects train or test, found '{}'", split);
-  COMB_CHECK(!out_path.empty(), "make-data needs --out FILE");
-  COMB_CHECK(n > 0, "--items must be > 0, found {}", n);
-  static const char* const names[] = {"Anna", "Ben",  "Clara", "David", "Emma", "Frank", "Grace",
-                                      "Henry", "Iris", "Jack", "Kate", "Leo", "Mia", "Noah",
-                                      "Olga", "Paul", "Rosa", "Sam", "Tina", "Victor"};
-  static const char* const words[] = {
-      "apple",   "river",   "candle",  "garden",  "pencil",  "mirror",  "window",  "basket",  "rocket",  "violin",
-      "tiger",   "forest",  "bottle",  "castle",  "dragon",  "engine",  "feather", "guitar",  "hammer",  "island",
-      "jacket",  "kettle",  "ladder",  "marble",  "needle",  "orange",  "parrot",  "pocket",  "rabbit",  "saddle",
-      "tunnel",  "umbrella", "valley", "wallet",  "yellow",  "zebra",   "anchor",  "bridge",  "cactus",  "desert",
-      "eagle",   "falcon",  "glacier", "harbor",  "jungle",  "koala",   "lemon",   "meadow",  "nickel",  "oyster",
-      "pepper",  "quartz",  "ribbon",  "silver",  "thunder", "velvet",  "walnut",  "canyon",  "copper",  "cotton",
-      "crystal", "diamond", "emerald", "fossil",  "galaxy",  "helmet",  "iceberg", "jasmine", "lantern", "magnet",
-      "nectar",  "olive",   "pebble",  "planet",  "puzzle",  "saturn",  "shadow",  "spider",  "summer",  "sunset",
-      "tomato",  "turtle",  "walrus",  "winter",  "wizard",  "blossom", "compass", "cookie",  "dolphin", "garlic",
-      "hazel",   "insect",  "kitten",  "lobster", "mango",   "onion",   "panda",   "pirate",  "pumpkin", "robot",
-      "salmon",  "tulip",   "vanilla", "wagon"};
-  constexpr size_t n_names = sizeof(names) / sizeof(names[0]), n_all_words = sizeof(words) / sizeof(words[0]);
-  // Disjoint words: every fourth word is a test word, so a test answer was never a training answer.
-  std::vector<const char*> vocabulary;
-  for (size_t w = 0; w < n_all_words; ++w)
-    if ((w % 4 == 0) == (split == "test")) vocabulary.push_back(words[w]);
-  const size_t n_words = vocabulary.size();
-  std::mt19937_64 rng(seed);
-  auto pick = [&](size_t count) { return static_cast<size_t>(rng() % count); };  // the same on every platform
-  const std::string tmp = out_path + ".part";
-  {
-    std::ofstream out(tmp);
-    COMB_CHECK(out.good(), "cannot write '{}'", tmp);
-    for (int64_t i = 0; i < n; ++i) {
-      const size_t n_docs = 1 + pick(3);
-      std::vector<size_t> who, what;  // distinct people, distinct words
-      while (who.size() < n_docs) {
-        size_t a = pick(n_names), b = pick(n_words);
-        if (std::find(who.begin(), who.end(), a) == who.end() && std::find(what.begin(), what.end(), b) == what.end())
-          who.push_back(a), what.push_back(b);
-      }
-      const size_t gold = pick(n_docs);
-      nlohmann::json docs = nlohmann::json::array();
-      for (size_t d = 0; d < n_docs; ++d)
-        docs.push_back({{"title", fmt::format("Note about {}", names[who[d]])},
-                        {"text", fmt::format("The secret code word of {} is {}.", names[who[d]], vocabulary[what[d]])}});
-      out << nlohmann::json{{"id", fmt::format("codeword-{}-{}-{}", split, seed, i)},
-                            {"question", fmt::format("What is the secret code word of {}?", names[who[gold]])},
-                            {"answers", {vocabulary[what[gold]]}},
-                            {"documents", docs},
-                            {"gold_index", gold}}
-                 .dump()
-          << "\n";
-    }
-    COMB_CHECK(out.good(), "writing '{}' failed", tmp);
-  }
-  std::filesystem::rename(tmp, out_path);
-  fmt::print(stderr, "[comb] wrote {} codeword items ({} words, seed {}) to {}\n", n, split, seed, out_path);
-  return 0;
-}
-
 namespace {
 std::pair<std::string, int64_t> file_count(const std::string& spec) {
   size_t colon = spec.rfind(':');
@@ -553,6 +482,15 @@ int cmd_train(Args& args, Model& model) {
   o.gate_lr_scale = args.num<double>("gate-lr-scale", o.gate_lr_scale);
   o.clip = args.num<double>("clip", o.clip);
   o.kl_weight = args.num<double>("kl-weight", o.kl_weight);
+  o.targets = args.str("targets", o.targets);
+  COMB_CHECK(o.targets == "gold" || o.targets == "teacher",
+             "--targets expects gold (the items' answers) or teacher (the decoder's own answers with the documents "
+             "in context), found '{}'", o.targets);
+  o.teacher_file = args.str("teacher");
+  o.teacher_tokens = args.num<int64_t>("teacher-tokens", o.teacher_tokens);
+  o.teacher_top_k = args.num<int64_t>("teacher-top-k", o.teacher_top_k);
+  COMB_CHECK(o.teacher_tokens >= 1 && o.teacher_top_k >= 1,
+             "--teacher-tokens and --teacher-top-k must be >= 1, found {} and {}", o.teacher_tokens, o.teacher_top_k);
   o.open_gates = args.num<double>("open-gates", o.open_gates);
   o.seed = args.num<uint64_t>("seed", o.seed);
   o.save_every = args.num<int64_t>("save-every", o.save_every);
@@ -603,7 +541,8 @@ int cmd_train(Args& args, Model& model) {
   if (tty) fmt::print(stderr, "\n");
   plugin.save(out, out_dtype);
   std::cout << nlohmann::json{{"out", out},      {"dir", o.dir},           {"steps", r.steps},
-                              {"resumed_from", r.resumed_from}, {"loss", r.last_loss}, {"seconds", r.seconds}}
+                              {"resumed_from", r.resumed_from}, {"loss", r.last_loss}, {"seconds", r.seconds},
+                              {"teacher_computed", r.teacher_computed}, {"teacher_reused", r.teacher_reused}}
                    .dump()
             << std::endl;
   return 0;

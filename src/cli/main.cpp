@@ -1,5 +1,5 @@
-// The `comb` command-line tool: generate, plugin, bench and version here; eval, qa, report, train
-// and make-data in eval.cpp.
+// The `comb` command-line tool: generate, plugin, bench and version here; eval, qa, report and train
+// in eval.cpp, make-data in make_data.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -75,7 +75,8 @@ commands:
                 line, or with --markdown one table; --first N: items 0..N-1 only; --data FILE:
                 score the stored predictions again against that data file's answers
   train         train a plug-in for a model (decoder frozen)
-  make-data     write generated QA items (--kind codeword): answers only a document holds
+  make-data     write QA items: generated (--kind codeword), or made from a public source file
+                (--kind nq-multidoc, --kind kv)
   bench         measure prefill and decode throughput
   version       print the version
 
@@ -167,6 +168,11 @@ train options:
   --min-lr-ratio X (0.1)  --weight-decay X (0.01)  --gate-lr-scale X (10)  --clip X (1.0)
   --open-gates X      start a fresh run's attention gates at tanh(gate) = X (default 0)
   --kl-weight X       add X * KL(full-context decoder || plug-in) on answer tokens (default 0)
+  --targets gold|teacher  gold (default): the items' answers; teacher: the decoder's own greedy
+                      answers with all the example's documents in its context (self-distillation;
+                      with --kl-weight, KL over its stored top-k log-probabilities)
+  --teacher FILE      teacher answers kept across runs (default DIR/teacher.jsonl)
+  --teacher-tokens N (24)  --teacher-top-k N (16)
   --encoder-layers N  for a fresh plug-in (default 4); --plugin FILE continues from a plug-in
   --cross-layers LIST for a fresh plug-in: the decoder layers its cross blocks run before
   --init first|spread|reads|joint fresh plug-in: copies of the first decoder layers, cross blocks
@@ -176,9 +182,17 @@ train options:
   --seed N            data order and initialisation (default 0)
   --save-every N (200)  --log-every N (10)  --resume 0|1 (1)
 
-make-data options:
-  --out FILE  --items N (1000)  --seed N (0)  --kind codeword (the only kind)
-  --split train|test  test items use words (answers) that train items never use
+make-data options (docs/data.md):
+  --kind codeword     (default) generated: notes "The secret code word of <name> is <word>."
+    --out FILE  --items N (1000)  --seed N (0)
+    --split train|test  test items use words (answers) that train items never use
+  --kind nq-multidoc  from the public Natural Questions oracle file (nq-open-oracle.jsonl.gz):
+                      each question's gold passage and distractors drawn from the other
+                      questions' gold passages that hold none of its answers
+    --from FILE  --out FILE  --docs N (10)  --seed N (0)  --items N (0: all)  --id-prefix P (nq)
+  --kind kv           from a public key-value retrieval file (kv-retrieval-75_keys.jsonl.gz)
+    --from FILE  --out FILE  --pairs-per-document N (5)  --items N (0: all)  --id-prefix P (kv)
+  An --out name ending in .gz is written compressed.
 
 bench options:
   --prompt-tokens LIST   prompt lengths for prefill, comma separated (default 128,512,2048)

@@ -1,11 +1,14 @@
-"""Shared helpers of the test oracles: where the default model is, and reading ../shared/data."""
-import gzip
+"""Shared helpers of the test oracles: where the default model is, and the texts they read.
+
+Every text comes from the repository (test fixtures, documents, prose), so that a clone alone
+runs the oracles.
+"""
 import json
 import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = Path(os.environ.get("COMB_DATA", ROOT.parent / "shared" / "data"))
+SOURCE = ROOT / "tests" / "data" / "source"
 
 
 def default_model() -> Path:
@@ -18,19 +21,30 @@ def default_model() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def read_jsonl(name: str, limit: int):
-    """The first `limit` items of a data file (gzip JSON Lines)."""
+def qa_items():
+    """The multi-document QA fixture in its public source layout: question, answers and passages."""
     out = []
-    with gzip.open(DATA / name, "rt", encoding="utf-8") as f:
+    with open(SOURCE / "nq-open-mini.jsonl", encoding="utf-8") as f:
         for line in f:
-            out.append(json.loads(line))
-            if len(out) >= limit:
-                break
+            row = json.loads(line)
+            passages = [{"title": c["title"], "text": c["text"]} for c in row["ctxs"]]
+            gold = row["nq_annotated_gold"]
+            passages.append({"title": gold["title"], "text": gold["chunked_long_answer"]})
+            out.append({"question": row["question"], "answers": row["answers"], "documents": passages})
     return out
 
 
-def essays():
-    return sorted((DATA / "pg-essays").glob("*.txt"))
+def kv_records():
+    """The key-value fixture's records: [[key, value], ...] per item."""
+    with open(SOURCE / "kv-retrieval-mini.jsonl", encoding="utf-8") as f:
+        return [json.loads(line)["ordered_kv_records"] for line in f]
+
+
+def prose():
+    """English prose of the repository: its licence, README, docs and example documents."""
+    files = [ROOT / "LICENSE", ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    files += sorted((ROOT / "examples" / "documents").glob("*.txt"))
+    return [p for p in files if p.exists()]
 
 
 def up_to_date(out: Path, name: str, *inputs: Path) -> bool:

@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from common import mark_done, up_to_date, default_model, essays, read_jsonl
+from common import ROOT, mark_done, up_to_date, default_model, qa_items
 from tokenizer_reference import smollm2_tokenizer
 
 
 def prompts(tok):
-    nq = read_jsonl("nq-multidoc-10.dev.jsonl.gz", 3)
-    essay = essays()[0].read_text(encoding="utf-8")
+    nq = qa_items()
+    essay = (ROOT / "LICENSE").read_text(encoding="utf-8")
     chat = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     doc = nq[0]["documents"][0]
     texts = [

@@ -15,7 +15,7 @@ from pathlib import Path
 from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from common import mark_done, up_to_date, default_model, essays, read_jsonl
+from common import mark_done, up_to_date, default_model, kv_records, prose, qa_items
 
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -80,21 +80,21 @@ CODE = [
 def cases(seed: int = 1234):
     rng = random.Random(seed)
     out = ["", " ", "\n", "a", "  leading", "trailing  ", "I'm", "DON'T", "you'LL", "it's 'quoted'"]
-    nq = read_jsonl("nq-multidoc-10.dev.jsonl.gz", 60)
+    nq = qa_items()
     docs = [d for item in nq for d in item["documents"]]
-    for _ in range(400):
+    for _ in range(500):
         d = rng.choice(docs)
         text = d["text"]
         a = rng.randrange(len(text))
         out.append(text[a:a + rng.choice([20, 80, 300, 1000])])
     out += [item["question"] for item in nq]
     out += [d["title"] for d in docs[:60]]
-    kv = read_jsonl("kv-75.dev.jsonl.gz", 20)
-    for item in kv:
-        for d in item["documents"][:8]:
-            out.append(d["text"][:400])
-        out.append(item["question"])
-    texts = [p.read_text(encoding="utf-8") for p in essays()[:12]]
+    for records in kv_records():
+        # Documents as the kv data writes them: JSON objects of 5 pairs; and the question.
+        for a in range(0, len(records), 5):
+            out.append(json.dumps(dict(records[a:a + 5]))[:400])
+        out.append(f'Extract the value corresponding to the key "{records[0][0]}" from the JSON objects above.')
+    texts = [p.read_text(encoding="utf-8") for p in prose()]
     for _ in range(300):
         t = rng.choice(texts)
         a = rng.randrange(len(t))

@@ -1,0 +1,127 @@
+// `comb make-data`: QA items in comb's data format (docs/data.md), generated (--kind codeword) or
+// made from the public source files of the evaluation sets (--kind nq-multidoc, --kind kv).
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "args.hpp"
+#include "comb/comb.hpp"
+
+namespace comb::cli {
+
+namespace {
+
+// `comb make-data --kind codeword`: items whose answer is only in a document. Each has 1-3 notes "The
+// secret code word of <name> is <word>." for different people and asks for one person's word, so
+// the decoder cannot answer without reading (and picking) the right document. A quick check that a
+// plug-in learns to read: the bare decoder guesses, full prefill copies. --split test draws its
+// words from a quarter of the list that --split train never uses.
+int make_codeword(Args& args) {
+  const std::string out_path = args.str("out");
+  const int64_t n = args.num<int64_t>("items", 1000);
+  const uint64_t seed = args.num<uint64_t>("seed", 0);
+  const std::string split = args.str("split", "train");
+  args.check_all_used();
+  COMB_CHECK(split == "train" || split == "test", "--split expects train or test, found '{}'", split);
+  COMB_CHECK(!out_path.empty(), "make-data needs --out FILE");
+  COMB_CHECK(n > 0, "--items must be > 0, found {}", n);
+  static const char* const names[] = {"Anna", "Ben",  "Clara", "David", "Emma", "Frank", "Grace",
+                                      "Henry", "Iris", "Jack", "Kate", "Leo", "Mia", "Noah",
+                                      "Olga", "Paul", "Rosa", "Sam", "Tina", "Victor"};
+  static const char* const words[] = {
+      "apple",   "river",   "candle",  "garden",  "pencil",  "mirror",  "window",  "basket",  "rocket",  "violin",
+      "tiger",   "forest",  "bottle",  "castle",  "dragon",  "engine",  "feather", "guitar",  "hammer",  "island",
+      "jacket",  "kettle",  "ladder",  "marble",  "needle",  "orange",  "parrot",  "pocket",  "rabbit",  "saddle",
+      "tunnel",  "umbrella", "valley", "wallet",  "yellow",  "zebra",   "anchor",  "bridge",  "cactus",  "desert",
+      "eagle",   "falcon",  "glacier", "harbor",  "jungle",  "koala",   "lemon",   "meadow",  "nickel",  "oyster",
+      "pepper",  "quartz",  "ribbon",  "silver",  "thunder", "velvet",  "walnut",  "canyon",  "copper",  "cotton",
+      "crystal", "diamond", "emerald", "fossil",  "galaxy",  "helmet",  "iceberg", "jasmine", "lantern", "magnet",
+      "nectar",  "olive",   "pebble",  "planet",  "puzzle",  "saturn",  "shadow",  "spider",  "summer",  "sunset",
+      "tomato",  "turtle",  "walrus",  "winter",  "wizard",  "blossom", "compass", "cookie",  "dolphin", "garlic",
+      "hazel",   "insect",  "kitten",  "lobster", "mango",   "onion",   "panda",   "pirate",  "pumpkin", "robot",
+      "salmon",  "tulip",   "vanilla", "wagon"};
+  constexpr size_t n_names = sizeof(names) / sizeof(names[0]), n_all_words = sizeof(words) / sizeof(words[0]);
+  // Disjoint words: every fourth word is a test word, so a test answer was never a training answer.
+  std::vector<const char*> vocabulary;
+  for (size_t w = 0; w < n_all_words; ++w)
+    if ((w % 4 == 0) == (split == "test")) vocabulary.push_back(words[w]);
+  const size_t n_words = vocabulary.size();
+  std::mt19937_64 rng(seed);
+  auto pick = [&](size_t count) { return static_cast<size_t>(rng() % count); };  // the same on every platform
+  const std::string tmp = out_path + ".part";
+  {
+    std::ofstream out(tmp);
+    COMB_CHECK(out.good(), "cannot write '{}'", tmp);
+    for (int64_t i = 0; i < n; ++i) {
+      const size_t n_docs = 1 + pick(3);
+      std::vector<size_t> who, what;  // distinct people, distinct words
+      while (who.size() < n_docs) {
+        size_t a = pick(n_names), b = pick(n_words);
+        if (std::find(who.begin(), who.end(), a) == who.end() && std::find(what.begin(), what.end(), b) == what.end())
+          who.push_back(a), what.push_back(b);
+      }
+      const size_t gold = pick(n_docs);
+      nlohmann::json docs = nlohmann::json::array();
+      for (size_t d = 0; d < n_docs; ++d)
+        docs.push_back({{"title", fmt::format("Note about {}", names[who[d]])},
+                        {"text", fmt::format("The secret code word of {} is {}.", names[who[d]], vocabulary[what[d]])}});
+      out << nlohmann::json{{"id", fmt::format("codeword-{}-{}-{}", split, seed, i)},
+                            {"question", fmt::format("What is the secret code word of {}?", names[who[gold]])},
+                            {"answers", {vocabulary[what[gold]]}},
+                            {"documents", docs},
+                            {"gold_index", gold}}
+                 .dump()
+          << "\n";
+    }
+    COMB_CHECK(out.good(), "writing '{}' failed", tmp);
+  }
+  std::filesystem::rename(tmp, out_path);
+  fmt::print(stderr, "[comb] wrote {} codeword items ({} words, seed {}) to {}\n", n, split, seed, out_path);
+  return 0;
+}
+
+// `comb make-data --kind nq-multidoc|kv --from SOURCE`: the source file converted (docs/data.md).
+int make_from_source(Args& args, const std::string& kind) {
+  const std::string from = args.str("from"), out_path = args.str("out");
+  COMB_CHECK(!from.empty(), "make-data --kind {} needs --from FILE (the public source file, docs/data.md)", kind);
+  COMB_CHECK(!out_path.empty(), "make-data needs --out FILE");
+  COMB_CHECK(std::filesystem::exists(from), "--from: '{}' does not exist", from);
+  std::vector<QaItem> items;
+  if (kind == "nq-multidoc") {
+    NqMultidocOptions o;
+    o.documents = args.num<int64_t>("docs", o.documents);
+    o.seed = args.num<uint64_t>("seed", o.seed);
+    o.items = args.num<int64_t>("items", o.items);
+    o.id_prefix = args.str("id-prefix", o.id_prefix);
+    args.check_all_used();
+    COMB_CHECK(o.documents >= 1, "--docs must be >= 1 (the gold passage), found {}", o.documents);
+    COMB_CHECK(o.items >= 0, "--items must be >= 0 (0: all), found {}", o.items);
+    items = nq_multidoc_items(from, o);
+    fmt::print(stderr, "[comb] wrote {} nq-multidoc items ({} documents each, seed {}) from {} to {}\n", items.size(),
+               o.documents, o.seed, from, out_path);
+  } else {
+    KvRetrievalOptions o;
+    o.pairs_per_document = args.num<int64_t>("pairs-per-document", o.pairs_per_document);
+    o.items = args.num<int64_t>("items", o.items);
+    o.id_prefix = args.str("id-prefix", o.id_prefix);
+    args.check_all_used();
+    COMB_CHECK(o.pairs_per_document >= 1, "--pairs-per-document must be >= 1, found {}", o.pairs_per_document);
+    COMB_CHECK(o.items >= 0, "--items must be >= 0 (0: all), found {}", o.items);
+    items = kv_retrieval_items(from, o);
+    fmt::print(stderr, "[comb] wrote {} kv items ({} pairs per document) from {} to {}\n", items.size(),
+               o.pairs_per_document, from, out_path);
+  }
+  write_qa_items(out_path, items);
+  return 0;
+}
+
+}  // namespace
+
+int cmd_make_data(Args& args) {
+  const std::string kind = args.str("kind", "codeword");
+  if (kind == "codeword") return make_codeword(args);
+  if (kind == "nq-multidoc" || kind == "kv") return make_from_source(args, kind);
+  throw Error(fmt::format("make-data --kind expects codeword, nq-multidoc or kv, found '{}'", kind));
+}
+
+}  // namespace comb::cli
