@@ -579,6 +579,9 @@ at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& keys, const at
                           : at::zeros({batch, 1, n, m}, fopts);
   if (joint.valid.defined())
     joined = joined.masked_fill(joint.valid.logical_not().view({batch, 1, 1, m}), -INFINITY);
+  if (joint.anchor > start)  // positions before the anchor (the instruction prefix) read no document
+    joined = joined.masked_fill((at::arange(start, start + n, opts.dtype(at::kLong)) < joint.anchor).view({1, 1, n, 1}),
+                                -INFINITY);
   at::Tensor seen = visible_keys(at::arange(start, start + n, opts.dtype(at::kLong)), n_self);  // [n, n_self]
   at::Tensor own = at::zeros({n, n_self}, fopts).masked_fill(seen.logical_not(), -INFINITY);
   // The query heads that share a KV head are folded into rows of that head, so that the joined
@@ -1012,9 +1015,11 @@ at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, const Linked
     std::vector<JointKV> joint;
     {
       std::lock_guard<std::mutex> lock(joined.mutex);
-      if (joined.plugin != plugin_->fingerprint()) {
-        joined.blocks = plugin_->joint_kv(plugin_->weights(), documents->keys, documents->values, documents->doc_counts);
+      if (joined.plugin != plugin_->fingerprint() || joined.anchor != documents->anchor) {
+        joined.blocks = plugin_->joint_kv(plugin_->weights(), documents->keys, documents->values, documents->doc_counts,
+                                          documents->anchor);
         joined.plugin = plugin_->fingerprint();
+        joined.anchor = documents->anchor;
       }
       joint = joined.blocks;  // tensors are shared, not copied
     }
@@ -1023,6 +1028,7 @@ at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, const Linked
       return k < 0 ? nullptr : &joint[k];
     });
   }
+  COMB_CHECK(documents->anchor == 0, "documents anchored after a prefix need a plug-in with documents_after_prefix");
   const int64_t start = cache.length();  // the prompt position of the first new token
   return decoder_->forward(tokens, cache, mode, [&](int64_t layer, const at::Tensor& x) {
     int64_t k = plugin_->block_before(layer);

@@ -248,6 +248,21 @@ at::Tensor PicEngine::recompute(const std::vector<int32_t>& tokens, const std::v
   return dec.logits(hidden, LogitsMode::last)[0][-1];
 }
 
+namespace {
+// Prefix-cache blocks a request reads, held until it is done with them, failure included: a block
+// left referenced could never be evicted.
+struct HeldBlocks {
+  PrefixCache& cache;
+  std::vector<uint64_t> blocks;
+  ~HeldBlocks() {
+    try {
+      if (!blocks.empty()) cache.release(blocks);
+    } catch (...) {  // release() throws only for blocks not held, which acquire() rules out
+    }
+  }
+};
+}  // namespace
+
 PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_tokens) {
   c10::InferenceMode guard;
   const Decoder& dec = model_.decoder();
@@ -267,18 +282,7 @@ PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_tokens) {
       break;
     }
     case Method::prefix: {
-      // The blocks this request reads stay held until it is done with them, failure included:
-      // a block left referenced could never be evicted.
-      struct Held {
-        PrefixCache& cache;
-        std::vector<uint64_t> blocks;
-        ~Held() {
-          try {
-            if (!blocks.empty()) cache.release(blocks);
-          } catch (...) {  // release() throws only for blocks not held, which acquire() rules out
-          }
-        }
-      } held{*prefix_, prefix_->acquire(decoder_tokens)};
+      HeldBlocks held{*prefix_, prefix_->acquire(decoder_tokens)};
       while (!held.blocks.empty() && static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens() >= n) {
         prefix_->release({held.blocks.back()});  // keep at least one token to compute
         held.blocks.pop_back();
@@ -354,8 +358,23 @@ PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_tokens) {
         (cached ? out.reused : out.computed) += static_cast<int64_t>(d.size());
       }
       out.documents = Linker(dec.device()).link(docs);
-      out.logits = model_.forward(ids_of(decoder_tokens, 0, n), out.cache, &out.documents)[0][-1];
-      out.computed += n;
+      if (!model_.plugin()->config().documents_after_prefix) {
+        out.logits = model_.forward(ids_of(decoder_tokens, 0, n), out.cache, &out.documents)[0][-1];
+        out.computed += n;
+        break;
+      }
+      // The instruction prefix reads no document: its K/V are the bare decoder's, so its whole
+      // blocks come from the prefix cache and a warm request computes the question alone.
+      const int64_t p = static_cast<int64_t>(r.prefix.size());
+      out.documents.anchor = p;
+      HeldBlocks held{*prefix_, prefix_->acquire(r.prefix)};
+      const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
+      prefix_->fill(held.blocks, out.cache);
+      out.cache.set_length(m);
+      out.logits = model_.forward(ids_of(decoder_tokens, m, n), out.cache, &out.documents)[0][-1];
+      prefix_->insert(r.prefix, p, out.cache);
+      out.computed += n - m;
+      out.reused += m;
       break;
     }
   }

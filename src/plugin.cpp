@@ -33,6 +33,7 @@ nlohmann::json PluginConfig::to_json() const {
   if (attention_sinks) j["attention_sinks"] = true;
   if (!cross_mlp) j["cross_mlp"] = false;
   if (joint_attention) j["joint_attention"] = true;
+  if (documents_after_prefix) j["documents_after_prefix"] = true;
   return j;
 }
 
@@ -73,6 +74,7 @@ PluginConfig PluginConfig::from_json(const nlohmann::json& j, const std::string&
   c.attention_sinks = flag("attention_sinks", false);
   c.cross_mlp = flag("cross_mlp", true);
   c.joint_attention = flag("joint_attention", false);
+  c.documents_after_prefix = flag("documents_after_prefix", false);
   return c;
 }
 
@@ -127,6 +129,8 @@ void check_layout(const PluginConfig& p, const ModelConfig& c) {
              "joint cross blocks have no QK-norm, MLP or sinks of their own and read documents at relative positions "
              "(joint_attention with qk_norm {}, cross_mlp {}, attention_sinks {}, relative_positions {})",
              p.qk_norm, p.cross_mlp, p.attention_sinks, p.relative_positions);
+  COMB_CHECK(!p.documents_after_prefix || p.joint_attention,
+             "documents_after_prefix is a layout of joint cross blocks (joint_attention), not of residual ones");
   COMB_CHECK(!p.encoder_from_base || p.n_encoder_layers() <= c.n_layer,
              "an encoder of the base's layers can have at most its {} layers, found {}", c.n_layer,
              p.n_encoder_layers());
@@ -220,6 +224,7 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
     config.encoder_from_base = config.encoder_causal = config.kv_norm = true;
     config.attention_sinks = !o.joint_attention;
     config.joint_attention = o.joint_attention;
+    config.documents_after_prefix = o.joint_attention && o.documents_after_prefix;
     config.qk_norm = config.cross_mlp = false;
     config.relative_positions = o.relative_positions;
     config.encoder_prefix = o.encoder_prefix;
@@ -505,8 +510,12 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::encode_batch
 
 std::vector<JointKV> Plugin::joint_kv(const PluginWeights& w, const std::vector<std::vector<at::Tensor>>& keys,
                                      const std::vector<std::vector<at::Tensor>>& values,
-                                     const std::vector<int64_t>& doc_counts) const {
+                                     const std::vector<int64_t>& doc_counts, int64_t anchor) const {
   COMB_CHECK(config_.joint_attention, "joint_kv: this plug-in's blocks do not join their layers' attention");
+  COMB_CHECK(anchor == 0 || config_.documents_after_prefix,
+             "joint_kv: documents anchored at position {} need a plug-in with documents_after_prefix", anchor);
+  COMB_CHECK(anchor >= 0 && anchor < rope_cos_.size(0), "joint_kv: anchor {} outside the context of {}", anchor,
+             rope_cos_.size(0));
   COMB_CHECK(static_cast<int64_t>(keys.size()) == config_.n_blocks() && values.size() == keys.size(),
              "joint_kv: K/V for {} and {} blocks, the plug-in has {}", keys.size(), values.size(), config_.n_blocks());
   const auto& c = base_config_;
@@ -536,6 +545,13 @@ std::vector<JointKV> Plugin::joint_kv(const PluginWeights& w, const std::vector<
     }
     JointKV j;
     j.keys = at::stack(row_keys);
+    if (anchor > 0) {
+      // RoPE rotations compose: keys at -n..-1 turned by `anchor` are keys at anchor-n..anchor-1.
+      const int64_t hd = j.keys.size(-1);
+      j.keys = apply_rope(j.keys, rope_cos_.select(0, anchor).to(j.keys.scalar_type()).view({1, 1, 1, hd}),
+                          rope_sin_.select(0, anchor).to(j.keys.scalar_type()).view({1, 1, 1, hd}));
+    }
+    j.anchor = anchor;
     j.values = at::stack(row_values);
     if (std::any_of(lens.begin(), lens.end(), [&](int64_t l) { return l != m; }))
       j.valid = at::arange(m, ks[0].options().dtype(at::kLong)).unsqueeze(0) <

@@ -277,6 +277,9 @@ TrainBatch make_train_batch(const std::vector<TrainExample>& examples, c10::Devi
   out.target_rows = i64(rows, {static_cast<int64_t>(rows.size())});
   out.targets = i64(targets, {static_cast<int64_t>(targets.size())});
   out.real_tokens = real;
+  out.prefix_tokens = static_cast<int64_t>(examples[0].prefix.size());
+  for (const auto& e : examples)
+    if (static_cast<int64_t>(e.prefix.size()) != out.prefix_tokens) out.prefix_tokens = -1;
   return out;
 }
 
@@ -317,7 +320,14 @@ at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const 
       doc_values[k].push_back(values[k][d].narrow(1, 0, batch.doc_lens[d]));
     }
   if (plugin.config().joint_attention) {
-    std::vector<JointKV> joint = plugin.joint_kv(pw, doc_keys, doc_values, batch.doc_counts);
+    // Documents after the prefix: the anchor is the prefix's length, the same in every example.
+    int64_t anchor = 0;
+    if (plugin.config().documents_after_prefix) {
+      COMB_CHECK(batch.prefix_tokens >= 0,
+                 "a plug-in with documents after the prefix trains on examples whose prefixes have one length");
+      anchor = batch.prefix_tokens;
+    }
+    std::vector<JointKV> joint = plugin.joint_kv(pw, doc_keys, doc_values, batch.doc_counts, anchor);
     return head_logits(base,
                        decoder_hidden(base, batch.tokens, nullptr,
                                       [&](int64_t layer) -> const JointKV* {

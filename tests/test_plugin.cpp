@@ -563,3 +563,91 @@ TEST_CASE("joint blocks at every layer read one document exactly as the decoder 
   LinkedDocuments again = Linker(c10::kCPU).link(documents_of(loaded, tokens));
   CHECK(logits_with(loaded, ids, &again).equal(want));
 }
+
+TEST_CASE("joint blocks with the documents after the prefix: the prefix reads none and comes from the prefix cache",
+          "[plugin]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  PluginInitOptions init;
+  init.reads = init.joint_attention = init.documents_after_prefix = true;
+  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
+  REQUIRE(plugin->config().documents_after_prefix);
+  auto gen = at::detail::createCPUGenerator(8);
+  for (auto& b : plugin->mutable_weights().cross) b.doc_bias.add_(at::randn(b.doc_bias.sizes(), gen));
+  plugin->refresh_fingerprint();
+  model.set_plugin(plugin);
+
+  auto tokens = sample_documents(3, 12, 31);
+  auto docs = documents_of(model, tokens);
+  at::Tensor ids = prompt_ids(13);
+  const int64_t anchor = 6;  // the first 6 prompt tokens are the prefix
+  LinkedDocuments linked = Linker(c10::kCPU).link(docs);
+  linked.anchor = anchor;
+  at::Tensor got = logits_with(model, ids, &linked)[0];
+  at::Tensor bare = logits_with(tiny_model(), ids, nullptr)[0];
+  // The prefix's positions read no document: the bare decoder's; the question's do.
+  CHECK((got.narrow(0, 0, anchor) - bare.narrow(0, 0, anchor)).abs().max().item<double>() < 1e-5);
+  CHECK((got.narrow(0, anchor, ids.size(1) - anchor) - bare.narrow(0, anchor, ids.size(1) - anchor))
+            .abs().max().item<double>() > 1e-3);
+  // Any order of the documents gives the same logits.
+  LinkedDocuments reversed = Linker(c10::kCPU).link({docs[2], docs[1], docs[0]});
+  reversed.anchor = anchor;
+  CHECK((logits_with(model, ids, &reversed)[0] - got).abs().max().item<double>() <= 1e-5);
+  // Decoding after a cached prompt: the same anchor, the query at its real position.
+  KVCache cache = model.decoder().make_cache(1, ids.size(1));
+  model.forward(ids.narrow(1, 0, ids.size(1) - 1), cache, &linked, LogitsMode::all);
+  at::Tensor last = model.forward(ids.narrow(1, ids.size(1) - 1, 1), cache, &linked, LogitsMode::all);
+  CHECK((last[0][0] - got[ids.size(1) - 1]).abs().max().item<double>() <= 1e-4);
+
+  // The keys move to end before the anchor: a query at anchor + j scores them as a query at j
+  // scores the keys of anchor 0 (RoPE depends on the distance only).
+  auto k0 = plugin->joint_kv(plugin->weights(), linked.keys, linked.values, linked.doc_counts, 0);
+  auto ka = plugin->joint_kv(plugin->weights(), linked.keys, linked.values, linked.doc_counts, anchor);
+  REQUIRE(ka[1].anchor == anchor);
+  const int64_t hd = model.config().head_dim;
+  at::Tensor q = at::randn({1, 1, 1, hd}, gen);
+  const auto& dec = model.decoder();
+  for (int64_t j : {0, 3}) {
+    at::Tensor qa = apply_rope(q, dec.rope_cos()[anchor + j].view({1, 1, 1, hd}), dec.rope_sin()[anchor + j].view({1, 1, 1, hd}));
+    at::Tensor qj = apply_rope(q, dec.rope_cos()[j].view({1, 1, 1, hd}), dec.rope_sin()[j].view({1, 1, 1, hd}));
+    at::Tensor sa = at::matmul(qa, ka[1].keys.narrow(1, 0, 1).transpose(-1, -2));
+    at::Tensor s0 = at::matmul(qj, k0[1].keys.narrow(1, 0, 1).transpose(-1, -2));
+    CHECK((sa - s0).abs().max().item<double>() < 1e-4);
+  }
+
+  // A plug-in without the layout refuses an anchor; the layout survives a save and load.
+  init.documents_after_prefix = false;
+  Model other = Model::load(oracle_dir() + "/tiny-llama");
+  other.set_plugin(std::make_shared<Plugin>(Plugin::fresh(other.decoder(), init)));
+  LinkedDocuments plain = Linker(c10::kCPU).link(documents_of(other, tokens));
+  plain.anchor = anchor;
+  CHECK_THROWS_WITH(logits_with(other, ids, &plain), Catch::Contains("documents_after_prefix"));
+  std::string path = temp_dir("after-prefix") + "/p.safetensors";
+  plugin->save(path);
+  CHECK(Plugin::load(path, model.decoder()).config().documents_after_prefix);
+
+  // Through the engine: a warm request takes the prefix's whole blocks from the prefix cache and
+  // computes the rest, with the logits of a cold one.
+  PicRequest r;
+  for (int64_t i = 0; i < 20; ++i) r.prefix.push_back(static_cast<int32_t>(ids[0][i % ids.size(1)].item<int64_t>()));
+  int64_t doc_tokens = 0;
+  for (const auto& t : tokens) {
+    r.documents.emplace_back(t.begin(), t.end());
+    doc_tokens += static_cast<int64_t>(t.size());
+  }
+  r.suffix = {11, 12, 13, 14, 15};
+  PicOptions o;
+  o.prefix_block = 8;
+  PicEngine engine(model, Method::comb, o);
+  PicPrefill cold = engine.prefill(r, 1);
+  CHECK(cold.reused == 0);
+  CHECK(cold.computed == 20 + 5 + doc_tokens);  // prefix, question, the documents
+  std::reverse(r.documents.begin(), r.documents.end());
+  PicPrefill warm = engine.prefill(r, 1);
+  CHECK(warm.reused == 16 + doc_tokens);  // two whole prefix blocks of 8, the documents
+  CHECK(warm.computed == 4 + 5);        // the prefix's last 4 tokens and the question
+  CHECK((warm.logits - cold.logits).abs().max().item<double>() < 1e-4);
+  PicPrefill fresh = PicEngine(model, Method::comb, o).prefill(r, 1);
+  CHECK((warm.logits - fresh.logits).abs().max().item<double>() < 1e-5);
+}

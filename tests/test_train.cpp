@@ -67,10 +67,11 @@ std::vector<at::Tensor> weights_of(Plugin& p) {
 namespace {
 // A plug-in of the layout that reads from the start (encoder of the base's layers, sinks, RoPE
 // from the document's end, an encoder prefix token), with its weights moved off their start.
-std::shared_ptr<Plugin> reads_plugin(const Decoder& base, bool joint = false) {
+std::shared_ptr<Plugin> reads_plugin(const Decoder& base, bool joint = false, bool after_prefix = false) {
   PluginInitOptions init;
   init.reads = true;
   init.joint_attention = joint;
+  init.documents_after_prefix = after_prefix;
   init.cross_layers = {1, 2};
   init.encoder_prefix = {7};
   std::mt19937 rng(4);
@@ -90,9 +91,13 @@ std::shared_ptr<Plugin> reads_plugin(const Decoder& base, bool joint = false) {
 
 TEST_CASE("the training forward equals the inference path, document by document", "[train]") {
   Model model = Model::load(oracle_dir() + "/tiny-llama");
-  const int layout = GENERATE(0, 1, 2);
-  INFO((layout == 0 ? "reference layout" : layout == 1 ? "layout that reads from the start" : "joint blocks"));
-  auto plugin = layout == 0 ? random_plugin(model.decoder(), 2, 3) : reads_plugin(model.decoder(), layout == 2);
+  const int layout = GENERATE(0, 1, 2, 3);
+  INFO((layout == 0   ? "reference layout"
+        : layout == 1 ? "layout that reads from the start"
+        : layout == 2 ? "joint blocks"
+                      : "joint blocks, documents after the prefix"));
+  auto plugin = layout == 0 ? random_plugin(model.decoder(), 2, 3)
+                            : reads_plugin(model.decoder(), layout >= 2, layout == 3);
   model.set_plugin(plugin);
   auto examples = random_examples(4, 11);
   TrainBatch batch = make_train_batch(examples, c10::kCPU);
@@ -107,6 +112,7 @@ TEST_CASE("the training forward equals the inference path, document by document"
     std::vector<std::shared_ptr<const DocumentKV>> docs;
     for (const auto& d : e.documents) docs.push_back(model.document(*d));
     LinkedDocuments linked = Linker(c10::kCPU).link(docs);
+    if (layout == 3) linked.anchor = static_cast<int64_t>(e.prefix.size());
     std::vector<int32_t> seq = e.prefix;
     seq.insert(seq.end(), e.suffix.begin(), e.suffix.end());
     const int64_t at = seq.size();

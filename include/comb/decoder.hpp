@@ -66,6 +66,7 @@ at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at
 // score of them. A row with no valid key gets exactly its own context's attention.
 struct JointKV {
   at::Tensor keys, values, valid, bias;
+  int64_t anchor = 0;  // prompt positions before it do not read the joined keys
 };
 // Grouped-query attention of q [batch, n_head, n, head_dim] (RoPE applied) over `joint`'s keys and
 // its own context keys, values [batch, n_head_kv, start + n, head_dim], query j seeing context keys

@@ -41,6 +41,11 @@ struct PluginConfig {
   // learned logit per head added to the documents' scores. Such a block has no query, output,
   // gate or MLP weights of its own; only its K/V projections (and kv_norm) and that bias.
   bool joint_attention = false;
+  // Joint blocks only: the documents sit between the instruction prefix and the question, as in a
+  // full prompt. The prompt's first `anchor` tokens (the prefix; LinkedDocuments::anchor) do not
+  // read them, so their K/V are the bare decoder's and come from a prefix cache; the documents'
+  // keys end right before position `anchor`. Off: every prompt token reads them (anchor 0).
+  bool documents_after_prefix = false;
 
   int64_t n_blocks() const { return static_cast<int64_t>(cross_layers.size()); }
   int64_t n_encoder_layers() const { return encoder_layers > 0 ? encoder_layers : n_blocks(); }
@@ -101,6 +106,7 @@ struct PluginInitOptions {
   // `reads`: blocks that join their layer's attention (see PluginConfig::joint_attention), bias 0:
   // at step 0, the layer attends to the documents' states as to its own context.
   bool joint_attention = false;
+  bool documents_after_prefix = false;       // joint: see PluginConfig
   bool relative_positions = true;            // `reads`: see PluginConfig
   int64_t n_encoder_layers = 4;
   std::vector<int64_t> cross_layers;  // empty: spread evenly, the last block before the last layer
@@ -157,10 +163,11 @@ class Plugin {
                          int64_t start = 0) const;
   // joint_attention: what each block adds to its layer's attention, from linked keys/values
   // [block][document] (see Linker), the documents of each batch row joined and the rows padded to
-  // the longest.
+  // the longest. `anchor` (documents_after_prefix): the keys move from ending before position 0
+  // to ending before position `anchor`, and prompt positions before it do not read them.
   std::vector<JointKV> joint_kv(const PluginWeights& w, const std::vector<std::vector<at::Tensor>>& keys,
                                 const std::vector<std::vector<at::Tensor>>& values,
-                                const std::vector<int64_t>& doc_counts) const;
+                                const std::vector<int64_t>& doc_counts, int64_t anchor = 0) const;
   // Names and tensors of the plug-in, in the reference checkpoint's naming.
   std::vector<std::pair<std::string, at::Tensor>> named_tensors() const;
   void refresh_fingerprint();

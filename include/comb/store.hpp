@@ -78,12 +78,16 @@ struct LinkedDocuments {
   std::vector<std::vector<at::Tensor>> values;  // [block][document]
   std::vector<int64_t> doc_counts;              // [batch]: documents of each request
   std::vector<std::shared_ptr<const DocumentKV>> held;  // keeps every linked entry alive
+  // A plug-in with documents_after_prefix: the prompt position the documents end at (the length
+  // of the instruction prefix); positions before it do not read them. 0: every position does.
+  int64_t anchor = 0;
   bool empty() const { return held.empty(); }
   // A joint-attention plug-in's view of them (Plugin::joint_kv), built by the first
   // Model::forward that reads them and reused by every decoding step after it.
   struct Joined {
     std::mutex mutex;
     std::string plugin;  // the fingerprint of the plug-in that built `blocks`
+    int64_t anchor = 0;  // and the anchor they were built for
     std::vector<JointKV> blocks;
   };
   std::shared_ptr<Joined> joined = std::make_shared<Joined>();

@@ -77,6 +77,7 @@ struct TrainBatch {
   at::Tensor target_rows;  // [m] int64: flat rows of [batch * max_tokens] whose next token is a target
   at::Tensor targets;      // [m] int64
   int64_t real_tokens = 0; // document and decoder tokens, padding excluded
+  int64_t prefix_tokens = -1;  // every example's prefix length when they are all alike, else -1
 };
 TrainBatch make_train_batch(const std::vector<TrainExample>& examples, c10::Device device);
 

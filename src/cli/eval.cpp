@@ -513,6 +513,8 @@ int cmd_train(Args& args, Model& model) {
   init.first_layers = init_from == "first";
   init.reads = init_from == "reads" || init_from == "joint";
   init.joint_attention = init_from == "joint";
+  init.documents_after_prefix = args.num<int>("documents-after-prefix", 0) != 0;
+  COMB_CHECK(!init.documents_after_prefix || init.joint_attention, "--documents-after-prefix 1 is a layout of --init joint");
   const std::string save_dtype = args.str("save-dtype", "bfloat16");
   args.check_all_used();
   const c10::ScalarType out_dtype = parse_dtype(save_dtype);

@@ -126,7 +126,10 @@ plugin init options:
                       the documents and the context, a learned bias per head on the documents)
   --open-gate X       reads: tanh of the attention gates (default 0.995)
   --relative-positions 0|1  reads: RoPE with documents before the prompt (default 1), or none
-  --encoder-prefix 0|1      reads: the encoder reads the prompt's first token before each document (default 1)
+  --encoder-prefix 0|1|2    reads: the encoder reads nothing (0), the prompt's first token (1, default) or the
+                            whole instruction prefix (2) before each document
+  --documents-after-prefix 0|1  joint: the documents sit between the instruction prefix and the question;
+                            the prefix reads none, so a warm request takes it from the prefix cache (default 0)
 
 qa options:
   --document FILE     a document (its title: the file name); repeat for several
@@ -179,6 +182,7 @@ train options:
                       after them (default) or at --cross-layers, each with its decoder layer's
                       attention; or copies of the layers the blocks are spread over; or reads
                       (as plugin init --init reads or joint, at --cross-layers)
+  --documents-after-prefix 0|1  joint: as plugin init (default 0)
   --seed N            data order and initialisation (default 0)
   --save-every N (200)  --log-every N (10)  --resume 0|1 (1)
 
@@ -332,13 +336,22 @@ int cmd_plugin(int argc, char** argv) {
   init.reads = how == "reads" || how == "joint";
   init.joint_attention = how == "joint";
   init.open_gate = args.num<double>("open-gate", init.open_gate);
-  const bool args_prefix = args.num<int>("encoder-prefix", 1) != 0;
+  const int encoder_prefix = args.num<int>("encoder-prefix", 1);
+  if (encoder_prefix < 0 || encoder_prefix > 2)
+    throw Error(fmt::format("--encoder-prefix must be 0, 1 or 2, found {}", encoder_prefix));
   init.relative_positions = args.num<int>("relative-positions", 1) != 0;
+  init.documents_after_prefix = args.num<int>("documents-after-prefix", 0) != 0;
+  if (init.documents_after_prefix && !init.joint_attention)
+    throw Error("--documents-after-prefix 1 is a layout of --init joint");
   comb::Model model = load_model(args);
   args.check_all_used();
   if (init.reads) {
     init.probes = comb::qa_probe_prompts(model);
-    if (args_prefix) init.encoder_prefix = {init.probes[0][0]};  // the prompt's first token
+    if (encoder_prefix == 1) init.encoder_prefix = {init.probes[0][0]};  // the prompt's first token
+    if (encoder_prefix == 2) {  // the whole instruction prefix
+      auto p = comb::qa_prefix(model);
+      init.encoder_prefix.assign(p.begin(), p.end());
+    }
   }
   comb::Plugin plugin = comb::Plugin::fresh(model.decoder(), init);
   plugin.save(out);
