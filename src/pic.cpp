@@ -165,7 +165,7 @@ PicEngine::PicEngine(const Model& model, Method method, PicOptions options)
              model.config().n_layer, options_.check_layer);
   COMB_CHECK(options_.epic_k >= 0, "EPIC k must be >= 0, found {}", options_.epic_k);
   COMB_CHECK(options_.prefix_block > 0, "prefix block must be > 0, found {}", options_.prefix_block);
-  if (method == Method::comb) COMB_CHECK(model.plugin(), "--method comb needs a plug-in (--plugin FILE)");
+  if (method == Method::comb) COMB_CHECK(model.plugin(), "--method comb needs a plug-in (--plugin FILE; the default model has a shipped one)");
   StoreOptions store;
   store.host_bytes = options_.cache_bytes;
   store.dtype = options_.cache_dtype;

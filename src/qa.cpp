@@ -1,12 +1,14 @@
 // Multi-document QA items, the shared prompt and the answer check.
 #include <zlib.h>
 
+#include <algorithm>
 #include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <random>
 #include <set>
+#include <sstream>
 
 #include "comb/error.hpp"
 #include "comb/qa.hpp"
@@ -279,6 +281,94 @@ std::vector<QaItem> kv_retrieval_items(const std::string& source, const KvRetrie
     return o.items <= 0 || static_cast<int64_t>(items.size()) < o.items;
   });
   COMB_CHECK(!items.empty(), "'{}' holds no items", source);
+  return items;
+}
+
+std::vector<std::string> essay_paragraphs(const std::string& dir, size_t words, const std::string& split) {
+  COMB_CHECK(split == "all" || split == "train" || split == "test",
+             "essay split expects all, train or test, found '{}'", split);
+  COMB_CHECK(std::filesystem::is_directory(dir), "--essays '{}' is not a directory", dir);
+  std::vector<std::filesystem::path> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    if (e.path().extension() == ".txt") files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  std::vector<std::string> out;
+  for (size_t f = 0; f < files.size(); ++f) {
+    if (split != "all" && (f % 4 == 0) != (split == "test")) continue;
+    std::ifstream in(files[f], std::ios::binary);
+    COMB_CHECK(in.good(), "cannot read '{}'", files[f].string());
+    std::stringstream text;
+    text << in.rdbuf();
+    // Paragraphs of about `words` words, cut after a word that ends a sentence.
+    std::string current, word;
+    size_t n = 0;
+    auto push_word = [&] {
+      if (word.empty()) return;
+      current += (current.empty() ? "" : " ") + word;
+      ++n;
+      const bool sentence_end = word.back() == '.' || word.back() == '?' || word.back() == '!';
+      word.clear();
+      if (n >= words && sentence_end) {
+        out.push_back(std::move(current));
+        current.clear();
+        n = 0;
+      }
+    };
+    for (char c : text.str()) {
+      if (std::isspace(static_cast<unsigned char>(c))) push_word();
+      else word += c;
+    }
+    push_word();  // a last paragraph shorter than `words` is dropped
+  }
+  COMB_CHECK(!out.empty(), "--essays '{}' holds no *.txt prose for the {} split", dir, split);
+  return out;
+}
+
+QaItem needle_item(const std::vector<std::string>& paragraphs, int64_t n_documents, bool test_keys,
+                   std::mt19937_64& rng) {
+  COMB_CHECK(!paragraphs.empty(), "needle items need filler paragraphs");
+  COMB_CHECK(n_documents >= 1, "a needle item needs at least one document, found {}", n_documents);
+  static const char* const words[] = {"amber",  "basil",   "cobalt", "dune",   "ember",   "fjord",  "garnet", "harbor",
+                                      "indigo", "juniper", "kelp",   "lagoon", "marble",  "nectar", "onyx",   "pepper",
+                                      "quartz", "raven",   "saffron", "tundra", "umber",  "velvet", "willow", "zephyr"};
+  constexpr uint64_t n_words = sizeof(words) / sizeof(words[0]);
+  auto key_word = [&] {  // test keys: every fourth word; train keys: the others
+    uint64_t w = rng() % (test_keys ? n_words / 4 : n_words - n_words / 4);
+    return words[test_keys ? 4 * w : w + w / 3 + 1];
+  };
+  auto draw = [&](uint64_t lo, uint64_t hi) { return lo + rng() % (hi - lo + 1); };
+  QaItem item;
+  const std::string key = std::string(key_word()) + "-" + key_word();
+  const std::string number = std::to_string(draw(1000000, 9999999));
+  item.gold_index = static_cast<int64_t>(draw(0, static_cast<uint64_t>(n_documents) - 1));
+  for (int64_t d = 0; d < n_documents; ++d) {
+    std::string text = paragraphs[rng() % paragraphs.size()];
+    if (d == item.gold_index) {  // after a random sentence end, or at the start
+      std::vector<size_t> ends = {0};
+      for (size_t i = 0; i + 1 < text.size(); ++i)
+        if ((text[i] == '.' || text[i] == '?' || text[i] == '!') && text[i + 1] == ' ') ends.push_back(i + 2);
+      text.insert(ends[rng() % ends.size()], "The special magic number for " + key + " is " + number + ". ");
+    }
+    item.documents.push_back({"Essay", std::move(text)});
+  }
+  item.question = "What is the special magic number for " + key + "?";
+  item.answers = {number};
+  return item;
+}
+
+std::vector<QaItem> needle_items(const std::vector<std::string>& paragraphs, const NeedleOptions& o) {
+  COMB_CHECK(o.split == "train" || o.split == "test", "--split expects train or test, found '{}'", o.split);
+  COMB_CHECK(o.items > 0, "--items must be > 0, found {}", o.items);
+  COMB_CHECK(o.min_documents >= 1 && o.max_documents >= o.min_documents,
+             "documents per item: need 1 <= min ({}) <= max ({})", o.min_documents, o.max_documents);
+  std::mt19937_64 rng(o.seed);
+  std::vector<QaItem> items;
+  for (int64_t i = 0; i < o.items; ++i) {
+    const int64_t n = o.min_documents + static_cast<int64_t>(rng() % static_cast<uint64_t>(o.max_documents - o.min_documents + 1));
+    QaItem item = needle_item(paragraphs, n, o.split == "test", rng);
+    item.id = fmt::format("{}-{}-{}-{:04d}", o.id_prefix, o.split, o.seed, i);
+    items.push_back(std::move(item));
+  }
   return items;
 }
 

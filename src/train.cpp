@@ -29,39 +29,6 @@ namespace comb {
 // ================================================================================================
 
 namespace {
-std::string read_text(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  COMB_CHECK(f.good(), "cannot read '{}'", p.string());
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
-
-// Splits prose into paragraphs of about `words` words, on sentence ends.
-std::vector<std::string> paragraphs_of(const std::string& text, size_t words) {
-  std::vector<std::string> out;
-  std::string current, word;
-  size_t n = 0;
-  auto push_word = [&] {
-    if (word.empty()) return;
-    current += (current.empty() ? "" : " ") + word;
-    ++n;
-    bool sentence_end = word.back() == '.' || word.back() == '?' || word.back() == '!';
-    word.clear();
-    if (n >= words && sentence_end) {
-      out.push_back(current);
-      current.clear();
-      n = 0;
-    }
-  };
-  for (char c : text) {
-    if (std::isspace(static_cast<unsigned char>(c))) push_word();
-    else word += c;
-  }
-  push_word();
-  return out;
-}
-
 std::string uuid(std::mt19937_64& rng) {
   static const char* hex = "0123456789abcdef";
   std::string s;
@@ -125,15 +92,8 @@ TrainData::TrainData(const Model& model, const TrainDataOptions& options) : mode
              items.size() - kept);
   }
   if (!options.essays_dir.empty()) {
-    COMB_CHECK(fs::is_directory(options.essays_dir), "--essays '{}' is not a directory", options.essays_dir);
-    std::vector<fs::path> files;
-    for (const auto& e : fs::directory_iterator(options.essays_dir))
-      if (e.path().extension() == ".txt") files.push_back(e.path());
-    std::sort(files.begin(), files.end());
-    for (const auto& f : files)
-      for (auto& p : paragraphs_of(read_text(f), 80)) paragraphs_.push_back(std::move(p));
-    COMB_CHECK(!paragraphs_.empty(), "--essays '{}' holds no *.txt prose", options.essays_dir);
-    log(LogLevel::info, "train data: {} filler paragraphs from {} essays", paragraphs_.size(), files.size());
+    paragraphs_ = essay_paragraphs(options.essays_dir, 80, "train");
+    log(LogLevel::info, "train data: {} filler paragraphs from the essays' train split", paragraphs_.size());
   }
   COMB_CHECK(!items_.empty() || options.kv_share > 0 || (options.needle_share > 0 && !paragraphs_.empty()),
              "no training examples: give --data files or generated shares");
@@ -182,32 +142,15 @@ TrainExample TrainData::generated_kv(std::mt19937_64& rng) const {
 }
 
 TrainExample TrainData::generated_needle(std::mt19937_64& rng) const {
-  // A fact hidden in one of several filler paragraphs: "The special magic number for <word> is <n>."
-  static const char* words[] = {"amber",  "basil",  "cobalt", "dune",   "ember",  "fjord", "garnet", "harbor",
-                                "indigo", "juniper", "kelp",  "lagoon", "marble", "nectar", "onyx",  "pepper",
-                                "quartz", "raven",  "saffron", "tundra", "umber", "velvet", "willow", "zephyr"};
-  const int64_t n_words = sizeof(words) / sizeof(words[0]);
+  // A fact hidden in one of several filler paragraphs (needle_item, qa.hpp), over the essays'
+  // train split and with train keys, so `comb make-data --kind needle --split test` stays unseen.
   const int64_t n_docs = uniform(rng, 2, std::max<int64_t>(2, options_.max_documents));
-  const int64_t gold = uniform(rng, 0, n_docs - 1);
-  std::string word = std::string(words[rng() % n_words]) + "-" + words[rng() % n_words];
-  std::string number = std::to_string(uniform(rng, 1000000, 9999999));
+  QaItem item = needle_item(paragraphs_, n_docs, false, rng);
   std::vector<std::shared_ptr<const std::vector<int32_t>>> docs;
-  for (int64_t d = 0; d < n_docs; ++d) {
-    std::string text = paragraphs_[rng() % paragraphs_.size()];
-    if (d == gold) {
-      // After a random sentence end (or at the start).
-      std::vector<size_t> ends = {0};
-      for (size_t i = 0; i + 1 < text.size(); ++i)
-        if ((text[i] == '.' || text[i] == '?' || text[i] == '!') && text[i + 1] == ' ') ends.push_back(i + 2);
-      size_t at = ends[rng() % ends.size()];
-      text.insert(at, "The special magic number for " + word + " is " + number + ". ");
-    }
-    docs.push_back(document({"Essay", text}));
-  }
-  std::vector<int32_t> answer = model_.tokenizer().encode(number, false);
+  for (const auto& d : item.documents) docs.push_back(document(d));
+  std::vector<int32_t> answer = model_.tokenizer().encode(item.answers.front(), false);
   answer.insert(answer.end(), end_of_turn_.begin(), end_of_turn_.end());
-  return finish(std::move(docs), gold, qa_suffix(model_, "What is the special magic number for " + word + "?"),
-                std::move(answer), rng);
+  return finish(std::move(docs), item.gold_index, qa_suffix(model_, item.question), std::move(answer), rng);
 }
 
 TrainExample TrainData::sample(std::mt19937_64& rng) const {
@@ -642,7 +585,7 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
   }
   std::ofstream csv(csv_path, std::ios::trunc);
   COMB_CHECK(csv.good(), "cannot write '{}'", csv_path.string());
-  csv << "step,loss,ce,kl,lr,grad_norm,tokens_per_s,attn_gate_mean,mlp_gate_mean\n";
+  csv << "step,loss,ce,kl,lr,grad_norm,tokens_per_s,attn_gate_mean,mlp_gate_mean,ce_swapped\n";
   for (const auto& r : kept_rows) csv << r << "\n";
   csv.flush();
 
@@ -670,12 +613,13 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
 
   const double b1 = 0.9, b2 = 0.95, eps = 1e-8;
   auto t0 = std::chrono::steady_clock::now();
-  double window_loss = 0, window_ce = 0, window_kl = 0, window_tokens = 0;
-  int64_t window_steps = 0;
+  double window_loss = 0, window_ce = 0, window_kl = 0, window_tokens = 0, window_swapped = 0;
+  int64_t window_steps = 0, window_swapped_steps = 0;
   auto window_t0 = t0;
   const int64_t first = step;
   for (; step < o.steps; ++step) {
-    double step_loss = 0, step_ce = 0, step_kl = 0;
+    double step_loss = 0, step_ce = 0, step_kl = 0, step_swapped = 0;
+    int64_t swapped_micro = 0;
     for (int64_t micro = 0; micro < o.accumulation; ++micro) {
       // The examples of (seed, step, micro-batch) are fixed: a resumed run sees what it would have.
       std::mt19937_64 rng(o.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step) * 1000003ull + micro);
@@ -730,6 +674,17 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
         loss = loss + o.kl_weight * kl;
         step_kl += kl.item<double>() / o.accumulation;
       }
+      if (o.reading_check && examples.size() >= 2) {
+        // The same batch with each example reading the next example's documents: the cross-entropy
+        // of the same targets without their own documents. Its gap to `ce` is what reading buys.
+        c10::AutoGradMode no_grad(false);
+        std::vector<TrainExample> swapped = examples;
+        for (size_t i = 0; i < swapped.size(); ++i) swapped[i].documents = examples[(i + 1) % examples.size()].documents;
+        TrainBatch sb = make_train_batch(swapped, device);
+        at::Tensor sl = plugin_train_logits(base, plugin, plugin.weights(), sb);
+        step_swapped += at::cross_entropy_loss(sl, sb.targets).item<double>() / o.accumulation;
+        ++swapped_micro;
+      }
       (loss / o.accumulation).backward();
       step_loss += loss.item<double>() / o.accumulation;
       step_ce += ce.item<double>() / o.accumulation;
@@ -766,6 +721,10 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
     window_loss += step_loss;
     window_ce += step_ce;
     window_kl += step_kl;
+    if (swapped_micro == o.accumulation) {
+      window_swapped += step_swapped;
+      ++window_swapped_steps;
+    }
     ++window_steps;
     const bool last = step + 1 == o.steps;
     if ((step + 1) % o.log_every == 0 || last) {
@@ -781,9 +740,10 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
       attn_gate /= plugin.weights().cross.size();
       mlp_gate /= plugin.weights().cross.size();
       result.last_loss = window_loss / window_steps;
-      csv << fmt::format("{},{:.5f},{:.5f},{:.5f},{:.3e},{:.4f},{:.0f},{:.4f},{:.4f}\n", step + 1, result.last_loss,
-                         window_ce / window_steps, window_kl / window_steps, lr_at(o, step), norm, tps, attn_gate,
-                         mlp_gate);
+      const double ce_swapped = window_swapped_steps ? window_swapped / window_swapped_steps : std::nan("");
+      csv << fmt::format("{},{:.5f},{:.5f},{:.5f},{:.3e},{:.4f},{:.0f},{:.4f},{:.4f},{:.5f}\n", step + 1,
+                         result.last_loss, window_ce / window_steps, window_kl / window_steps, lr_at(o, step), norm, tps,
+                         attn_gate, mlp_gate, ce_swapped);
       csv.flush();
       if (o.on_progress) {
         TrainProgress pr;
@@ -795,12 +755,14 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
         pr.tokens_per_s = tps;
         pr.attn_gate = attn_gate;
         pr.mlp_gate = mlp_gate;
+        pr.ce = window_ce / window_steps;
+        pr.ce_swapped = ce_swapped;
         pr.elapsed_s = std::chrono::duration<double>(now - t0).count();
         pr.eta_s = pr.elapsed_s / (step + 1 - first) * (o.steps - step - 1);
         o.on_progress(pr);
       }
-      window_loss = window_ce = window_kl = window_tokens = 0;
-      window_steps = 0;
+      window_loss = window_ce = window_kl = window_tokens = window_swapped = 0;
+      window_steps = window_swapped_steps = 0;
       window_t0 = now;
     }
     if ((step + 1) % o.save_every == 0 || last) save(step + 1);

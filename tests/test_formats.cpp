@@ -5,6 +5,9 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <algorithm>
+#include <iterator>
+#include <map>
 #include <set>
 #include <fstream>
 #include <sys/stat.h>
@@ -452,4 +455,75 @@ TEST_CASE("nq-multidoc and kv items are made from files in their public source l
   }
   CHECK_THROWS_WITH(kv_retrieval_items(dir + "/badkv.jsonl", {}),
                     Catch::Contains("badkv.jsonl' line 1: 'ordered_kv_records[1]' must be a [key, value] pair of strings"));
+}
+
+TEST_CASE("needle items: one planted fact per item, test filler and keys never in the train split", "[formats][data]") {
+  const std::string essays = test_data_dir() + "/essays";
+  // Every fourth essay by name (here the first of four) is a test essay.
+  auto test_paragraphs = essay_paragraphs(essays, 80, "test");
+  auto train_paragraphs = essay_paragraphs(essays, 80, "train");
+  REQUIRE(test_paragraphs.size() == 1);
+  REQUIRE(train_paragraphs.size() == 3);
+  CHECK(test_paragraphs[0].rfind("The keeper climbed the stairs", 0) == 0);
+  for (const auto& p : train_paragraphs) CHECK(p.find("climbed the stairs") == std::string::npos);
+  CHECK(essay_paragraphs(essays, 80, "all").size() == 4);
+
+  auto keys_of = [](const std::vector<QaItem>& items) {
+    std::set<std::string> words;
+    for (const auto& it : items) {
+      const std::string q = it.question, lead = "What is the special magic number for ";
+      REQUIRE(q.rfind(lead, 0) == 0);
+      const std::string key = q.substr(lead.size(), q.size() - lead.size() - 1);
+      const size_t dash = key.find('-');
+      REQUIRE(dash != std::string::npos);
+      words.insert(key.substr(0, dash));
+      words.insert(key.substr(dash + 1));
+    }
+    return words;
+  };
+  NeedleOptions o;
+  o.items = 40;
+  o.min_documents = 2;
+  o.max_documents = 5;
+  std::map<std::string, std::vector<QaItem>> made;
+  for (const std::string split : {"train", "test"}) {
+    o.split = split;
+    const auto& paragraphs = split == "test" ? test_paragraphs : train_paragraphs;
+    std::vector<QaItem> items = needle_items(paragraphs, o);
+    REQUIRE(items.size() == 40);
+    std::set<size_t> counts;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const QaItem& it = items[i];
+      INFO(split << " item " << i);
+      CHECK(it.id == fmt::format("needle-{}-0-{:04d}", split, i));
+      REQUIRE(it.answers.size() == 1);
+      CHECK(it.answers[0].size() == 7);
+      counts.insert(it.documents.size());
+      REQUIRE(it.gold_index >= 0);
+      REQUIRE(it.gold_index < static_cast<int64_t>(it.documents.size()));
+      const std::string key = it.question.substr(37, it.question.size() - 38);
+      const std::string fact = "The special magic number for " + key + " is " + it.answers[0] + ".";
+      for (size_t d = 0; d < it.documents.size(); ++d) {
+        const bool planted = it.documents[d].text.find(fact) != std::string::npos;
+        CHECK(planted == (static_cast<int64_t>(d) == it.gold_index));
+        if (!planted) CHECK(std::find(paragraphs.begin(), paragraphs.end(), it.documents[d].text) != paragraphs.end());
+      }
+    }
+    CHECK(*counts.begin() >= 2);
+    CHECK(*counts.rbegin() <= 5);
+    CHECK(counts.size() > 1);
+    // The same seed gives the same items.
+    CHECK(needle_items(paragraphs, o)[7].question == items[7].question);
+    CHECK(needle_items(paragraphs, o)[7].answers == items[7].answers);
+    made[split] = std::move(items);
+  }
+  std::set<std::string> train_words = keys_of(made["train"]), test_words = keys_of(made["test"]), both;
+  std::set_intersection(train_words.begin(), train_words.end(), test_words.begin(), test_words.end(),
+                        std::inserter(both, both.begin()));
+  CHECK(both.empty());
+  CHECK(test_words.size() > 1);
+
+  o.split = "dev";
+  CHECK_THROWS_WITH(needle_items(test_paragraphs, o), Catch::Contains("--split expects train or test, found 'dev'"));
+  CHECK_THROWS_WITH(essay_paragraphs(essays + "/missing", 80, "test"), Catch::Contains("is not a directory"));
 }

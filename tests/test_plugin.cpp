@@ -46,13 +46,9 @@ at::Tensor prompt_ids(int64_t n, uint64_t seed = 5) {
   return at::randint(1000, 40000, {1, n}, at::detail::createCPUGenerator(seed), at::kLong);
 }
 
-}  // namespace
-
-TEST_CASE("documents off: the model with a plug-in is bit-identical to the bare decoder", "[plugin]") {
-  c10::InferenceMode guard;
-  const Model& bare = default_model();
-  Model with = Model::load(model_path());
-  with.set_plugin(random_plugin(with.decoder(), 2));
+// Without documents (none linked, or an empty link) `with` gives the bare decoder's logits and
+// greedy tokens bit for bit.
+void check_off_is_bare(const Model& with, const Model& bare) {
   SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
   at::Tensor ids = ref.load("p3.ids", at::kLong).unsqueeze(0);
   CHECK(logits_with(with, ids, nullptr).equal(logits_with(bare, ids, nullptr)));
@@ -62,6 +58,109 @@ TEST_CASE("documents off: the model with a plug-in is bit-identical to the bare 
   options.max_tokens = 24;
   auto prompt = bare.chat_prompt("Name three colors.");
   CHECK(with.generate(prompt, options).tokens == bare.generate(prompt, options).tokens);
+}
+
+}  // namespace
+
+TEST_CASE("documents off: the model with a plug-in is bit-identical to the bare decoder", "[plugin]") {
+  c10::InferenceMode guard;
+  const Model& bare = default_model();
+  Model with = Model::load(model_path());
+  with.set_plugin(random_plugin(with.decoder(), 2));
+  check_off_is_bare(with, bare);
+}
+
+// The trained plug-in the repository ships for the default model, as comb eval, qa and the demo use it.
+TEST_CASE("the shipped plug-in: off is the bare decoder bit for bit, any document order gives the same answer",
+          "[plugin][shipped]") {
+  c10::InferenceMode guard;
+  const std::string path = env_or("COMB_SHIPPED_PLUGIN", "examples/plugins/smollm2-135m-instruct.comb.safetensors");
+  REQUIRE(fs::exists(path));
+  const Model& bare = default_model();
+  Options options;
+  options.plugin = path;
+  Model with = Model::load(model_path(), options);
+  REQUIRE(with.plugin());
+
+  // Documents off: no linked documents, or an empty link, is the bare decoder.
+  check_off_is_bare(with, bare);
+  GenerateOptions greedy;
+  greedy.max_tokens = 24;
+
+  // Three documents of examples/documents in each of their 6 orders: the same greedy answer, which
+  // is not the bare decoder's.
+  const std::string dir = env_or("COMB_EXAMPLES", "examples") + "/documents/";
+  std::vector<std::shared_ptr<const DocumentKV>> docs;
+  for (const char* name : {"eiffel-tower", "mount-everest", "mariana-trench"}) {
+    std::string text = read_bytes(dir + name + ".txt");
+    docs.push_back(with.document(qa_document_tokens(with, {name, text})));
+  }
+  std::vector<int32_t> prompt = qa_prefix(with);
+  const auto suffix = qa_suffix(with, "How high is the summit of Mount Everest above sea level?");
+  prompt.insert(prompt.end(), suffix.begin(), suffix.end());
+  Linker linker(c10::kCPU);
+  std::vector<int> order{0, 1, 2};
+  std::vector<int32_t> first;
+  at::Tensor first_logits;
+  int orders = 0;
+  double worst = 0;
+  do {
+    std::vector<std::shared_ptr<const DocumentKV>> permuted;
+    for (int i : order) permuted.push_back(docs[i]);
+    LinkedDocuments linked = linker.link(permuted);
+    auto answer = with.generate(prompt, greedy, &linked).tokens;
+    at::Tensor logits = logits_with(with, ids_tensor(prompt), &linked);
+    if (orders++ == 0) {
+      first = answer, first_logits = logits;
+      INFO("answer: " << with.tokenizer().decode(answer));
+      CHECK_FALSE(answer == bare.generate(prompt, greedy).tokens);  // the documents change the answer
+    } else {
+      CHECK(answer == first);
+      worst = std::max(worst, (logits - first_logits).abs().max().item<double>());
+    }
+  } while (std::next_permutation(order.begin(), order.end()));
+  CHECK(orders == 6);
+  INFO("worst |logit diff| over orders " << worst);
+  CHECK(worst <= 1e-3);
+
+  // It reads: notes as `comb make-data --split test` writes them (words no training split holds),
+  // the QA prompt as comb eval builds it. The bare decoder cannot know a word; the plug-in copies
+  // it from the right note (7 of these 8 when this test was written; the held-back tables are in
+  // docs/training.md).
+  struct Note {
+    std::vector<std::pair<std::string, std::string>> notes;  // name, word
+    std::string who;
+  };
+  const std::vector<Note> items = {
+      {{{"Sam", "kitten"}, {"David", "ribbon"}, {"Ben", "shadow"}}, "Sam"},
+      {{{"Sam", "salmon"}}, "Sam"},
+      {{{"Ben", "lantern"}, {"Rosa", "jungle"}}, "Ben"},
+      {{{"Noah", "rocket"}, {"Grace", "pebble"}, {"Iris", "panda"}}, "Iris"},
+      {{{"Leo", "apple"}}, "Leo"},
+      {{{"Kate", "pebble"}}, "Kate"},
+      {{{"Frank", "wizard"}}, "Frank"},
+      {{{"Emma", "eagle"}}, "Emma"},
+  };
+  GenerateOptions brief;
+  brief.max_tokens = 16;
+  int read = 0, guessed = 0;
+  for (const auto& item : items) {
+    std::vector<std::shared_ptr<const DocumentKV>> notes;
+    std::string word;
+    for (const auto& [name, w] : item.notes) {
+      notes.push_back(with.document(qa_document_tokens(
+          with, {"Note about " + name, "The secret code word of " + name + " is " + w + "."})));
+      if (name == item.who) word = w;
+    }
+    std::vector<int32_t> ask = qa_prefix(with);
+    const auto question = qa_suffix(with, "What is the secret code word of " + item.who + "?");
+    ask.insert(ask.end(), question.begin(), question.end());
+    LinkedDocuments linked = linker.link(notes);
+    read += answer_correct(with.tokenizer().decode(with.generate(ask, brief, &linked).tokens), {word});
+    guessed += answer_correct(bare.tokenizer().decode(bare.generate(ask, brief).tokens), {word});
+  }
+  CHECK(read >= 6);
+  CHECK(guessed == 0);
 }
 
 TEST_CASE("a fresh plug-in (gates 0) with documents equals the decoder without documents", "[plugin]") {

@@ -351,11 +351,33 @@ TEST_CASE("teacher answers: the decoder's own full-context answer, kept in a fil
   std::getline(csv, header);
   std::getline(csv, row);
   CHECK(std::isfinite(std::stod(row.substr(row.find(',') + 1))));
+  // Without the reading check the swapped column is nan.
+  CHECK(header.substr(header.rfind(',') + 1) == "ce_swapped");
+  CHECK(row.substr(row.rfind(',') + 1) == "nan");
   o.dir = dir + "/run2";
   Plugin p2 = Plugin::fresh(model.decoder(), init);
   TrainResult r2 = train_plugin(model, p2, data, o);
   CHECK(r2.teacher_computed == 0);
   CHECK(r2.teacher_reused == 2);
+  {
+    // The reading check: the same batch with its examples' documents swapped, scored beside ce.
+    o.dir = dir + "/run3";
+    o.reading_check = true;
+    Plugin p3 = Plugin::fresh(model.decoder(), init);
+    train_plugin(model, p3, data, o);
+    std::ifstream log3(o.dir + "/loss.csv");
+    std::string h3, r3;
+    std::getline(log3, h3);
+    std::getline(log3, r3);
+    const double swapped = std::stod(r3.substr(r3.rfind(',') + 1));
+    // ce is the third column; a fresh plug-in's gates are closed, so it reads nothing and the same
+    // targets score the same with any documents.
+    size_t c1 = r3.find(','), c2 = r3.find(',', c1 + 1), c3 = r3.find(',', c2 + 1);
+    const double ce = std::stod(r3.substr(c2 + 1, c3 - c2 - 1));
+    CHECK(std::isfinite(swapped));
+    CHECK(swapped == Approx(ce).epsilon(1e-4));
+    o.reading_check = false;
+  }
   o.targets = "silver";
   CHECK_THROWS_WITH(train_plugin(model, p2, data, o), Catch::Contains("targets must be gold"));
 }

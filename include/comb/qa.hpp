@@ -2,6 +2,7 @@
 // Multi-document QA: items in the data format (JSON Lines, optionally gzip), the one prompt every
 // method reads, and the answer check. Shared by `comb eval`, `comb train` and the demo.
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,27 @@ struct KvRetrievalOptions {
 // (ordered_kv_records [[key, value], ...], key, value): the records in order, pairs_per_document
 // to a document written as a JSON object, the question asking for the key's value.
 std::vector<QaItem> kv_retrieval_items(const std::string& source, const KvRetrievalOptions& options);
+
+// Filler prose: every *.txt file of `dir`, in name order, cut into paragraphs of about `words` words
+// on sentence ends. split "all", or "train" / "test": every fourth essay (by name) is a test essay,
+// the others train essays, so a test split's filler never occurs in a training split.
+std::vector<std::string> essay_paragraphs(const std::string& dir, size_t words = 80, const std::string& split = "all");
+
+struct NeedleOptions {
+  int64_t items = 100;
+  int64_t min_documents = 2, max_documents = 6;  // per item, the needle's paragraph among them
+  uint64_t seed = 0;
+  std::string split = "train";  // "test": test essays and key words that "train" never uses
+  std::string id_prefix = "needle";
+};
+// Facts planted in filler: each item's documents are random paragraphs of `paragraphs`, one with
+// "The special magic number for <key> is <7 digits>." inserted after a random sentence end; the
+// question asks for that key's number. Keys are two words ("amber-quartz"); a test split draws
+// both words from a quarter of the word list that "train" never uses.
+std::vector<QaItem> needle_items(const std::vector<std::string>& paragraphs, const NeedleOptions& options);
+// One such item from `rng` (the generator behind needle_items and comb train's generated needles).
+QaItem needle_item(const std::vector<std::string>& paragraphs, int64_t n_documents, bool test_keys,
+                   std::mt19937_64& rng);
 
 // Writes items in the data format (gzip when `path` ends in .gz), whole or not at all.
 void write_qa_items(const std::string& path, const std::vector<QaItem>& items);

@@ -135,6 +135,8 @@ struct TrainProgress {
   int64_t step = 0, steps = 0;
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0;
   double attn_gate = 0, mlp_gate = 0;  // mean tanh(gate) over the cross blocks
+  double ce = 0;                       // answer-token cross-entropy (the loss less the KL term)
+  double ce_swapped = 0;               // the same with documents swapped between examples (NaN: not measured)
   double elapsed_s = 0, eta_s = 0;
 };
 
@@ -161,6 +163,9 @@ struct TrainOptions {
   int64_t save_every = 200;      // steps between checkpoints (and at the end)
   int64_t log_every = 10;
   bool resume = true;            // continue from dir's checkpoint when there is one
+  // Also score each batch with every example reading the next one's documents (no gradient): the
+  // loss log's ce_swapped, against ce the evidence that the plug-in reads. Costs one more forward.
+  bool reading_check = false;
   std::function<void(const TrainProgress&)> on_progress;
 };
 

@@ -404,7 +404,7 @@ int cmd_qa(Args& args, Model& model) {
     if (n.empty()) continue;
     methods.push_back(parse_method(n));
     COMB_CHECK(methods.back() != Method::comb || model.plugin(),
-               "--methods names comb, which needs a trained plug-in (--plugin FILE)");
+               "--methods names comb, which needs a plug-in (--plugin FILE; the default model has a shipped one)");
   }
   COMB_CHECK(!methods.empty(), "--methods needs at least one method (full, prefix, naive, cacheblend, epic, comb)");
   GenerateOptions gen;
@@ -496,6 +496,7 @@ int cmd_train(Args& args, Model& model) {
   o.save_every = args.num<int64_t>("save-every", o.save_every);
   o.log_every = args.num<int64_t>("log-every", o.log_every);
   o.resume = args.num<int>("resume", 1) != 0;
+  o.reading_check = args.num<int>("reading-check", 0) != 0;
   PluginInitOptions init;
   init.n_encoder_layers = args.num<int64_t>("encoder-layers", init.n_encoder_layers);
   init.cross_layers = parse_int_list(args.str("cross-layers"), "cross-layers");
@@ -535,9 +536,12 @@ int cmd_train(Args& args, Model& model) {
              plugin.config().n_encoder_layers(), fmt::join(plugin.config().cross_layers, ", "));
   const bool tty = ::isatty(fileno(stderr));
   o.on_progress = [&](const TrainProgress& p) {
-    fmt::print(stderr, "{}[train] step {}/{} loss {:.4f} lr {:.2e} |g| {:.3f} {:.1f}k tok/s gates {:.3f}/{:.3f} elapsed {} "
-               "eta {}{}", tty ? "\r" : "", p.step, p.steps, p.loss, p.lr, p.grad_norm, p.tokens_per_s / 1e3,
-               p.attn_gate, p.mlp_gate, clock_text(p.elapsed_s), clock_text(p.eta_s), tty ? "   " : "\n");
+    const std::string reading =
+        std::isnan(p.ce_swapped) ? "" : fmt::format(" ce {:.3f} (documents swapped {:.3f})", p.ce, p.ce_swapped);
+    fmt::print(stderr, "{}[train] step {}/{} loss {:.4f}{} lr {:.2e} |g| {:.3f} {:.1f}k tok/s gates {:.3f}/{:.3f} "
+               "elapsed {} eta {}{}", tty ? "\r" : "", p.step, p.steps, p.loss, reading, p.lr, p.grad_norm,
+               p.tokens_per_s / 1e3, p.attn_gate, p.mlp_gate, clock_text(p.elapsed_s), clock_text(p.eta_s),
+               tty ? "   " : "\n");
   };
   TrainResult r = train_plugin(model, plugin, examples, o);
   if (tty) fmt::print(stderr, "\n");

@@ -25,7 +25,7 @@ int cmd_train(Args& args, comb::Model& model);
 int cmd_report(std::vector<std::string> files);
 int cmd_qa(Args& args, comb::Model& model);
 int cmd_make_data(Args& args);
-comb::Model load_model(Args& args);
+comb::Model load_model(Args& args, bool shipped_plugin = false);
 }  // namespace comb::cli
 
 namespace comb::cli {
@@ -34,7 +34,15 @@ std::string default_model() {
   return COMB_DEFAULT_MODEL;
 }
 
-comb::Model load_model(Args& args) {
+// The trained plug-in shipped for the default model (docs/training.md), used by eval, qa and
+// generate when neither --model nor COMB_MODEL names another model and no --plugin is given.
+std::string default_plugin() {
+  if (const char* env = std::getenv("COMB_PLUGIN"); env && *env) return env;
+  return COMB_DEFAULT_PLUGIN;
+}
+
+comb::Model load_model(Args& args, bool shipped_plugin) {
+  const bool default_base = !args.has("model") && default_model() == COMB_DEFAULT_MODEL;
   std::string path = args.str("model", default_model());
   if (path.empty()) throw Error("no model: pass --model FILE or set COMB_MODEL");
   comb::Options options;
@@ -43,6 +51,13 @@ comb::Model load_model(Args& args) {
   options.threads = args.num<int>("threads", 0);
   options.cpu_kernels = args.num<int>("cpu-kernels", 1) != 0;
   options.plugin = args.str("plugin");
+  if (options.plugin == "none") options.plugin.clear();
+  else if (options.plugin.empty() && shipped_plugin && default_base && !default_plugin().empty()) {
+    options.plugin = default_plugin();
+    COMB_CHECK(std::filesystem::exists(options.plugin),
+               "the shipped plug-in '{}' is missing (pass --plugin FILE, or --plugin none for the bare decoder)",
+               options.plugin);
+  }
   auto t0 = std::chrono::steady_clock::now();
   comb::Model model = comb::Model::load(path, options);
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -75,7 +90,7 @@ commands:
                 line, or with --markdown one table; --first N: items 0..N-1 only; --data FILE:
                 score the stored predictions again against that data file's answers
   train         train a plug-in for a model (decoder frozen)
-  make-data     write QA items: generated (--kind codeword), or made from a public source file
+  make-data     write QA items: generated (--kind codeword, needle), or made from a public source file
                 (--kind nq-multidoc, --kind kv)
   bench         measure prefill and decode throughput
   version       print the version
@@ -103,7 +118,9 @@ generate options:
   --top-p P           sample from the smallest set with mass P (default 1)
   --seed N            random seed for sampling (default 0)
   --json              print token ids, logprobs and timings as JSON instead of text
-  --plugin FILE       a plug-in-only file to apply (needed for --document)
+  --plugin FILE       a plug-in-only file to apply; with the default model, eval, qa and generate
+                      --document use the shipped one (examples/plugins/, COMB_PLUGIN overrides;
+                      --plugin none: the bare decoder)
   --document FILE     a document for the encoder; repeat for several, in any order
   --cache-dir DIR     keep document caches on disk in DIR (survives restarts)
   --cache-mb N        cache budget per tier in MiB (default 1024)
@@ -134,9 +151,10 @@ plugin init options:
 qa options:
   --document FILE     a document (its title: the file name); repeat for several
   --question TEXT     the question
-  --methods LIST      comma separated (default full,naive,epic,cacheblend, and comb with --plugin)
+  --methods LIST      comma separated (default full,naive,epic,cacheblend,comb; comb only with a
+                      plug-in: the shipped one for the default model, or --plugin)
   --max-new-tokens N  greedy tokens per answer (default 48)
-  --plugin FILE       the plug-in for comb
+  --plugin FILE       the plug-in for comb (default: the shipped one; none: leave comb out)
 
 eval options:
   --method M          full (default), prefix, naive, cacheblend, epic, comb
@@ -155,7 +173,7 @@ eval options:
   --check-layer L     cacheblend: layer that picks them (default 1)
   --epic-k K          epic: leading tokens recomputed per document (default 8)
   --prefix-block N    prefix: tokens per cached block (default 16)
-  --plugin FILE       comb: the plug-in (required for --method comb)
+  --plugin FILE       comb: the plug-in (default: the shipped one for the default model)
 
 train options:
   --out FILE          the trained plug-in (safetensors, --save-dtype, default bfloat16)
@@ -184,12 +202,19 @@ train options:
                       (as plugin init --init reads or joint, at --cross-layers)
   --documents-after-prefix 0|1  joint: as plugin init (default 0)
   --seed N            data order and initialisation (default 0)
+  --reading-check 0|1 also score each batch with the documents swapped between its examples (no
+                      gradient; loss.csv's ce_swapped against ce shows reading) (default 0)
   --save-every N (200)  --log-every N (10)  --resume 0|1 (1)
 
 make-data options (docs/data.md):
   --kind codeword     (default) generated: notes "The secret code word of <name> is <word>."
     --out FILE  --items N (1000)  --seed N (0)
     --split train|test  test items use words (answers) that train items never use
+  --kind needle       generated: "The special magic number for <key> is <7 digits>." planted
+                      in one of several paragraphs of filler prose
+    --essays DIR  --out FILE  --items N (100)  --seed N (0)  --min-docs N (2)  --max-docs N (6)
+    --split train|test  test items use every fourth essay (by name) and key words that train
+                        items never use
   --kind nq-multidoc  from the public Natural Questions oracle file (nq-open-oracle.jsonl.gz):
                       each question's gold passage and distractors drawn from the other
                       questions' gold passages that hold none of its answers
@@ -212,7 +237,7 @@ bench options:
 )";
 
 int cmd_generate(Args& args) {
-  comb::Model model = load_model(args);
+  comb::Model model = load_model(args, args.has("document"));
   std::string prompt = args.str("prompt");
   if (!args.has("prompt")) throw Error("generate needs --prompt TEXT");
   bool raw = args.has("raw"), json = args.has("json");
@@ -355,7 +380,14 @@ int cmd_plugin(int argc, char** argv) {
   }
   comb::Plugin plugin = comb::Plugin::fresh(model.decoder(), init);
   plugin.save(out);
-  if (init.reads)
+  if (init.joint_attention)
+    fmt::print(stderr,
+               "[comb] wrote a plug-in that reads from the start (encoder: the base's first {} layers, causal; "
+               "joint blocks at layers {}, each joining that layer's attention), untrained: the trained one for "
+               "the default model is {}; to {}\n",
+               plugin.config().n_encoder_layers(), fmt::join(plugin.config().cross_layers, ", "),
+               COMB_DEFAULT_PLUGIN, out);
+  else if (init.reads)
     fmt::print(stderr,
                "[comb] wrote a plug-in that reads from the start (encoder: the base's first {} layers, causal; "
                "cross blocks before layers {}, each that layer's attention) to {}\n",
@@ -501,12 +533,12 @@ int main(int argc, char** argv) {
     if (cmd == "plugin") return cmd_plugin(argc, argv);
     if (cmd == "eval") {
       Args args(argc, argv, 2, {});
-      comb::Model model = load_model(args);
+      comb::Model model = load_model(args, true);
       return comb::cli::cmd_eval(args, model);
     }
     if (cmd == "qa") {
       Args args(argc, argv, 2, {});
-      comb::Model model = load_model(args);
+      comb::Model model = load_model(args, true);
       return comb::cli::cmd_qa(args, model);
     }
     if (cmd == "make-data") {

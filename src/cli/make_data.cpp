@@ -115,13 +115,38 @@ int make_from_source(Args& args, const std::string& kind) {
   return 0;
 }
 
+// `comb make-data --kind needle --essays DIR`: facts planted in filler paragraphs (needle_items).
+int make_needle(Args& args) {
+  const std::string essays = args.str("essays"), out_path = args.str("out");
+  NeedleOptions o;
+  o.items = args.num<int64_t>("items", o.items);
+  o.seed = args.num<uint64_t>("seed", o.seed);
+  o.split = args.str("split", o.split);
+  o.min_documents = args.num<int64_t>("min-docs", o.min_documents);
+  o.max_documents = args.num<int64_t>("max-docs", o.max_documents);
+  o.id_prefix = args.str("id-prefix", o.id_prefix);
+  args.check_all_used();
+  COMB_CHECK(!essays.empty(), "make-data --kind needle needs --essays DIR (plain-text prose, *.txt)");
+  COMB_CHECK(!out_path.empty(), "make-data needs --out FILE");
+  COMB_CHECK(o.split == "train" || o.split == "test", "--split expects train or test, found '{}'", o.split);
+  COMB_CHECK(o.items > 0, "--items must be > 0, found {}", o.items);
+  COMB_CHECK(o.min_documents >= 1 && o.max_documents >= o.min_documents,
+             "--min-docs and --max-docs: need 1 <= min ({}) <= max ({})", o.min_documents, o.max_documents);
+  const auto paragraphs = essay_paragraphs(essays, 80, o.split);
+  write_qa_items(out_path, needle_items(paragraphs, o));
+  fmt::print(stderr, "[comb] wrote {} needle items ({} split: {} paragraphs, {}-{} documents, seed {}) to {}\n",
+             o.items, o.split, paragraphs.size(), o.min_documents, o.max_documents, o.seed, out_path);
+  return 0;
+}
+
 }  // namespace
 
 int cmd_make_data(Args& args) {
   const std::string kind = args.str("kind", "codeword");
   if (kind == "codeword") return make_codeword(args);
+  if (kind == "needle") return make_needle(args);
   if (kind == "nq-multidoc" || kind == "kv") return make_from_source(args, kind);
-  throw Error(fmt::format("make-data --kind expects codeword, nq-multidoc or kv, found '{}'", kind));
+  throw Error(fmt::format("make-data --kind expects codeword, needle, nq-multidoc or kv, found '{}'", kind));
 }
 
 }  // namespace comb::cli
