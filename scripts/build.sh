@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Configures and builds comb (after the set-up), in $COMB_BUILD_DIR (default: build/).
+#   scripts/build.sh [TARGET...]   the named targets only (the demo builds comb_cli), else everything
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup.sh"
@@ -12,4 +13,6 @@ if [ ! -f "$build/build.ninja" ]; then
         -DCOMB_DEFAULT_MODEL="$model" -DCOMB_PYTHON="$py" >/dev/null
 fi
 jobs=$(nproc 2>/dev/null || echo 2)
-cmake --build "$build" -j "$jobs"
+targets=()
+for t in "$@"; do targets+=(--target "$t"); done
+cmake --build "$build" -j "$jobs" "${targets[@]}"

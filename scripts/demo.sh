@@ -5,7 +5,7 @@
 #   scripts/demo.sh ["question"] [more comb qa options, e.g. --plugin FILE --methods full,comb]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-bash "$root/scripts/build.sh" >&2
+bash "$root/scripts/build.sh" comb_cli >&2  # the command-line tool alone: not the tests
 question=${1:-Who first reached the deepest point of the Mariana Trench, and when?}
 [ $# -gt 0 ] && shift
 docs=()

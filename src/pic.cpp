@@ -169,6 +169,8 @@ PicEngine::PicEngine(const Model& model, Method method, PicOptions options)
   StoreOptions store;
   store.host_bytes = options_.cache_bytes;
   store.dtype = options_.cache_dtype;
+  store.remote_url = options_.cache_url;
+  store.remote_ttl_s = options_.cache_ttl_s;
   store_ = std::make_unique<PICacheStore>(store);
   prefix_ = std::make_unique<PrefixCache>(options_.prefix_block, options_.cache_bytes);
   // Decoder-KV entries share the store with COMB entries: a distinct fingerprint keeps them apart.

@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "comb/detail/mapped_file.hpp"
+#include "comb/detail/redis_tier.hpp"
 #include "comb/error.hpp"
 #include "comb/log.hpp"
 #include "comb/store.hpp"
@@ -106,12 +107,12 @@ std::string serialize(const CacheKey& key, const DocumentKV& kv) {
   return std::string(reinterpret_cast<const char*>(&h), sizeof(h)) + payload;
 }
 
-// The entry in `path`, or nullopt (with the reason) when anything about it is wrong.
-std::optional<DocumentKV> deserialize(const std::string& path, const CacheKey& key, std::string& why) {
-  detail::MappedFile f(path);
-  if (f.size() < sizeof(DiskHeader)) return why = "shorter than its header", std::nullopt;
+// The entry in bytes [data, data + size), or nullopt (with the reason) when anything about it is
+// wrong.
+std::optional<DocumentKV> deserialize(const uint8_t* data, size_t size, const CacheKey& key, std::string& why) {
+  if (size < sizeof(DiskHeader)) return why = "shorter than its header", std::nullopt;
   DiskHeader h;
-  std::memcpy(&h, f.data(), sizeof(h));
+  std::memcpy(&h, data, sizeof(h));
   if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 2) return why = "bad magic or version", std::nullopt;
   if (h.key_high != key.high || h.key_low != key.low) return why = "holds another key", std::nullopt;
   const c10::ScalarType dtype = code_dtype(h.dtype);
@@ -122,9 +123,9 @@ std::optional<DocumentKV> deserialize(const std::string& path, const CacheKey& k
                      __builtin_mul_overflow(block, uint64_t(c10::elementSize(dtype)), &block) ||
                      __builtin_mul_overflow(block, 2 * uint64_t(h.n_blocks), &total);
   if (wraps || h.n_blocks == 0 || block == 0 || h.payload_bytes != total ||
-      f.size() != sizeof(DiskHeader) + h.payload_bytes)
+      size != sizeof(DiskHeader) + h.payload_bytes)
     return why = "truncated or sizes inconsistent", std::nullopt;
-  const uint8_t* payload = f.data() + sizeof(DiskHeader);
+  const uint8_t* payload = data + sizeof(DiskHeader);
   if (XXH3_64bits(payload, h.payload_bytes) != h.checksum) return why = "checksum mismatch", std::nullopt;
   DocumentKV kv;
   kv.n_tokens = static_cast<int64_t>(h.n_tokens);
@@ -138,6 +139,13 @@ std::optional<DocumentKV> deserialize(const std::string& path, const CacheKey& k
   }
   return kv;
 }
+
+std::optional<DocumentKV> deserialize(const std::string& path, const CacheKey& key, std::string& why) {
+  detail::MappedFile f(path);
+  return deserialize(f.data(), f.size(), key, why);
+}
+
+std::string remote_key(const CacheKey& key) { return "comb:kv:" + key.hex(); }
 
 // ---- Tiers -------------------------------------------------------------------------------------
 struct MemoryTier {
@@ -178,6 +186,9 @@ struct PICacheStore::Impl {
   std::list<CacheKey> disk_lru;
   std::unordered_map<CacheKey, std::pair<std::list<CacheKey>::iterator, int64_t>, KeyHash> disk_files;
   int64_t corrupt = 0, write_errors = 0;
+  // Remote tier (Redis): its own locking; the store's mutex is never held across a network call.
+  std::unique_ptr<detail::RedisTier> remote;
+  TierStats remote_stats;
 
   bool disk_enabled() const { return options.disk_bytes > 0 && !options.disk_dir.empty(); }
   std::string path_of(const CacheKey& k) const { return options.disk_dir + "/" + k.hex() + ".kv"; }
@@ -257,6 +268,9 @@ struct PICacheStore::Impl {
     if (evicted) ++disk.evictions;
   }
 
+  // The entry from the memory or disk tiers (the caller holds `mutex`), or nullptr.
+  std::shared_ptr<const DocumentKV> get_local(const CacheKey& key);
+
   void scan_disk() {
     std::error_code ec;
     fs::create_directories(options.disk_dir, ec);
@@ -305,15 +319,63 @@ PICacheStore::PICacheStore(StoreOptions options) : impl_(std::make_unique<Impl>(
   host.budget = options.host_bytes;
   impl_->memory.push_back(std::move(host));
   if (impl_->disk_enabled()) impl_->scan_disk();
+  if (!options.remote_url.empty()) {
+    detail::RedisTierOptions remote;
+    remote.address = detail::parse_redis_url(options.remote_url);
+    remote.ttl_s = options.remote_ttl_s;
+    remote.timeout_ms = options.remote_timeout_ms;
+    remote.backoff_ms = options.remote_backoff_ms;
+    impl_->remote = std::make_unique<detail::RedisTier>(remote);
+  }
 }
 
 PICacheStore::~PICacheStore() = default;
 
+void PICacheStore::flush() {
+  if (impl_->remote) impl_->remote->flush();
+}
+
 const StoreOptions& PICacheStore::options() const { return impl_->options; }
 
 std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& key) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    if (auto hit = impl_->get_local(key)) return hit;
+  }
+  if (!impl_->remote) return nullptr;
+  std::string why;
+  std::optional<DocumentKV> kv;
+  bool found = false;
+  impl_->remote->read(remote_key(key), [&](const char* data, size_t size) {
+    found = true;
+    try {  // straight from the reply's buffer: one copy, into the entry's tensors
+      kv = deserialize(reinterpret_cast<const uint8_t*>(data), size, key, why);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    return kv.has_value();
+  });
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  auto& memory = impl_->memory;
+  if (!kv) {
+    ++impl_->remote_stats.misses;
+    if (found) {  // there, but not an entry of this key: dropped, to be computed and written again
+      ++impl_->corrupt;
+      log(LogLevel::warning, "cache store: dropped corrupt Redis entry {} ({})", key.hex(), why);
+      impl_->remote->remove(remote_key(key));
+    }
+    return nullptr;
+  }
+  ++impl_->remote_stats.hits;
+  // Another caller may have stored it while this one read: theirs stands.
+  for (auto& tier : impl_->memory)
+    if (auto it = tier.slots.find(key); it != tier.slots.end()) return it->second.kv;
+  if (kv->keys[0].scalar_type() != impl_->options.dtype) *kv = kv->to(at::kCPU, impl_->options.dtype);
+  auto entry = std::make_shared<const DocumentKV>(std::move(*kv));
+  impl_->disk_write(key, *entry);
+  return impl_->insert(0, key, entry);
+}
+
+std::shared_ptr<const DocumentKV> PICacheStore::Impl::get_local(const CacheKey& key) {
   for (size_t t = 0; t < memory.size(); ++t) {
     auto it = memory[t].slots.find(key);
     if (it == memory[t].slots.end()) {
@@ -322,46 +384,46 @@ std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& key) {
     }
     ++memory[t].stats.hits;
     std::shared_ptr<const DocumentKV> kv = it->second.kv;
-    if (t > 0 && !it->second.pinned && Impl::fits(memory[0], it->second.bytes)) {  // promote to the fastest tier
+    if (t > 0 && !it->second.pinned && fits(memory[0], it->second.bytes)) {  // promote to the fastest tier
       // The copy first: if it throws (device memory), the entry stays where it was.
-      auto moved = std::make_shared<const DocumentKV>(kv->to(memory[0].device, impl_->options.dtype));
+      auto moved = std::make_shared<const DocumentKV>(kv->to(memory[0].device, options.dtype));
       memory[t].erase(key);
-      return impl_->insert(0, key, moved);
+      return insert(0, key, moved);
     }
     memory[t].touch(it->second, key);
     return kv;
   }
-  if (impl_->disk_enabled()) {
-    auto it = impl_->disk_files.find(key);
-    if (it != impl_->disk_files.end()) {
+  if (disk_enabled()) {
+    auto it = disk_files.find(key);
+    if (it != disk_files.end()) {
       std::string why;
       std::optional<DocumentKV> kv;
       try {
-        kv = deserialize(impl_->path_of(key), key, why);
+        kv = deserialize(path_of(key), key, why);
       } catch (const std::exception& e) {  // comb::Error, c10::Error, std::bad_alloc: a bad file, not a crash
         why = e.what();
       }
       if (kv) {
-        ++impl_->disk.hits;
-        impl_->disk_lru.erase(it->second.first);
-        impl_->disk_lru.push_front(key);
-        it->second.first = impl_->disk_lru.begin();
+        ++disk.hits;
+        disk_lru.erase(it->second.first);
+        disk_lru.push_front(key);
+        it->second.first = disk_lru.begin();
         // A file written by a store of another storage dtype is converted, like every entry.
-        if (kv->keys[0].scalar_type() != impl_->options.dtype) *kv = kv->to(at::kCPU, impl_->options.dtype);
-        return impl_->insert(0, key, std::make_shared<const DocumentKV>(std::move(*kv)));
+        if (kv->keys[0].scalar_type() != options.dtype) *kv = kv->to(at::kCPU, options.dtype);
+        return insert(0, key, std::make_shared<const DocumentKV>(std::move(*kv)));
       }
-      ++impl_->corrupt;
+      ++corrupt;
       log(LogLevel::warning, "cache store: dropped corrupt entry {} ({})", key.hex(), why);
-      impl_->disk_remove(key, /*evicted=*/false);
+      disk_remove(key, /*evicted=*/false);
     }
-    ++impl_->disk.misses;
+    ++disk.misses;
   }
   return nullptr;
 }
 
 std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& key, const DocumentKV& kv) {
   COMB_CHECK(!kv.keys.empty() && kv.keys.size() == kv.values.size(), "cache entry {} has no K/V blocks", key.hex());
-  std::lock_guard<std::mutex> lock(impl_->mutex);
+  std::unique_lock<std::mutex> lock(impl_->mutex);
   bool pinned = false;  // a replaced entry keeps its pin
   for (auto& tier : impl_->memory)
     if (auto it = tier.slots.find(key); it != tier.slots.end()) {
@@ -379,6 +441,10 @@ std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& key, const D
   if (pinned)
     for (auto& tier : impl_->memory)
       if (auto it = tier.slots.find(key); it != tier.slots.end()) it->second.pinned = true;
+  lock.unlock();
+  if (impl_->remote)  // serialized and written by the tier's thread: put() waits for neither
+    impl_->remote->put_lazy(remote_key(key), static_cast<int64_t>(sizeof(DiskHeader)) + entry->bytes(),
+                            [key, entry] { return serialize(key, *entry); });
   return stored;
 }
 
@@ -412,6 +478,14 @@ StoreStats PICacheStore::stats() const {
   s.disk.budget = impl_->options.disk_bytes;
   s.corrupt = impl_->corrupt;
   s.write_errors = impl_->write_errors;
+  if (impl_->remote) {
+    detail::RedisTierStats r = impl_->remote->stats();
+    s.remote = impl_->remote_stats;
+    s.remote.bytes = r.bytes_written;
+    s.remote_errors = r.errors;
+    s.remote_dropped = r.dropped_writes;
+    s.remote_online = r.online;
+  }
   return s;
 }
 

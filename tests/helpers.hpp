@@ -77,6 +77,8 @@ inline std::shared_ptr<Plugin> random_plugin(const Decoder& base, int64_t n_laye
 
 // A fresh, empty directory under the system's temporary directory.
 std::string temp_dir(const std::string& name);
+// Removes a directory tree, quietly (defined beside temp_dir, outside the precompiled header).
+void remove_dir(const std::string& dir);
 
 // Builds GGUF files byte by byte, for format tests.
 class GgufWriter {

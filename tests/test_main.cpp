@@ -1,6 +1,9 @@
 #define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
+#include <ftw.h>
+
+#include <cstdio>
 #include <filesystem>
 #include <random>
 #include <unistd.h>
@@ -15,6 +18,13 @@ std::string temp_dir(const std::string& name) {
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir.string();
+}
+
+// With nftw: LibTorch's library exports its own std::filesystem::remove_all, which the dynamic
+// linker binds first and which crashes on a directory with files in it.
+void remove_dir(const std::string& dir) {
+  ::nftw(dir.c_str(), [](const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }, 16,
+         FTW_DEPTH | FTW_PHYS);
 }
 
 std::string GgufWriter::bytes(uint32_t version) const {

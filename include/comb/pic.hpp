@@ -33,6 +33,10 @@ struct PicOptions {
   int64_t cache_bytes = int64_t(4) << 30;  // budget of the document store / prefix cache
   c10::ScalarType cache_dtype = c10::kFloat;
   std::string tenant;           // salt of the store's keys
+  // The document store's remote tier, shared with other processes (StoreOptions::remote_url):
+  // "redis://HOST[:PORT][/DB]", or "" for none. clear() forgets the local tiers, not this one.
+  std::string cache_url;
+  int64_t cache_ttl_s = 0;      // expiry of the entries written there (0: none)
 };
 
 // Decoder K/V of whole token blocks, keyed by a hash chain over the tokens: reuse of an exact

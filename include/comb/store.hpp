@@ -28,6 +28,13 @@ struct StoreOptions {
   std::string disk_dir;                // the disk tier's directory; entries survive restarts
   c10::ScalarType dtype = c10::kFloat; // storage dtype of K/V: float32, bfloat16 or float16
   c10::Device device = c10::kCPU;      // the device tier's device
+  // The remote tier, shared by replicas: a Redis server, "redis://[:PASSWORD@]HOST[:PORT][/DB]"
+  // ("": none). Looked up after the disk tier; a hit is promoted into the local tiers. Entries are
+  // the disk tier's bytes under "comb:kv:<key hex>", written in the background.
+  std::string remote_url;
+  int64_t remote_ttl_s = 0;            // expiry of the entries it writes (0: none; Redis's policy evicts)
+  int64_t remote_timeout_ms = 500;     // connect and per-command limit
+  int64_t remote_backoff_ms = 30000;   // after a failure, the tier is off this long (logged once)
 };
 
 struct TierStats {
@@ -36,13 +43,19 @@ struct TierStats {
 
 struct StoreStats {
   TierStats device, host, disk;
+  TierStats remote;             // hits: valid entries read; bytes: written by this store
+  int64_t remote_errors = 0;    // failed connections and commands (each starts a back-off)
+  int64_t remote_dropped = 0;   // writes not made: the tier was off, or too much was queued
+  bool remote_online = false;   // a remote tier is set and not in a back-off period
   int64_t corrupt = 0;      // disk entries that failed their checks (dropped, to be recomputed)
   int64_t write_errors = 0; // disk writes that failed (the entry stays in memory)
 };
 
 // Thread-safe. get() returns shared ownership, so an evicted entry stays valid for the requests
 // still reading it. Memory tiers hold an entry in one place (LRU, demoted device -> host on
-// eviction); the disk tier is written through on put() and checked (checksum) on every read.
+// eviction); the disk tier is written through on put() and checked (checksum) on every read; the
+// remote tier (Redis) is written in the background on put() and checked like the disk tier. A
+// failing remote tier never fails a call: it is a miss, and the store goes on with its local tiers.
 class PICacheStore {
  public:
   explicit PICacheStore(StoreOptions options);
@@ -54,7 +67,8 @@ class PICacheStore {
                       const std::string& tenant = "");
 
   // The entry, from the fastest tier that has it (promoted to the fastest memory tier when it fits
-  // there), or nullptr. An entry read from disk comes in the storage dtype, whatever store wrote it.
+  // there; a remote hit is also written to the disk tier), or nullptr. An entry read from disk or
+  // Redis comes in the storage dtype, whatever store wrote it.
   std::shared_ptr<const DocumentKV> get(const CacheKey& key);
   // Stores `kv` (converted to the storage dtype) and returns the stored entry. Replacing an entry
   // keeps its pin.
@@ -65,6 +79,8 @@ class PICacheStore {
   void unpin(const CacheKey& key);
   StoreStats stats() const;
   const StoreOptions& options() const;
+  // Waits until the remote tier has tried every queued write (the destructor does too).
+  void flush();
 
  private:
   struct Impl;

@@ -281,6 +281,8 @@ int cmd_eval(Args& args, Model& model) {
   options.check_layer = args.num<int64_t>("check-layer", options.check_layer);
   options.epic_k = args.num<int64_t>("epic-k", options.epic_k);
   options.prefix_block = args.num<int64_t>("prefix-block", options.prefix_block);
+  options.cache_url = args.str("cache-url");
+  options.cache_ttl_s = args.num<int64_t>("cache-ttl", 0);
   const int64_t limit = args.num<int64_t>("limit", 0);
   const int64_t offset = args.num<int64_t>("offset", 0);
   COMB_CHECK(limit >= 0 && offset >= 0, "--limit and --offset must be >= 0 (found {} and {})", limit, offset);
@@ -409,6 +411,9 @@ int cmd_qa(Args& args, Model& model) {
   COMB_CHECK(!methods.empty(), "--methods needs at least one method (full, prefix, naive, cacheblend, epic, comb)");
   GenerateOptions gen;
   gen.max_tokens = args.num<int64_t>("max-new-tokens", 48);
+  PicOptions options;
+  options.cache_url = args.str("cache-url");
+  options.cache_ttl_s = args.num<int64_t>("cache-ttl", 0);
   args.check_all_used();
 
   std::vector<QaDocument> documents;
@@ -430,7 +435,7 @@ int cmd_qa(Args& args, Model& model) {
              "computed (warm)", "reused (warm)");
   double full_warm = -1;
   for (Method m : methods) {
-    PicEngine engine(model, m);
+    PicEngine engine(model, m, options);
     ColdWarm t = run_cold_warm(engine, request, other, gen, /*prime_all=*/true);
     if (m == Method::full) full_warm = t.warm.ttft_ms;
     std::string answer = t.warm.text;

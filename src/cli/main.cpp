@@ -124,6 +124,9 @@ generate options:
   --document FILE     a document for the encoder; repeat for several, in any order
   --cache-dir DIR     keep document caches on disk in DIR (survives restarts)
   --cache-mb N        cache budget per tier in MiB (default 1024)
+  --cache-url URL     share document caches through Redis (redis://HOST[:PORT][/DB]): looked up after
+                      the local tiers, written in the background; also for qa and eval
+  --cache-ttl S       expiry of the entries written to Redis, in seconds (default 0: none)
 
 plugin memory options:
   --plugin FILE       the plug-in whose encoder layers count (else --encoder-layers)
@@ -155,6 +158,7 @@ qa options:
                       plug-in: the shipped one for the default model, or --plugin)
   --max-new-tokens N  greedy tokens per answer (default 48)
   --plugin FILE       the plug-in for comb (default: the shipped one; none: leave comb out)
+  --cache-url URL, --cache-ttl S   as for generate
 
 eval options:
   --method M          full (default), prefix, naive, cacheblend, epic, comb
@@ -173,6 +177,8 @@ eval options:
   --check-layer L     cacheblend: layer that picks them (default 1)
   --epic-k K          epic: leading tokens recomputed per document (default 8)
   --prefix-block N    prefix: tokens per cached block (default 16)
+  --cache-url URL, --cache-ttl S   as for generate; with a shared Redis, "cold" means the local tiers
+                      empty (a document another process computed comes from Redis)
   --plugin FILE       comb: the plug-in (default: the shipped one for the default model)
 
 train options:
@@ -245,6 +251,8 @@ int cmd_generate(Args& args) {
   std::vector<std::string> document_paths = args.all("document");
   std::string cache_dir = args.str("cache-dir");
   int64_t cache_mb = args.num<int64_t>("cache-mb", 1024);
+  std::string cache_url = args.str("cache-url");
+  int64_t cache_ttl = args.num<int64_t>("cache-ttl", 0);
   comb::GenerateOptions options;
   options.max_tokens = args.num<int64_t>("max-tokens", 128);
   options.sampling.temperature = args.num<float>("temperature", 0.0f);
@@ -269,6 +277,8 @@ int cmd_generate(Args& args) {
       store_options.disk_dir = cache_dir;
       store_options.disk_bytes = cache_mb << 20;
     }
+    store_options.remote_url = cache_url;
+    store_options.remote_ttl_s = cache_ttl;
     comb::PICacheStore store(store_options);
     std::vector<std::shared_ptr<const comb::DocumentKV>> documents;
     int64_t n_tokens = 0;
@@ -282,9 +292,10 @@ int cmd_generate(Args& args) {
     }
     double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     auto stats = store.stats();
-    fmt::print(stderr, "[comb] {} documents, {} tokens: {} from the cache, {} encoded, in {:.1f} ms\n",
-               documents.size(), n_tokens, stats.host.hits + stats.disk.hits,
-               documents.size() - (stats.host.hits + stats.disk.hits), ms);
+    const int64_t hits = stats.host.hits + stats.disk.hits + stats.remote.hits;
+    fmt::print(stderr, "[comb] {} documents, {} tokens: {} from the cache, {} encoded, in {:.1f} ms{}\n",
+               documents.size(), n_tokens, hits, documents.size() - hits, ms,
+               cache_url.empty() ? "" : fmt::format(" ({} from Redis)", stats.remote.hits));
     linked = comb::Linker(model.decoder().device()).link(documents);
   }
   comb::GenerationResult r = model.generate(ids, options, linked.empty() ? nullptr : &linked);
@@ -521,6 +532,11 @@ int main(int argc, char** argv) {
   // comb/allocator.hpp); COMB_KEEP_FREED_MEMORY=0 keeps the allocator's defaults, for comparison.
   if (const char* keep = std::getenv("COMB_KEEP_FREED_MEMORY"); keep == nullptr || std::string(keep) != "0")
     comb::keep_freed_memory();
+  // The library's warnings (a cache tier that failed, a dropped corrupt entry) reach the user;
+  // train replaces this to print its progress as well.
+  comb::set_log_callback([](comb::LogLevel level, const std::string& m) {
+    if (level == comb::LogLevel::warning) fmt::print(stderr, "[comb] {}\n", m);
+  });
   try {
     if (cmd == "version" || cmd == "--version") {
       std::cout << "comb " << COMB_VERSION_STRING << std::endl;
