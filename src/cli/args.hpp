@@ -38,6 +38,11 @@ class Args {
     auto it = values_.find(key);
     return it == values_.end() ? fallback : it->second.back();
   }
+  // Every value of an option, without counting it as used (for checks made before a command runs).
+  std::vector<std::string> peek_all(const std::string& key) const {
+    auto it = values_.find(key);
+    return it == values_.end() ? std::vector<std::string>{} : it->second;
+  }
   // Every value of a repeatable option, in order.
   std::vector<std::string> all(const std::string& key) {
     used_.push_back(key);

@@ -41,7 +41,24 @@ std::string default_plugin() {
   return COMB_DEFAULT_PLUGIN;
 }
 
+// Input files and directories the options name, checked before a model loads (seconds) so that a
+// mistyped path is refused at once, naming the option.
+void check_inputs(const Args& args) {
+  namespace fs = std::filesystem;
+  for (const char* option : {"data", "document"})
+    for (const auto& path : args.peek_all(option)) {
+      std::error_code ec;
+      COMB_CHECK(fs::is_regular_file(path, ec), "--{}: cannot open '{}' ({})", option, path,
+                 fs::exists(path, ec) ? "not a regular file" : "no such file");
+    }
+  for (const auto& dir : args.peek_all("essays")) {
+    std::error_code ec;
+    COMB_CHECK(fs::is_directory(dir, ec), "--essays: '{}' is not a directory", dir);
+  }
+}
+
 comb::Model load_model(Args& args, bool shipped_plugin) {
+  check_inputs(args);
   const bool default_base = !args.has("model") && default_model() == COMB_DEFAULT_MODEL;
   std::string path = args.str("model", default_model());
   if (path.empty()) throw Error("no model: pass --model FILE or set COMB_MODEL");
@@ -577,7 +594,11 @@ int main(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       return 0;
     }
-    fmt::print(stderr, "comb: error: {}\n", e.what());
+    const char* debug = std::getenv("COMB_DEBUG");
+    if (debug && *debug && std::string(debug) != "0" && !e.where().empty())
+      fmt::print(stderr, "comb: error: {} (at {})\n", e.what(), e.where());
+    else
+      fmt::print(stderr, "comb: error: {}\n", e.what());
     return 1;
   } catch (const c10::Error& e) {
     fmt::print(stderr, "comb: internal error: {}\n", e.what_without_backtrace());
