@@ -66,6 +66,36 @@ COMB_AVX2 void gemv_avx2(const float* x, int64_t m, const float* w, int64_t k, f
 }
 #endif
 
+// Each group's 32 products are summed in a vector, scaled once, and added to the row's sum.
+COMB_AVX2 void gemv_q8_avx2(const float* x, int64_t m, const int8_t* q, const float* scale, int64_t k, float* y,
+                            int64_t n_out, int64_t begin, int64_t end) {
+  const int64_t groups = k / 32;
+  for (int64_t o = begin; o < end; ++o) {
+    const int8_t* row = q + o * k;
+    const float* s = scale + o * groups;
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = x + r * k;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        const int8_t* qg = row + g * 32;
+        const float* xg = xr + g * 32;
+        __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
+        __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16));
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+        __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+        __m256 p = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+        p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), p);
+        p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), p);
+        p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), p);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), p, acc);
+      }
+      y[r * n_out + o] = hsum(acc);
+    }
+  }
+}
+
 float dot(const float* a, const float* b, int64_t n) {
 #if defined(__x86_64__)
   if (has_avx2()) return dot_avx2(a, b, n);
@@ -89,6 +119,24 @@ void gemv_rows(const float* x, int64_t m, const float* w, int64_t k, float* y, i
 #endif
   for (int64_t o = begin; o < end; ++o)
     for (int64_t r = 0; r < m; ++r) y[r * n_out + o] = dot(x + r * k, w + o * k, k);
+}
+
+void gemv_q8_rows(const float* x, int64_t m, const int8_t* q, const float* scale, int64_t k, float* y, int64_t n_out,
+                  int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+  if (has_avx2()) return gemv_q8_avx2(x, m, q, scale, k, y, n_out, begin, end);
+#endif
+  const int64_t groups = k / 32;
+  for (int64_t o = begin; o < end; ++o)
+    for (int64_t r = 0; r < m; ++r) {
+      float sum = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        float part = 0;
+        for (int64_t j = 0; j < 32; ++j) part += x[r * k + g * 32 + j] * q[o * k + g * 32 + j];
+        sum += scale[o * groups + g] * part;
+      }
+      y[r * n_out + o] = sum;
+    }
 }
 
 void rms_norm_rows(const float* x, const float* weight, float* out, int64_t dim, float eps, int64_t begin, int64_t end) {

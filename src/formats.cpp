@@ -19,6 +19,7 @@
 #include "comb/error.hpp"
 #include "comb/gguf.hpp"
 #include "comb/log.hpp"
+#include "comb/quantized.hpp"
 #include "comb/safetensors.hpp"
 #include "comb/detail/mapped_file.hpp"
 
@@ -157,7 +158,7 @@ at::Tensor tensor_from_bytes(const uint8_t* src, uint64_t n_bytes, const std::ve
                              c10::ScalarType stored, c10::ScalarType dtype) {
   if (reinterpret_cast<uintptr_t>(src) % c10::elementSize(stored) != 0) {
     at::Tensor out = at::empty(shape, stored);
-    std::memcpy(out.data_ptr(), src, n_bytes);
+    if (n_bytes > 0) std::memcpy(out.data_ptr(), src, n_bytes);  // an empty tensor has no data pointer
     return out.to(dtype);
   }
   return at::from_blob(const_cast<uint8_t*>(src), shape, at::TensorOptions().dtype(stored))
@@ -451,6 +452,50 @@ at::Tensor GgufFile::load(const std::string& name, c10::ScalarType dtype) const 
   at::Tensor out = at::empty(e.info.shape, at::kFloat);
   dequantize(e.type, static_cast<const uint8_t*>(src), out.data_ptr<float>(), out.numel() / block);
   return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+std::optional<GroupedWeights> TensorSource::load_grouped(const std::string&) const { return std::nullopt; }
+
+std::optional<GroupedWeights> GgufFile::load_grouped(const std::string& name) const {
+  auto it = index_.find(name);
+  COMB_CHECK(it != index_.end(), "'{}': no tensor named '{}'", file_->path(), name);
+  const Entry& e = entries_[it->second];
+  const auto type = static_cast<GgmlType>(e.type);
+  if ((type != GgmlType::Q4_0 && type != GgmlType::Q4_1 && type != GgmlType::Q8_0) || e.info.shape.size() != 2)
+    return std::nullopt;
+  const int64_t rows = e.info.shape[0], cols = e.info.shape[1], groups = cols / 32;
+  auto [block, block_bytes] = ggml_block(e.type);
+  COMB_CHECK(cols % 32 == 0 && static_cast<uint64_t>(rows * groups * block_bytes) == e.n_bytes,
+             "'{}': tensor '{}' ({}, [{}, {}]) is not whole blocks of 32", file_->path(), name, e.info.dtype, rows, cols);
+  const uint8_t* src = file_->data() + e.offset;
+  GroupedWeights w;
+  w.kind = type == GgmlType::Q8_0 ? GroupedWeights::Kind::q8 : GroupedWeights::Kind::q4;
+  w.centered = type == GgmlType::Q4_0;
+  w.q = at::empty({rows, cols}, type == GgmlType::Q8_0 ? at::kChar : at::kByte);
+  w.scale = at::empty({rows, groups}, at::kFloat);
+  w.min = at::zeros({rows, groups}, at::kFloat);
+  uint8_t* q = static_cast<uint8_t*>(w.q.data_ptr());
+  float* scale = w.scale.data_ptr<float>();
+  float* min = w.min.data_ptr<float>();
+  at::parallel_for(0, rows * groups, 2048, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* in = src + b * block_bytes;
+      uint8_t* out = q + b * 32;
+      scale[b] = half_to_float(in);
+      if (type == GgmlType::Q8_0) {
+        std::memcpy(out, in + 2, 32);
+      } else {
+        const uint8_t* nibbles = in + (type == GgmlType::Q4_1 ? 4 : 2);
+        // Q4_0: w = d (q - 8) = d q - 8 d; Q4_1: w = d q + m.
+        min[b] = type == GgmlType::Q4_1 ? half_to_float(in + 2) : -8 * scale[b];
+        for (int j = 0; j < 16; ++j) {
+          out[j] = nibbles[j] & 0xF;
+          out[j + 16] = nibbles[j] >> 4;
+        }
+      }
+    }
+  });
+  return w;
 }
 
 // ================================================================================================

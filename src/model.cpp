@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <filesystem>
 #include <numeric>
 
@@ -16,6 +17,7 @@
 #include "comb/gguf.hpp"
 #include "comb/log.hpp"
 #include "comb/model.hpp"
+#include "comb/plugin.hpp"
 #include "comb/safetensors.hpp"
 #include "comb/weights.hpp"
 
@@ -214,7 +216,9 @@ at::Tensor unpermute_heads(const at::Tensor& w, int64_t n_heads) {
 }  // namespace
 
 LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& config, c10::ScalarType dtype,
-                                c10::Device device, const std::string& hf_prefix) {
+                                c10::Device device, const std::string& hf_prefix, bool keep_quantized) {
+  COMB_CHECK(!keep_quantized || (device.is_cpu() && dtype == at::kFloat),
+             "weights kept quantized run on the CPU in float32 only (asked: {} {})", device.str(), c10::toString(dtype));
   struct Found {
     const WeightSpec* spec;
     int64_t layer;
@@ -252,7 +256,52 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
   w.layers.resize(config.n_layer);
   std::vector<at::Tensor> wq(config.n_layer), wk(config.n_layer), wv(config.n_layer), wg(config.n_layer),
       wu(config.n_layer);
+  // Kept quantized: a layer whose seven matrices are all stored in groups, q|k|v of one kind and
+  // gate|up of one kind; the embedding and the head each on their own.
+  auto grouped_type = [&](const std::string& name) {
+    const std::string& t = source.find(name)->dtype;
+    return t == "Q4_0" ? 40 : t == "Q4_1" ? 41 : t == "Q8_0" ? 8 : 0;
+  };
+  auto is_matrix = [](Slot s) {
+    return s == Slot::wq || s == Slot::wk || s == Slot::wv || s == Slot::wo || s == Slot::w_gate || s == Slot::w_up ||
+           s == Slot::w_down;
+  };
+  std::vector<std::map<Slot, int>> kinds(config.n_layer);
+  std::map<Slot, int> head_kinds;
+  if (keep_quantized)
+    for (const auto& f : found) {
+      if (is_matrix(f.spec->slot)) kinds[f.layer][f.spec->slot] = grouped_type(f.name);
+      if (f.spec->slot == Slot::tok_embd || f.spec->slot == Slot::output) head_kinds[f.spec->slot] = grouped_type(f.name);
+    }
+  std::vector<bool> layer_quantized(config.n_layer, false);
+  for (int64_t i = 0; keep_quantized && i < config.n_layer; ++i) {
+    auto& k = kinds[i];
+    bool all = k.size() == 7;
+    for (const auto& [slot, kind] : k) all = all && kind != 0;
+    layer_quantized[i] = all && k[Slot::wq] == k[Slot::wk] && k[Slot::wk] == k[Slot::wv] && k[Slot::w_gate] == k[Slot::w_up];
+  }
+  std::vector<std::map<Slot, GroupedWeights>> grouped(config.n_layer);
+  at::Tensor exact_tok_embd;  // kept quantized: the embedding as floats, for the fingerprint only
   for (const auto& f : found) {
+    const bool head = f.spec->slot == Slot::tok_embd || f.spec->slot == Slot::output;
+    if ((is_matrix(f.spec->slot) && layer_quantized[f.layer]) || (head && head_kinds[f.spec->slot] != 0)) {
+      try {
+        GroupedWeights g = *source.load_grouped(f.name);
+        if (f.gguf_layout && (f.spec->slot == Slot::wq || f.spec->slot == Slot::wk)) {
+          at::Tensor order = unpermute_heads(at::arange(g.rows(), at::kLong).unsqueeze(1),
+                                             f.spec->slot == Slot::wq ? config.n_head : config.n_head_kv)
+                                 .squeeze(1);
+          g = g.select_rows(order);
+        }
+        if (f.spec->slot == Slot::tok_embd) exact_tok_embd = g.dequantize();
+        if (f.spec->slot == Slot::tok_embd) w.tok_embd_q = std::make_shared<const QuantizedMatrix>(QuantizedMatrix::from(g));
+        else if (f.spec->slot == Slot::output) w.output_q = std::make_shared<const QuantizedMatrix>(QuantizedMatrix::from(g));
+        else grouped[f.layer][f.spec->slot] = std::move(g);
+      } catch (const Error& e) {
+        problems.push_back(e.what());
+      }
+      continue;
+    }
     at::Tensor t;
     try {
       t = source.load(f.name, f.spec->slot == Slot::rope_freqs ? at::kFloat : dtype);
@@ -282,11 +331,37 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
   }
   COMB_CHECK(problems.empty(), "'{}': cannot read {} weight(s):\n  {}", source.where(), problems.size(),
              fmt::join(problems, "\n  "));
+  std::string fingerprint;
+  if (w.quantized() || (keep_quantized && std::count(layer_quantized.begin(), layer_quantized.end(), true) > 0)) {
+    // The fingerprint of these weights loaded as floats: the same model, so its plug-ins apply.
+    at::Tensor wqkv0 = layer_quantized[0] ? GroupedWeights::cat({grouped[0][Slot::wq], grouped[0][Slot::wk],
+                                                                 grouped[0][Slot::wv]}).dequantize()
+                                          : at::cat({wq[0], wk[0], wv[0]}, 0);
+    fingerprint = base_fingerprint(config, exact_tok_embd.defined() ? exact_tok_embd : w.tok_embd, w.output_norm,
+                                   w.layers[0].attn_norm, wqkv0);
+  }
+  w.fingerprint = fingerprint;
   for (int64_t i = 0; i < config.n_layer; ++i) {
+    if (layer_quantized[i]) {
+      auto& g = grouped[i];
+      auto q = std::make_shared<QuantizedLayer>();
+      q->wqkv = QuantizedMatrix::from(GroupedWeights::cat({g[Slot::wq], g[Slot::wk], g[Slot::wv]}));
+      q->wo = QuantizedMatrix::from(g[Slot::wo]);
+      q->w_gate_up = QuantizedMatrix::from(GroupedWeights::cat({g[Slot::w_gate], g[Slot::w_up]}));
+      q->w_down = QuantizedMatrix::from(g[Slot::w_down]);
+      w.layers[i].quantized = std::move(q);
+      continue;
+    }
     w.layers[i].wqkv = at::cat({wq[i], wk[i], wv[i]}, 0);
     w.layers[i].w_gate_up = at::cat({wg[i], wu[i]}, 0);
   }
-  if (!w.output.defined()) {
+  if (!w.output.defined() && w.output_q) {
+    // a head kept quantized, an embedding not (or the reverse): the embedding stays as loaded
+  } else if (!w.output.defined() && !w.output_q && w.tok_embd_q) {
+    COMB_CHECK(config.tie_embeddings, "'{}': no output head ('lm_head.weight' / 'output.weight') and the config does "
+               "not tie embeddings", source.where());
+    w.output_q = w.tok_embd_q;
+  } else if (!w.output.defined()) {
     COMB_CHECK(config.tie_embeddings, "'{}': no output head ('lm_head.weight' / 'output.weight') and the config does "
                "not tie embeddings", source.where());
     w.output = w.tok_embd;
@@ -335,27 +410,72 @@ void WeightReader::finish(const std::string& what) const {
              fmt::join(problems_, "\n  "));
 }
 
+namespace {
+const QuantizedMatrix& quantized_matrix(const QuantizedLayer& q, Proj p) {
+  switch (p) {
+    case Proj::qkv: return q.wqkv;
+    case Proj::o: return q.wo;
+    case Proj::gate_up: return q.w_gate_up;
+    default: return q.w_down;
+  }
+}
+const at::Tensor& layer_matrix(const LayerWeights& l, Proj p) {
+  switch (p) {
+    case Proj::qkv: return l.wqkv;
+    case Proj::o: return l.wo;
+    case Proj::gate_up: return l.w_gate_up;
+    default: return l.w_down;
+  }
+}
+}  // namespace
+
+at::Tensor project(const LayerWeights& l, Proj p, const at::Tensor& x) {
+  if (l.quantized) return quantized_matrix(*l.quantized, p).apply(x);
+  return at::linear(x, layer_matrix(l, p));
+}
+
+at::Tensor dense_matrix(const LayerWeights& l, Proj p) {
+  return l.quantized ? quantized_matrix(*l.quantized, p).dequantize() : layer_matrix(l, p);
+}
+
+int64_t LlamaWeights::bytes() const {
+  int64_t n = 0;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined()) n += t.numel() * t.element_size();
+  };
+  add(tok_embd), add(output_norm), add(rope_freqs);
+  if (output.defined() && !(tok_embd.defined() && output.is_same(tok_embd))) add(output);
+  if (tok_embd_q) n += tok_embd_q->bytes();
+  if (output_q && output_q != tok_embd_q) n += output_q->bytes();
+  for (const auto& l : layers) {
+    for (const auto* t : {&l.attn_norm, &l.wqkv, &l.wo, &l.ffn_norm, &l.w_gate_up, &l.w_down}) add(*t);
+    if (l.quantized) n += l.quantized->wqkv.bytes() + l.quantized->wo.bytes() + l.quantized->w_gate_up.bytes() +
+                         l.quantized->w_down.bytes();
+  }
+  return n;
+}
+
 void append_llama_layer_hf_named(std::vector<std::pair<std::string, at::Tensor>>& out, const std::string& p,
                                  const LayerWeights& l, const ModelConfig& c) {
-  auto qkv = l.wqkv.split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
-  auto gu = l.w_gate_up.split_with_sizes({c.n_ff, c.n_ff}, 0);
+  auto qkv = dense_matrix(l, Proj::qkv).split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
+  auto gu = dense_matrix(l, Proj::gate_up).split_with_sizes({c.n_ff, c.n_ff}, 0);
   out.emplace_back(p + "input_layernorm.weight", l.attn_norm);
   out.emplace_back(p + "self_attn.q_proj.weight", qkv[0]);
   out.emplace_back(p + "self_attn.k_proj.weight", qkv[1]);
   out.emplace_back(p + "self_attn.v_proj.weight", qkv[2]);
-  out.emplace_back(p + "self_attn.o_proj.weight", l.wo);
+  out.emplace_back(p + "self_attn.o_proj.weight", dense_matrix(l, Proj::o));
   out.emplace_back(p + "post_attention_layernorm.weight", l.ffn_norm);
   out.emplace_back(p + "mlp.gate_proj.weight", gu[0]);
   out.emplace_back(p + "mlp.up_proj.weight", gu[1]);
-  out.emplace_back(p + "mlp.down_proj.weight", l.w_down);
+  out.emplace_back(p + "mlp.down_proj.weight", dense_matrix(l, Proj::down));
 }
 
 std::vector<std::pair<std::string, at::Tensor>> llama_weights_hf_named(const LlamaWeights& w, const ModelConfig& c) {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  out.emplace_back("model.embed_tokens.weight", w.tok_embd);
+  out.emplace_back("model.embed_tokens.weight", w.tok_embd_q ? w.tok_embd_q->dequantize() : w.tok_embd);
   for (int64_t i = 0; i < c.n_layer; ++i) append_llama_layer_hf_named(out, fmt::format("model.layers.{}.", i), w.layers[i], c);
   out.emplace_back("model.norm.weight", w.output_norm);
-  if (!c.tie_embeddings) out.emplace_back("lm_head.weight", w.output);
+  if (!c.tie_embeddings) out.emplace_back("lm_head.weight", w.output_q ? w.output_q->dequantize() : w.output);
   return out;
 }
 
@@ -455,7 +575,7 @@ namespace comb {
 // development machine), but wants its own tensors. Each weight is moved into a plain-layout oneDNN
 // tensor and the dense weight becomes a view of that memory: one copy of the weights, two kernels.
 void Decoder::prepack_onednn() {
-  if (!at::hasMKLDNN() || !at::native::data_ptr_from_mkldnn) return;
+  if (!at::hasMKLDNN() || !at::native::data_ptr_from_mkldnn || weights_.quantized()) return;
   std::vector<std::array<at::Tensor, 4>> packed(config_.n_layer);
   std::vector<std::array<at::Tensor, 4>> views(config_.n_layer);
   for (int64_t i = 0; i < config_.n_layer; ++i) {
@@ -560,6 +680,12 @@ at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at
   return at::linear(at::silu(parts[0]) * parts[1], w_down);
 }
 
+at::Tensor swiglu_mlp(const at::Tensor& x, const LayerWeights& l) {
+  if (!l.quantized) return swiglu_mlp(x, l.w_gate_up, l.w_down);
+  auto parts = project(l, Proj::gate_up, x).chunk(2, -1);
+  return project(l, Proj::down, at::silu(parts[0]) * parts[1]);
+}
+
 at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
                            const JointKV& joint) {
   const int64_t batch = q.size(0), n_head = q.size(1), n = q.size(2), head_dim = q.size(3);
@@ -605,7 +731,7 @@ at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& keys, const at
 at::Tensor llama_layer(const at::Tensor& x, const LayerWeights& l, const ModelConfig& c, const at::Tensor& cos,
                        const at::Tensor& sin, bool causal, const at::Tensor& mask, const JointKV* joint) {
   const int64_t batch = x.size(0), n = x.size(1);
-  auto [q, k, v] = split_qkv(at::linear(rms_norm(x, l.attn_norm, c.rms_eps), l.wqkv), c);
+  auto [q, k, v] = split_qkv(project(l, Proj::qkv, rms_norm(x, l.attn_norm, c.rms_eps)), c);
   COMB_CHECK(!joint || (causal && !mask.defined()), "a layer reads joined keys only when causal and unmasked");
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
@@ -613,8 +739,8 @@ at::Tensor llama_layer(const at::Tensor& x, const LayerWeights& l, const ModelCo
                           : at::scaled_dot_product_attention(q, k, v,
                                                              mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
                                                              0.0, causal, std::nullopt, /*enable_gqa=*/true);
-  at::Tensor h = x + at::linear(attn.transpose(1, 2).reshape({batch, n, c.q_dim()}), l.wo);
-  return h + swiglu_mlp(rms_norm(h, l.ffn_norm, c.rms_eps), l.w_gate_up, l.w_down);
+  at::Tensor h = x + project(l, Proj::o, attn.transpose(1, 2).reshape({batch, n, c.q_dim()}));
+  return h + swiglu_mlp(rms_norm(h, l.ffn_norm, c.rms_eps), l);
 }
 
 at::Tensor visible_keys(const at::Tensor& positions, int64_t n_keys) {
@@ -689,7 +815,7 @@ at::Tensor Decoder::rms_norm(const at::Tensor& x, const at::Tensor& weight) cons
 at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
   const auto& c = config_;
   const int64_t batch = x.size(0), n = x.size(1), start = cache.length();
-  auto [q, k, v] = split_qkv(at::linear(x, weights_.layers[i].wqkv), c);
+  auto [q, k, v] = split_qkv(project(weights_.layers[i], Proj::qkv, x), c);
   at::Tensor cos = rope_cos_.narrow(0, start, n), sin = rope_sin_.narrow(0, start, n);
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
@@ -703,16 +829,16 @@ at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCache& cache, co
     out = attend_after_cache(q, keys, values, start);
   }
   out = out.transpose(1, 2).reshape({batch, n, c.q_dim()});
-  return at::linear(out, weights_.layers[i].wo);
+  return project(weights_.layers[i], Proj::o, out);
 }
 
 at::Tensor Decoder::feed_forward(int64_t i, const at::Tensor& x) const {
-  return swiglu_mlp(x, weights_.layers[i].w_gate_up, weights_.layers[i].w_down);
+  return swiglu_mlp(x, weights_.layers[i]);
 }
 
 at::Tensor Decoder::keys_at(int64_t i, const at::Tensor& x, const at::Tensor& positions) const {
   const auto& c = config_;
-  at::Tensor k = split_qkv(at::linear(rms_norm(x, weights_.layers[i].attn_norm), weights_.layers[i].wqkv), c)[1];
+  at::Tensor k = split_qkv(project(weights_.layers[i], Proj::qkv, rms_norm(x, weights_.layers[i].attn_norm)), c)[1];
   at::Tensor pos = positions.to(device_, at::kLong);
   return apply_rope(k, rope_cos_.index_select(0, pos), rope_sin_.index_select(0, pos));
 }
@@ -726,7 +852,7 @@ at::Tensor Decoder::layer_at(int64_t i, const at::Tensor& x, const at::Tensor& p
              positions.numel());
   COMB_CHECK(n_keys <= cache.capacity(), "layer_at: {} keys past the cache capacity {}", n_keys, cache.capacity());
   at::Tensor pos = positions.to(device_, at::kLong);
-  auto [q, k, v] = split_qkv(at::linear(rms_norm(x, w.attn_norm), w.wqkv), c);
+  auto [q, k, v] = split_qkv(project(w, Proj::qkv, rms_norm(x, w.attn_norm)), c);
   at::Tensor cos = rope_cos_.index_select(0, pos), sin = rope_sin_.index_select(0, pos);
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
@@ -740,11 +866,12 @@ at::Tensor Decoder::layer_at(int64_t i, const at::Tensor& x, const at::Tensor& p
   at::Tensor attn = start >= 0 && at::equal(cpu_positions, at::arange(start, n_keys, at::kLong))
                         ? attend_after_cache(q, keys, values, start)
                         : attend_at_positions(q, keys, values, pos);
-  at::Tensor h = x + at::linear(attn.transpose(1, 2).reshape({1, m, c.q_dim()}), w.wo);
+  at::Tensor h = x + project(w, Proj::o, attn.transpose(1, 2).reshape({1, m, c.q_dim()}));
   return h + feed_forward(i, rms_norm(h, w.ffn_norm));
 }
 
 at::Tensor Decoder::embed(const at::Tensor& tokens) const {
+  if (weights_.tok_embd_q) return weights_.tok_embd_q->gather_rows(tokens.to(device_, at::kLong));
   return at::embedding(weights_.tok_embd, tokens.to(device_, at::kLong));
 }
 
@@ -792,6 +919,7 @@ at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) co
     return few ? rms_norm_cpu(t, weight) : at::rms_norm(t, {c.n_embd}, weight, c.rms_eps);
   };
   auto linear = [&](const at::Tensor& t, const at::Tensor& weight, int slot) {
+    if (w.quantized) return project(w, static_cast<Proj>(slot), t);
     if (few) return linear_cpu(t, weight);
     if (onednn_.empty()) return at::linear(t, weight);
     at::Tensor flat = t.reshape({rows, t.size(-1)}).contiguous();
@@ -843,6 +971,7 @@ at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& cache, const 
 
 at::Tensor Decoder::logits(const at::Tensor& x, LogitsMode mode) const {
   at::Tensor h = mode == LogitsMode::last ? x.narrow(1, x.size(1) - 1, 1) : x;
+  if (weights_.output_q) return weights_.output_q->apply(rms_norm(h, weights_.output_norm)).to(at::kFloat);
   if (cpu_kernels() && h.size(0) * h.size(1) <= kFusedMaxRows)
     return linear_cpu(rms_norm_cpu(h, weights_.output_norm), weights_.output);
   return at::linear(rms_norm(h, weights_.output_norm), weights_.output).to(at::kFloat);
@@ -962,7 +1091,16 @@ Model Model::load(const std::string& path, const Options& options) {
   }
   COMB_CHECK(m.tokenizer_->n_vocab() <= config.n_vocab, "'{}': the tokenizer has {} tokens but the model only {}", path,
              m.tokenizer_->n_vocab(), config.n_vocab);
-  LlamaWeights weights = load_llama_weights(*source, config, dtype, device, hf_prefix);
+  COMB_CHECK(options.quantize == "none" || options.quantize == "gguf",
+             "--quantize: expected none or gguf (GGUF Q4_0/Q4_1/Q8_0 kept as stored), found '{}'", options.quantize);
+  const bool keep_quantized = options.quantize == "gguf";
+  if (keep_quantized) {
+    COMB_CHECK(dynamic_cast<GgufFile*>(source.get()), "--quantize gguf keeps a GGUF file's quantized tensors; '{}' is not "
+               "a GGUF file", path);
+    COMB_CHECK(device.is_cpu() && dtype == at::kFloat, "--quantize gguf runs on the CPU with --dtype float32 (asked: "
+               "{} {})", options.device, options.dtype);
+  }
+  LlamaWeights weights = load_llama_weights(*source, config, dtype, device, hf_prefix, keep_quantized);
   m.decoder_ = std::make_shared<Decoder>(std::move(config), std::move(weights), dtype, device);
   m.decoder_->set_cpu_kernels(options.cpu_kernels);
   if (combined) m.plugin_ = std::make_shared<Plugin>(Plugin::from_checkpoint(*source, *combined, *m.decoder_));
@@ -992,7 +1130,7 @@ std::shared_ptr<const DocumentKV> Model::document(const std::vector<int32_t>& to
   c10::InferenceMode guard;
   if (from_cache) *from_cache = false;
   if (!store) return std::make_shared<const DocumentKV>(plugin_->encode(*decoder_, tokens));
-  CacheKey key = PICacheStore::key(tokens, plugin_->fingerprint(), tenant);
+  CacheKey key = PICacheStore::key(tokens, plugin_->fingerprint() + decoder_->weights().cache_tag(), tenant);
   if (auto hit = store->get(key)) {
     if (from_cache) *from_cache = true;
     return hit;

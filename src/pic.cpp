@@ -174,7 +174,7 @@ PicEngine::PicEngine(const Model& model, Method method, PicOptions options)
   store_ = std::make_unique<PICacheStore>(store);
   prefix_ = std::make_unique<PrefixCache>(options_.prefix_block, options_.cache_bytes);
   // Decoder-KV entries share the store with COMB entries: a distinct fingerprint keeps them apart.
-  decoder_fingerprint_ = "decoder-kv:" + base_fingerprint(model.decoder());
+  decoder_fingerprint_ = "decoder-kv:" + base_fingerprint(model.decoder()) + model.decoder().weights().cache_tag();
 }
 
 PicEngine::~PicEngine() = default;

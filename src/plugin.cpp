@@ -87,19 +87,32 @@ void hash_tensor(XXH3_state_t* state, const at::Tensor& t) {
 }
 }  // namespace
 
-std::string base_fingerprint(const Decoder& base) {
-  const auto& c = base.config();
-  const auto& w = base.weights();
+namespace {
+// A decoder layer's weights as new float tensors (dequantized when kept quantized): a plug-in's
+// starting point is its own copy.
+LayerWeights dense_copy(const LayerWeights& l) {
+  return {l.attn_norm.clone(), dense_matrix(l, Proj::qkv).clone(), dense_matrix(l, Proj::o).clone(), l.ffn_norm.clone(),
+          dense_matrix(l, Proj::gate_up).clone(), dense_matrix(l, Proj::down).clone(), nullptr};
+}
+}  // namespace
+
+std::string base_fingerprint(const ModelConfig& c, const at::Tensor& tok_embd, const at::Tensor& output_norm,
+                             const at::Tensor& attn_norm0, const at::Tensor& wqkv0) {
   XXH3_state_t* state = XXH3_createState();
   XXH3_128bits_reset(state);
   std::string dims = fmt::format("{} {} {} {} {} {} {} {} {}", c.architecture, c.n_vocab, c.n_embd, c.n_ff, c.n_layer,
                                  c.n_head, c.n_head_kv, c.head_dim, c.rope_theta);
   XXH3_128bits_update(state, dims.data(), dims.size());
-  for (const at::Tensor& t : {w.tok_embd, w.output_norm, w.layers[0].attn_norm, w.layers[0].wqkv})
-    hash_tensor(state, t.to(at::kBFloat16));
+  for (const at::Tensor* t : {&tok_embd, &output_norm, &attn_norm0, &wqkv0}) hash_tensor(state, t->to(at::kBFloat16));
   std::string out = hex128(XXH3_128bits_digest(state));
   XXH3_freeState(state);
   return out;
+}
+
+std::string base_fingerprint(const Decoder& base) {
+  const auto& w = base.weights();
+  if (!w.fingerprint.empty()) return w.fingerprint;  // weights kept quantized: computed on load
+  return base_fingerprint(base.config(), w.tok_embd, w.output_norm, w.layers[0].attn_norm, w.layers[0].wqkv);
 }
 
 // ================================================================================================
@@ -187,14 +200,14 @@ std::vector<at::Tensor> self_attention_lse(const Decoder& base, const std::vecto
     const int64_t n = static_cast<int64_t>(probe.size());
     COMB_CHECK(n > 8 && n <= c.n_ctx, "a probe prompt has {} tokens; it needs 9 to {}", n, c.n_ctx);
     at::Tensor ids = at::tensor(std::vector<int64_t>(probe.begin(), probe.end()), at::kLong).to(base.device());
-    at::Tensor x = at::embedding(bw.tok_embd, ids).unsqueeze(0);
+    at::Tensor x = base.embed(ids).unsqueeze(0);
     at::Tensor cos = base.rope_cos().narrow(0, 0, n), sin = base.rope_sin().narrow(0, 0, n);
     at::Tensor causal = at::ones({n, n}, at::TensorOptions().dtype(at::kBool).device(base.device())).tril();
     for (int64_t i = 0; i <= layers.back(); ++i) {
       const LayerWeights& l = bw.layers[i];
       auto at_layer = std::find(layers.begin(), layers.end(), i);
       if (at_layer != layers.end()) {
-        auto [q, k, v] = split_qkv(at::linear(rms_norm(x, l.attn_norm, c.rms_eps), l.wqkv), c);
+        auto [q, k, v] = split_qkv(project(l, Proj::qkv, rms_norm(x, l.attn_norm, c.rms_eps)), c);
         q = apply_rope(q, cos, sin).to(at::kFloat);
         k = apply_rope(k, cos, sin).to(at::kFloat).repeat_interleave(c.n_head / c.n_head_kv, 1);
         at::Tensor scores = at::matmul(q, k.transpose(-1, -2)) / std::sqrt(double(c.head_dim));
@@ -237,7 +250,7 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
     PluginWeights w;
     for (size_t k = 0; k < config.cross_layers.size(); ++k) {
       const LayerWeights& l = bw.layers.at(config.cross_layers[k]);
-      auto qkv = l.wqkv.split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
+      auto qkv = dense_matrix(l, Proj::qkv).split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
       w.kv_norm.push_back(l.attn_norm.clone());
       w.wk.push_back(qkv[1].clone());
       w.wv.push_back(qkv[2].clone());
@@ -249,7 +262,7 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
       }
       b.attn_norm = l.attn_norm.clone();
       b.wq = qkv[0].clone();
-      b.wo = l.wo.clone();
+      b.wo = dense_matrix(l, Proj::o).clone();
       b.attn_gate = at::full({1}, std::atanh(o.open_gate), opts);
       b.sinks = lse[k].to(opts.device(), opts.dtype().toScalarType());
       w.cross.push_back(std::move(b));
@@ -276,40 +289,40 @@ Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
   if (o.first_layers && o.copy_decoder_layers) {
     // Encoder layer j = decoder layer j; block k reads it with decoder layer cross_layers[k]'s attention.
     at::Tensor probe = at::arange(1000, 1000 + 64, at::kLong).to(base.device());
-    at::Tensor h = at::embedding(bw.tok_embd, probe).unsqueeze(0);
+    at::Tensor h = base.embed(probe).unsqueeze(0);
     at::Tensor cos = base.rope_cos().narrow(0, 0, 64), sin = base.rope_sin().narrow(0, 0, 64);
     for (size_t k = 0; k < config.cross_layers.size(); ++k) {
       const LayerWeights& src = bw.layers.at(k);
-      w.encoder.push_back({src.attn_norm.clone(), src.wqkv.clone(), src.wo.clone(), src.ffn_norm.clone(),
-                           src.w_gate_up.clone(), src.w_down.clone()});
+      w.encoder.push_back(dense_copy(src));
       // The RMS of encoder states after this layer on a probe sequence, to scale V to the decoder's.
       h = llama_layer(h, src, c, cos, sin, /*causal=*/false);
       const double rms = h.to(at::kFloat).pow(2).mean().sqrt().item<double>();
       const LayerWeights& dst = bw.layers.at(config.cross_layers[k]);
-      auto qkv = dst.wqkv.split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
+      auto qkv = dense_matrix(dst, Proj::qkv).split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
       at::Tensor g = dst.attn_norm.unsqueeze(0);
       w.wk.push_back((qkv[1] * g).contiguous());
       w.wv.push_back((qkv[2] * g / rms).contiguous());
-      w.cross.push_back({dst.attn_norm.clone(), qkv[0].clone(), ones(c.head_dim), ones(c.head_dim), dst.wo.clone(),
-                         at::zeros({1}, opts), dst.ffn_norm.clone(), dst.w_gate_up.clone(), dst.w_down.clone(),
+      w.cross.push_back({dst.attn_norm.clone(), qkv[0].clone(), ones(c.head_dim), ones(c.head_dim), dense_matrix(dst, Proj::o).clone(),
+                         at::zeros({1}, opts), dst.ffn_norm.clone(), dense_matrix(dst, Proj::gate_up).clone(),
+                         dense_matrix(dst, Proj::down).clone(),
                          at::zeros({1}, opts), /*sinks=*/at::Tensor(), /*doc_bias=*/at::Tensor()});
     }
     return Plugin(std::move(config), std::move(w), base);
   }
   for (int64_t layer : config.cross_layers) {
     const LayerWeights& src = bw.layers.at(layer);
-    auto qkv = src.wqkv.split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
+    auto qkv = dense_matrix(src, Proj::qkv).split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
     if (o.copy_decoder_layers) {
-      w.encoder.push_back({src.attn_norm.clone(), src.wqkv.clone(), src.wo.clone(), src.ffn_norm.clone(),
-                           src.w_gate_up.clone(), src.w_down.clone()});
+      w.encoder.push_back(dense_copy(src));
       w.wk.push_back(qkv[1].clone());
       w.wv.push_back(qkv[2].clone());
-      w.cross.push_back({src.attn_norm.clone(), qkv[0].clone(), ones(c.head_dim), ones(c.head_dim), src.wo.clone(),
-                         at::zeros({1}, opts), src.ffn_norm.clone(), src.w_gate_up.clone(), src.w_down.clone(),
+      w.cross.push_back({src.attn_norm.clone(), qkv[0].clone(), ones(c.head_dim), ones(c.head_dim), dense_matrix(src, Proj::o).clone(),
+                         at::zeros({1}, opts), src.ffn_norm.clone(), dense_matrix(src, Proj::gate_up).clone(),
+                         dense_matrix(src, Proj::down).clone(),
                          at::zeros({1}, opts), /*sinks=*/at::Tensor(), /*doc_bias=*/at::Tensor()});
     } else {
       w.encoder.push_back({ones(c.n_embd), randn({c.q_dim() + 2 * c.kv_dim(), c.n_embd}), randn({c.n_embd, c.q_dim()}),
-                           ones(c.n_embd), randn({2 * c.n_ff, c.n_embd}), randn({c.n_embd, c.n_ff})});
+                           ones(c.n_embd), randn({2 * c.n_ff, c.n_embd}), randn({c.n_embd, c.n_ff}), nullptr});
       w.wk.push_back(randn({c.kv_dim(), c.n_embd}));
       w.wv.push_back(randn({c.kv_dim(), c.n_embd}));
       w.cross.push_back({ones(c.n_embd), randn({c.q_dim(), c.n_embd}), ones(c.head_dim), ones(c.head_dim),
@@ -473,7 +486,7 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::encode_batch
     if (mask.defined()) real = at::cat({at::ones({n_docs, pre}, mask.options()), mask}, 1);
   }
   const int64_t total = pre + len;
-  at::Tensor h = at::embedding(w.tok_embd.defined() ? W(w.tok_embd) : base.weights().tok_embd, ids);
+  at::Tensor h = w.tok_embd.defined() ? at::embedding(W(w.tok_embd), ids) : base.embed(ids);
   at::Tensor cos = base.rope_cos().narrow(0, 0, total), sin = base.rope_sin().narrow(0, 0, total);
   // Padding comes after a document's real tokens: causally it is never seen; both ways it is masked.
   at::Tensor enc_mask = real.defined() && !p.encoder_causal ? real.view({n_docs, 1, 1, total}) : at::Tensor();
@@ -501,8 +514,10 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::encode_batch
   project(0);
   for (int64_t j = 0; j < p.n_encoder_layers(); ++j) {
     const LayerWeights& l = w.encoder.at(j);
-    h = llama_layer(h, {W(l.attn_norm), W(l.wqkv), W(l.wo), W(l.ffn_norm), W(l.w_gate_up), W(l.w_down)}, c, cos, sin,
-                    p.encoder_causal, enc_mask);
+    // The base's own layers kept quantized (encoder_from_base) are read as they are.
+    h = llama_layer(h, l.quantized ? l : LayerWeights{W(l.attn_norm), W(l.wqkv), W(l.wo), W(l.ffn_norm), W(l.w_gate_up),
+                                                       W(l.w_down), nullptr},
+                    c, cos, sin, p.encoder_causal, enc_mask);
     project(j + 1);
   }
   return {std::move(keys), std::move(values)};

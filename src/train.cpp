@@ -235,6 +235,8 @@ at::Tensor decoder_hidden(const Decoder& base, const at::Tensor& tokens,
   const auto& c = base.config();
   const auto& w = base.weights();
   const int64_t n = tokens.size(1);
+  COMB_CHECK(!w.quantized(), "training differentiates through the decoder's float weights; load the model without "
+             "--quantize (weights kept quantized have no gradient kernels)");
   COMB_CHECK(n <= c.n_ctx, "a training sequence has {} tokens; the context holds {}", n, c.n_ctx);
   at::Tensor x = at::embedding(w.tok_embd, tokens);
   at::Tensor cos = base.rope_cos().narrow(0, 0, n), sin = base.rope_sin().narrow(0, 0, n);

@@ -11,6 +11,7 @@
 #include "comb/ops.hpp"
 #include "comb/pic.hpp"
 #include "comb/qa.hpp"
+#include "comb/quantized.hpp"
 #include "comb/train.hpp"
 #include "comb/plugin.hpp"
 #include "comb/safetensors.hpp"

@@ -60,6 +60,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::array<at::Tensor, 3> split_qkv(const at::Tensor& qkv, const ModelConfig& config);
 // Llama's MLP: down(silu(gate(x)) * up(x)) with w_gate_up [2 * n_ff, n_embd] (gate rows first).
 at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down);
+// The same with a layer's own matrices, dense or kept quantized.
+at::Tensor swiglu_mlp(const at::Tensor& x, const LayerWeights& l);
 // Keys and values a layer's queries read beside their own context, in the same softmax (the
 // plug-in's joint blocks): keys, values [batch, n_head_kv, m, head_dim] (RoPE applied as wanted),
 // valid [batch, m] bool (undefined: all are real), bias [n_head] (undefined: 0) added to every

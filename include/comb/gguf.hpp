@@ -41,6 +41,7 @@ class GgufFile : public TensorSource {
   std::vector<std::string> names() const override;
   const TensorInfo* find(const std::string& name) const override;
   at::Tensor load(const std::string& name, c10::ScalarType dtype) const override;
+  std::optional<GroupedWeights> load_grouped(const std::string& name) const override;
   std::string where() const override;
 
  private:

@@ -23,6 +23,10 @@ struct Options {
   int threads = 0;                // CPU threads; 0 leaves LibTorch's default
   bool cpu_kernels = true;        // fused fp32 CPU kernels (off: generic ATen ops only)
   std::string plugin;             // a plug-in-only file to apply on top of the base ("" : none)
+  // "none": every weight is expanded to `dtype` on load; "gguf": a GGUF file's Q4_0/Q4_1/Q8_0
+  // matrices stay quantized (int4 and int8 groups of 32) and are multiplied as they are (CPU,
+  // float32 activations around them; docs/formats.md).
+  std::string quantize = "none";
 };
 
 struct GenerateOptions {

@@ -4,10 +4,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace comb {
+
+struct GroupedWeights;  // comb/quantized.hpp
 
 // What a checkpoint says about one tensor before it is read.
 struct TensorInfo {
@@ -25,6 +28,9 @@ class TensorSource {
   virtual const TensorInfo* find(const std::string& name) const = 0;
   // Reads (and dequantizes) a tensor into a new CPU tensor of `dtype`; throws comb::Error if absent.
   virtual at::Tensor load(const std::string& name, c10::ScalarType dtype) const = 0;
+  // A 2-D tensor stored in groups of 32 (GGUF Q4_0, Q4_1, Q8_0), unpacked but not dequantized;
+  // nullopt when it is stored otherwise (floats) or the format has no such types.
+  virtual std::optional<GroupedWeights> load_grouped(const std::string& name) const;
   // The file (or files) the tensors come from, for messages.
   virtual std::string where() const = 0;
 };

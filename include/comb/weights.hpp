@@ -3,14 +3,21 @@
 // Face layouts) to them. Fusions (q|k|v, gate|up) happen here, never in the forward pass.
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "comb/config.hpp"
+#include "comb/quantized.hpp"
 #include "comb/tensor_source.hpp"
 
 namespace comb {
+
+// A layer's four matrices kept quantized (Options::quantize); see LayerWeights::quantized.
+struct QuantizedLayer {
+  QuantizedMatrix wqkv, wo, w_gate_up, w_down;
+};
 
 struct LayerWeights {
   at::Tensor attn_norm;  // [n_embd]
@@ -19,7 +26,17 @@ struct LayerWeights {
   at::Tensor ffn_norm;   // [n_embd]
   at::Tensor w_gate_up;  // [2 * n_ff, n_embd]; gate rows then up rows
   at::Tensor w_down;     // [n_embd, n_ff]
+  // When set, the four matrices live here, kept quantized, and the tensors above are undefined:
+  // read them through project() and dense_matrix().
+  std::shared_ptr<const QuantizedLayer> quantized;
 };
+
+// A layer's matrices by role, for project() and dense_matrix().
+enum class Proj { qkv, o, gate_up, down };
+// x [..., in] times layer matrix `p` (transposed): [..., out], dense or kept quantized.
+at::Tensor project(const LayerWeights& l, Proj p, const at::Tensor& x);
+// The matrix itself, as a float tensor (dequantized, a new tensor, when kept quantized).
+at::Tensor dense_matrix(const LayerWeights& l, Proj p);
 
 struct LlamaWeights {
   at::Tensor tok_embd;     // [n_vocab, n_embd]
@@ -27,13 +44,27 @@ struct LlamaWeights {
   at::Tensor output;       // [n_vocab, n_embd]; the same storage as tok_embd when tied
   at::Tensor rope_freqs;   // [head_dim / 2] GGUF frequency divisors (llama3 scaling), or undefined
   std::vector<LayerWeights> layers;
+  // Kept quantized (Options::quantize): the embedding and output head here, tok_embd and output
+  // undefined. Tied heads share one matrix.
+  std::shared_ptr<const QuantizedMatrix> tok_embd_q, output_q;
+  bool quantized() const { return tok_embd_q || output_q || (!layers.empty() && layers[0].quantized); }
+  // Kept quantized: base_fingerprint() of the same weights loaded as floats, computed on load (the
+  // same model, so plug-ins built for it apply). Empty otherwise.
+  std::string fingerprint;
+  // What cache keys add for these weights: caches computed with weights kept quantized differ from
+  // those of the float weights, so the two never share an entry ("" for float weights).
+  std::string cache_tag() const { return quantized() ? "+gguf-kept-quantized" : ""; }
+  int64_t bytes() const;  // every weight's bytes as held (a tied head counted once)
 };
 
 // Loads every weight of `config` from `source`, converted to `dtype` on `device`. Every missing
 // or mis-shaped tensor is reported in one comb::Error. `hf_prefix` goes before every Hugging Face
 // name ("language_model." for a COMB checkpoint, whose decoder lives under that prefix).
+// keep_quantized: matrices stored in groups (GGUF Q4_0, Q4_1, Q8_0) stay quantized
+// (LayerWeights::quantized, tok_embd_q, output_q; CPU and float32 only); a layer with any matrix
+// stored otherwise keeps all four as `dtype`.
 LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& config, c10::ScalarType dtype,
-                                c10::Device device, const std::string& hf_prefix = "");
+                                c10::Device device, const std::string& hf_prefix = "", bool keep_quantized = false);
 
 // Appends the tensors of one layer under `prefix` + Hugging Face suffixes (q|k|v, gate|up split).
 void append_llama_layer_hf_named(std::vector<std::pair<std::string, at::Tensor>>& out, const std::string& prefix,

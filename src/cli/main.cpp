@@ -5,6 +5,9 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -65,6 +68,7 @@ comb::Model load_model(Args& args, bool shipped_plugin) {
   comb::Options options;
   options.device = args.str("device", "cpu");
   options.dtype = args.str("dtype", "float32");
+  options.quantize = args.str("quantize", "none");
   options.threads = args.num<int>("threads", 0);
   options.cpu_kernels = args.num<int>("cpu-kernels", 1) != 0;
   options.plugin = args.str("plugin");
@@ -117,6 +121,9 @@ options of every command that loads a model (all but make-data and report):
                       (default: $COMB_MODEL, else the model the set-up installed)
   --device DEV        cpu (default), cuda, cuda:N
   --dtype T           float32 (default), bfloat16, float16 (CUDA only)
+  --quantize none|gguf  none (default): every weight expanded to --dtype on load; gguf: a GGUF file's
+                      Q4_0/Q4_1/Q8_0 matrices kept as stored and multiplied quantized (CPU, float32;
+                      not for train)
   --threads N         CPU threads (default: LibTorch's choice)
   --cpu-kernels 0|1   fused fp32 CPU kernels (default 1; 0 runs generic ATen ops only)
 
@@ -446,6 +453,21 @@ int cmd_bench(Args& args) {
   args.check_all_used();
   c10::InferenceMode guard;
   const comb::Decoder& dec = model.decoder();
+  {
+    const auto& w = dec.weights();
+    std::string format = w.quantized() ? "kept quantized (" : std::string(c10::toString(dec.dtype()));
+    if (w.quantized()) {
+      std::vector<std::string> parts;
+      if (!w.layers.empty() && w.layers[0].quantized) parts.push_back(std::string("layers ") + w.layers[0].quantized->wqkv.format_name());
+      if (w.output_q) parts.push_back(std::string("head ") + w.output_q->format_name());
+      format += fmt::format("{})", fmt::join(parts, ", "));
+    }
+    const double weights_mb = w.bytes() / 1048576.0;
+    if (json)
+      std::cout << nlohmann::json{{"bench", "weights"}, {"format", format}, {"weight_bytes", w.bytes()}}.dump() << std::endl;
+    else
+      fmt::print("weights  {}, {:.1f} MiB\n", format, weights_mb);
+  }
   // Deterministic prompts of ordinary tokens (ids past the special ones at the start of the vocabulary).
   std::mt19937_64 rng(1234);
   auto prompt = [&](int64_t n) {
@@ -534,6 +556,21 @@ int cmd_bench(Args& args) {
     else
       fmt::print("{:<8} {:>6} chars   {:>10.1f} chars/s  ({} tokens)\n", "tokenize", n_tokenize, cps, n_ids);
   }
+  // Resident memory now and at its peak (the whole process: LibTorch, the model, the runs above).
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  const double peak_mb = usage.ru_maxrss / 1024.0;  // Linux: KiB
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  const double resident_mb = resident * static_cast<double>(::sysconf(_SC_PAGESIZE)) / 1048576.0;
+  if (json)
+    std::cout << nlohmann::json{{"bench", "memory"}, {"resident_mib", resident_mb}, {"peak_resident_mib", peak_mb}}.dump()
+              << std::endl;
+  else
+    fmt::print("memory   resident {:.1f} MiB, peak {:.1f} MiB\n", resident_mb, peak_mb);
   return 0;
 }
 

@@ -11,6 +11,12 @@ namespace comb::detail::cpu {
 void gemv_rows(const float* x, int64_t n_rows_x, const float* w, int64_t k, float* y, int64_t n_out, int64_t begin,
                int64_t end);
 
+// y[m, o] = sum_g scale[o, g] * sum_{j<32} x[m, 32 g + j] * q[o, 32 g + j] for rows o in [begin, end): a
+// matrix of int8 groups of 32 (GGUF's Q8_0, scales unpacked to float). x: [n_rows_x, k] (k a
+// multiple of 32), q: [n_out, k], scale: [n_out, k / 32], y: [n_rows_x, n_out].
+void gemv_q8_rows(const float* x, int64_t n_rows_x, const int8_t* q, const float* scale, int64_t k, float* y,
+                  int64_t n_out, int64_t begin, int64_t end);
+
 // out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight, for rows r in [begin, end). x, out: [rows, dim].
 void rms_norm_rows(const float* x, const float* weight, float* out, int64_t dim, float eps, int64_t begin, int64_t end);
 

@@ -1,0 +1,62 @@
+#pragma once
+// Weight matrices kept quantized and multiplied as they are (CPU): GGUF's Q4_0 and Q4_1 as int4
+// groups of 32 in ATen's packed layout (at::_weight_int4pack_mm_for_cpu), Q8_0 as int8 groups of
+// 32 (comb's own kernel: ATen's int8 kernel takes one scale per row, not per group).
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace comb {
+
+// One matrix [rows, cols] in groups of 32 along each row, unpacked from a checkpoint's blocks:
+// w = scale * q + min.
+struct GroupedWeights {
+  enum class Kind { q4, q8 };
+  Kind kind = Kind::q4;
+  at::Tensor q;      // [rows, cols]: uint8 in [0, 16) (q4) or int8 (q8)
+  at::Tensor scale;  // [rows, cols / 32] float32
+  at::Tensor min;    // [rows, cols / 32] float32 (q8: zeros)
+  bool centered = false;  // GGUF Q4_0: w = scale * (q - 8), and min = -8 scale
+  int64_t rows() const { return q.size(0); }
+  int64_t cols() const { return q.size(1); }
+  // The float32 matrix, computed as the checkpoint's own dequantization computes it (bit for bit).
+  at::Tensor dequantize() const;
+  // The same rows in another order: row r of the result is row index[r] (int64 [rows]).
+  GroupedWeights select_rows(const at::Tensor& index) const;
+  // Rows of several matrices of one kind, stacked (q|k|v, gate|up).
+  static GroupedWeights cat(const std::vector<GroupedWeights>& parts);
+};
+
+class QuantizedMatrix {
+ public:
+  enum class Format { int4, q8_0 };
+  static constexpr int64_t kGroup = 32;
+
+  QuantizedMatrix() = default;
+  // q4 weights -> int4 (scale and min kept in bfloat16, ATen's kernel's format); q8 -> int8 with
+  // float32 scales. Nothing is quantized again: the stored integers are the checkpoint's.
+  static QuantizedMatrix from(const GroupedWeights& w);
+
+  bool defined() const { return rows_ > 0; }
+  Format format() const { return format_; }
+  int64_t rows() const { return rows_; }
+  int64_t cols() const { return cols_; }
+  // x [..., cols] float32 -> [..., rows] float32. int4 multiplies bfloat16 activations (the
+  // kernel's input type) and returns their product in float32.
+  at::Tensor apply(const at::Tensor& x) const;
+  // The float32 matrix [rows, cols] these weights stand for.
+  at::Tensor dequantize() const;
+  // Rows `ids` (int64, any shape) as float32 [ids..., cols]: an embedding lookup.
+  at::Tensor gather_rows(const at::Tensor& ids) const;
+  int64_t bytes() const;
+  const char* format_name() const { return format_ == Format::int4 ? "int4 (groups of 32)" : "Q8_0 (int8, groups of 32)"; }
+
+ private:
+  Format format_ = Format::int4;
+  int64_t rows_ = 0, cols_ = 0;
+  at::Tensor packed_;  // int4: ATen's packed layout [rows, cols / 2] uint8; q8_0: int8 [rows, cols]
+  at::Tensor scales_;  // int4: [cols / 32, rows, 2] bfloat16 (scale, zero); q8_0: [rows, cols / 32] float32
+};
+
+}  // namespace comb

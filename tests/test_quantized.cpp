@@ -1,0 +1,175 @@
+// Weights kept quantized (Options::quantize = "gguf"): the matrices against their dequantized
+// floats, and the default model (Q4_1 layers, Q8_0 embedding and head) against its float path.
+#include <catch2/catch.hpp>
+
+#include "helpers.hpp"
+
+using namespace comb;
+using namespace comb::test;
+
+namespace {
+
+GroupedWeights random_grouped(GroupedWeights::Kind kind, int64_t rows, int64_t cols, bool centered = false,
+                              uint64_t seed = 1) {
+  at::manual_seed(seed);
+  GroupedWeights g;
+  g.kind = kind;
+  g.centered = centered;
+  const int64_t groups = cols / 32;
+  if (kind == GroupedWeights::Kind::q8) {
+    g.q = at::randint(-127, 128, {rows, cols}, at::kChar);
+    g.min = at::zeros({rows, groups});
+  } else {
+    g.q = at::randint(0, 16, {rows, cols}, at::kByte);
+    g.min = centered ? at::Tensor() : at::randn({rows, groups}) * 0.02;
+  }
+  g.scale = at::rand({rows, groups}) * 0.01 + 0.001;
+  if (centered) g.min = -8 * g.scale;
+  return g;
+}
+
+double rel_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).abs().max().item<double>() / b.abs().max().item<double>();
+}
+
+at::Tensor all_logits(const Decoder& dec, const at::Tensor& ids) {
+  KVCache cache = dec.make_cache(1, ids.size(1));
+  return dec.forward(ids, cache, LogitsMode::all)[0];
+}
+
+const Model& quantized_model() {
+  static const Model model = [] {
+    Options o;
+    o.quantize = "gguf";
+    return Model::load(model_path(), o);
+  }();
+  return model;
+}
+
+}  // namespace
+
+TEST_CASE("Q8_0 groups multiply as their floats, on the kernel and the chunked path", "[quantized]") {
+  c10::InferenceMode guard;
+  GroupedWeights g = random_grouped(GroupedWeights::Kind::q8, 80, 96);
+  QuantizedMatrix m = QuantizedMatrix::from(g);
+  at::Tensor w = g.dequantize();
+  CHECK(m.format() == QuantizedMatrix::Format::q8_0);
+  CHECK(m.dequantize().equal(w));  // int8 times a float32 scale: exact
+  for (int64_t rows : {1, 3, 4, 9}) {  // up to 4 rows: comb's kernel; more: dequantized chunks
+    at::Tensor x = at::randn({rows, 96});
+    INFO(rows << " input rows");
+    CHECK(rel_diff(m.apply(x), at::linear(x, w)) < 1e-5);  // only the order of the sums differs
+  }
+  at::Tensor ids = at::tensor(std::vector<int64_t>{5, 0, 79, 5}, at::kLong).view({2, 2});
+  at::Tensor rows = m.gather_rows(ids);
+  CHECK(rows.sizes() == at::IntArrayRef({2, 2, 96}));
+  CHECK(rows[1][0].equal(w[79]));
+  CHECK(rows[0][0].equal(w[5]));
+  CHECK(m.bytes() == 80 * 96 + 80 * 3 * 4);
+}
+
+TEST_CASE("Q4_1 and Q4_0 groups through ATen's int4 layout keep their integers", "[quantized]") {
+  c10::InferenceMode guard;
+  for (bool centered : {false, true}) {
+    INFO((centered ? "Q4_0" : "Q4_1"));
+    GroupedWeights g = random_grouped(GroupedWeights::Kind::q4, 64, 128, centered);
+    QuantizedMatrix m = QuantizedMatrix::from(g);
+    CHECK(m.format() == QuantizedMatrix::Format::int4);
+    at::Tensor exact = g.dequantize();
+    at::Tensor held = m.dequantize();
+    // The integers come back exactly; scale and offset are kept in bfloat16 (the kernel's type):
+    // off by at most their rounding, 2^-9 relative each.
+    at::Tensor q_back = ((held - (g.min + 8 * g.scale).to(at::kBFloat16).to(at::kFloat).repeat_interleave(32, 1)) /
+                         g.scale.to(at::kBFloat16).to(at::kFloat).repeat_interleave(32, 1))
+                            .round();
+    CHECK(q_back.equal(g.q.to(at::kFloat) - 8));
+    CHECK(rel_diff(held, exact) < 1e-2);
+    at::Tensor x = at::randn({3, 128});
+    CHECK(rel_diff(m.apply(x), at::linear(x, held)) < 2e-2);  // bfloat16 activations
+    CHECK(m.bytes() == 64 * 64 + 4 * 64 * 2 * 2);             // 4 bits a weight, 2 x bf16 a group
+  }
+  GroupedWeights bad = random_grouped(GroupedWeights::Kind::q4, 16, 64);
+  bad.scale = bad.scale.narrow(1, 0, 1);
+  CHECK_THROWS_WITH(QuantizedMatrix::from(bad), Catch::Contains("whole groups of 32"));
+  GroupedWeights q8 = random_grouped(GroupedWeights::Kind::q8, 16, 64);
+  CHECK_THROWS_WITH(GroupedWeights::cat({random_grouped(GroupedWeights::Kind::q4, 16, 64), q8}),
+                    Catch::Contains("share kind and columns"));
+}
+
+TEST_CASE("the default model with its GGUF weights kept quantized: a fifth of the bytes, the float path's answers",
+          "[quantized]") {
+  c10::InferenceMode guard;
+  const Model& dense = default_model();
+  const Model& q = quantized_model();
+  const auto& w = q.decoder().weights();
+  REQUIRE(w.quantized());
+  CHECK(w.layers.back().quantized);
+  CHECK(w.tok_embd_q);
+  CHECK(w.output_q == w.tok_embd_q);  // a tied head: one matrix
+  CHECK_FALSE(w.layers[0].wqkv.defined());
+  INFO("bytes: kept quantized " << w.bytes() << ", float32 " << dense.decoder().weights().bytes());
+  CHECK(w.bytes() * 5 < dense.decoder().weights().bytes());
+  // The same model: the float load's fingerprint, so plug-ins built for it apply; its caches are
+  // kept apart from the float model's.
+  CHECK(base_fingerprint(q.decoder()) == base_fingerprint(dense.decoder()));
+  CHECK(w.cache_tag() != dense.decoder().weights().cache_tag());
+
+  SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
+  at::Tensor ids = ref.load("p1.ids", at::kLong).unsqueeze(0);
+  at::Tensor want = all_logits(dense.decoder(), ids), got = all_logits(q.decoder(), ids);
+  const double agree = (got.argmax(-1) == want.argmax(-1)).to(at::kFloat).mean().item<double>();
+  const double kl =
+      at::kl_div(at::log_softmax(got, -1), at::log_softmax(want, -1), at::Reduction::Mean, true).item<double>();
+  INFO("top-1 agreement " << agree << ", KL " << kl);
+  CHECK(agree >= 0.9);
+  CHECK(kl < 0.01);
+
+  // Both CPU paths (fused kernels, generic ops) read the quantized weights alike.
+  Options generic_options;
+  generic_options.quantize = "gguf";
+  generic_options.cpu_kernels = false;
+  Model generic = Model::load(model_path(), generic_options);
+  CHECK(rel_diff(all_logits(generic.decoder(), ids), got) < 1e-3);
+
+  GenerateOptions g;
+  g.max_tokens = 24;
+  auto prompt = dense.chat_prompt("What is the capital of France?");
+  CHECK(q.generate(prompt, g).text == dense.generate(prompt, g).text);
+}
+
+TEST_CASE("the shipped plug-in on a quantized decoder: off is the bare decoder, and it reads", "[quantized]") {
+  c10::InferenceMode guard;
+  Options o;
+  o.quantize = "gguf";
+  o.plugin = env_or("COMB_SHIPPED_PLUGIN", "");
+  REQUIRE_FALSE(o.plugin.empty());
+  Model with = Model::load(model_path(), o);  // the fingerprint check passes
+  const Model& bare = quantized_model();
+  auto prompt = bare.chat_prompt("Name a color.");
+  GenerateOptions g;
+  g.max_tokens = 8;
+  auto a = with.generate(prompt, g), b = bare.generate(prompt, g);
+  CHECK(a.tokens == b.tokens);
+  CHECK(a.logprobs == b.logprobs);  // bit for bit: no documents, no plug-in
+  // With a document that holds a word the model cannot guess, the answer copies it.
+  auto doc = with.tokenizer().encode("The code word for the blue door is 'marzipan'.", false);
+  PICacheStore store(StoreOptions{});
+  auto linked = Linker(with.decoder().device()).link({with.document(doc, &store)});
+  g.max_tokens = 20;
+  auto answer = with.generate(with.chat_prompt("What is the code word for the blue door? Answer with the word only."),
+                              g, &linked);
+  INFO("answer: " << answer.text);
+  CHECK(answer.text.find("arzipan") != std::string::npos);
+}
+
+TEST_CASE("weights kept quantized: what is refused, and why", "[quantized][errors]") {
+  Options o;
+  o.quantize = "int3";
+  CHECK_THROWS_WITH(Model::load(model_path(), o), Catch::Contains("--quantize: expected none or gguf"));
+  o.quantize = "gguf";
+  o.dtype = "bfloat16";
+  CHECK_THROWS_WITH(Model::load(model_path(), o), Catch::Contains("--quantize gguf runs on the CPU with --dtype float32"));
+  Options tiny;
+  tiny.quantize = "gguf";
+  CHECK_THROWS_WITH(Model::load(oracle_dir() + "/tiny-llama", tiny), Catch::Contains("is not a GGUF file"));
+}
