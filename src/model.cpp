@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <filesystem>
 #include <numeric>
 
@@ -274,14 +275,35 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
       if (f.spec->slot == Slot::tok_embd || f.spec->slot == Slot::output) head_kinds[f.spec->slot] = grouped_type(f.name);
     }
   std::vector<bool> layer_quantized(config.n_layer, false);
-  for (int64_t i = 0; keep_quantized && i < config.n_layer; ++i) {
+  // ATen's int4 layout takes rows in multiples of 16, and every matrix is whole groups of 32 wide.
+  const bool shapes_fit = (config.q_dim() + 2 * config.kv_dim()) % 16 == 0 && config.n_embd % 32 == 0 &&
+                          config.q_dim() % 32 == 0 && config.n_ff % 32 == 0 && (2 * config.n_ff) % 16 == 0;
+  for (int64_t i = 0; keep_quantized && shapes_fit && i < config.n_layer; ++i) {
     auto& k = kinds[i];
     bool all = k.size() == 7;
     for (const auto& [slot, kind] : k) all = all && kind != 0;
     layer_quantized[i] = all && k[Slot::wq] == k[Slot::wk] && k[Slot::wk] == k[Slot::wv] && k[Slot::w_gate] == k[Slot::w_up];
   }
   std::vector<std::map<Slot, GroupedWeights>> grouped(config.n_layer);
-  at::Tensor exact_tok_embd;  // kept quantized: the embedding as floats, for the fingerprint only
+  // Kept quantized: each layer is packed as soon as its seven matrices are read (layer by layer, so
+  // the unpacked integers of one layer at most are held), and the fingerprint of the float load is
+  // hashed from exact dequantizations, the embedding in chunks of rows.
+  if (keep_quantized)
+    std::stable_sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.layer < b.layer; });
+  at::Tensor wqkv0_exact;
+  std::optional<GroupedWeights> tok_grouped;
+  auto pack_layer = [&](int64_t i) {
+    auto& g = grouped[i];
+    GroupedWeights qkv = GroupedWeights::cat({g[Slot::wq], g[Slot::wk], g[Slot::wv]});
+    if (i == 0) wqkv0_exact = qkv.dequantize();
+    auto q = std::make_shared<QuantizedLayer>();
+    q->wqkv = QuantizedMatrix::from(qkv);
+    q->wo = QuantizedMatrix::from(g[Slot::wo]);
+    q->w_gate_up = QuantizedMatrix::from(GroupedWeights::cat({g[Slot::w_gate], g[Slot::w_up]}));
+    q->w_down = QuantizedMatrix::from(g[Slot::w_down]);
+    w.layers[i].quantized = std::move(q);
+    g.clear();
+  };
   for (const auto& f : found) {
     const bool head = f.spec->slot == Slot::tok_embd || f.spec->slot == Slot::output;
     if ((is_matrix(f.spec->slot) && layer_quantized[f.layer]) || (head && head_kinds[f.spec->slot] != 0)) {
@@ -293,10 +315,10 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
                                  .squeeze(1);
           g = g.select_rows(order);
         }
-        if (f.spec->slot == Slot::tok_embd) exact_tok_embd = g.dequantize();
         if (f.spec->slot == Slot::tok_embd) w.tok_embd_q = std::make_shared<const QuantizedMatrix>(QuantizedMatrix::from(g));
+        if (f.spec->slot == Slot::tok_embd) tok_grouped = std::move(g);
         else if (f.spec->slot == Slot::output) w.output_q = std::make_shared<const QuantizedMatrix>(QuantizedMatrix::from(g));
-        else grouped[f.layer][f.spec->slot] = std::move(g);
+        else if ((grouped[f.layer][f.spec->slot] = std::move(g), grouped[f.layer].size() == 7)) pack_layer(f.layer);
       } catch (const Error& e) {
         problems.push_back(e.what());
       }
@@ -331,27 +353,25 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
   }
   COMB_CHECK(problems.empty(), "'{}': cannot read {} weight(s):\n  {}", source.where(), problems.size(),
              fmt::join(problems, "\n  "));
-  std::string fingerprint;
-  if (w.quantized() || (keep_quantized && std::count(layer_quantized.begin(), layer_quantized.end(), true) > 0)) {
+  if (w.quantized()) {
     // The fingerprint of these weights loaded as floats: the same model, so its plug-ins apply.
-    at::Tensor wqkv0 = layer_quantized[0] ? GroupedWeights::cat({grouped[0][Slot::wq], grouped[0][Slot::wk],
-                                                                 grouped[0][Slot::wv]}).dequantize()
-                                          : at::cat({wq[0], wk[0], wv[0]}, 0);
-    fingerprint = base_fingerprint(config, exact_tok_embd.defined() ? exact_tok_embd : w.tok_embd, w.output_norm,
-                                   w.layers[0].attn_norm, wqkv0);
-  }
-  w.fingerprint = fingerprint;
-  for (int64_t i = 0; i < config.n_layer; ++i) {
-    if (layer_quantized[i]) {
-      auto& g = grouped[i];
-      auto q = std::make_shared<QuantizedLayer>();
-      q->wqkv = QuantizedMatrix::from(GroupedWeights::cat({g[Slot::wq], g[Slot::wk], g[Slot::wv]}));
-      q->wo = QuantizedMatrix::from(g[Slot::wo]);
-      q->w_gate_up = QuantizedMatrix::from(GroupedWeights::cat({g[Slot::w_gate], g[Slot::w_up]}));
-      q->w_down = QuantizedMatrix::from(g[Slot::w_down]);
-      w.layers[i].quantized = std::move(q);
-      continue;
+    BaseFingerprint fp(config);
+    if (tok_grouped) {
+      for (int64_t r = 0; r < tok_grouped->rows(); r += 4096) {
+        const int64_t n = std::min<int64_t>(4096, tok_grouped->rows() - r);
+        fp.add(tok_grouped->select_rows(at::arange(r, r + n, at::kLong)).dequantize());
+      }
+      tok_grouped.reset();
+    } else {
+      fp.add(w.tok_embd);
     }
+    fp.add(w.output_norm);
+    fp.add(w.layers[0].attn_norm);
+    fp.add(wqkv0_exact.defined() ? wqkv0_exact : at::cat({wq[0], wk[0], wv[0]}, 0));
+    w.fingerprint = fp.finish();
+  }
+  for (int64_t i = 0; i < config.n_layer; ++i) {
+    if (layer_quantized[i]) continue;  // packed as it was read
     w.layers[i].wqkv = at::cat({wq[i], wk[i], wv[i]}, 0);
     w.layers[i].w_gate_up = at::cat({wg[i], wu[i]}, 0);
   }

@@ -96,17 +96,26 @@ LayerWeights dense_copy(const LayerWeights& l) {
 }
 }  // namespace
 
-std::string base_fingerprint(const ModelConfig& c, const at::Tensor& tok_embd, const at::Tensor& output_norm,
-                             const at::Tensor& attn_norm0, const at::Tensor& wqkv0) {
+BaseFingerprint::BaseFingerprint(const ModelConfig& c) {
   XXH3_state_t* state = XXH3_createState();
   XXH3_128bits_reset(state);
   std::string dims = fmt::format("{} {} {} {} {} {} {} {} {}", c.architecture, c.n_vocab, c.n_embd, c.n_ff, c.n_layer,
                                  c.n_head, c.n_head_kv, c.head_dim, c.rope_theta);
   XXH3_128bits_update(state, dims.data(), dims.size());
-  for (const at::Tensor* t : {&tok_embd, &output_norm, &attn_norm0, &wqkv0}) hash_tensor(state, t->to(at::kBFloat16));
-  std::string out = hex128(XXH3_128bits_digest(state));
-  XXH3_freeState(state);
-  return out;
+  state_ = state;
+}
+
+BaseFingerprint::~BaseFingerprint() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+
+void BaseFingerprint::add(const at::Tensor& t) { hash_tensor(static_cast<XXH3_state_t*>(state_), t.to(at::kBFloat16)); }
+
+std::string BaseFingerprint::finish() { return hex128(XXH3_128bits_digest(static_cast<XXH3_state_t*>(state_))); }
+
+std::string base_fingerprint(const ModelConfig& c, const at::Tensor& tok_embd, const at::Tensor& output_norm,
+                             const at::Tensor& attn_norm0, const at::Tensor& wqkv0) {
+  BaseFingerprint f(c);
+  for (const at::Tensor* t : {&tok_embd, &output_norm, &attn_norm0, &wqkv0}) f.add(*t);
+  return f.finish();
 }
 
 std::string base_fingerprint(const Decoder& base) {

@@ -127,6 +127,19 @@ std::string base_fingerprint(const Decoder& base);
 // q|k|v rows, float as the checkpoint defines them).
 std::string base_fingerprint(const ModelConfig& config, const at::Tensor& tok_embd, const at::Tensor& output_norm,
                              const at::Tensor& attn_norm0, const at::Tensor& wqkv0);
+// The same, fed piece by piece (a tensor may come in row chunks: the hash is over its bytes in order).
+class BaseFingerprint {
+ public:
+  explicit BaseFingerprint(const ModelConfig& config);
+  ~BaseFingerprint();
+  BaseFingerprint(const BaseFingerprint&) = delete;
+  BaseFingerprint& operator=(const BaseFingerprint&) = delete;
+  void add(const at::Tensor& t);  // hashed as bfloat16
+  std::string finish();
+
+ private:
+  void* state_ = nullptr;
+};
 
 class Plugin {
  public:
