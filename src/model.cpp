@@ -291,11 +291,12 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
   if (keep_quantized)
     std::stable_sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.layer < b.layer; });
   at::Tensor wqkv0_exact;
+  bool wqkv0_as_stored = true;
   std::optional<GroupedWeights> tok_grouped;
   auto pack_layer = [&](int64_t i) {
     auto& g = grouped[i];
     GroupedWeights qkv = GroupedWeights::cat({g[Slot::wq], g[Slot::wk], g[Slot::wv]});
-    if (i == 0) wqkv0_exact = qkv.dequantize();
+    if (i == 0) wqkv0_exact = qkv.dequantize(), wqkv0_as_stored = qkv.as_stored;
     auto q = std::make_shared<QuantizedLayer>();
     q->wqkv = QuantizedMatrix::from(qkv);
     q->wo = QuantizedMatrix::from(g[Slot::wo]);
@@ -356,7 +357,21 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
   if (w.quantized()) {
     // The fingerprint of these weights loaded as floats: the same model, so its plug-ins apply.
     BaseFingerprint fp(config);
-    if (tok_grouped) {
+    // Weights quantized on load (--quantize int8|int4) are not the checkpoint's: the fingerprint
+    // reads the checkpoint's floats instead.
+    auto float_of = [&](Slot slot, int64_t layer) {
+      for (const auto& f : found)
+        if (f.spec->slot == slot && f.layer == layer) {
+          at::Tensor t = source.load(f.name, at::kFloat);
+          if (f.gguf_layout && (slot == Slot::wq || slot == Slot::wk))
+            t = unpermute_heads(t, slot == Slot::wq ? config.n_head : config.n_head_kv);
+          return t;
+        }
+      COMB_FAIL("'{}': no tensor for the fingerprint", source.where());
+    };
+    if (tok_grouped && !tok_grouped->as_stored) {
+      fp.add(float_of(Slot::tok_embd, 0));
+    } else if (tok_grouped) {
       for (int64_t r = 0; r < tok_grouped->rows(); r += 4096) {
         const int64_t n = std::min<int64_t>(4096, tok_grouped->rows() - r);
         fp.add(tok_grouped->select_rows(at::arange(r, r + n, at::kLong)).dequantize());
@@ -367,7 +382,10 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
     }
     fp.add(w.output_norm);
     fp.add(w.layers[0].attn_norm);
-    fp.add(wqkv0_exact.defined() ? wqkv0_exact : at::cat({wq[0], wk[0], wv[0]}, 0));
+    if (layer_quantized[0] && !wqkv0_as_stored)
+      fp.add(at::cat({float_of(Slot::wq, 0), float_of(Slot::wk, 0), float_of(Slot::wv, 0)}, 0));
+    else
+      fp.add(wqkv0_exact.defined() ? wqkv0_exact : at::cat({wq[0], wk[0], wv[0]}, 0));
     w.fingerprint = fp.finish();
   }
   for (int64_t i = 0; i < config.n_layer; ++i) {
@@ -1111,16 +1129,23 @@ Model Model::load(const std::string& path, const Options& options) {
   }
   COMB_CHECK(m.tokenizer_->n_vocab() <= config.n_vocab, "'{}': the tokenizer has {} tokens but the model only {}", path,
              m.tokenizer_->n_vocab(), config.n_vocab);
-  COMB_CHECK(options.quantize == "none" || options.quantize == "gguf",
-             "--quantize: expected none or gguf (GGUF Q4_0/Q4_1/Q8_0 kept as stored), found '{}'", options.quantize);
-  const bool keep_quantized = options.quantize == "gguf";
+  COMB_CHECK(options.quantize == "none" || options.quantize == "gguf" || options.quantize == "int8" ||
+                 options.quantize == "int4",
+             "--quantize: expected none, gguf (GGUF Q4_0/Q4_1/Q8_0 kept as stored), int8 or int4 (quantized on load), "
+             "found '{}'", options.quantize);
+  const bool keep_quantized = options.quantize != "none";
   if (keep_quantized) {
-    COMB_CHECK(dynamic_cast<GgufFile*>(source.get()), "--quantize gguf keeps a GGUF file's quantized tensors; '{}' is not "
-               "a GGUF file", path);
-    COMB_CHECK(device.is_cpu() && dtype == at::kFloat, "--quantize gguf runs on the CPU with --dtype float32 (asked: "
-               "{} {})", options.device, options.dtype);
+    COMB_CHECK(options.quantize != "gguf" || dynamic_cast<GgufFile*>(source.get()),
+               "--quantize gguf keeps a GGUF file's quantized tensors; '{}' is not a GGUF file (--quantize int8 or int4 "
+               "quantizes float weights on load)", path);
+    COMB_CHECK(device.is_cpu() && dtype == at::kFloat, "--quantize {} runs on the CPU with --dtype float32 (asked: "
+               "{} {})", options.quantize, options.device, options.dtype);
+    if (options.quantize != "gguf")  // every matrix, in groups of 32: int8 (embedding and head too) or int4 layers
+      source = quantizing_source(std::move(source), options.quantize == "int8" ? GroupedWeights::Kind::q8
+                                                                                : GroupedWeights::Kind::q4);
   }
   LlamaWeights weights = load_llama_weights(*source, config, dtype, device, hf_prefix, keep_quantized);
+  if (weights.quantized()) weights.quantization = options.quantize;
   m.decoder_ = std::make_shared<Decoder>(std::move(config), std::move(weights), dtype, device);
   m.decoder_->set_cpu_kernels(options.cpu_kernels);
   if (combined) m.plugin_ = std::make_shared<Plugin>(Plugin::from_checkpoint(*source, *combined, *m.decoder_));

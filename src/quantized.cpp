@@ -4,14 +4,18 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <map>
+#include <optional>
+
 #include "comb/detail/cpu_kernels.hpp"
 #include "comb/error.hpp"
+#include "comb/tensor_source.hpp"
 
 namespace comb {
 
 namespace {
 // Rows up to this many go through the Q8_0 kernel; more are multiplied in chunks of dequantized rows.
-constexpr int64_t kQ8KernelRows = 4;
+constexpr int64_t kQ8KernelRows = 32;
 constexpr int64_t kQ8ChunkRows = 4096;  // output rows dequantized at a time (9 MB of float32 at 576 columns)
 }  // namespace
 
@@ -45,10 +49,78 @@ GroupedWeights GroupedWeights::cat(const std::vector<GroupedWeights>& parts) {
   for (const auto& p : parts)
     COMB_CHECK(p.centered == parts[0].centered, "quantized matrices stacked together must share their type (Q4_0 and Q4_1 mixed)");
   out.centered = parts[0].centered;
+  out.as_stored = parts[0].as_stored;
   out.q = at::cat(q, 0);
   out.scale = at::cat(s, 0);
   out.min = at::cat(m, 0);
   return out;
+}
+
+GroupedWeights GroupedWeights::quantize(const at::Tensor& weights, Kind kind) {
+  COMB_CHECK(weights.dim() == 2 && weights.size(1) % QuantizedMatrix::kGroup == 0,
+             "only a matrix of whole groups of 32 columns is quantized, found shape [{}]", fmt::join(weights.sizes(), ", "));
+  const int64_t rows = weights.size(0), cols = weights.size(1), groups = cols / QuantizedMatrix::kGroup;
+  at::Tensor w = weights.to(at::kFloat).reshape({rows, groups, QuantizedMatrix::kGroup});
+  GroupedWeights g;
+  g.kind = kind;
+  g.as_stored = false;
+  if (kind == Kind::q8) {
+    at::Tensor scale = w.abs().amax(-1) / 127;  // [rows, groups]
+    at::Tensor safe = at::where(scale > 0, scale, at::ones_like(scale));
+    g.q = (w / safe.unsqueeze(-1)).round().clamp(-127, 127).to(at::kChar).reshape({rows, cols});
+    g.scale = scale;
+    g.min = at::zeros_like(scale);
+  } else {
+    at::Tensor lo = w.amin(-1), hi = w.amax(-1);
+    at::Tensor scale = (hi - lo) / 15;
+    at::Tensor safe = at::where(scale > 0, scale, at::ones_like(scale));
+    g.q = ((w - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, 15).to(at::kByte).reshape({rows, cols});
+    g.scale = scale;
+    g.min = lo;
+  }
+  return g;
+}
+
+namespace {
+class QuantizingSource : public TensorSource {
+ public:
+  QuantizingSource(std::unique_ptr<TensorSource> inner, GroupedWeights::Kind kind) : inner_(std::move(inner)), kind_(kind) {
+    for (const auto& name : inner_->names()) {
+      TensorInfo info = *inner_->find(name);
+      if (info.shape.size() == 2 && info.shape[1] % QuantizedMatrix::kGroup == 0)
+        info.dtype = kind_of(name) == GroupedWeights::Kind::q8 ? "Q8_0" : "Q4_1";  // what load_grouped() will give
+      infos_[name] = info;
+    }
+  }
+  std::vector<std::string> names() const override { return inner_->names(); }
+  const TensorInfo* find(const std::string& name) const override {
+    auto it = infos_.find(name);
+    return it == infos_.end() ? nullptr : &it->second;
+  }
+  at::Tensor load(const std::string& name, c10::ScalarType dtype) const override { return inner_->load(name, dtype); }
+  std::optional<GroupedWeights> load_grouped(const std::string& name) const override {
+    const TensorInfo* info = find(name);
+    if (!info || info->shape.size() != 2 || info->shape[1] % QuantizedMatrix::kGroup != 0) return std::nullopt;
+    return GroupedWeights::quantize(inner_->load(name, at::kFloat), kind_of(name));
+  }
+  // The embedding and the output head stay int8 whatever the layers get: a lookup reads int8 rows
+  // directly, and the head's error reaches every logit.
+  GroupedWeights::Kind kind_of(const std::string& name) const {
+    for (const char* head : {"embed_tokens", "token_embd", "lm_head", "output.weight"})
+      if (name.find(head) != std::string::npos) return GroupedWeights::Kind::q8;
+    return kind_;
+  }
+  std::string where() const override { return inner_->where(); }
+
+ private:
+  std::unique_ptr<TensorSource> inner_;
+  GroupedWeights::Kind kind_;
+  std::map<std::string, TensorInfo> infos_;
+};
+}  // namespace
+
+std::unique_ptr<TensorSource> quantizing_source(std::unique_ptr<TensorSource> source, GroupedWeights::Kind kind) {
+  return std::make_unique<QuantizingSource>(std::move(source), kind);
 }
 
 QuantizedMatrix QuantizedMatrix::from(const GroupedWeights& w) {

@@ -165,11 +165,49 @@ TEST_CASE("the shipped plug-in on a quantized decoder: off is the bare decoder, 
 TEST_CASE("weights kept quantized: what is refused, and why", "[quantized][errors]") {
   Options o;
   o.quantize = "int3";
-  CHECK_THROWS_WITH(Model::load(model_path(), o), Catch::Contains("--quantize: expected none or gguf"));
+  CHECK_THROWS_WITH(Model::load(model_path(), o), Catch::Contains("--quantize: expected none, gguf"));
   o.quantize = "gguf";
   o.dtype = "bfloat16";
   CHECK_THROWS_WITH(Model::load(model_path(), o), Catch::Contains("--quantize gguf runs on the CPU with --dtype float32"));
+  o.quantize = "int4";
+  CHECK_THROWS_WITH(Model::load(model_path(), o), Catch::Contains("--quantize int4 runs on the CPU with --dtype float32"));
   Options tiny;
   tiny.quantize = "gguf";
   CHECK_THROWS_WITH(Model::load(oracle_dir() + "/tiny-llama", tiny), Catch::Contains("is not a GGUF file"));
+}
+
+TEST_CASE("float weights quantized on load (int8, int4) stay close to the float path, fingerprint unchanged",
+          "[quantized]") {
+  c10::InferenceMode guard;
+  const Model& dense = default_model();
+  SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
+  at::Tensor ids = ref.load("p1.ids", at::kLong).unsqueeze(0);
+  at::Tensor want = all_logits(dense.decoder(), ids);
+  for (const char* mode : {"int8", "int4"}) {
+    INFO("--quantize " << mode);
+    Options o;
+    o.quantize = mode;
+    Model q = Model::load(model_path(), o);
+    const auto& w = q.decoder().weights();
+    REQUIRE(w.layers[0].quantized);
+    CHECK(w.layers[0].quantized->wqkv.format() ==
+          (std::string(mode) == "int8" ? QuantizedMatrix::Format::q8_0 : QuantizedMatrix::Format::int4));
+    CHECK(w.output_q->format() == QuantizedMatrix::Format::q8_0);  // the head stays int8
+    CHECK(base_fingerprint(q.decoder()) == base_fingerprint(dense.decoder()));
+    CHECK(w.cache_tag() == std::string("+quantized-") + mode);
+    at::Tensor got = all_logits(q.decoder(), ids);
+    const double agree = (got.argmax(-1) == want.argmax(-1)).to(at::kFloat).mean().item<double>();
+    const double kl =
+        at::kl_div(at::log_softmax(got, -1), at::log_softmax(want, -1), at::Reduction::Mean, true).item<double>();
+    INFO("top-1 agreement " << agree << ", KL " << kl);
+    CHECK(agree >= (std::string(mode) == "int8" ? 0.95 : 0.7));
+    CHECK(kl < (std::string(mode) == "int8" ? 0.01 : 0.2));
+  }
+  // A safetensors model (float weights) takes int8 too.
+  Options tiny;
+  tiny.quantize = "int8";
+  Model t = Model::load(oracle_dir() + "/tiny-llama", tiny);
+  Model t_dense = Model::load(oracle_dir() + "/tiny-llama");
+  at::Tensor tids = at::arange(5, 25, at::kLong).unsqueeze(0);
+  CHECK(rel_diff(all_logits(t.decoder(), tids), all_logits(t_dense.decoder(), tids)) < 0.05);
 }

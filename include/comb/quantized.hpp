@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace comb {
@@ -18,6 +19,7 @@ struct GroupedWeights {
   at::Tensor scale;  // [rows, cols / 32] float32
   at::Tensor min;    // [rows, cols / 32] float32 (q8: zeros)
   bool centered = false;  // GGUF Q4_0: w = scale * (q - 8), and min = -8 scale
+  bool as_stored = true;  // dequantize() gives the checkpoint's own values (false: quantized on load)
   int64_t rows() const { return q.size(0); }
   int64_t cols() const { return q.size(1); }
   // The float32 matrix, computed as the checkpoint's own dequantization computes it (bit for bit).
@@ -26,7 +28,15 @@ struct GroupedWeights {
   GroupedWeights select_rows(const at::Tensor& index) const;
   // Rows of several matrices of one kind, stacked (q|k|v, gate|up).
   static GroupedWeights cat(const std::vector<GroupedWeights>& parts);
+  // A float matrix [rows, cols] quantized in groups of 32 along its rows: q4, w ~ scale * q + min
+  // with the group's minimum and (max - min) / 15; q8, w ~ scale * q with max |w| / 127.
+  static GroupedWeights quantize(const at::Tensor& w, Kind kind);
 };
+
+class TensorSource;
+// `source` with its 2-D tensors of whole groups of 32 columns offered as groups (load_grouped),
+// quantized on load to `kind`; everything else passes through. For --quantize int8 and int4.
+std::unique_ptr<TensorSource> quantizing_source(std::unique_ptr<TensorSource> source, GroupedWeights::Kind kind);
 
 class QuantizedMatrix {
  public:

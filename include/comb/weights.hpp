@@ -53,7 +53,8 @@ struct LlamaWeights {
   std::string fingerprint;
   // What cache keys add for these weights: caches computed with weights kept quantized differ from
   // those of the float weights, so the two never share an entry ("" for float weights).
-  std::string cache_tag() const { return quantized() ? "+gguf-kept-quantized" : ""; }
+  std::string cache_tag() const { return quantized() ? "+quantized-" + quantization : ""; }
+  std::string quantization;  // Options::quantize when the weights are kept quantized ("gguf", "int8", "int4")
   int64_t bytes() const;  // every weight's bytes as held (a tied head counted once)
 };
 

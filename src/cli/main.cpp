@@ -121,9 +121,10 @@ options of every command that loads a model (all but make-data and report):
                       (default: $COMB_MODEL, else the model the set-up installed)
   --device DEV        cpu (default), cuda, cuda:N
   --dtype T           float32 (default), bfloat16, float16 (CUDA only)
-  --quantize none|gguf  none (default): every weight expanded to --dtype on load; gguf: a GGUF file's
-                      Q4_0/Q4_1/Q8_0 matrices kept as stored and multiplied quantized (CPU, float32;
-                      not for train)
+  --quantize none|gguf|int8|int4  none (default): every weight expanded to --dtype on load; gguf: a
+                      GGUF file's Q4_0/Q4_1/Q8_0 matrices kept as stored and multiplied quantized;
+                      int8, int4: float weights quantized on load in groups of 32 (embedding and head
+                      int8). CPU and float32 only; not for train
   --threads N         CPU threads (default: LibTorch's choice)
   --cpu-kernels 0|1   fused fp32 CPU kernels (default 1; 0 runs generic ATen ops only)
 
