@@ -290,13 +290,21 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
   // hashed from exact dequantizations, the embedding in chunks of rows.
   if (keep_quantized)
     std::stable_sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.layer < b.layer; });
+  // The checkpoint's own values of layer 0's q|k|v and of the embedding, where the groups hold them
+  // (as stored, not quantized on load), for the fingerprint.
   at::Tensor wqkv0_exact;
-  bool wqkv0_as_stored = true;
   std::optional<GroupedWeights> tok_grouped;
+  // A tensor as the float load reads it: converted to `dt`, q and k rows in rotate-half order.
+  auto read_dense = [&](const Found& f, c10::ScalarType dt) {
+    at::Tensor t = source.load(f.name, dt);
+    if (f.gguf_layout && f.spec->slot == Slot::wq) t = unpermute_heads(t, config.n_head);
+    if (f.gguf_layout && f.spec->slot == Slot::wk) t = unpermute_heads(t, config.n_head_kv);
+    return t;
+  };
   auto pack_layer = [&](int64_t i) {
     auto& g = grouped[i];
     GroupedWeights qkv = GroupedWeights::cat({g[Slot::wq], g[Slot::wk], g[Slot::wv]});
-    if (i == 0) wqkv0_exact = qkv.dequantize(), wqkv0_as_stored = qkv.as_stored;
+    if (i == 0 && qkv.as_stored) wqkv0_exact = qkv.dequantize();
     auto q = std::make_shared<QuantizedLayer>();
     q->wqkv = QuantizedMatrix::from(qkv);
     q->wo = QuantizedMatrix::from(g[Slot::wo]);
@@ -316,9 +324,10 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
                                  .squeeze(1);
           g = g.select_rows(order);
         }
-        if (f.spec->slot == Slot::tok_embd) w.tok_embd_q = std::make_shared<const QuantizedMatrix>(QuantizedMatrix::from(g));
-        if (f.spec->slot == Slot::tok_embd) tok_grouped = std::move(g);
-        else if (f.spec->slot == Slot::output) w.output_q = std::make_shared<const QuantizedMatrix>(QuantizedMatrix::from(g));
+        if (f.spec->slot == Slot::tok_embd) {
+          w.tok_embd_q = std::make_shared<const QuantizedMatrix>(QuantizedMatrix::from(g));
+          if (g.as_stored) tok_grouped = std::move(g);
+        } else if (f.spec->slot == Slot::output) w.output_q = std::make_shared<const QuantizedMatrix>(QuantizedMatrix::from(g));
         else if ((grouped[f.layer][f.spec->slot] = std::move(g), grouped[f.layer].size() == 7)) pack_layer(f.layer);
       } catch (const Error& e) {
         problems.push_back(e.what());
@@ -327,13 +336,11 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
     }
     at::Tensor t;
     try {
-      t = source.load(f.name, f.spec->slot == Slot::rope_freqs ? at::kFloat : dtype);
+      t = read_dense(f, f.spec->slot == Slot::rope_freqs ? at::kFloat : dtype);
     } catch (const Error& e) {
       problems.push_back(e.what());
       continue;
     }
-    if (f.gguf_layout && f.spec->slot == Slot::wq) t = unpermute_heads(t, config.n_head);
-    if (f.gguf_layout && f.spec->slot == Slot::wk) t = unpermute_heads(t, config.n_head_kv);
     t = t.to(device);
     auto& l = w.layers[f.layer];
     switch (f.spec->slot) {
@@ -359,33 +366,28 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
     BaseFingerprint fp(config);
     // Weights quantized on load (--quantize int8|int4) are not the checkpoint's: the fingerprint
     // reads the checkpoint's floats instead.
-    auto float_of = [&](Slot slot, int64_t layer) {
+    auto float_of = [&](Slot slot) {
       for (const auto& f : found)
-        if (f.spec->slot == slot && f.layer == layer) {
-          at::Tensor t = source.load(f.name, at::kFloat);
-          if (f.gguf_layout && (slot == Slot::wq || slot == Slot::wk))
-            t = unpermute_heads(t, slot == Slot::wq ? config.n_head : config.n_head_kv);
-          return t;
-        }
+        if (f.spec->slot == slot && f.layer == 0) return read_dense(f, at::kFloat);
       COMB_FAIL("'{}': no tensor for the fingerprint", source.where());
     };
-    if (tok_grouped && !tok_grouped->as_stored) {
-      fp.add(float_of(Slot::tok_embd, 0));
-    } else if (tok_grouped) {
+    if (tok_grouped) {
       for (int64_t r = 0; r < tok_grouped->rows(); r += 4096) {
         const int64_t n = std::min<int64_t>(4096, tok_grouped->rows() - r);
         fp.add(tok_grouped->select_rows(at::arange(r, r + n, at::kLong)).dequantize());
       }
       tok_grouped.reset();
     } else {
-      fp.add(w.tok_embd);
+      fp.add(w.tok_embd.defined() ? w.tok_embd : float_of(Slot::tok_embd));
     }
     fp.add(w.output_norm);
     fp.add(w.layers[0].attn_norm);
-    if (layer_quantized[0] && !wqkv0_as_stored)
-      fp.add(at::cat({float_of(Slot::wq, 0), float_of(Slot::wk, 0), float_of(Slot::wv, 0)}, 0));
+    if (wqkv0_exact.defined())
+      fp.add(wqkv0_exact);
+    else if (layer_quantized[0])
+      fp.add(at::cat({float_of(Slot::wq), float_of(Slot::wk), float_of(Slot::wv)}, 0));
     else
-      fp.add(wqkv0_exact.defined() ? wqkv0_exact : at::cat({wq[0], wk[0], wv[0]}, 0));
+      fp.add(at::cat({wq[0], wk[0], wv[0]}, 0));
     w.fingerprint = fp.finish();
   }
   for (int64_t i = 0; i < config.n_layer; ++i) {
@@ -393,16 +395,13 @@ LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& c
     w.layers[i].wqkv = at::cat({wq[i], wk[i], wv[i]}, 0);
     w.layers[i].w_gate_up = at::cat({wg[i], wu[i]}, 0);
   }
-  if (!w.output.defined() && w.output_q) {
-    // a head kept quantized, an embedding not (or the reverse): the embedding stays as loaded
-  } else if (!w.output.defined() && !w.output_q && w.tok_embd_q) {
+  if (!w.output.defined() && !w.output_q) {  // no head of its own: the embedding, kept quantized or not
     COMB_CHECK(config.tie_embeddings, "'{}': no output head ('lm_head.weight' / 'output.weight') and the config does "
                "not tie embeddings", source.where());
-    w.output_q = w.tok_embd_q;
-  } else if (!w.output.defined()) {
-    COMB_CHECK(config.tie_embeddings, "'{}': no output head ('lm_head.weight' / 'output.weight') and the config does "
-               "not tie embeddings", source.where());
-    w.output = w.tok_embd;
+    if (w.tok_embd_q)
+      w.output_q = w.tok_embd_q;
+    else
+      w.output = w.tok_embd;
   }
   return w;
 }
@@ -1009,7 +1008,7 @@ at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& cache, const 
 
 at::Tensor Decoder::logits(const at::Tensor& x, LogitsMode mode) const {
   at::Tensor h = mode == LogitsMode::last ? x.narrow(1, x.size(1) - 1, 1) : x;
-  if (weights_.output_q) return weights_.output_q->apply(rms_norm(h, weights_.output_norm)).to(at::kFloat);
+  if (weights_.output_q) return weights_.output_q->apply(rms_norm(h, weights_.output_norm));  // float32
   if (cpu_kernels() && h.size(0) * h.size(1) <= kFusedMaxRows)
     return linear_cpu(rms_norm_cpu(h, weights_.output_norm), weights_.output);
   return at::linear(rms_norm(h, weights_.output_norm), weights_.output).to(at::kFloat);

@@ -111,17 +111,12 @@ void BaseFingerprint::add(const at::Tensor& t) { hash_tensor(static_cast<XXH3_st
 
 std::string BaseFingerprint::finish() { return hex128(XXH3_128bits_digest(static_cast<XXH3_state_t*>(state_))); }
 
-std::string base_fingerprint(const ModelConfig& c, const at::Tensor& tok_embd, const at::Tensor& output_norm,
-                             const at::Tensor& attn_norm0, const at::Tensor& wqkv0) {
-  BaseFingerprint f(c);
-  for (const at::Tensor* t : {&tok_embd, &output_norm, &attn_norm0, &wqkv0}) f.add(*t);
-  return f.finish();
-}
-
 std::string base_fingerprint(const Decoder& base) {
   const auto& w = base.weights();
   if (!w.fingerprint.empty()) return w.fingerprint;  // weights kept quantized: computed on load
-  return base_fingerprint(base.config(), w.tok_embd, w.output_norm, w.layers[0].attn_norm, w.layers[0].wqkv);
+  BaseFingerprint f(base.config());
+  for (const at::Tensor* t : {&w.tok_embd, &w.output_norm, &w.layers[0].attn_norm, &w.layers[0].wqkv}) f.add(*t);
+  return f.finish();
 }
 
 // ================================================================================================

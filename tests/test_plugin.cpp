@@ -4,6 +4,8 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <algorithm>
 #include <filesystem>
+#include <functional>
+#include <numeric>
 
 #include "helpers.hpp"
 
@@ -40,6 +42,20 @@ std::vector<std::shared_ptr<const DocumentKV>> documents_of(const Model& model,
 at::Tensor logits_with(const Model& model, const at::Tensor& ids, const LinkedDocuments* docs) {
   KVCache cache = model.decoder().make_cache(ids.size(0), ids.size(1));
   return model.forward(ids, cache, docs, LogitsMode::all);
+}
+
+// Calls f(linked, k) with `docs` linked in each of their orders (k: 0, 1, ...); returns how many.
+int for_each_order(const std::vector<std::shared_ptr<const DocumentKV>>& docs, const Linker& linker,
+                   const std::function<void(const LinkedDocuments&, int)>& f) {
+  std::vector<size_t> order(docs.size());
+  std::iota(order.begin(), order.end(), 0);
+  int k = 0;
+  do {
+    std::vector<std::shared_ptr<const DocumentKV>> permuted;
+    for (size_t i : order) permuted.push_back(docs[i]);
+    f(linker.link(permuted), k++);
+  } while (std::next_permutation(order.begin(), order.end()));
+  return k;
 }
 
 at::Tensor prompt_ids(int64_t n, uint64_t seed = 5) {
@@ -99,18 +115,13 @@ TEST_CASE("the shipped plug-in: off is the bare decoder bit for bit, any documen
   const auto suffix = qa_suffix(with, "How high is the summit of Mount Everest above sea level?");
   prompt.insert(prompt.end(), suffix.begin(), suffix.end());
   Linker linker(c10::kCPU);
-  std::vector<int> order{0, 1, 2};
   std::vector<int32_t> first;
   at::Tensor first_logits;
-  int orders = 0;
   double worst = 0;
-  do {
-    std::vector<std::shared_ptr<const DocumentKV>> permuted;
-    for (int i : order) permuted.push_back(docs[i]);
-    LinkedDocuments linked = linker.link(permuted);
+  const int orders = for_each_order(docs, linker, [&](const LinkedDocuments& linked, int k) {
     auto answer = with.generate(prompt, greedy, &linked).tokens;
     at::Tensor logits = logits_with(with, ids_tensor(prompt), &linked);
-    if (orders++ == 0) {
+    if (k == 0) {
       first = answer, first_logits = logits;
       INFO("answer: " << with.tokenizer().decode(answer));
       CHECK_FALSE(answer == bare.generate(prompt, greedy).tokens);  // the documents change the answer
@@ -118,7 +129,7 @@ TEST_CASE("the shipped plug-in: off is the bare decoder bit for bit, any documen
       CHECK(answer == first);
       worst = std::max(worst, (logits - first_logits).abs().max().item<double>());
     }
-  } while (std::next_permutation(order.begin(), order.end()));
+  });
   CHECK(orders == 6);
   INFO("worst |logit diff| over orders " << worst);
   CHECK(worst <= 1e-3);
@@ -186,16 +197,10 @@ TEST_CASE("document order does not matter (random plug-in, open gates)", "[plugi
   LinkedDocuments base_link = linker.link(docs);
   at::Tensor want = logits_with(model, ids, &base_link);
   CHECK_FALSE(want.equal(logits_with(tiny_model(), ids, nullptr)));  // the documents matter
-  std::vector<int> order{0, 1, 2, 3};
-  int permutations = 0;
   double worst = 0;
-  do {
-    std::vector<std::shared_ptr<const DocumentKV>> permuted;
-    for (int i : order) permuted.push_back(docs[i]);
-    LinkedDocuments linked = linker.link(permuted);
+  const int permutations = for_each_order(docs, linker, [&](const LinkedDocuments& linked, int) {
     worst = std::max(worst, (logits_with(model, ids, &linked) - want).abs().max().item<double>());
-    ++permutations;
-  } while (std::next_permutation(order.begin(), order.end()));
+  });
   CHECK(permutations == 24);
   INFO("worst |diff| over permutations " << worst);
   CHECK(worst <= 1e-5);

@@ -123,11 +123,9 @@ struct PluginInitOptions {
 // A fingerprint of a base decoder: its dimensions and (bf16-rounded) embedding and norms, so that
 // the same base loaded from GGUF or safetensors, in any dtype, gives the same string.
 std::string base_fingerprint(const Decoder& base);
-// The same from the tensors it hashes (the embedding, the final norm, layer 0's attention norm and
-// q|k|v rows, float as the checkpoint defines them).
-std::string base_fingerprint(const ModelConfig& config, const at::Tensor& tok_embd, const at::Tensor& output_norm,
-                             const at::Tensor& attn_norm0, const at::Tensor& wqkv0);
-// The same, fed piece by piece (a tensor may come in row chunks: the hash is over its bytes in order).
+// The same, fed piece by piece: the embedding, the final norm, layer 0's attention norm and q|k|v
+// rows, float as the checkpoint defines them (a tensor may come in row chunks: the hash is over
+// its bytes in order).
 class BaseFingerprint {
  public:
   explicit BaseFingerprint(const ModelConfig& config);

@@ -295,6 +295,9 @@ int cmd_generate(Args& args) {
     };
   }
   comb::LinkedDocuments linked;
+  // Outlives the generation: its Redis writes (in the background) overlap it, and the process
+  // waits for them only at the end.
+  std::optional<comb::PICacheStore> store;
   if (!document_paths.empty()) {
     comb::StoreOptions store_options;
     store_options.host_bytes = cache_mb << 20;
@@ -304,7 +307,7 @@ int cmd_generate(Args& args) {
     }
     store_options.remote_url = cache_url;
     store_options.remote_ttl_s = cache_ttl;
-    comb::PICacheStore store(store_options);
+    store.emplace(store_options);
     std::vector<std::shared_ptr<const comb::DocumentKV>> documents;
     int64_t n_tokens = 0;
     auto t0 = std::chrono::steady_clock::now();
@@ -313,10 +316,10 @@ int cmd_generate(Args& args) {
       auto tokens = model.tokenizer().encode(text, /*parse_special=*/false);
       if (tokens.empty()) throw Error("document '" + path + "' is empty");
       n_tokens += static_cast<int64_t>(tokens.size());
-      documents.push_back(model.document(tokens, &store));
+      documents.push_back(model.document(tokens, &*store));
     }
     double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    auto stats = store.stats();
+    auto stats = store->stats();
     const int64_t hits = stats.host.hits + stats.disk.hits + stats.remote.hits;
     fmt::print(stderr, "[comb] {} documents, {} tokens: {} from the cache, {} encoded, in {:.1f} ms{}\n",
                documents.size(), n_tokens, hits, documents.size() - hits, ms,
