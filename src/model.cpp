@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <numeric>
 
+#include "comb/cuda_backend.hpp"
 #include "comb/detail/cpu_kernels.hpp"
 #include "comb/detail/mapped_file.hpp"
 #include "comb/error.hpp"
@@ -1089,8 +1090,8 @@ Model Model::load(const std::string& path, const Options& options) {
   c10::ScalarType dtype = parse_dtype(options.dtype);
   COMB_CHECK(!(device.is_cpu() && dtype == at::kHalf), "float16 is supported on CUDA only; use float32 or bfloat16 on CPU");
   if (device.is_cuda())
-    COMB_CHECK(at::hasCUDA(), "device '{}' asked for, but this machine (or this LibTorch) has no CUDA device",
-               options.device);
+    COMB_CHECK(cuda_available(), "device '{}' asked for, but this machine (or this LibTorch) has no CUDA device ({})",
+               options.device, load_cuda_backend().detail);
   if (options.threads > 0) at::set_num_threads(options.threads);
   // No autograd while loading, but ordinary tensors (not inference tensors), so that training can
   // run the frozen decoder under autograd.

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "comb/cuda_backend.hpp"
 #include "comb/detail/mapped_file.hpp"
 #include "comb/detail/redis_tier.hpp"
 #include "comb/error.hpp"
@@ -310,6 +311,7 @@ PICacheStore::PICacheStore(StoreOptions options) : impl_(std::make_unique<Impl>(
   COMB_CHECK(options.disk_bytes == 0 || !options.disk_dir.empty(), "a disk budget needs a cache directory");
   impl_->options = options;
   if (options.device.is_cuda()) {
+    load_cuda_backend();  // before anything asks LibTorch about CUDA
     MemoryTier device;
     device.budget = options.device_bytes;
     device.device = options.device;

@@ -1,6 +1,7 @@
 // The decoder against Hugging Face transformers, the KV cache, generation, and model-level errors.
 #include <catch2/catch.hpp>
 #include <filesystem>
+#include <fstream>
 
 #include "helpers.hpp"
 
@@ -14,6 +15,37 @@ at::Tensor full_logits(const Decoder& dec, const at::Tensor& ids) {
   return dec.forward(ids, cache, LogitsMode::all)[0];  // [n, vocab]
 }
 }  // namespace
+
+namespace {
+bool mapped(const std::string& library) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line))
+    if (line.find(library) != std::string::npos) return true;
+  return false;
+}
+}  // namespace
+
+// First in this file (the [decoder] run's first test): nothing before it asked for CUDA.
+TEST_CASE("a CPU model loads none of LibTorch's CUDA libraries; a CUDA request loads them", "[decoder][cuda]") {
+  Model model = Model::load(model_path());
+  CHECK(model.generate(model.chat_prompt("Hi"), GenerateOptions{2}).tokens.size() <= 2);
+  CHECK_FALSE(mapped("libtorch_cuda.so"));
+  CHECK_FALSE(mapped("libcublas"));
+  const CudaBackend& backend = load_cuda_backend();
+  INFO(backend.detail);
+  CHECK(&backend == &load_cuda_backend());  // once per process
+  CHECK(backend.loaded == mapped("libtorch_cuda.so"));
+  CHECK(backend.comb_ops == mapped("libcomb_cuda.so"));
+  if (!backend.loaded) {
+    CHECK_THROWS_WITH(Model::load(model_path(), Options{"cuda"}), Catch::Contains("no CUDA device"));
+  } else if (!at::hasCUDA()) {
+    CHECK_FALSE(cuda_available());
+    CHECK_THROWS_WITH(Model::load(model_path(), Options{"cuda"}), Catch::Contains("no CUDA device"));
+  } else {
+    CHECK(cuda_available());
+  }
+}
 
 TEST_CASE("logits match transformers on the same GGUF (fp32, CPU)", "[decoder][parity]") {
   c10::InferenceMode guard;

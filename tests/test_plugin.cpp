@@ -366,7 +366,7 @@ at::Tensor reference_cross_attention(const at::Tensor& q, const std::vector<at::
 TEST_CASE("comb::cross_attention equals SDPA over concatenated K/V", "[ops]") {
   c10::InferenceMode guard;
   std::vector<c10::Device> devices{c10::kCPU};
-  if (at::hasCUDA()) devices.emplace_back(c10::kCUDA);
+  if (comb::cuda_available()) devices.emplace_back(c10::kCUDA);
   else WARN("no CUDA device: the CUDA op is not checked here");
   auto gen = at::detail::createCPUGenerator(11);
   int cases = 0;

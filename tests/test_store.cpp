@@ -267,7 +267,7 @@ TEST_CASE("concurrent get and put from several threads", "[store][threads]") {
 }
 
 TEST_CASE("the device tier demotes to host memory and promotes back (CUDA)", "[store][cuda]") {
-  if (!at::hasCUDA()) {
+  if (!comb::cuda_available()) {
     WARN("no CUDA device: the device tier is not checked here");
     return;
   }

@@ -3,6 +3,7 @@
 #include "comb/allocator.hpp"
 #include "comb/chat_template.hpp"
 #include "comb/config.hpp"
+#include "comb/cuda_backend.hpp"
 #include "comb/decoder.hpp"
 #include "comb/error.hpp"
 #include "comb/gguf.hpp"

@@ -16,6 +16,10 @@ class MappedFile {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  // Drops the whole pages of [begin, begin + n) from the process's resident memory once they have
+  // been copied out (the file stays in the page cache; a later read maps them again). A loader
+  // calls it after each tensor, so a model file is never resident whole beside its copy.
+  void release(const uint8_t* begin, size_t n) const;
 
  private:
   std::string path_;
