@@ -277,7 +277,8 @@ inline float half_to_float(const uint8_t* p) {
 
 // Dequantizes `n_blocks` blocks of `type` at `src` into `dst` (float32).
 void dequantize(uint32_t type, const uint8_t* src, float* dst, int64_t n_blocks) {
-  auto [block, block_bytes] = ggml_block(type);
+  const auto [block_, block_bytes_] = ggml_block(type);
+  const int64_t block = block_, block_bytes = block_bytes_;  // lambdas may not capture bindings (C++17)
   at::parallel_for(0, n_blocks, 2048, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* in = src + b * block_bytes;
@@ -383,7 +384,7 @@ GgufFile::GgufFile(const std::string& path) : file_(std::make_unique<detail::Map
   const uint64_t size = file_->size();
   const uint64_t data_start = (c.pos + alignment - 1) / alignment * alignment;
   for (auto& e : entries_) {
-    auto [block, block_bytes] = ggml_block(e.type);
+    const auto [block, block_bytes] = ggml_block(e.type);
     COMB_CHECK(e.offset % alignment == 0, "'{}': tensor '{}' offset {} is not a multiple of the alignment {}", path,
                e.info.name, e.offset, alignment);
     if (block == 0) continue;  // unknown type: its size is unknown, reading it is refused later
@@ -448,7 +449,8 @@ at::Tensor GgufFile::load(const std::string& name, c10::ScalarType dtype) const 
   auto it = index_.find(name);
   COMB_CHECK(it != index_.end(), "'{}': no tensor named '{}'", file_->path(), name);
   const Entry& e = entries_[it->second];
-  auto [block, block_bytes] = ggml_block(e.type);
+  const auto [block_, block_bytes_] = ggml_block(e.type);
+  const int64_t block = block_, block_bytes = block_bytes_;  // lambdas may not capture bindings (C++17)
   COMB_CHECK(block > 0, "'{}': tensor '{}' has type {}, which comb cannot read (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)",
              file_->path(), name, e.info.dtype);
   void* src = const_cast<uint8_t*>(file_->data() + e.offset);
@@ -475,7 +477,8 @@ std::optional<GroupedWeights> GgufFile::load_grouped(const std::string& name) co
   if ((type != GgmlType::Q4_0 && type != GgmlType::Q4_1 && type != GgmlType::Q8_0) || e.info.shape.size() != 2)
     return std::nullopt;
   const int64_t rows = e.info.shape[0], cols = e.info.shape[1], groups = cols / 32;
-  auto [block, block_bytes] = ggml_block(e.type);
+  const auto [block_, block_bytes_] = ggml_block(e.type);
+  const int64_t block = block_, block_bytes = block_bytes_;  // lambdas may not capture bindings (C++17)
   COMB_CHECK(cols % 32 == 0 && static_cast<uint64_t>(rows * groups * block_bytes) == e.n_bytes,
              "'{}': tensor '{}' ({}, [{}, {}]) is not whole blocks of 32", file_->path(), name, e.info.dtype, rows, cols);
   const uint8_t* src = file_->data() + e.offset;

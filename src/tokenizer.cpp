@@ -276,7 +276,8 @@ struct Tokenizer::Impl {
     std::vector<std::pair<size_t, size_t>> pieces{{0, text.size()}};
     for (const auto& step : steps) {
       std::vector<std::pair<size_t, size_t>> next;
-      for (auto [b, e] : pieces) {
+      for (const auto& piece : pieces) {
+        const size_t b = piece.first, e = piece.second;  // lambdas may not capture bindings (C++17)
         size_t last = b;
         step.regex->for_each_match(text.data() + b, e - b, [&](size_t mb, size_t me) {
           if (b + mb > last) next.emplace_back(last, b + mb);
