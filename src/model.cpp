@@ -1,6 +1,7 @@
 // The decoder side: config, weight table, forward pass, sampling and generation.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 
@@ -909,6 +910,7 @@ at::Tensor Decoder::layer_at(int64_t i, const at::Tensor& x, const at::Tensor& p
 }
 
 at::Tensor Decoder::embed(const at::Tensor& tokens) const {
+  RECORD_FUNCTION("comb::embed", std::vector<c10::IValue>());
   if (weights_.tok_embd_q) return weights_.tok_embd_q->gather_rows(tokens.to(device_, at::kLong));
   return at::embedding(weights_.tok_embd, tokens.to(device_, at::kLong));
 }
@@ -922,6 +924,7 @@ constexpr int64_t kFusedMaxRows = 4;
 }
 
 at::Tensor Decoder::rms_norm_cpu(const at::Tensor& x, const at::Tensor& w) const {
+  RECORD_FUNCTION("comb::rms_norm", std::vector<c10::IValue>());
   at::Tensor in = x.contiguous(), out = at::empty_like(in);
   const int64_t dim = in.size(-1), rows = in.numel() / dim;
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
@@ -932,6 +935,7 @@ at::Tensor Decoder::rms_norm_cpu(const at::Tensor& x, const at::Tensor& w) const
 }
 
 at::Tensor Decoder::linear_cpu(const at::Tensor& x, const at::Tensor& w) const {
+  RECORD_FUNCTION("comb::gemv_f32", std::vector<c10::IValue>());
   const int64_t k = x.size(-1), rows = x.numel() / k, n_out = w.size(0);
   COMB_CHECK(rows <= kFusedMaxRows, "linear_cpu is for at most {} rows, found {}", kFusedMaxRows, rows);
   at::Tensor in = x.contiguous();
@@ -968,12 +972,14 @@ at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) co
   detail::cpu::AttentionShape shape{n, start, c.n_head, c.n_head_kv, c.head_dim, cache.capacity()};
   float* k_cache = cache.keys(i).data_ptr<float>();
   float* v_cache = cache.values(i).data_ptr<float>();
+  RECORD_FUNCTION("comb::rope_and_store_kv", std::vector<c10::IValue>());
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     detail::cpu::rope_and_store(qkv.data_ptr<float>(), rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(), shape,
                                 q.data_ptr<float>(), k_cache, v_cache, b, e);
   });
   at::Tensor attn;
   if (few) {
+    RECORD_FUNCTION("comb::attention", std::vector<c10::IValue>());
     attn = at::empty({batch, n, c.q_dim()}, x.options());
     at::parallel_for(0, batch * c.n_head, 1, [&](int64_t b, int64_t e) {
       std::vector<float> scratch(start + n);
@@ -990,6 +996,7 @@ at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) co
   at::Tensor gate_up = linear(norm(h, w.ffn_norm), w.w_gate_up, 2);  // [batch, n, 2 n_ff]
   at::Tensor act;
   if (few) {
+    RECORD_FUNCTION("comb::silu_mul", std::vector<c10::IValue>());
     act = at::empty({batch, n, c.n_ff}, x.options());
     detail::cpu::silu_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), c.n_ff, 0, rows);
   } else {

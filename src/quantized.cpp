@@ -1,6 +1,8 @@
 // Weight matrices kept quantized (see include/comb/quantized.hpp).
 #include "comb/quantized.hpp"
 
+#include <ATen/record_function.h>
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -167,6 +169,7 @@ at::Tensor QuantizedMatrix::apply(const at::Tensor& x) const {
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = rows_;
   const int64_t n = x.numel() / cols_;
+  RECORD_FUNCTION(format_ == Format::int4 ? "comb::int4_matmul" : "comb::q8_matmul", std::vector<c10::IValue>());
   if (format_ == Format::int4) {
     at::Tensor flat = x.reshape({n, cols_}).to(at::kBFloat16).contiguous();
     return at::_weight_int4pack_mm_for_cpu(flat, packed_, kGroup, scales_).to(at::kFloat).view(shape);

@@ -1,6 +1,7 @@
 // The `comb` command-line tool: generate, plugin, bench and version here; eval, qa, report and train
 // in eval.cpp, make-data in make_data.cpp.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
@@ -60,8 +61,29 @@ void check_inputs(const Args& args) {
   }
 }
 
+// Every numeric option any command takes, checked on a copy of the options (nothing is marked
+// used) before a model loads, so that "--max-tokens 1x" is refused at once, naming the option.
+void check_numbers(const Args& args) {
+  Args probe = args;
+  for (const char* o : {"accumulate", "batch", "cache-mb", "cache-ttl", "cached", "check-layer", "decode-tokens", "docs",
+                        "encoder-layers", "epic-k", "items", "limit", "log-every", "max-docs", "max-document-tokens",
+                        "max-documents", "max-new-tokens", "max-tokens", "min-docs", "min-documents", "offset",
+                        "pairs-per-document", "place", "prefix-block", "save-every", "steps", "teacher-tokens",
+                        "teacher-top-k", "tokenize", "top-k", "warmup"})
+    probe.num<int64_t>(o, 0);
+  for (const char* o : {"cpu-kernels", "documents-after-prefix", "encoder-prefix", "reading-check", "relative-positions",
+                        "repeat", "resume", "threads"})
+    probe.num<int>(o, 0);
+  for (const char* o : {"blend-ratio", "clip", "gate-lr-scale", "kl-weight", "kv-share", "lr", "min-lr-ratio",
+                        "needle-share", "open-gate", "open-gates", "weight-decay"})
+    probe.num<double>(o, 0);
+  probe.num<float>("temperature", 0), probe.num<float>("top-p", 0);
+  probe.num<uint64_t>("seed", 0);
+}
+
 comb::Model load_model(Args& args, bool shipped_plugin) {
   check_inputs(args);
+  check_numbers(args);
   const bool default_base = !args.has("model") && default_model() == COMB_DEFAULT_MODEL;
   std::string path = args.str("model", default_model());
   if (path.empty()) throw Error("no model: pass --model FILE or set COMB_MODEL");
@@ -264,6 +286,9 @@ bench options:
   --tokenize N           also time the tokenizer on one word of N random letters, a new one
                          each run (BPE merges inside one pre-tokenized piece) (default 0: off)
   --repeat N             runs per figure; the median is reported (default 3)
+  --profile 0|1          also profile --decode-tokens decode steps: time per step by operation (its own
+                         time, without the operations it calls), and the time outside every operation
+                         (the decoder's own C++ between them) (default 0)
   --json                 one JSON object per figure
 )";
 
@@ -439,6 +464,44 @@ int cmd_plugin(int argc, char** argv) {
   return 0;
 }
 
+// Time by operation over decode steps: a thread-local RecordFunction callback (LibTorch's ATen ops
+// and comb's own kernels, which name themselves "comb::..."), each operation's own time without
+// the operations it calls. Main thread only: the work of worker threads is inside the op that
+// started it.
+namespace op_profile {
+struct Stat {
+  int64_t calls = 0, self_ns = 0, total_ns = 0;
+};
+struct Frame {
+  std::string name;
+  int64_t start_ns = 0, child_ns = 0;
+};
+std::map<std::string, Stat> stats;
+std::vector<Frame> stack;
+int64_t top_level_ns = 0;
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction& fn) {
+  stack.push_back({fn.name(), now_ns(), 0});
+  return nullptr;
+}
+void leave(const at::RecordFunction&, at::ObserverContext*) {
+  if (stack.empty()) return;
+  Frame f = std::move(stack.back());
+  stack.pop_back();
+  const int64_t total = now_ns() - f.start_ns;
+  Stat& s = stats[f.name];
+  ++s.calls;
+  s.total_ns += total;
+  s.self_ns += total - f.child_ns;
+  if (stack.empty())
+    top_level_ns += total;
+  else
+    stack.back().child_ns += total;
+}
+}  // namespace op_profile
+
 int cmd_bench(Args& args) {
   comb::Model model = load_model(args);
   std::string lengths = args.str("prompt-tokens", "128,512,2048");
@@ -452,6 +515,7 @@ int cmd_bench(Args& args) {
   int64_t n_tokenize = args.num<int64_t>("tokenize", 0);
   if (n_tokenize < 0) throw Error("--tokenize: expected a number of characters >= 0, found " + std::to_string(n_tokenize));
   int repeat = std::max(1, args.num<int>("repeat", 3));
+  const bool profile = args.num<int>("profile", 0) != 0;
   bool json = args.has("json");
   args.str("json");
   args.check_all_used();
@@ -524,6 +588,46 @@ int cmd_bench(Args& args) {
       if (r > 0) rates.push_back(n_decode / std::chrono::duration<double>(now() - t0).count());
     }
     report("decode", n_decode, median(rates));
+    if (profile) {
+      comb::KVCache cache = dec.make_cache(1, 128 + n_decode);
+      at::Tensor logits = dec.forward(prompt(128), cache);
+      int64_t token = logits[0][-1].argmax().item<int64_t>();
+      op_profile::stats.clear();
+      op_profile::top_level_ns = 0;
+      auto handle = at::addThreadLocalCallback(
+          at::RecordFunctionCallback(op_profile::enter, op_profile::leave).needsInputs(false).scopes(
+              {at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE}));
+      const int64_t t0 = op_profile::now_ns();
+      for (int64_t i = 0; i < n_decode; ++i) {
+        logits = dec.forward(at::full({1, 1}, token, at::kLong), cache);
+        token = logits[0][-1].argmax().item<int64_t>();
+      }
+      const double step_us = (op_profile::now_ns() - t0) / 1e3 / n_decode;
+      at::removeCallback(handle);
+      std::vector<std::pair<std::string, op_profile::Stat>> rows(op_profile::stats.begin(), op_profile::stats.end());
+      std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.self_ns > b.second.self_ns; });
+      const double outside_us = step_us - op_profile::top_level_ns / 1e3 / n_decode;
+      if (json) {
+        for (const auto& [name, st] : rows)
+          std::cout << nlohmann::json{{"bench", "decode_profile"}, {"op", name}, {"calls_per_step", double(st.calls) / n_decode},
+                                      {"self_us_per_step", st.self_ns / 1e3 / n_decode}}.dump() << std::endl;
+        std::cout << nlohmann::json{{"bench", "decode_profile"}, {"op", "(outside every operation)"},
+                                    {"self_us_per_step", outside_us}, {"step_us", step_us}}.dump() << std::endl;
+      } else {
+        fmt::print("decode profile, {} steps (profiled: {:.0f} us a step)\n", n_decode, step_us);
+        fmt::print("  {:<44} {:>10} {:>12} {:>7}\n", "operation", "calls/step", "own us/step", "share");
+        double shown = 0;
+        for (size_t r = 0; r < rows.size() && r < 16; ++r) {
+          const double us = rows[r].second.self_ns / 1e3 / n_decode;
+          shown += us;
+          fmt::print("  {:<44} {:>10.1f} {:>12.1f} {:>6.1f}%\n", rows[r].first, double(rows[r].second.calls) / n_decode, us,
+                     100 * us / step_us);
+        }
+        const double rest = op_profile::top_level_ns / 1e3 / n_decode - shown;
+        fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(every other operation)", "", rest, 100 * rest / step_us);
+        fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(outside every operation)", "", outside_us, 100 * outside_us / step_us);
+      }
+    }
   }
   if (n_place > 0) {
     const int64_t doc_len = std::min<int64_t>(64, n_place);
