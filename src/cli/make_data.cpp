@@ -1,11 +1,6 @@
 // `comb make-data`: QA items in comb's data format (docs/data.md), generated (--kind codeword) or
 // made from the public source files of the evaluation sets (--kind nq-multidoc, --kind kv).
-#include <filesystem>
-#include <fstream>
-#include <random>
-
-#include "args.hpp"
-#include "comb/comb.hpp"
+#include "commands.hpp"
 
 namespace comb::cli {
 

@@ -1,0 +1,222 @@
+// comb bench: prefill and decode throughput, placing cached tokens, the tokenizer, a decode profile, memory.
+#include <ATen/record_function.h>
+#include "commands.hpp"
+
+namespace comb::cli {
+
+// started it.
+namespace op_profile {
+struct Stat {
+  int64_t calls = 0, self_ns = 0, total_ns = 0;
+};
+struct Frame {
+  std::string name;
+  int64_t start_ns = 0, child_ns = 0;
+};
+std::map<std::string, Stat> stats;
+std::vector<Frame> stack;
+int64_t top_level_ns = 0;
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction& fn) {
+  stack.push_back({fn.name(), now_ns(), 0});
+  return nullptr;
+}
+void leave(const at::RecordFunction&, at::ObserverContext*) {
+  if (stack.empty()) return;
+  Frame f = std::move(stack.back());
+  stack.pop_back();
+  const int64_t total = now_ns() - f.start_ns;
+  Stat& s = stats[f.name];
+  ++s.calls;
+  s.total_ns += total;
+  s.self_ns += total - f.child_ns;
+  if (stack.empty())
+    top_level_ns += total;
+  else
+    stack.back().child_ns += total;
+}
+}  // namespace op_profile
+
+int cmd_bench(Args& args) {
+  comb::Model model = load_model(args);
+  std::string lengths = args.str("prompt-tokens", "128,512,2048");
+  int64_t n_decode = args.num<int64_t>("decode-tokens", 64);
+  int64_t cached = args.num<int64_t>("cached", 0);
+  if (cached < 0) throw Error("--cached: expected a number of positions >= 0, found " + std::to_string(cached));
+  int64_t n_place = args.num<int64_t>("place", 0);
+  if (n_place < 0 || n_place > model.config().n_ctx)
+    throw Error(fmt::format("--place: expected a number of tokens in [0, {}] (the model's context), found {}",
+                            model.config().n_ctx, n_place));
+  int64_t n_tokenize = args.num<int64_t>("tokenize", 0);
+  if (n_tokenize < 0) throw Error("--tokenize: expected a number of characters >= 0, found " + std::to_string(n_tokenize));
+  int repeat = std::max(1, args.num<int>("repeat", 3));
+  const bool profile = args.num<int>("profile", 0) != 0;
+  bool json = args.has("json");
+  args.str("json");
+  args.check_all_used();
+  c10::InferenceMode guard;
+  const comb::Decoder& dec = model.decoder();
+  {
+    const auto& w = dec.weights();
+    std::string format = w.quantized() ? "kept quantized (" : std::string(c10::toString(dec.dtype()));
+    if (w.quantized()) {
+      std::vector<std::string> parts;
+      if (!w.layers.empty() && w.layers[0].quantized) parts.push_back(std::string("layers ") + w.layers[0].quantized->wqkv.format_name());
+      if (w.output_q) parts.push_back(std::string("head ") + w.output_q->format_name());
+      format += fmt::format("{})", fmt::join(parts, ", "));
+    }
+    const double weights_mb = w.bytes() / 1048576.0;
+    if (json)
+      std::cout << nlohmann::json{{"bench", "weights"}, {"format", format}, {"weight_bytes", w.bytes()}}.dump() << std::endl;
+    else
+      fmt::print("weights  {}, {:.1f} MiB\n", format, weights_mb);
+  }
+  // Deterministic prompts of ordinary tokens (ids past the special ones at the start of the vocabulary).
+  std::mt19937_64 rng(1234);
+  auto prompt = [&](int64_t n) {
+    std::uniform_int_distribution<int64_t> pick(1000, model.config().n_vocab - 1);
+    std::vector<int64_t> ids(n);
+    for (auto& id : ids) id = pick(rng);
+    return at::tensor(ids, at::kLong).unsqueeze(0);
+  };
+  auto now = [] { return std::chrono::steady_clock::now(); };
+  auto report = [&](const std::string& what, int64_t tokens, double tps, int64_t after = 0) {
+    if (json) {
+      nlohmann::json line{{"bench", what}, {"tokens", tokens}, {"tokens_per_s", tps}};
+      if (what == "prefill") line["cached"] = after;
+      std::cout << line.dump() << std::endl;
+    } else if (after > 0) {
+      fmt::print("{:<8} {:>6} tokens  {:>10.1f} tokens/s  after {} cached\n", what, tokens, tps, after);
+    } else {
+      fmt::print("{:<8} {:>6} tokens  {:>10.1f} tokens/s\n", what, tokens, tps);
+    }
+  };
+  at::Tensor before = prompt(cached);
+  for (int64_t n : comb::cli::parse_int_list(lengths, "prompt-tokens")) {
+    if (n <= 0) throw Error("--prompt-tokens: expected lengths > 0, found " + std::to_string(n));
+    if (cached + n > model.config().n_ctx)
+      throw Error(fmt::format("--prompt-tokens: {} tokens after {} cached exceed the model's context ({})", n, cached,
+                              model.config().n_ctx));
+    at::Tensor ids = prompt(n);
+    std::vector<double> times;
+    for (int r = 0; r <= repeat; ++r) {  // the first run warms up
+      comb::KVCache cache = dec.make_cache(1, cached + n);
+      if (cached > 0) dec.forward(before, cache);  // not timed
+      auto t0 = now();
+      at::Tensor logits = dec.forward(ids, cache);
+      logits.cpu();
+      if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
+    }
+    report("prefill", n, n / median(times), cached);
+  }
+  if (n_decode > 0) {
+    std::vector<double> rates;
+    for (int r = 0; r <= repeat; ++r) {
+      comb::KVCache cache = dec.make_cache(1, 128 + n_decode);
+      at::Tensor logits = dec.forward(prompt(128), cache);
+      int64_t token = logits[0][-1].argmax().item<int64_t>();
+      auto t0 = now();
+      for (int64_t i = 0; i < n_decode; ++i) {
+        logits = dec.forward(at::full({1, 1}, token, at::kLong), cache);
+        token = logits[0][-1].argmax().item<int64_t>();
+      }
+      if (r > 0) rates.push_back(n_decode / std::chrono::duration<double>(now() - t0).count());
+    }
+    report("decode", n_decode, median(rates));
+    if (profile) {
+      comb::KVCache cache = dec.make_cache(1, 128 + n_decode);
+      at::Tensor logits = dec.forward(prompt(128), cache);
+      int64_t token = logits[0][-1].argmax().item<int64_t>();
+      op_profile::stats.clear();
+      op_profile::top_level_ns = 0;
+      auto handle = at::addThreadLocalCallback(
+          at::RecordFunctionCallback(op_profile::enter, op_profile::leave).needsInputs(false).scopes(
+              {at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE}));
+      const int64_t t0 = op_profile::now_ns();
+      for (int64_t i = 0; i < n_decode; ++i) {
+        logits = dec.forward(at::full({1, 1}, token, at::kLong), cache);
+        token = logits[0][-1].argmax().item<int64_t>();
+      }
+      const double step_us = (op_profile::now_ns() - t0) / 1e3 / n_decode;
+      at::removeCallback(handle);
+      std::vector<std::pair<std::string, op_profile::Stat>> rows(op_profile::stats.begin(), op_profile::stats.end());
+      std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.self_ns > b.second.self_ns; });
+      const double outside_us = step_us - op_profile::top_level_ns / 1e3 / n_decode;
+      if (json) {
+        for (const auto& [name, st] : rows)
+          std::cout << nlohmann::json{{"bench", "decode_profile"}, {"op", name}, {"calls_per_step", double(st.calls) / n_decode},
+                                      {"self_us_per_step", st.self_ns / 1e3 / n_decode}}.dump() << std::endl;
+        std::cout << nlohmann::json{{"bench", "decode_profile"}, {"op", "(outside every operation)"},
+                                    {"self_us_per_step", outside_us}, {"step_us", step_us}}.dump() << std::endl;
+      } else {
+        fmt::print("decode profile, {} steps (profiled: {:.0f} us a step)\n", n_decode, step_us);
+        fmt::print("  {:<44} {:>10} {:>12} {:>7}\n", "operation", "calls/step", "own us/step", "share");
+        double shown = 0;
+        for (size_t r = 0; r < rows.size() && r < 16; ++r) {
+          const double us = rows[r].second.self_ns / 1e3 / n_decode;
+          shown += us;
+          fmt::print("  {:<44} {:>10.1f} {:>12.1f} {:>6.1f}%\n", rows[r].first, double(rows[r].second.calls) / n_decode, us,
+                     100 * us / step_us);
+        }
+        const double rest = op_profile::top_level_ns / 1e3 / n_decode - shown;
+        fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(every other operation)", "", rest, 100 * rest / step_us);
+        fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(outside every operation)", "", outside_us, 100 * outside_us / step_us);
+      }
+    }
+  }
+  if (n_place > 0) {
+    const int64_t doc_len = std::min<int64_t>(64, n_place);
+    comb::KVCache doc = dec.make_cache(1, doc_len);
+    dec.forward(prompt(doc_len), doc);  // one document's K/V at positions [0, doc_len), reused throughout
+    std::vector<double> times;
+    for (int r = 0; r <= repeat; ++r) {
+      comb::KVCache cache = dec.make_cache(1, n_place);
+      auto t0 = now();
+      for (int64_t pos = 0; pos < n_place; pos += doc_len) {
+        const int64_t m = std::min(doc_len, n_place - pos);
+        for (int64_t l = 0; l < cache.n_layers(); ++l)
+          dec.place(l, cache, pos, doc.keys(l).narrow(2, 0, m), doc.values(l).narrow(2, 0, m));
+      }
+      if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
+    }
+    report("place", n_place, n_place / median(times));
+  }
+  if (n_tokenize > 0) {
+    std::uniform_int_distribution<int> letter('a', 'z');
+    std::vector<double> times;
+    size_t n_ids = 0;
+    for (int r = 0; r <= repeat; ++r) {
+      std::string word(static_cast<size_t>(n_tokenize), 'a');
+      for (auto& ch : word) ch = static_cast<char>(letter(rng));  // a new word: the piece cache cannot answer
+      auto t0 = now();
+      n_ids = model.tokenizer().encode(word, /*parse_special=*/false).size();
+      if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
+    }
+    const double cps = n_tokenize / median(times);
+    if (json)
+      std::cout << nlohmann::json{{"bench", "tokenize"}, {"chars", n_tokenize}, {"tokens", n_ids}, {"chars_per_s", cps}}.dump()
+                << std::endl;
+    else
+      fmt::print("{:<8} {:>6} chars   {:>10.1f} chars/s  ({} tokens)\n", "tokenize", n_tokenize, cps, n_ids);
+  }
+  // Resident memory now and at its peak (the whole process: LibTorch, the model, the runs above).
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  const double peak_mb = usage.ru_maxrss / 1024.0;  // Linux: KiB
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  const double resident_mb = resident * static_cast<double>(::sysconf(_SC_PAGESIZE)) / 1048576.0;
+  if (json)
+    std::cout << nlohmann::json{{"bench", "memory"}, {"resident_mib", resident_mb}, {"peak_resident_mib", peak_mb}}.dump()
+              << std::endl;
+  else
+    fmt::print("memory   resident {:.1f} MiB, peak {:.1f} MiB\n", resident_mb, peak_mb);
+  return 0;
+}
+
+}  // namespace comb::cli

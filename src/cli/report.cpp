@@ -1,0 +1,182 @@
+// comb report: the summary of eval --out files, per data file and method.
+#include "commands.hpp"
+
+namespace comb::cli {
+
+int cmd_report(std::vector<std::string> args) {
+  // Options and files read left to right:
+  //   --markdown    a table instead of JSON lines
+  //   --first N     only items with index < N, so that rows measured on more items compare on the same
+  //   --data FILE   once per data set: each item's stored prediction is scored again against that
+  //                 file's answers, by this build's rule (otherwise a line keeps the verdict of the
+  //                 build that wrote it)
+  struct Rescore {
+    std::string path;
+    std::map<std::string, std::vector<std::string>> answers;  // item id -> answers
+    int64_t items = 0, changed = 0;
+  };
+  std::map<std::string, Rescore> rescore;  // data name -> its file's answers
+  bool markdown = false;
+  int64_t first_n = -1;
+  std::vector<std::string> files;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--markdown") {
+      markdown = true;
+    } else if (a == "--first" || a == "--data") {
+      COMB_CHECK(i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0, "report: {} needs {}", a,
+                 a == "--first" ? "a count" : "a data file");
+      const std::string value = args[++i];
+      if (a == "--first") {
+        COMB_CHECK(!value.empty() && value.find_first_not_of("0123456789") == std::string::npos && value.size() < 18 &&
+                       std::stoll(value) > 0,
+                   "report: --first expects a count > 0, found '{}'", value);
+        first_n = std::stoll(value);
+      } else {
+        Rescore& r = rescore[data_name(value)];
+        COMB_CHECK(r.path.empty(), "report: --data {} and {} are the same data set '{}'", r.path, value,
+                   data_name(value));
+        r.path = value;
+        for (auto& item : read_qa_items(value)) r.answers[item.id] = std::move(item.answers);
+      }
+    } else {
+      COMB_CHECK(a.rfind("--", 0) != 0,
+                 "report takes eval --out files, --markdown, --first N and --data FILE, found option '{}'", a);
+      files.push_back(a);
+    }
+  }
+  COMB_CHECK(!files.empty(),
+             "report needs the --out files of comb eval runs (comb report [--markdown] [--first N] [--data FILE] FILE...)");
+  // Rows grouped by (data, method), in the order first seen; an item counted once per group.
+  std::vector<std::pair<std::string, std::vector<nlohmann::json>>> groups;
+  std::map<std::string, std::string> seen;  // group + index -> where it was read
+  for (const auto& path : files) {
+    std::ifstream in(path);
+    COMB_CHECK(in.good(), "cannot read '{}'", path);
+    std::string line;
+    for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
+      if (line.empty()) continue;
+      const std::string where = fmt::format("{}:{}", path, line_no);
+      nlohmann::json r = nlohmann::json::parse(line, nullptr, false);
+      COMB_CHECK(!r.is_discarded() && r.is_object(), "{}: not a JSON object", where);
+      for (const char* key : {"method", "data", "index", "correct", "ttft_cold_ms", "ttft_warm_ms",
+                              "computed_tokens_warm", "reused_tokens_warm", "cache_bytes_per_token"})
+        COMB_CHECK(r.contains(key), "{}: an item line of comb eval --out has '{}'; this one does not", where, key);
+      // Each field of the type comb eval writes, checked here where the file and line are known.
+      auto expect = [&](const char* key, bool ok, const char* expected) {
+        COMB_CHECK(ok, "{}: '{}' must be {}, found {}", where, key, expected, r[key].dump().substr(0, 60));
+      };
+      for (const char* key : {"method", "data"}) expect(key, r[key].is_string(), "a string");
+      expect("index", r["index"].is_number_integer() && r["index"].get<int64_t>() >= 0, "a whole number >= 0");
+      expect("correct", r["correct"].is_boolean(), "true or false");
+      for (const char* key : {"ttft_cold_ms", "ttft_warm_ms", "computed_tokens_warm", "reused_tokens_warm",
+                              "cache_bytes_per_token"})
+        expect(key, r[key].is_number(), "a number");
+      for (const char* key : {"id", "prediction", "priming"})
+        if (r.contains(key)) expect(key, r[key].is_string(), "a string");
+      if (first_n > 0 && r["index"].get<int64_t>() >= first_n) continue;
+      if (auto d = rescore.find(r["data"].get<std::string>()); d != rescore.end()) {
+        COMB_CHECK(r.contains("id") && r.contains("prediction"),
+                   "{}: scoring again (--data) needs the item's 'id' and 'prediction'; this line lacks one", where);
+        auto a = d->second.answers.find(r["id"].get<std::string>());
+        COMB_CHECK(a != d->second.answers.end(), "{}: item '{}' is not in {}", where, r["id"].get<std::string>(),
+                   d->second.path);
+        const bool ok = answer_correct(r["prediction"].get<std::string>(), a->second);
+        d->second.items += 1;
+        d->second.changed += ok != r["correct"].get<bool>();
+        r["correct"] = ok;
+      }
+      const std::string group = r["data"].get<std::string>() + " " + r["method"].get<std::string>();
+      const std::string key = group + " #" + std::to_string(r["index"].get<int64_t>());
+      auto [it, fresh] = seen.emplace(key, where);
+      COMB_CHECK(fresh, "{}: item {} of {} / {} was already read at {}", where, r["index"].get<int64_t>(),
+                 r["data"].get<std::string>(), r["method"].get<std::string>(), it->second);
+      auto g = std::find_if(groups.begin(), groups.end(), [&](const auto& p) { return p.first == group; });
+      if (g == groups.end()) g = groups.insert(groups.end(), {group, {}});
+      // One group, one protocol: lines from before --priming existed ran as "always".
+      const std::string priming = r.value("priming", "always");
+      if (!g->second.empty()) {
+        const std::string other = g->second[0].value("priming", "always");
+        COMB_CHECK(priming == other, "{}: item {} of {} / {} ran with --priming {}, the items before it with {}",
+                   where, r["index"].get<int64_t>(), r["data"].get<std::string>(), r["method"].get<std::string>(),
+                   priming, other);
+      }
+      g->second.push_back(std::move(r));
+    }
+  }
+  COMB_CHECK(!groups.empty(), "report: no items in {} file(s){}", files.size(),
+             first_n > 0 ? fmt::format(" with an index below {}", first_n) : "");
+  for (const auto& [name, r] : rescore) {
+    COMB_CHECK(r.items > 0, "report: --data {} is data set '{}', which no item read belongs to", r.path, name);
+    fmt::print(stderr, "report: {} scored again against {}: {} of {} lines change their verdict\n", name, r.path,
+               r.changed, r.items);
+  }
+  // Data in the order first read, methods in the engine's order (full first).
+  std::vector<std::string> data_order;
+  for (const auto& g : groups)
+    if (std::find(data_order.begin(), data_order.end(), g.second[0]["data"]) == data_order.end())
+      data_order.push_back(g.second[0]["data"].get<std::string>());
+  auto rank = [&](const std::vector<nlohmann::json>& rows) {
+    auto d = std::find(data_order.begin(), data_order.end(), rows[0]["data"].get<std::string>()) - data_order.begin();
+    return std::make_pair(d, static_cast<int>(parse_method(rows[0]["method"].get<std::string>())));
+  };
+  std::stable_sort(groups.begin(), groups.end(), [&](const auto& a, const auto& b) { return rank(a.second) < rank(b.second); });
+  // Full's warm answers by (data, index): how often a method answers exactly as full does.
+  std::map<std::pair<std::string, int64_t>, std::string> full_answers;
+  for (const auto& [group, rows] : groups)
+    for (const auto& r : rows)
+      if (r["method"] == "full" && r.contains("prediction"))
+        full_answers[{r["data"].get<std::string>(), r["index"].get<int64_t>()}] = r["prediction"].get<std::string>();
+  std::vector<nlohmann::json> summaries;
+  for (const auto& [group, rows] : groups) {
+    // Items must run from one index on without gaps, so that a table's "first N items" is true.
+    std::vector<int64_t> idx;
+    for (const auto& r : rows) idx.push_back(r["index"].get<int64_t>());
+    std::sort(idx.begin(), idx.end());
+    nlohmann::json s = summarize_eval(rows, group);
+    s["first_index"] = idx.front();
+    s["contiguous"] = idx.back() - idx.front() + 1 == static_cast<int64_t>(idx.size());
+    int64_t compared = 0, same = 0;
+    if (rows[0]["method"] != "full")  // full against itself says nothing
+      for (const auto& r : rows) {
+        auto f = full_answers.find({r["data"].get<std::string>(), r["index"].get<int64_t>()});
+        if (f == full_answers.end() || !r.contains("prediction")) continue;
+        ++compared;
+        same += r["prediction"].get<std::string>() == f->second;
+      }
+    s["compared_with_full"] = compared;
+    s["same_answer_as_full"] = compared ? double(same) / compared : 0.0;
+    if (!markdown) std::cout << s.dump() << std::endl;
+    summaries.push_back(std::move(s));
+  }
+  if (markdown) {
+    // One row per (data, method); warm TTFT also against full's on the same data when present.
+    fmt::print("| data | method | items | accuracy | TTFT cold p50 (ms) | TTFT warm p50 (ms) | warm / full warm | "
+               "tokens computed (warm, mean) | tokens reused (warm, mean) | cache bytes/token | same answer as full |\n"
+               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (const auto& s : summaries) {
+      const std::string data = s["data"].get<std::string>();
+      std::string ratio = "-";
+      for (const auto& f : summaries)
+        if (f["data"] == data && f["method"] == "full" && s["method"] != "full")
+          ratio = fmt::format("{:.1f}%", 100.0 * s["ttft_warm_ms_p50"].get<double>() / f["ttft_warm_ms_p50"].get<double>());
+      const int64_t n = s["n"].get<int64_t>();
+      const int64_t first = s["first_index"].get<int64_t>();
+      const int64_t compared = s["compared_with_full"].get<int64_t>();
+      const std::string same =
+          compared == 0 ? "-"
+                        : fmt::format("{:.1f}% ({}/{})", 100.0 * s["same_answer_as_full"].get<double>(),
+                                      std::lround(s["same_answer_as_full"].get<double>() * compared), compared);
+      fmt::print("| {} | {} | {}{} | {:.1f}% ({}/{}) | {:.0f} | {:.0f} | {} | {:.1f} | {:.1f} | {:.0f} | {} |\n", data,
+                 s["method"].get<std::string>(),
+                 first == 0 ? fmt::format("first {}", n) : fmt::format("{}..{}", first, first + n - 1),
+                 s["contiguous"].get<bool>() ? "" : " (with gaps)", 100.0 * s["accuracy"].get<double>(),
+                 std::lround(s["accuracy"].get<double>() * n), n, s["ttft_cold_ms_p50"].get<double>(),
+                 s["ttft_warm_ms_p50"].get<double>(), ratio, s["computed_tokens_warm_mean"].get<double>(),
+                 s["reused_tokens_warm_mean"].get<double>(), s["cache_bytes_per_token"].get<double>(), same);
+    }
+  }
+  return 0;
+}
+
+}  // namespace comb::cli
