@@ -7,7 +7,7 @@ Prints one layer's attention time (median of --repeat runs) for:
   causal      a causal prefill of all S + N rows (what a full prefill runs);
   masked      the N rows in one call with a boolean mask (query j sees keys 0..S+j);
   two parts   the N rows against the S cached keys without a mask, and against their own keys
-              causally, merged by log-sum-exp (what src/model.cpp's attend_after_cache does),
+              causally, merged by log-sum-exp (what src/decoder.cpp's attend_after_cache does),
 and the largest difference between the masked and the two-part outputs.
 """
 import argparse

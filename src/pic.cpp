@@ -278,109 +278,138 @@ PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_tokens) {
   COMB_CHECK(n < c.n_ctx, "the request has {} tokens but the model's context holds {}", n, c.n_ctx);
   PicPrefill out{dec.make_cache(1, std::min<int64_t>(c.n_ctx, n + std::max<int64_t>(max_new_tokens, 1))), {}, {}, n};
   switch (method_) {
-    case Method::full: {
-      out.logits = dec.forward(ids_of(decoder_tokens, 0, n), out.cache)[0][-1];
-      out.computed = n;
-      break;
-    }
-    case Method::prefix: {
-      HeldBlocks held{*prefix_, prefix_->acquire(decoder_tokens)};
-      while (!held.blocks.empty() && static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens() >= n) {
-        prefix_->release({held.blocks.back()});  // keep at least one token to compute
-        held.blocks.pop_back();
-      }
-      const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
-      prefix_->fill(held.blocks, out.cache);
-      out.cache.set_length(m);
-      out.logits = dec.forward(ids_of(decoder_tokens, m, n), out.cache)[0][-1];
-      prefix_->insert(decoder_tokens, n, out.cache);
-      out.computed = n - m;
-      out.reused = m;
-      break;
-    }
-    case Method::naive: {
-      std::vector<DocSpan> spans;
-      fill_reused(r, out, spans);
-      const int64_t start = out.cache.length();
-      out.logits = dec.forward(ids_of(decoder_tokens, start, n), out.cache)[0][-1];
-      out.computed += n - start;
-      break;
-    }
-    case Method::epic: {
-      std::vector<DocSpan> spans;
-      fill_reused(r, out, spans);
-      std::vector<int64_t> positions;
-      for (const auto& s : spans)
-        // EPIC spares the first chunk, whose K/V are exact: a document at position 0. With a prompt
-        // prefix (the eval's instruction), the prefix is that chunk and every document is recomputed.
-        if (s.offset > 0)
-          for (int64_t i = 0; i < std::min(options_.epic_k, s.length); ++i) positions.push_back(s.offset + i);
-      for (int64_t p = out.cache.length(); p < n; ++p) positions.push_back(p);
-      out.logits = recompute(decoder_tokens, positions, 0, {}, out);
-      out.computed += static_cast<int64_t>(positions.size());
-      break;
-    }
-    case Method::cacheblend: {
-      std::vector<DocSpan> spans;
-      fill_reused(r, out, spans);
-      const int64_t n_context = out.cache.length();
-      // Every token runs the layers before the check layer (their K/V replace the reused ones there).
-      std::vector<int64_t> every(n);
-      for (int64_t p = 0; p < n; ++p) every[p] = p;
-      at::Tensor pos = at::tensor(every, at::kLong);
-      at::Tensor hidden = dec.embed(ids_of(decoder_tokens, 0, n));
-      for (int64_t i = 0; i < options_.check_layer; ++i) hidden = dec.layer_at(i, hidden, pos, out.cache, n);
-      // At the check layer, the document tokens whose K deviates most from a fresh computation.
-      at::Tensor fresh = dec.keys_at(options_.check_layer, hidden.narrow(1, 0, n_context), pos.narrow(0, 0, n_context));
-      at::Tensor reused = out.cache.keys(options_.check_layer).narrow(2, 0, n_context).to(fresh.scalar_type());
-      at::Tensor deviation = (fresh - reused).to(at::kFloat).pow(2).sum({0, 1, 3}).cpu();  // [n_context]
-      std::vector<int64_t> doc_positions;
-      for (const auto& s : spans)
-        for (int64_t i = 0; i < s.length; ++i) doc_positions.push_back(s.offset + i);
-      const int64_t pick = static_cast<int64_t>(std::ceil(options_.blend_ratio * double(doc_positions.size())));
-      std::vector<int64_t> chosen;
-      if (pick > 0) {
-        at::Tensor candidates = at::tensor(doc_positions, at::kLong);
-        at::Tensor top = std::get<1>(deviation.index_select(0, candidates).topk(pick));
-        at::Tensor picked = candidates.index_select(0, top);
-        chosen.assign(picked.data_ptr<int64_t>(), picked.data_ptr<int64_t>() + picked.numel());
-      }
-      for (int64_t p = n_context; p < n; ++p) chosen.push_back(p);
-      std::sort(chosen.begin(), chosen.end());
-      at::Tensor chosen_pos = at::tensor(chosen, at::kLong).to(dec.device());
-      out.logits = recompute(decoder_tokens, chosen, options_.check_layer, hidden.index_select(1, chosen_pos), out);
-      out.computed += static_cast<int64_t>(chosen.size());
-      break;
-    }
-    case Method::comb: {
-      std::vector<std::shared_ptr<const DocumentKV>> docs;
-      for (const auto& d : r.documents) {
-        bool cached = false;
-        docs.push_back(model_.document(d, store_.get(), options_.tenant, &cached));
-        (cached ? out.reused : out.computed) += static_cast<int64_t>(d.size());
-      }
-      out.documents = Linker(dec.device()).link(docs);
-      if (!model_.plugin()->config().documents_after_prefix) {
-        out.logits = model_.forward(ids_of(decoder_tokens, 0, n), out.cache, &out.documents)[0][-1];
-        out.computed += n;
-        break;
-      }
-      // The instruction prefix reads no document: its K/V are the bare decoder's, so its whole
-      // blocks come from the prefix cache and a warm request computes the question alone.
-      const int64_t p = static_cast<int64_t>(r.prefix.size());
-      out.documents.anchor = p;
-      HeldBlocks held{*prefix_, prefix_->acquire(r.prefix)};
-      const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
-      prefix_->fill(held.blocks, out.cache);
-      out.cache.set_length(m);
-      out.logits = model_.forward(ids_of(decoder_tokens, m, n), out.cache, &out.documents)[0][-1];
-      prefix_->insert(r.prefix, p, out.cache);
-      out.computed += n - m;
-      out.reused += m;
-      break;
-    }
+    case Method::full: prefill_full(decoder_tokens, out); break;
+    case Method::prefix: prefill_prefix(decoder_tokens, out); break;
+    case Method::naive: prefill_naive(r, decoder_tokens, out); break;
+    case Method::epic: prefill_epic(r, decoder_tokens, out); break;
+    case Method::cacheblend: prefill_cacheblend(r, decoder_tokens, out); break;
+    case Method::comb: prefill_comb(r, decoder_tokens, out); break;
   }
   return out;
+}
+
+// Everything computed, nothing cached.
+void PicEngine::prefill_full(const std::vector<int32_t>& tokens, PicPrefill& out) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  out.logits = model_.decoder().forward(ids_of(tokens, 0, n), out.cache)[0][-1];
+  out.computed = n;
+}
+
+// The longest run of whole cached blocks that begins the prompt, then the rest computed (at least
+// one token) and its whole blocks cached.
+void PicEngine::prefill_prefix(const std::vector<int32_t>& tokens, PicPrefill& out) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  HeldBlocks held{*prefix_, prefix_->acquire(tokens)};
+  while (!held.blocks.empty() && static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens() >= n) {
+    prefix_->release({held.blocks.back()});  // keep at least one token to compute
+    held.blocks.pop_back();
+  }
+  const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
+  prefix_->fill(held.blocks, out.cache);
+  out.cache.set_length(m);
+  out.logits = model_.decoder().forward(ids_of(tokens, m, n), out.cache)[0][-1];
+  prefix_->insert(tokens, n, out.cache);
+  out.computed = n - m;
+  out.reused = m;
+}
+
+// Each document's K/V as cached (computed alone from position 0), moved to its place; the question
+// computed after them.
+void PicEngine::prefill_naive(const PicRequest& r, const std::vector<int32_t>& tokens, PicPrefill& out) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  std::vector<DocSpan> spans;
+  fill_reused(r, out, spans);
+  const int64_t start = out.cache.length();
+  out.logits = model_.decoder().forward(ids_of(tokens, start, n), out.cache)[0][-1];
+  out.computed += n - start;
+}
+
+// As naive, and the first epic_k tokens of every document not at position 0 recomputed.
+void PicEngine::prefill_epic(const PicRequest& r, const std::vector<int32_t>& tokens, PicPrefill& out) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  std::vector<DocSpan> spans;
+  fill_reused(r, out, spans);
+  std::vector<int64_t> positions;
+  for (const auto& s : spans)
+    // EPIC spares the first chunk, whose K/V are exact: a document at position 0. With a prompt
+    // prefix (the eval's instruction), the prefix is that chunk and every document is recomputed.
+    if (s.offset > 0)
+      for (int64_t i = 0; i < std::min(options_.epic_k, s.length); ++i) positions.push_back(s.offset + i);
+  for (int64_t p = out.cache.length(); p < n; ++p) positions.push_back(p);
+  out.logits = recompute(tokens, positions, 0, {}, out);
+  out.computed += static_cast<int64_t>(positions.size());
+}
+
+// As naive; every token runs the layers up to the check layer, and from there only the selected
+// ones (cacheblend_selection) are recomputed.
+void PicEngine::prefill_cacheblend(const PicRequest& r, const std::vector<int32_t>& tokens, PicPrefill& out) {
+  const Decoder& dec = model_.decoder();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  std::vector<DocSpan> spans;
+  fill_reused(r, out, spans);
+  const int64_t n_context = out.cache.length();
+  // Every token runs the layers before the check layer (their K/V replace the reused ones there).
+  at::Tensor pos = at::arange(n, at::kLong);
+  at::Tensor hidden = dec.embed(ids_of(tokens, 0, n));
+  for (int64_t i = 0; i < options_.check_layer; ++i) hidden = dec.layer_at(i, hidden, pos, out.cache, n);
+  std::vector<int64_t> chosen = cacheblend_selection(hidden, pos, spans, n_context, n, out);
+  at::Tensor chosen_pos = at::tensor(chosen, at::kLong).to(dec.device());
+  out.logits = recompute(tokens, chosen, options_.check_layer, hidden.index_select(1, chosen_pos), out);
+  out.computed += static_cast<int64_t>(chosen.size());
+}
+
+std::vector<int64_t> PicEngine::cacheblend_selection(const at::Tensor& hidden, const at::Tensor& pos,
+                                                     const std::vector<DocSpan>& spans, int64_t n_context, int64_t n,
+                                                     const PicPrefill& out) const {
+  const Decoder& dec = model_.decoder();
+  at::Tensor fresh = dec.keys_at(options_.check_layer, hidden.narrow(1, 0, n_context), pos.narrow(0, 0, n_context));
+  at::Tensor reused = out.cache.keys(options_.check_layer).narrow(2, 0, n_context).to(fresh.scalar_type());
+  at::Tensor deviation = (fresh - reused).to(at::kFloat).pow(2).sum({0, 1, 3}).cpu();  // [n_context]
+  std::vector<int64_t> doc_positions;
+  for (const auto& s : spans)
+    for (int64_t i = 0; i < s.length; ++i) doc_positions.push_back(s.offset + i);
+  const int64_t pick = static_cast<int64_t>(std::ceil(options_.blend_ratio * double(doc_positions.size())));
+  std::vector<int64_t> chosen;
+  if (pick > 0) {
+    at::Tensor candidates = at::tensor(doc_positions, at::kLong);
+    at::Tensor top = std::get<1>(deviation.index_select(0, candidates).topk(pick));
+    at::Tensor picked = candidates.index_select(0, top);
+    chosen.assign(picked.data_ptr<int64_t>(), picked.data_ptr<int64_t>() + picked.numel());
+  }
+  for (int64_t p = n_context; p < n; ++p) chosen.push_back(p);
+  std::sort(chosen.begin(), chosen.end());
+  return chosen;
+}
+
+// The documents through the plug-in's encoder (or from the store), linked for the cross blocks;
+// the decoder computes the prompt without them (its instruction prefix from the prefix cache when
+// the plug-in reads documents only after it).
+void PicEngine::prefill_comb(const PicRequest& r, const std::vector<int32_t>& tokens, PicPrefill& out) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  std::vector<std::shared_ptr<const DocumentKV>> docs;
+  for (const auto& d : r.documents) {
+    bool cached = false;
+    docs.push_back(model_.document(d, store_.get(), options_.tenant, &cached));
+    (cached ? out.reused : out.computed) += static_cast<int64_t>(d.size());
+  }
+  out.documents = Linker(model_.decoder().device()).link(docs);
+  if (!model_.plugin()->config().documents_after_prefix) {
+    out.logits = model_.forward(ids_of(tokens, 0, n), out.cache, &out.documents)[0][-1];
+    out.computed += n;
+    return;
+  }
+  // The instruction prefix reads no document: its K/V are the bare decoder's, so its whole
+  // blocks come from the prefix cache and a warm request computes the question alone.
+  const int64_t p = static_cast<int64_t>(r.prefix.size());
+  out.documents.anchor = p;
+  HeldBlocks held{*prefix_, prefix_->acquire(r.prefix)};
+  const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
+  prefix_->fill(held.blocks, out.cache);
+  out.cache.set_length(m);
+  out.logits = model_.forward(ids_of(tokens, m, n), out.cache, &out.documents)[0][-1];
+  prefix_->insert(r.prefix, p, out.cache);
+  out.computed += n - m;
+  out.reused += m;
 }
 
 GenerationResult PicEngine::generate(const PicRequest& request, const GenerateOptions& options, PicCounts* counts) {

@@ -112,6 +112,19 @@ class PicEngine {
   void fill_reused(const PicRequest& request, PicPrefill& out, std::vector<DocSpan>& spans);
   at::Tensor recompute(const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,
                        int64_t from_layer, at::Tensor hidden, PicPrefill& out);
+  // One method each: `tokens` are the decoder's positions (for comb: the prompt without the
+  // documents), `out` comes with an empty cache of the right size and receives the rest.
+  void prefill_full(const std::vector<int32_t>& tokens, PicPrefill& out);
+  void prefill_prefix(const std::vector<int32_t>& tokens, PicPrefill& out);
+  void prefill_naive(const PicRequest& request, const std::vector<int32_t>& tokens, PicPrefill& out);
+  void prefill_epic(const PicRequest& request, const std::vector<int32_t>& tokens, PicPrefill& out);
+  void prefill_cacheblend(const PicRequest& request, const std::vector<int32_t>& tokens, PicPrefill& out);
+  void prefill_comb(const PicRequest& request, const std::vector<int32_t>& tokens, PicPrefill& out);
+  // CacheBlend's selection: the document positions whose keys at the check layer deviate most from
+  // a fresh computation (blend_ratio of them), then every position after the documents.
+  std::vector<int64_t> cacheblend_selection(const at::Tensor& hidden, const at::Tensor& positions,
+                                            const std::vector<DocSpan>& spans, int64_t n_context, int64_t n,
+                                            const PicPrefill& out) const;
 
   const Model& model_;
   Method method_;
