@@ -23,14 +23,20 @@ if [ ! -f "$fuzz_build/build.ninja" ]; then
 fi
 cmake --build "$fuzz_build" --target "fuzz_$target" >&2
 seeds=$fuzz_build/seeds
-[ -d "$seeds/$target" ] || bash "$root/tests/fuzz/make_seeds.sh" "$seeds" >&2
+if [ ! -f "$seeds/.complete" ]; then  # made whole or not at all
+  rm -rf "$seeds.tmp"
+  bash "$root/tests/fuzz/make_seeds.sh" "$seeds.tmp" >&2
+  rm -rf "$seeds" && mv "$seeds.tmp" "$seeds" && touch "$seeds/.complete"
+fi
 corpus=$fuzz_build/corpus/$target
 findings=$fuzz_build/findings/$target
 mkdir -p "$corpus" "$findings"
 export COMB_FUZZ_BASE=$build/oracle/tiny-llama
-# LibTorch is not instrumented: its leaks at exit are not comb's (detect_leaks stays on for comb's).
-export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_odr_violation=0:allocator_may_return_null=1}
-export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+# LibTorch is not instrumented: containers it shares with comb would give false container-overflow
+# reports. Options the caller sets come after these, so they win.
+export ASAN_OPTIONS="detect_odr_violation=0:allocator_may_return_null=1:detect_container_overflow=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+stamp=$(mktemp)
 log=$fuzz_build/fuzz-$target.log
 set +e
 "$fuzz_build/tests/fuzz/fuzz_$target" "$corpus" "$seeds/$target" -max_total_time="$seconds" -timeout=10 \
@@ -39,5 +45,7 @@ rc=$?
 set -e
 tail -n 25 "$log" >&2
 execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo 0)
-found=$(find "$findings" -type f | wc -l)
-echo "fuzz $target: ${seconds} s, ${execs:-0} executions, $found finding(s) in $findings (exit $rc)"
+found=$(find "$findings" -type f -newer "$stamp" | wc -l)  # this run's findings only
+rm -f "$stamp"
+echo "fuzz $target: ${seconds} s, ${execs:-0} executions, $found new finding(s) in $findings (exit $rc)"
+exit "$rc"

@@ -46,7 +46,7 @@ if [ ! -f "$stamp" ]; then
   log "installing torch 2.11.0 (LibTorch) with the CUDA runtime libraries its CPU library needs (cudart, cupti)"
   "${pip[@]}" --no-deps torch==2.11.0 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cupti==13.0.85 \
       accelerate==1.15.0  # accelerate: transformers loads GGUF with it
-  cublas=$(ldconfig -p 2>/dev/null | awk '/libcublas\.so\.13 /{print $NF; exit}')
+  cublas=$( { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true; } | awk '/libcublas\.so\.13 /{print $NF}' | head -n 1)
   if [ -e /usr/local/cuda/lib64/libcublas.so.13 ] || { [ -n "$cublas" ] && [ -e "$cublas" ]; }; then
     log "CUDA 13 toolkit found: installing the three CUDA libraries it lacks (cuSPARSELt, NVSHMEM, cuFile)"
     "${pip[@]}" --no-deps nvidia-cusparselt-cu13==0.8.0 nvidia-nvshmem-cu13==3.4.5 nvidia-cufile==1.15.1.6.*

@@ -5,12 +5,15 @@
 #include <ATen/Context.h>
 #include <dlfcn.h>
 
-#include <mutex>
 #include <string>
 
 namespace comb {
 
 namespace {
+
+// An object of libcomb's own: its address names libcomb to dladdr (a function's address may be a
+// program's PLT entry instead).
+const char kAnchor = 0;
 
 // The folder of the shared object that holds `symbol` ("" when unknown).
 std::string folder_of(const void* symbol) {
@@ -34,7 +37,7 @@ CudaBackend load() {
   CudaBackend backend;
   std::string why;
 #ifdef COMB_CUDA_MODULE
-  const std::string module = folder_of(reinterpret_cast<const void*>(&load_cuda_backend)) + "/libcomb_cuda.so";
+  const std::string module = folder_of(&kAnchor) + "/libcomb_cuda.so";
   if (open_global(module, why)) {
     backend.loaded = backend.comb_ops = true;
     backend.detail = "comb's CUDA ops and LibTorch's CUDA libraries (" + module + ")";

@@ -389,11 +389,13 @@ at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) co
   detail::cpu::AttentionShape shape{n, start, c.n_head, c.n_head_kv, c.head_dim, cache.capacity()};
   float* k_cache = cache.keys(i).data_ptr<float>();
   float* v_cache = cache.values(i).data_ptr<float>();
-  RECORD_FUNCTION("comb::rope_and_store_kv", std::vector<c10::IValue>());
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    detail::cpu::rope_and_store(qkv.data_ptr<float>(), rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(), shape,
-                                q.data_ptr<float>(), k_cache, v_cache, b, e);
-  });
+  {
+    RECORD_FUNCTION("comb::rope_and_store_kv", std::vector<c10::IValue>());
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      detail::cpu::rope_and_store(qkv.data_ptr<float>(), rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(),
+                                  shape, q.data_ptr<float>(), k_cache, v_cache, b, e);
+    });
+  }
   at::Tensor attn;
   if (few) {
     RECORD_FUNCTION("comb::attention", std::vector<c10::IValue>());

@@ -449,8 +449,7 @@ at::Tensor GgufFile::load(const std::string& name, c10::ScalarType dtype) const 
   auto it = index_.find(name);
   COMB_CHECK(it != index_.end(), "'{}': no tensor named '{}'", file_->path(), name);
   const Entry& e = entries_[it->second];
-  const auto [block_, block_bytes_] = ggml_block(e.type);
-  const int64_t block = block_, block_bytes = block_bytes_;  // lambdas may not capture bindings (C++17)
+  const int64_t block = ggml_block(e.type).first;
   COMB_CHECK(block > 0, "'{}': tensor '{}' has type {}, which comb cannot read (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)",
              file_->path(), name, e.info.dtype);
   void* src = const_cast<uint8_t*>(file_->data() + e.offset);
@@ -477,8 +476,7 @@ std::optional<GroupedWeights> GgufFile::load_grouped(const std::string& name) co
   if ((type != GgmlType::Q4_0 && type != GgmlType::Q4_1 && type != GgmlType::Q8_0) || e.info.shape.size() != 2)
     return std::nullopt;
   const int64_t rows = e.info.shape[0], cols = e.info.shape[1], groups = cols / 32;
-  const auto [block_, block_bytes_] = ggml_block(e.type);
-  const int64_t block = block_, block_bytes = block_bytes_;  // lambdas may not capture bindings (C++17)
+  const int64_t block_bytes = ggml_block(e.type).second;  // a local the lambda below may capture (C++17)
   COMB_CHECK(cols % 32 == 0 && static_cast<uint64_t>(rows * groups * block_bytes) == e.n_bytes,
              "'{}': tensor '{}' ({}, [{}, {}]) is not whole blocks of 32", file_->path(), name, e.info.dtype, rows, cols);
   const uint8_t* src = file_->data() + e.offset;

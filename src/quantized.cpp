@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <cstdlib>
 #include <map>
 #include <optional>
 
@@ -138,7 +139,10 @@ QuantizedMatrix QuantizedMatrix::from(const GroupedWeights& w) {
     // ATen's int4 weights: w = (q - 8) * scale + zero, so zero = min + 8 scale.
     m.packed_ = at::_convert_weight_to_int4pack_for_cpu(w.q.to(at::kInt).contiguous(), 1);
     at::Tensor zero = w.min + 8 * w.scale;
-    m.scales_ = at::stack({w.scale.t(), zero.t()}, -1).to(at::kBFloat16).contiguous();  // [cols / 32, rows, 2]
+    at::Tensor scales = at::stack({w.scale.t(), zero.t()}, -1).contiguous();  // [cols / 32, rows, 2] float32
+    m.scales_ = scales.to(at::kBFloat16);
+    const char* exact = std::getenv("COMB_INT4_FLOAT32");
+    if (exact && *exact && std::string(exact) != "0") m.float_scales_ = scales;
   } else {
     m.format_ = Format::q8_0;
     m.packed_ = w.q.to(at::kChar).contiguous();
@@ -170,6 +174,10 @@ at::Tensor QuantizedMatrix::apply(const at::Tensor& x) const {
   shape.back() = rows_;
   const int64_t n = x.numel() / cols_;
   RECORD_FUNCTION(format_ == Format::int4 ? "comb::int4_matmul" : "comb::q8_matmul", std::vector<c10::IValue>());
+  if (format_ == Format::int4 && float_scales_.defined()) {
+    at::Tensor flat = x.reshape({n, cols_}).to(at::kFloat).contiguous();
+    return at::_weight_int4pack_mm_for_cpu(flat, packed_, kGroup, float_scales_).view(shape);
+  }
   if (format_ == Format::int4) {
     at::Tensor flat = x.reshape({n, cols_}).to(at::kBFloat16).contiguous();
     return at::_weight_int4pack_mm_for_cpu(flat, packed_, kGroup, scales_).to(at::kFloat).view(shape);

@@ -1,6 +1,7 @@
 // Weights kept quantized (Options::quantize = "gguf"): the matrices against their dequantized
 // floats, and the default model (Q4_1 layers, Q8_0 embedding and head) against its float path.
 #include <catch2/catch.hpp>
+#include <cstdlib>
 
 #include "helpers.hpp"
 
@@ -135,6 +136,29 @@ TEST_CASE("the default model with its GGUF weights kept quantized: a fifth of th
   g.max_tokens = 24;
   auto prompt = dense.chat_prompt("What is the capital of France?");
   CHECK(q.generate(prompt, g).text == dense.generate(prompt, g).text);
+}
+
+// The kept-quantized path differs from the float one by the fast int4 kernel's bfloat16 rounding
+// (activations, scale and offset), not by its integers: in float32 (ATen's reference kernel,
+// COMB_INT4_FLOAT32=1 at load) it is the float path up to the order of accumulation.
+TEST_CASE("int4 products in float32 are the float path up to rounding; bfloat16 is the difference", "[quantized]") {
+  c10::InferenceMode guard;
+  const Model& dense = default_model();
+  const Model& fast = quantized_model();  // loaded before the variable is set
+  ::setenv("COMB_INT4_FLOAT32", "1", 1);
+  Options o;
+  o.quantize = "gguf";
+  Model exact = Model::load(model_path(), o);
+  ::unsetenv("COMB_INT4_FLOAT32");
+  SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
+  at::Tensor ids = ref.load("p1.ids", at::kLong).unsqueeze(0);
+  at::Tensor want = all_logits(dense.decoder(), ids);
+  const double exact_diff = rel_diff(all_logits(exact.decoder(), ids), want);
+  const double fast_diff = rel_diff(all_logits(fast.decoder(), ids), want);
+  INFO("largest logit difference against the float path: float32 products " << exact_diff << ", bfloat16 " << fast_diff);
+  CHECK(exact_diff < 1e-4);
+  CHECK(fast_diff > 10 * exact_diff);
+  CHECK(all_logits(exact.decoder(), ids).argmax(-1).equal(want.argmax(-1)));
 }
 
 TEST_CASE("the shipped plug-in on a quantized decoder: off is the bare decoder, and it reads", "[quantized]") {

@@ -67,6 +67,10 @@ class QuantizedMatrix {
   int64_t rows_ = 0, cols_ = 0;
   at::Tensor packed_;  // int4: ATen's packed layout [rows, cols / 2] uint8; q8_0: int8 [rows, cols]
   at::Tensor scales_;  // int4: [cols / 32, rows, 2] bfloat16 (scale, zero); q8_0: [rows, cols / 32] float32
+  // int4 with COMB_INT4_FLOAT32=1 in the environment at load: the same in float32, and products
+  // taken with float32 activations through ATen's reference kernel (about 50 times slower). A check,
+  // not a mode to run: it shows what the bfloat16 rounding of the fast kernel changes.
+  at::Tensor float_scales_;
 };
 
 }  // namespace comb

@@ -4,6 +4,9 @@
 
 namespace comb::cli {
 
+// Time by operation over decode steps: a thread-local RecordFunction callback (LibTorch's ATen ops
+// and comb's own kernels, which name themselves "comb::..."), each operation's own time without
+// the operations it calls. Main thread only: the work of worker threads is inside the op that
 // started it.
 namespace op_profile {
 struct Stat {

@@ -41,8 +41,8 @@ void check_numbers(const Args& args) {
                         "pairs-per-document", "place", "prefix-block", "save-every", "steps", "teacher-tokens",
                         "teacher-top-k", "tokenize", "top-k", "warmup"})
     probe.num<int64_t>(o, 0);
-  for (const char* o : {"cpu-kernels", "documents-after-prefix", "encoder-prefix", "reading-check", "relative-positions",
-                        "repeat", "resume", "threads"})
+  for (const char* o : {"cpu-kernels", "documents-after-prefix", "encoder-prefix", "profile", "reading-check",
+                        "relative-positions", "repeat", "resume", "threads"})
     probe.num<int>(o, 0);
   for (const char* o : {"blend-ratio", "clip", "gate-lr-scale", "kl-weight", "kv-share", "lr", "min-lr-ratio",
                         "needle-share", "open-gate", "open-gates", "weight-decay"})

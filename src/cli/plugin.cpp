@@ -94,7 +94,4 @@ int cmd_plugin(int argc, char** argv) {
   return 0;
 }
 
-// Time by operation over decode steps: a thread-local RecordFunction callback (LibTorch's ATen ops
-// and comb's own kernels, which name themselves "comb::..."), each operation's own time without
-
 }  // namespace comb::cli

@@ -5,11 +5,15 @@
 // scripts/fuzz.sh) and into comb_fuzz_replay, which runs the kept inputs in the test suite.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <dirent.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include <cstdint>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -186,12 +190,20 @@ inline int plugin(const uint8_t* data, size_t size) {
   return 0;
 }
 
-// A disk entry of the cache store under a key it was not written for, and under its own name.
+// A disk entry of the cache store, under the key its header names and with its checksum made
+// right (a mutated payload would otherwise never pass the checksum to reach the code after it).
 inline int store_entry(const uint8_t* data, size_t size) {
   const std::string dir = make_dir("store");
-  const CacheKey key = PICacheStore::key({1, 2, 3}, "fuzz");
-  std::ofstream(dir + "/" + key.hex() + ".kv", std::ios::binary | std::ios::trunc)
-      .write(reinterpret_cast<const char*>(data), size);
+  std::string bytes(reinterpret_cast<const char*>(data), size);
+  CacheKey key = PICacheStore::key({1, 2, 3}, "fuzz");
+  constexpr size_t kHeader = 72, kChecksum = 48, kKeyHigh = 56, kKeyLow = 64;  // store.cpp's DiskHeader
+  if (bytes.size() >= kHeader) {
+    std::memcpy(&key.high, bytes.data() + kKeyHigh, 8);
+    std::memcpy(&key.low, bytes.data() + kKeyLow, 8);
+    const uint64_t sum = XXH3_64bits(bytes.data() + kHeader, bytes.size() - kHeader);
+    std::memcpy(bytes.data() + kChecksum, &sum, 8);
+  }
+  std::ofstream(dir + "/" + key.hex() + ".kv", std::ios::binary | std::ios::trunc).write(bytes.data(), bytes.size());
   StoreOptions options;
   options.disk_bytes = int64_t(1) << 30;
   options.disk_dir = dir;
@@ -200,6 +212,12 @@ inline int store_entry(const uint8_t* data, size_t size) {
     std::shared_ptr<const DocumentKV> kv = store.get(key);
     if (kv) store.put(PICacheStore::key({4}, "fuzz"), *kv);
   });
+  // One entry at a time: the next input must not find this one.
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d))
+      if (e->d_name[0] != '.') ::unlink((dir + "/" + e->d_name).c_str());
+    ::closedir(d);
+  }
   return 0;
 }
 

@@ -7,9 +7,10 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:?usage: make_seeds.sh OUT_DIR}
 build=${COMB_BUILD_DIR:-$root/build}
-py=${COMB_VENV:-$root/.venv}/bin/python
+py=${COMB_PYTHON:-${COMB_VENV:-$root/.venv}/bin/python}
 comb=$build/comb
-model=$(grep -o 'COMB_DEFAULT_MODEL:FILEPATH=.*' "$build/CMakeCache.txt" | cut -d= -f2)
+model=$(grep -o 'COMB_DEFAULT_MODEL:FILEPATH=.*' "$build/CMakeCache.txt" | cut -d= -f2-)
+[ -f "$model" ] || { echo "make_seeds.sh: no default model in $build/CMakeCache.txt (COMB_DEFAULT_MODEL)" >&2; exit 1; }
 tiny=$build/oracle/tiny-llama
 [ -d "$tiny" ] || ctest --test-dir "$build" -R '^oracle\.' >/dev/null  # the tests' oracles write it
 mkdir -p "$out"/{gguf,safetensors,safetensors_index,tokenizer_json,tokenizer_config,chat_template,qa,plugin,store_entry}
@@ -99,6 +100,7 @@ cat > "$out/tokenizer_json/small.json" <<'JSON'
 "model":{"type":"BPE","vocab":{"H":0,"e":1,"l":2,"o":3,"He":4,"ll":5},"merges":[["H","e"],"l l"]}}
 JSON
 saved=$(mktemp -d)
+trap 'rm -rf "$saved"' EXIT
 "$comb" plugin init --model "$tiny" --encoder-layers 2 --out "$out/plugin/tiny.comb.safetensors" >/dev/null
 "$py" - "$model" "$saved" <<'PY'
 import sys, json, gguf
@@ -109,7 +111,6 @@ json.dump({"add_bos_token": False, "bos_token": "<|im_start|>", "eos_token": {"c
 PY
 cp "$saved/tokenizer_config.json" "$out/tokenizer_config/smollm2.json"
 echo '{"bos_token": null, "add_bos_token": true}' > "$out/tokenizer_config/plain.json"
-cp "$root"/examples/documents/*.txt "$saved/" 2>/dev/null || true
 
 # QA items: the tests' fixtures (public sources' layout, converted by comb make-data in the suite).
 cp "$root"/tests/data/*.jsonl "$out/qa/"
@@ -121,5 +122,4 @@ echo "Paris is the capital of France." > "$saved/doc.txt"
 "$comb" generate --model "$tiny" --plugin "$out/plugin/tiny.comb.safetensors" --document "$saved/doc.txt" \
   --raw --prompt "Capital?" --max-tokens 1 --cache-dir "$saved/cache" >/dev/null
 cp "$saved"/cache/*.kv "$out/store_entry/" 2>/dev/null || echo "make_seeds: no store entry written" >&2
-rm -rf "$saved"
 find "$out" -type f | sed "s|$out/||" | sort | awk -F/ '{n[$1]++} END {for (t in n) printf "seeds %s: %d\n", t, n[t]}' | sort
