@@ -5,7 +5,7 @@
 #include <torch/library.h>
 
 #include "checks.hpp"
-#include "comb/detail/cross_attention_cuda.hpp"
+#include "cross_attention_cuda.hpp"
 
 namespace comb::ops {
 

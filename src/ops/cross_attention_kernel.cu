@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "comb/detail/cross_attention_cuda.hpp"
+#include "cross_attention_cuda.hpp"
 
 namespace comb::detail::cuda {
 
