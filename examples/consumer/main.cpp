@@ -3,6 +3,9 @@
 #include <comb/comb.hpp>
 
 #include <iostream>
+#include <string>
+
+std::string describe(const comb::Model& model);  // describe.cpp
 
 int main(int argc, char** argv) {
   if (argc < 3) {
@@ -14,8 +17,8 @@ int main(int argc, char** argv) {
     comb::GenerateOptions options;
     options.max_tokens = 16;
     comb::GenerationResult r = model.generate(model.chat_prompt(argv[2]), options);
-    std::cout << "comb " << COMB_VERSION_STRING << ": " << model.config().n_layer << " layers, generated "
-              << r.tokens.size() << " tokens: " << r.text << std::endl;
+    std::cout << "comb " << COMB_VERSION_STRING << ": " << describe(model) << ", generated " << r.tokens.size()
+              << " tokens: " << r.text << std::endl;
   } catch (const comb::Error& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;

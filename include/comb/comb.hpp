@@ -22,3 +22,21 @@
 #include "comb/tokenizer.hpp"
 #include "comb/version.hpp"
 #include "comb/weights.hpp"
+
+// Header-only use (comb::header_only, which defines COMB_HEADER_ONLY): the implementation, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/formats.ipp"
+#include "comb/impl/config.ipp"
+#include "comb/impl/weights.ipp"
+#include "comb/impl/kv_cache.ipp"
+#include "comb/impl/decoder.ipp"
+#include "comb/impl/sampler.ipp"
+#include "comb/impl/model.ipp"
+#include "comb/impl/pic.ipp"
+#include "comb/impl/plugin.ipp"
+#include "comb/impl/qa.ipp"
+#include "comb/impl/quantized.ipp"
+#include "comb/impl/store.ipp"
+#include "comb/impl/tokenizer.ipp"
+#include "comb/impl/train.ipp"
+#endif

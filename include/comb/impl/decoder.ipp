@@ -1,0 +1,466 @@
+// comb::Decoder: the Llama forward pass (generic ATen path, fused fp32 CPU path for decode), the oneDNN-packed prefill, placing cached K/V.
+// Compiled into libcomb (src/decoder.cpp), or inline in every translation unit that
+// defines COMB_HEADER_ONLY (comb::header_only); COMB_INLINE is `inline` there.
+#pragma once
+#include "comb/detail/inline.hpp"
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+
+#include "comb/detail/cpu_kernels.hpp"
+#include "comb/error.hpp"
+#include "comb/model.hpp"
+#include "comb/plugin.hpp"
+#include "comb/weights.hpp"
+
+// LibTorch exports this (its ahead-of-time compiler uses it) but ships no header for it; weak, so
+// that a LibTorch without it simply leaves prefill on the BLAS path.
+namespace at::native {
+__attribute__((weak)) void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor);
+}
+
+namespace comb {
+
+COMB_INLINE Decoder::Decoder(ModelConfig config, LlamaWeights weights, c10::ScalarType dtype, c10::Device device)
+    : config_(std::move(config)), weights_(std::move(weights)), dtype_(dtype), device_(device) {
+  std::tie(rope_cos_, rope_sin_) = rope_tables(config_, weights_.rope_freqs, config_.n_ctx, dtype_, device_);
+  if (device_.is_cpu() && dtype_ == at::kFloat) prepack_onednn();
+}
+
+// NOTE: oneDNN's fp32 GEMM beats the BLAS library's on the prefill shapes (by 15-30% on the
+// development machine), but wants its own tensors. Each weight is moved into a plain-layout oneDNN
+// tensor and the dense weight becomes a view of that memory: one copy of the weights, two kernels.
+COMB_INLINE void Decoder::prepack_onednn() {
+  if (!at::hasMKLDNN() || !at::native::data_ptr_from_mkldnn || weights_.quantized()) return;
+  std::vector<std::array<at::Tensor, 4>> packed(config_.n_layer);
+  std::vector<std::array<at::Tensor, 4>> views(config_.n_layer);
+  for (int64_t i = 0; i < config_.n_layer; ++i) {
+    auto& l = weights_.layers[i];
+    std::array<at::Tensor*, 4> dense{&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down};
+    for (int k = 0; k < 4; ++k) {
+      at::Tensor w = dense[k]->contiguous();
+      at::Tensor m = w.to_mkldnn();
+      void* data = at::native::data_ptr_from_mkldnn(m);
+      if (!data) return;
+      at::Tensor view = at::from_blob(data, w.sizes(), [m](void*) {}, w.options());
+      if (!view.equal(w)) return;  // not the plain layout we expect: keep the BLAS path
+      packed[i][k] = m;
+      views[i][k] = view;
+    }
+  }
+  for (int64_t i = 0; i < config_.n_layer; ++i) {
+    auto& l = weights_.layers[i];
+    l.wqkv = views[i][0], l.wo = views[i][1], l.w_gate_up = views[i][2], l.w_down = views[i][3];
+  }
+  onednn_ = std::move(packed);
+}
+
+COMB_INLINE KVCache Decoder::make_cache(int64_t batch, int64_t capacity) const {
+  return KVCache(config_, batch, capacity, dtype_, device_);
+}
+
+COMB_INLINE void Decoder::place(int64_t layer, KVCache& cache, int64_t pos, const at::Tensor& k, const at::Tensor& v) const {
+  const auto& c = config_;
+  COMB_CHECK(layer >= 0 && layer < cache.n_layers(), "place: layer {} outside [0, {})", layer, cache.n_layers());
+  COMB_CHECK(k.dim() == 4 && k.size(0) == cache.batch() && k.size(1) == c.n_head_kv && k.size(3) == c.head_dim &&
+                 v.sizes() == k.sizes(),
+             "place: expected k, v [{}, {}, n, {}], found k [{}] and v [{}]", cache.batch(), c.n_head_kv, c.head_dim,
+             fmt::join(k.sizes(), ", "), fmt::join(v.sizes(), ", "));
+  const int64_t n = k.size(2);
+  COMB_CHECK(pos >= 0 && pos + n <= cache.capacity(), "place: positions [{}, {}) outside the cache's capacity {}", pos,
+             pos + n, cache.capacity());
+  COMB_CHECK(pos + n <= rope_cos_.size(0), "place: positions [{}, {}) past the model's context of {} tokens", pos,
+             pos + n, rope_cos_.size(0));
+  const at::Tensor& k_cache = cache.keys(layer);
+  const at::Tensor& v_cache = cache.values(layer);
+  COMB_CHECK(k_cache.size(1) == c.n_head_kv && k_cache.size(3) == c.head_dim,
+             "place: the cache holds [{}] per layer, this decoder needs {} KV heads of size {}",
+             fmt::join(k_cache.sizes(), ", "), c.n_head_kv, c.head_dim);
+  if (pos == 0) return cache.write(layer, 0, k, v);
+  // The fused kernel reads k, v while it writes the cache: only for inputs in other storage than
+  // the cache's (rows of the cache itself go through the generic path, which works on copies).
+  const auto apart = [](const at::Tensor& a, const at::Tensor& b) { return !a.is_alias_of(b); };
+  const bool in_place = cpu_kernels() && k.device().is_cpu() && v.device().is_cpu() && k_cache.device().is_cpu() &&
+                        k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                        k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
+                        k_cache.is_contiguous() && v_cache.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1 &&
+                        apart(k, k_cache) && apart(v, v_cache);
+  if (!in_place) {
+    // apply_rope returns a new tensor; v is copied first if it shares storage with the cache.
+    return cache.write(layer, pos, apply_rope(k, rope_cos_.narrow(0, pos, 1), rope_sin_.narrow(0, pos, 1)),
+                       apart(v, v_cache) ? v : v.clone());
+  }
+  // NOTE: straight into the cache, one pass per head: the ATen rotation makes five temporaries of
+  // each document's keys per layer before the copy.
+  const int64_t hd = c.head_dim, cap = cache.capacity();
+  const float* cos = rope_cos_.data_ptr<float>() + pos * hd;
+  const float* sin = rope_sin_.data_ptr<float>() + pos * hd;
+  const float* k_src = k.data_ptr<float>();
+  const float* v_src = v.data_ptr<float>();
+  float* k_dst = k_cache.data_ptr<float>();
+  float* v_dst = v_cache.data_ptr<float>();
+  for (int64_t b = 0; b < k.size(0); ++b) {
+    for (int64_t h = 0; h < c.n_head_kv; ++h) {
+      const int64_t at = ((b * c.n_head_kv + h) * cap + pos) * hd;
+      detail::cpu::rotate_rows(k_src + b * k.stride(0) + h * k.stride(1), k.stride(2), cos, sin, hd, n, k_dst + at, hd);
+      const float* vr = v_src + b * v.stride(0) + h * v.stride(1);
+      for (int64_t i = 0; i < n; ++i) std::copy(vr + i * v.stride(2), vr + i * v.stride(2) + hd, v_dst + at + i * hd);
+    }
+  }
+}
+
+COMB_INLINE at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (x.scalar_type() == at::kFloat) return at::rms_norm(x, {x.size(-1)}, weight, eps);
+  // Half precision: normalise in fp32, scale in the compute dtype (as the reference does).
+  at::Tensor xf = x.to(at::kFloat);
+  xf = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
+  return weight * xf.to(x.scalar_type());
+}
+
+COMB_INLINE at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * cos + rotated * sin;
+}
+
+COMB_INLINE std::array<at::Tensor, 3> split_qkv(const at::Tensor& qkv, const ModelConfig& c) {
+  const int64_t batch = qkv.size(0), n = qkv.size(1);
+  auto heads = [&](int64_t offset, int64_t n_heads) {
+    return qkv.narrow(-1, offset, n_heads * c.head_dim).view({batch, n, n_heads, c.head_dim}).transpose(1, 2);
+  };
+  return {heads(0, c.n_head), heads(c.q_dim(), c.n_head_kv), heads(c.q_dim() + c.kv_dim(), c.n_head_kv)};
+}
+
+COMB_INLINE at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down) {
+  auto parts = at::linear(x, w_gate_up).chunk(2, -1);
+  return at::linear(at::silu(parts[0]) * parts[1], w_down);
+}
+
+COMB_INLINE at::Tensor swiglu_mlp(const at::Tensor& x, const LayerWeights& l) {
+  if (!l.quantized) return swiglu_mlp(x, l.w_gate_up, l.w_down);
+  auto parts = project(l, Proj::gate_up, x).chunk(2, -1);
+  return project(l, Proj::down, at::silu(parts[0]) * parts[1]);
+}
+
+COMB_INLINE at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                           const JointKV& joint) {
+  const int64_t batch = q.size(0), n_head = q.size(1), n = q.size(2), head_dim = q.size(3);
+  const int64_t n_kv = keys.size(1), m = joint.keys.size(2), n_self = keys.size(2);
+  COMB_CHECK(n_self == start + n, "joint attention: {} context keys for {} cached and {} new positions", n_self, start, n);
+  COMB_CHECK(joint.keys.dim() == 4 && joint.keys.size(0) == batch && joint.keys.size(1) == n_kv &&
+                 joint.keys.size(3) == head_dim && joint.values.sizes() == joint.keys.sizes(),
+             "joint attention: keys [{}] and values [{}] should be [{}, {}, m, {}]", fmt::join(joint.keys.sizes(), ", "),
+             fmt::join(joint.values.sizes(), ", "), batch, n_kv, head_dim);
+  const auto dt = q.scalar_type();
+  const auto opts = q.options();
+  // One float mask: the joined keys' bias (or -inf where not valid), then the causal mask of the
+  // context.
+  const auto fopts = opts.dtype(at::kFloat);
+  at::Tensor joined = joint.bias.defined()
+                          ? joint.bias.to(at::kFloat).view({1, n_head, 1, 1}).expand({batch, n_head, n, m})
+                          : at::zeros({batch, 1, n, m}, fopts);
+  if (joint.valid.defined())
+    joined = joined.masked_fill(joint.valid.logical_not().view({batch, 1, 1, m}), -INFINITY);
+  if (joint.anchor > start)  // positions before the anchor (the instruction prefix) read no document
+    joined = joined.masked_fill((at::arange(start, start + n, opts.dtype(at::kLong)) < joint.anchor).view({1, 1, n, 1}),
+                                -INFINITY);
+  at::Tensor seen = visible_keys(at::arange(start, start + n, opts.dtype(at::kLong)), n_self);  // [n, n_self]
+  at::Tensor own = at::zeros({n, n_self}, fopts).masked_fill(seen.logical_not(), -INFINITY);
+  // The query heads that share a KV head are folded into rows of that head, so that the joined
+  // and cached K/V are read as they lie (not repeated per group): q [batch, n_kv, groups * n, d].
+  const int64_t groups = n_head / n_kv;
+  // Row g * n + i of KV head h is query head h * groups + g at position i.
+  joined = joined.size(1) == n_head ? joined.reshape({batch, n_kv, groups * n, m})  // a bias per query head
+                                    : joined.repeat({1, 1, groups, 1});
+  at::Tensor mask = at::cat({joined,
+                             own.repeat({groups, 1}).view({1, 1, groups * n, n_self})
+                                 .expand({batch, joined.size(1), groups * n, n_self})},
+                            -1);
+  at::Tensor k = at::cat({joint.keys.to(dt), keys}, 2), v = at::cat({joint.values.to(dt), values}, 2);
+  // Written out (not a fused kernel): a mask that needs its gradient (the bias) is not taken by all.
+  at::Tensor scores = at::matmul(q.reshape({batch, n_kv, groups * n, head_dim}), k.transpose(-1, -2)).to(at::kFloat) *
+                          (1.0 / std::sqrt(double(head_dim))) +
+                      mask;
+  return at::matmul(at::softmax(scores, -1).to(dt), v).view({batch, n_head, n, head_dim});
+}
+
+COMB_INLINE at::Tensor llama_layer(const at::Tensor& x, const LayerWeights& l, const ModelConfig& c, const at::Tensor& cos,
+                       const at::Tensor& sin, bool causal, const at::Tensor& mask, const JointKV* joint) {
+  const int64_t batch = x.size(0), n = x.size(1);
+  auto [q, k, v] = split_qkv(project(l, Proj::qkv, rms_norm(x, l.attn_norm, c.rms_eps)), c);
+  COMB_CHECK(!joint || (causal && !mask.defined()), "a layer reads joined keys only when causal and unmasked");
+  q = apply_rope(q, cos, sin);
+  k = apply_rope(k, cos, sin);
+  at::Tensor attn = joint ? joint_attention(q, k, v, 0, *joint)
+                          : at::scaled_dot_product_attention(q, k, v,
+                                                             mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+                                                             0.0, causal, std::nullopt, /*enable_gqa=*/true);
+  at::Tensor h = x + project(l, Proj::o, attn.transpose(1, 2).reshape({batch, n, c.q_dim()}));
+  return h + swiglu_mlp(rms_norm(h, l.ffn_norm, c.rms_eps), l);
+}
+
+COMB_INLINE at::Tensor visible_keys(const at::Tensor& positions, int64_t n_keys) {
+  return at::arange(n_keys, positions.options().dtype(at::kLong)).unsqueeze(0) <= positions.unsqueeze(1);
+}
+
+namespace impl_decoder {  // this file's own helpers
+// Attention of n new queries q [batch, n_head, n, head_dim] that follow `start` cached positions:
+// query j sees keys [0, start + j] of keys, values [batch, n_head_kv, start + n, head_dim] (grouped).
+COMB_INLINE at::Tensor attend_after_cache(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start) {
+  const int64_t n = q.size(2), groups = q.size(1) / keys.size(1);
+  COMB_CHECK(keys.size(2) == start + n, "attention after a cache: {} keys for {} cached and {} new positions",
+             keys.size(2), start, n);
+  if (!q.device().is_cpu() || start == 0) {
+    std::optional<at::Tensor> mask;
+    if (start > 0) mask = visible_keys(at::arange(start, start + n, at::TensorOptions().device(q.device())), start + n);
+    return at::scaled_dot_product_attention(q, keys, values, mask, 0.0, start == 0 && n > 1, std::nullopt, true);
+  }
+  // NOTE: one masked call would score every query against every key (the CPU kernel skips no
+  // masked block): 61.6 against 36.8 ms a layer for 1,227 rows after 60 (docs/benchmarks.md).
+  // Instead: the cached keys without a mask, the chunk's own keys causally, and the two partial
+  // results merged by their log-sum-exp, which is exact. The cached part needs no mask, so the
+  // query heads that share a KV head are folded into rows of that head ([batch, n_head_kv,
+  // groups * n, head_dim]) and the cached K/V are read as they lie; only the chunk's own K/V are
+  // repeated per group for the causal call.
+  const int64_t batch = q.size(0), n_head = q.size(1), head_dim = q.size(3), n_kv = keys.size(1);
+  auto [old_out, old_lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+      q.reshape({batch, n_kv, groups * n, head_dim}), keys.narrow(2, 0, start), values.narrow(2, 0, start));
+  old_out = old_out.reshape({batch, n_head, n, head_dim});
+  old_lse = old_lse.reshape({batch, n_head, n});
+  at::Tensor k = keys.narrow(2, start, n), v = values.narrow(2, start, n);
+  if (groups > 1) {
+    k = k.repeat_interleave(groups, 1);
+    v = v.repeat_interleave(groups, 1);
+  }
+  auto [new_out, new_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, true);
+  at::Tensor lse = at::logaddexp(old_lse, new_lse);
+  return (old_out * (old_lse - lse).exp().unsqueeze(-1) + new_out * (new_lse - lse).exp().unsqueeze(-1))
+      .to(q.scalar_type());
+}
+
+// Rows q [1, n_head, m, head_dim] at `pos` (int64 [m], on q's device): row j sees keys [0, pos[j]]
+// of keys, values [1, n_head_kv, n_keys, head_dim] (grouped).
+COMB_INLINE at::Tensor attend_at_positions(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                               const at::Tensor& pos) {
+  constexpr int64_t kRowsPerCall = 64;
+  const int64_t m = q.size(2), n_keys = keys.size(2);
+  if (!q.device().is_cpu() || m <= kRowsPerCall)
+    return at::scaled_dot_product_attention(q, keys, values, visible_keys(pos, n_keys), 0.0, false, std::nullopt, true);
+  // NOTE: the CPU kernel scores every key of a masked call, so rows scattered over a long cache
+  // (CacheBlend's chosen tokens, EPIC's document heads) would each score all n_keys. In groups of
+  // rows, a call scores only the keys up to its group's last position: about half the work when
+  // the rows spread evenly.
+  const at::Tensor p = pos.contiguous();
+  const int64_t* at_p = p.data_ptr<int64_t>();
+  std::vector<at::Tensor> parts;
+  for (int64_t r = 0; r < m; r += kRowsPerCall) {
+    const int64_t rows = std::min(kRowsPerCall, m - r);
+    const int64_t seen = std::min(n_keys, *std::max_element(at_p + r, at_p + r + rows) + 1);
+    parts.push_back(at::scaled_dot_product_attention(q.narrow(2, r, rows), keys.narrow(2, 0, seen),
+                                                     values.narrow(2, 0, seen), visible_keys(p.narrow(0, r, rows), seen),
+                                                     0.0, false, std::nullopt, true));
+  }
+  return at::cat(parts, 2);
+}
+}  // namespace impl_decoder
+using namespace impl_decoder;
+
+COMB_INLINE at::Tensor Decoder::rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
+  return comb::rms_norm(x, weight, config_.rms_eps);
+}
+
+COMB_INLINE at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
+  const auto& c = config_;
+  const int64_t batch = x.size(0), n = x.size(1), start = cache.length();
+  auto [q, k, v] = split_qkv(project(weights_.layers[i], Proj::qkv, x), c);
+  at::Tensor cos = rope_cos_.narrow(0, start, n), sin = rope_sin_.narrow(0, start, n);
+  q = apply_rope(q, cos, sin);
+  k = apply_rope(k, cos, sin);
+  auto [keys, values] = cache.append(i, k, v);  // [batch, n_head_kv, start + n, head_dim]
+  at::Tensor out;
+  if (joint) {
+    out = joint_attention(q, keys, values, start, *joint);
+  } else if (n == 1) {
+    out = at::scaled_dot_product_attention(q, keys, values, {}, 0.0, false, std::nullopt, /*enable_gqa=*/true);
+  } else {  // query j sees keys [0, start + j]
+    out = attend_after_cache(q, keys, values, start);
+  }
+  out = out.transpose(1, 2).reshape({batch, n, c.q_dim()});
+  return project(weights_.layers[i], Proj::o, out);
+}
+
+COMB_INLINE at::Tensor Decoder::feed_forward(int64_t i, const at::Tensor& x) const {
+  return swiglu_mlp(x, weights_.layers[i]);
+}
+
+COMB_INLINE at::Tensor Decoder::keys_at(int64_t i, const at::Tensor& x, const at::Tensor& positions) const {
+  const auto& c = config_;
+  at::Tensor k = split_qkv(project(weights_.layers[i], Proj::qkv, rms_norm(x, weights_.layers[i].attn_norm)), c)[1];
+  at::Tensor pos = positions.to(device_, at::kLong);
+  return apply_rope(k, rope_cos_.index_select(0, pos), rope_sin_.index_select(0, pos));
+}
+
+COMB_INLINE at::Tensor Decoder::layer_at(int64_t i, const at::Tensor& x, const at::Tensor& positions, KVCache& cache,
+                             int64_t n_keys) const {
+  const auto& c = config_;
+  const auto& w = weights_.layers[i];
+  const int64_t m = x.size(1);
+  COMB_CHECK(x.size(0) == 1 && positions.numel() == m, "layer_at takes one sequence: x [1, {}], {} positions", m,
+             positions.numel());
+  COMB_CHECK(n_keys <= cache.capacity(), "layer_at: {} keys past the cache capacity {}", n_keys, cache.capacity());
+  at::Tensor pos = positions.to(device_, at::kLong);
+  auto [q, k, v] = split_qkv(project(w, Proj::qkv, rms_norm(x, w.attn_norm)), c);
+  at::Tensor cos = rope_cos_.index_select(0, pos), sin = rope_sin_.index_select(0, pos);
+  q = apply_rope(q, cos, sin);
+  k = apply_rope(k, cos, sin);
+  cache.keys(i).index_copy_(2, pos, k.to(cache.keys(i).scalar_type()));
+  cache.values(i).index_copy_(2, pos, v.to(cache.values(i).scalar_type()));
+  at::Tensor keys = cache.keys(i).narrow(2, 0, n_keys), values = cache.values(i).narrow(2, 0, n_keys);
+  // Rows that are the last m of the n_keys positions, in order (CacheBlend's pass below its check
+  // layer, EPIC when it recomputes a whole tail), are a prefill after `start` cached positions.
+  const int64_t start = n_keys - m;
+  const at::Tensor cpu_positions = positions.cpu().to(at::kLong);
+  at::Tensor attn = start >= 0 && at::equal(cpu_positions, at::arange(start, n_keys, at::kLong))
+                        ? attend_after_cache(q, keys, values, start)
+                        : attend_at_positions(q, keys, values, pos);
+  at::Tensor h = x + project(w, Proj::o, attn.transpose(1, 2).reshape({1, m, c.q_dim()}));
+  return h + feed_forward(i, rms_norm(h, w.ffn_norm));
+}
+
+COMB_INLINE at::Tensor Decoder::embed(const at::Tensor& tokens) const {
+  RECORD_FUNCTION("comb::embed", std::vector<c10::IValue>());
+  if (weights_.tok_embd_q) return weights_.tok_embd_q->gather_rows(tokens.to(device_, at::kLong));
+  return at::embedding(weights_.tok_embd, tokens.to(device_, at::kLong));
+}
+
+// ---- The fused fp32 CPU path ------------------------------------------------------------------
+
+namespace impl_decoder {  // this file's own helpers
+// Steps of up to this many rows (decode, small batches) use fused kernels throughout; longer ones
+// are GEMM-bound and keep the BLAS and SDPA kernels.
+COMB_INLINE constexpr int64_t kFusedMaxRows = 4;
+}  // namespace impl_decoder
+using namespace impl_decoder;
+
+COMB_INLINE at::Tensor Decoder::rms_norm_cpu(const at::Tensor& x, const at::Tensor& w) const {
+  RECORD_FUNCTION("comb::rms_norm", std::vector<c10::IValue>());
+  at::Tensor in = x.contiguous(), out = at::empty_like(in);
+  const int64_t dim = in.size(-1), rows = in.numel() / dim;
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    detail::cpu::rms_norm_rows(in.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), dim,
+                               static_cast<float>(config_.rms_eps), b, e);
+  });
+  return out;
+}
+
+COMB_INLINE at::Tensor Decoder::linear_cpu(const at::Tensor& x, const at::Tensor& w) const {
+  RECORD_FUNCTION("comb::gemv_f32", std::vector<c10::IValue>());
+  const int64_t k = x.size(-1), rows = x.numel() / k, n_out = w.size(0);
+  COMB_CHECK(rows <= kFusedMaxRows, "linear_cpu is for at most {} rows, found {}", kFusedMaxRows, rows);
+  at::Tensor in = x.contiguous();
+  std::vector<int64_t> shape = in.sizes().vec();
+  shape.back() = n_out;
+  at::Tensor out = at::empty(shape, in.options());
+  at::parallel_for(0, n_out, 256, [&](int64_t b, int64_t e) {
+    detail::cpu::gemv_rows(in.data_ptr<float>(), rows, w.data_ptr<float>(), k, out.data_ptr<float>(), n_out, b, e);
+  });
+  return out;
+}
+
+COMB_INLINE at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) const {
+  const auto& c = config_;
+  const auto& w = weights_.layers[i];
+  const int64_t batch = x.size(0), n = x.size(1), rows = batch * n, start = cache.length();
+  COMB_CHECK(start + n <= cache.capacity(), "KV cache full: {} positions held, {} more asked, capacity {}", start, n,
+             cache.capacity());
+  // Few rows (decode): fused kernels throughout. Many rows (prefill): oneDNN GEMMs (packed at load) and SDPA (after
+  // cached rows: attend_after_cache), fused RoPE.
+  const bool few = rows <= kFusedMaxRows;
+  auto norm = [&](const at::Tensor& t, const at::Tensor& weight) {
+    return few ? rms_norm_cpu(t, weight) : at::rms_norm(t, {c.n_embd}, weight, c.rms_eps);
+  };
+  auto linear = [&](const at::Tensor& t, const at::Tensor& weight, int slot) {
+    if (w.quantized) return project(w, static_cast<Proj>(slot), t);
+    if (few) return linear_cpu(t, weight);
+    if (onednn_.empty()) return at::linear(t, weight);
+    at::Tensor flat = t.reshape({rows, t.size(-1)}).contiguous();
+    return at::mkldnn_linear(flat.to_mkldnn(), onednn_[i][slot]).to_dense().view({batch, n, weight.size(0)});
+  };
+  at::Tensor qkv = linear(norm(x, w.attn_norm), w.wqkv, 0).contiguous();  // [batch, n, q_dim + 2 kv_dim]
+  at::Tensor q = at::empty({batch, n, c.n_head, c.head_dim}, x.options());
+  detail::cpu::AttentionShape shape{n, start, c.n_head, c.n_head_kv, c.head_dim, cache.capacity()};
+  float* k_cache = cache.keys(i).data_ptr<float>();
+  float* v_cache = cache.values(i).data_ptr<float>();
+  {
+    RECORD_FUNCTION("comb::rope_and_store_kv", std::vector<c10::IValue>());
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      detail::cpu::rope_and_store(qkv.data_ptr<float>(), rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(),
+                                  shape, q.data_ptr<float>(), k_cache, v_cache, b, e);
+    });
+  }
+  at::Tensor attn;
+  if (few) {
+    RECORD_FUNCTION("comb::attention", std::vector<c10::IValue>());
+    attn = at::empty({batch, n, c.q_dim()}, x.options());
+    at::parallel_for(0, batch * c.n_head, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> scratch(start + n);
+      detail::cpu::attention_rows(q.data_ptr<float>(), k_cache, v_cache, shape, attn.data_ptr<float>(),
+                                  scratch.data(), b, e);
+    });
+  } else {
+    at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
+    attn = attend_after_cache(q.transpose(1, 2), keys, values, start)
+               .transpose(1, 2)
+               .reshape({batch, n, c.q_dim()});
+  }
+  at::Tensor h = x + linear(attn, w.wo, 1);
+  at::Tensor gate_up = linear(norm(h, w.ffn_norm), w.w_gate_up, 2);  // [batch, n, 2 n_ff]
+  at::Tensor act;
+  if (few) {
+    RECORD_FUNCTION("comb::silu_mul", std::vector<c10::IValue>());
+    act = at::empty({batch, n, c.n_ff}, x.options());
+    detail::cpu::silu_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), c.n_ff, 0, rows);
+  } else {
+    auto parts = gate_up.chunk(2, -1);
+    act = at::silu(parts[0]).mul_(parts[1]);
+  }
+  return h.add_(linear(act, w.w_down, 3));
+}
+
+// ---- Generic path -----------------------------------------------------------------------------
+
+COMB_INLINE at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
+  if (cpu_kernels() && !joint) return layer_cpu(i, x, cache);
+  at::Tensor h = x + attention(i, rms_norm(x, weights_.layers[i].attn_norm), cache, joint);
+  return h + feed_forward(i, rms_norm(h, weights_.layers[i].ffn_norm));
+}
+
+COMB_INLINE at::Tensor Decoder::logits(const at::Tensor& x, LogitsMode mode) const {
+  at::Tensor h = mode == LogitsMode::last ? x.narrow(1, x.size(1) - 1, 1) : x;
+  if (weights_.output_q) return weights_.output_q->apply(rms_norm(h, weights_.output_norm));  // float32
+  if (cpu_kernels() && h.size(0) * h.size(1) <= kFusedMaxRows)
+    return linear_cpu(rms_norm_cpu(h, weights_.output_norm), weights_.output);
+  return at::linear(rms_norm(h, weights_.output_norm), weights_.output).to(at::kFloat);
+}
+
+COMB_INLINE at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache, LogitsMode mode,
+                            const LayerHook& before_layer, const JointHook& joint) const {
+  COMB_CHECK(tokens.dim() == 2 && tokens.size(1) > 0, "decoder input should be [batch, n>0] token ids, found shape [{}]",
+             fmt::join(tokens.sizes(), ", "));
+  COMB_CHECK(tokens.size(0) == cache.batch(), "decoder input batch {} does not match the KV cache batch {}",
+             tokens.size(0), cache.batch());
+  const int64_t n = tokens.size(1);
+  COMB_CHECK(cache.length() + n <= config_.n_ctx, "{} positions exceed the model's context of {} tokens",
+             cache.length() + n, config_.n_ctx);
+  at::Tensor x = embed(tokens);
+  for (int64_t i = 0; i < config_.n_layer; ++i)
+    x = layer(i, before_layer ? before_layer(i, x) : x, cache, joint ? joint(i) : nullptr);
+  cache.advance(n);
+  return logits(x, mode);
+}
+
+}  // namespace comb

@@ -1,0 +1,85 @@
+// comb::KVCache and the RoPE tables.
+// Compiled into libcomb (src/kv_cache.cpp), or inline in every translation unit that
+// defines COMB_HEADER_ONLY (comb::header_only); COMB_INLINE is `inline` there.
+#pragma once
+#include "comb/detail/inline.hpp"
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "comb/error.hpp"
+#include "comb/decoder.hpp"
+#include "comb/weights.hpp"
+
+namespace comb {
+
+COMB_INLINE KVCache::KVCache(const ModelConfig& c, int64_t batch, int64_t capacity, c10::ScalarType dtype, c10::Device device)
+    : batch_(batch), capacity_(capacity) {
+  COMB_CHECK(batch > 0 && capacity > 0, "KV cache needs a positive batch and capacity, found {} and {}", batch,
+             capacity);
+  auto options = at::TensorOptions().dtype(dtype).device(device);
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    k_.push_back(at::empty({batch, c.n_head_kv, capacity, c.head_dim}, options));
+    v_.push_back(at::empty({batch, c.n_head_kv, capacity, c.head_dim}, options));
+  }
+}
+
+COMB_INLINE std::pair<at::Tensor, at::Tensor> KVCache::append(int64_t layer, const at::Tensor& k, const at::Tensor& v) {
+  int64_t n = k.size(2);
+  COMB_CHECK(length_ + n <= capacity_, "KV cache full: {} positions held, {} more asked, capacity {}", length_, n,
+             capacity_);
+  write(layer, length_, k, v);
+  return {k_[layer].narrow(2, 0, length_ + n), v_[layer].narrow(2, 0, length_ + n)};
+}
+
+COMB_INLINE void KVCache::advance(int64_t n) {
+  COMB_CHECK(length_ + n <= capacity_, "KV cache: cannot advance {} past capacity {}", length_ + n, capacity_);
+  length_ += n;
+}
+
+COMB_INLINE void KVCache::set_length(int64_t n) {
+  COMB_CHECK(n >= 0 && n <= capacity_, "KV cache: length {} outside [0, {}]", n, capacity_);
+  length_ = n;
+}
+
+COMB_INLINE void KVCache::write(int64_t layer, int64_t pos, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t n = k.size(2);
+  COMB_CHECK(pos >= 0 && pos + n <= capacity_, "KV cache: writing [{}, {}) past capacity {}", pos, pos + n, capacity_);
+  k_[layer].narrow(2, pos, n).copy_(k);
+  v_[layer].narrow(2, pos, n).copy_(v);
+}
+
+COMB_INLINE void KVCache::truncate(int64_t n) {
+  COMB_CHECK(n >= 0 && n <= length_, "KV cache: cannot truncate to {} (length {})", n, length_);
+  length_ = n;
+}
+
+COMB_INLINE at::Tensor rope_inv_freq(const ModelConfig& c, const at::Tensor& rope_freqs) {
+  // inv_freq[i] = theta^(-2i / head_dim), computed as Hugging Face does (fp32 powers of int64 steps).
+  at::Tensor exponent = at::arange(0, c.head_dim, 2, at::kLong).to(at::kFloat) / static_cast<float>(c.head_dim);
+  at::Tensor inv_freq = 1.0 / at::pow(c.rope_theta, exponent);
+  if (rope_freqs.defined()) return inv_freq / rope_freqs.to(at::kCPU, at::kFloat);
+  if (c.rope_scaling.type == "llama3") {
+    const auto& s = c.rope_scaling;
+    double low_wavelen = s.original_max_position / s.low_freq_factor;
+    double high_wavelen = s.original_max_position / s.high_freq_factor;
+    at::Tensor wavelen = 2 * M_PI / inv_freq;
+    at::Tensor scaled = at::where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq);
+    at::Tensor smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+    at::Tensor smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
+    at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+    inv_freq = at::where(medium, smoothed, scaled);
+  }
+  return inv_freq;
+}
+
+COMB_INLINE std::pair<at::Tensor, at::Tensor> rope_tables(const ModelConfig& c, const at::Tensor& rope_freqs, int64_t n_pos,
+                                              c10::ScalarType dtype, c10::Device device) {
+  at::Tensor inv_freq = rope_inv_freq(c, rope_freqs);                          // [head_dim / 2]
+  at::Tensor freqs = at::outer(at::arange(n_pos, at::kFloat), inv_freq);       // [n_pos, head_dim / 2]
+  at::Tensor emb = at::cat({freqs, freqs}, -1);                                // [n_pos, head_dim]
+  return {emb.cos().to(device, dtype), emb.sin().to(device, dtype)};
+}
+
+}  // namespace comb

@@ -1,0 +1,430 @@
+// Position-independent caching methods (full, prefix, naive, CacheBlend, EPIC, COMB) in one engine.
+// Compiled into libcomb (src/pic.cpp), or inline in every translation unit that
+// defines COMB_HEADER_ONLY (comb::header_only); COMB_INLINE is `inline` there.
+#pragma once
+#include "comb/detail/inline.hpp"
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "comb/error.hpp"
+#include "comb/pic.hpp"
+
+namespace comb {
+
+COMB_INLINE Method parse_method(const std::string& name) {
+  static const std::pair<const char*, Method> table[] = {{"full", Method::full},     {"prefix", Method::prefix},
+                                                         {"naive", Method::naive},   {"cacheblend", Method::cacheblend},
+                                                         {"epic", Method::epic},     {"comb", Method::comb}};
+  for (auto& [n, m] : table)
+    if (name == n) return m;
+  COMB_FAIL("unknown method '{}' (expected full, prefix, naive, cacheblend, epic or comb)", name);
+}
+
+COMB_INLINE std::string method_name(Method m) {
+  switch (m) {
+    case Method::full: return "full";
+    case Method::prefix: return "prefix";
+    case Method::naive: return "naive";
+    case Method::cacheblend: return "cacheblend";
+    case Method::epic: return "epic";
+    case Method::comb: return "comb";
+  }
+  return "?";
+}
+
+COMB_INLINE std::vector<int32_t> PicRequest::tokens() const {
+  std::vector<int32_t> out = prefix;
+  for (const auto& d : documents) out.insert(out.end(), d.begin(), d.end());
+  out.insert(out.end(), suffix.begin(), suffix.end());
+  return out;
+}
+
+namespace impl_pic {  // this file's own helpers
+COMB_INLINE at::Tensor ids_of(const std::vector<int32_t>& tokens, int64_t begin, int64_t end) {
+  return at::tensor(std::vector<int64_t>(tokens.begin() + begin, tokens.begin() + end), at::kLong).unsqueeze(0);
+}
+}  // namespace impl_pic
+using namespace impl_pic;
+
+// ================================================================================================
+// PrefixCache
+// ================================================================================================
+
+COMB_INLINE std::vector<uint64_t> PrefixCache::chain(const std::vector<int32_t>& tokens, int64_t n) const {
+  std::vector<uint64_t> out;
+  uint64_t h = 0x636f6d62;  // any fixed seed
+  for (int64_t b = 0; (b + 1) * block_ <= n; ++b) {
+    h = XXH3_64bits_withSeed(tokens.data() + b * block_, block_ * sizeof(int32_t), h);
+    out.push_back(h);
+  }
+  return out;
+}
+
+COMB_INLINE std::vector<uint64_t> PrefixCache::acquire(const std::vector<int32_t>& tokens) {
+  std::vector<uint64_t> out;
+  for (uint64_t h : chain(tokens, static_cast<int64_t>(tokens.size()))) {
+    auto it = blocks_.find(h);
+    if (it == blocks_.end()) break;
+    ++it->second.refs;
+    out.push_back(h);
+  }
+  touch(out);
+  return out;
+}
+
+// Makes a chain's blocks the most recently used, its first block the most recent of all: a chain
+// then loses its tail first, and what stays of it is still a prefix that can be matched (a chain
+// whose first block went would keep its other blocks in memory with no way to reach them).
+COMB_INLINE void PrefixCache::touch(const std::vector<uint64_t>& chain) {
+  for (auto h = chain.rbegin(); h != chain.rend(); ++h) {
+    Block& block = blocks_.at(*h);
+    lru_.erase(block.lru);
+    lru_.push_front(*h);
+    block.lru = lru_.begin();
+  }
+}
+
+COMB_INLINE void PrefixCache::release(const std::vector<uint64_t>& blocks) {
+  for (uint64_t h : blocks) {
+    auto it = blocks_.find(h);
+    COMB_CHECK(it != blocks_.end() && it->second.refs > 0, "prefix cache: releasing a block not held");
+    --it->second.refs;
+  }
+  evict();
+}
+
+COMB_INLINE void PrefixCache::fill(const std::vector<uint64_t>& blocks, KVCache& cache) const {
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const Block& block = blocks_.at(blocks[b]);
+    for (size_t l = 0; l < block.k.size(); ++l)
+      cache.write(static_cast<int64_t>(l), static_cast<int64_t>(b) * block_, block.k[l], block.v[l]);
+  }
+}
+
+COMB_INLINE void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t n, const KVCache& cache) {
+  COMB_CHECK(cache.batch() == 1, "prefix cache: one sequence at a time, found a batch of {}", cache.batch());
+  COMB_CHECK(n >= 0 && n <= static_cast<int64_t>(tokens.size()), "prefix cache: insert of {} tokens from a list of {}",
+             n, tokens.size());
+  auto hashes = chain(tokens, std::min<int64_t>(n, cache.length()));
+  for (size_t b = 0; b < hashes.size(); ++b) {
+    if (blocks_.count(hashes[b])) continue;  // used again: touched below
+    Block block;
+    for (int64_t l = 0; l < cache.n_layers(); ++l) {
+      block.k.push_back(cache.keys(l).narrow(2, static_cast<int64_t>(b) * block_, block_).clone());
+      block.v.push_back(cache.values(l).narrow(2, static_cast<int64_t>(b) * block_, block_).clone());
+      block.bytes += 2 * block.k.back().numel() * block.k.back().element_size();
+    }
+    // Map, then LRU list, then byte count, each step undone if the next throws, so that every
+    // listed block exists and bytes_ counts exactly the blocks held. The block goes right behind the
+    // one before it (the first block at the front): a chain's first block stays ahead of its last
+    // even if a later copy fails; touch() below then makes the chain the most recent.
+    auto slot = blocks_.emplace(hashes[b], std::move(block)).first;
+    try {
+      slot->second.lru = lru_.insert(b == 0 ? lru_.begin() : std::next(blocks_.at(hashes[b - 1]).lru), hashes[b]);
+    } catch (...) {
+      blocks_.erase(slot);
+      throw;
+    }
+    bytes_ += slot->second.bytes;
+  }
+  touch(hashes);
+  evict();
+}
+
+COMB_INLINE void PrefixCache::evict() {
+  auto it = lru_.end();
+  while (bytes_ > budget_ && it != lru_.begin()) {
+    --it;
+    auto& block = blocks_.at(*it);
+    if (block.refs > 0) continue;
+    bytes_ -= block.bytes;
+    blocks_.erase(*it);
+    it = lru_.erase(it);
+  }
+}
+
+COMB_INLINE void PrefixCache::clear() {
+  for (const auto& [h, b] : blocks_) COMB_CHECK(b.refs == 0, "prefix cache: clear() while a request holds blocks");
+  blocks_.clear();
+  lru_.clear();
+  bytes_ = 0;
+}
+
+// ================================================================================================
+// PicEngine
+// ================================================================================================
+
+COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions options)
+    : model_(model), method_(method), options_(std::move(options)) {
+  COMB_CHECK(options_.blend_ratio >= 0 && options_.blend_ratio <= 1, "CacheBlend ratio must be in [0, 1], found {}",
+             options_.blend_ratio);
+  // Layer 0's keys depend on the token and its position alone: reused ones equal fresh ones there,
+  // so the first layer with a deviation to rank is 1.
+  COMB_CHECK(method != Method::cacheblend || (options_.check_layer >= 1 && options_.check_layer < model.config().n_layer),
+             "CacheBlend check layer must be in [1, {}) (layer 0's keys do not depend on the context), found {}",
+             model.config().n_layer, options_.check_layer);
+  COMB_CHECK(options_.epic_k >= 0, "EPIC k must be >= 0, found {}", options_.epic_k);
+  COMB_CHECK(options_.prefix_block > 0, "prefix block must be > 0, found {}", options_.prefix_block);
+  if (method == Method::comb) COMB_CHECK(model.plugin(), "--method comb needs a plug-in (--plugin FILE; the default model has a shipped one)");
+  StoreOptions store;
+  store.host_bytes = options_.cache_bytes;
+  store.dtype = options_.cache_dtype;
+  store.remote_url = options_.cache_url;
+  store.remote_ttl_s = options_.cache_ttl_s;
+  store_ = std::make_unique<PICacheStore>(store);
+  prefix_ = std::make_unique<PrefixCache>(options_.prefix_block, options_.cache_bytes);
+  // Decoder-KV entries share the store with COMB entries: a distinct fingerprint keeps them apart.
+  decoder_fingerprint_ = "decoder-kv:" + base_fingerprint(model.decoder()) + model.decoder().weights().cache_tag();
+}
+
+COMB_INLINE PicEngine::~PicEngine() = default;
+
+COMB_INLINE void PicEngine::clear() {
+  store_ = std::make_unique<PICacheStore>(store_->options());
+  prefix_->clear();
+}
+
+COMB_INLINE double PicEngine::cache_bytes_per_token() const {
+  const auto& c = model_.config();
+  const double element = static_cast<double>(c10::elementSize(options_.cache_dtype));
+  switch (method_) {
+    case Method::full: return 0;
+    case Method::comb: return 2.0 * model_.plugin()->config().n_blocks() * c.kv_dim() * element;
+    case Method::prefix: return 2.0 * c.n_layer * c.kv_dim() * c10::elementSize(model_.decoder().dtype());
+    default: return 2.0 * c.n_layer * c.kv_dim() * element;
+  }
+}
+
+// One document's decoder K/V computed alone from position 0 (blocks = layers), from the store
+// when it has them.
+COMB_INLINE std::shared_ptr<const DocumentKV> PicEngine::decoder_kv(const std::vector<int32_t>& tokens, PicPrefill& out) {
+  CacheKey key = PICacheStore::key(tokens, decoder_fingerprint_, options_.tenant);
+  if (auto hit = store_->get(key)) {
+    out.reused += static_cast<int64_t>(tokens.size());
+    return hit;
+  }
+  const Decoder& dec = model_.decoder();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  KVCache cache = dec.make_cache(1, n);
+  dec.forward(ids_of(tokens, 0, n), cache);
+  DocumentKV kv;
+  kv.n_tokens = n;
+  for (int64_t l = 0; l < cache.n_layers(); ++l) {
+    kv.keys.push_back(cache.keys(l)[0].narrow(1, 0, n));
+    kv.values.push_back(cache.values(l)[0].narrow(1, 0, n));
+  }
+  out.computed += n;
+  return store_->put(key, kv);
+}
+
+// Fills the cache with the prefix and every document reused as is (naive), each document's keys
+// rotated from positions [0, len) to where it stands. spans: where each document landed.
+COMB_INLINE void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, std::vector<DocSpan>& spans) {
+  const Decoder& dec = model_.decoder();
+  int64_t pos = 0;
+  auto place = [&](const std::vector<int32_t>& tokens, bool is_document) {
+    auto kv = decoder_kv(tokens, out);
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    for (int64_t l = 0; l < out.cache.n_layers(); ++l) {
+      dec.place(l, out.cache, pos, kv->keys[l].to(dec.device(), dec.dtype()).unsqueeze(0),
+                kv->values[l].to(dec.device(), dec.dtype()).unsqueeze(0));
+    }
+    if (is_document) spans.push_back({pos, n});
+    pos += n;
+  };
+  if (!r.prefix.empty()) place(r.prefix, false);
+  for (const auto& d : r.documents) place(d, true);
+  out.cache.set_length(pos);
+}
+
+// Runs the tokens at `positions` (increasing) from layer `from_layer` on, given their hidden
+// state there (or embeddings when undefined); returns the logits of the last of them.
+COMB_INLINE at::Tensor PicEngine::recompute(const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,
+                                int64_t from_layer, at::Tensor hidden, PicPrefill& out) {
+  const Decoder& dec = model_.decoder();
+  const int64_t n_keys = static_cast<int64_t>(tokens.size());
+  at::Tensor pos = at::tensor(positions, at::kLong);
+  if (!hidden.defined()) hidden = dec.embed(ids_of(tokens, 0, n_keys).index_select(1, pos));
+  for (int64_t i = from_layer; i < dec.config().n_layer; ++i) hidden = dec.layer_at(i, hidden, pos, out.cache, n_keys);
+  out.cache.set_length(n_keys);
+  return dec.logits(hidden, LogitsMode::last)[0][-1];
+}
+
+namespace impl_pic {  // this file's own helpers
+// Prefix-cache blocks a request reads, held until it is done with them, failure included: a block
+// left referenced could never be evicted.
+struct HeldBlocks {
+  PrefixCache& cache;
+  std::vector<uint64_t> blocks;
+  ~HeldBlocks() {
+    try {
+      if (!blocks.empty()) cache.release(blocks);
+    } catch (...) {  // release() throws only for blocks not held, which acquire() rules out
+    }
+  }
+};
+}  // namespace impl_pic
+using namespace impl_pic;
+
+COMB_INLINE PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_tokens) {
+  c10::InferenceMode guard;
+  const Decoder& dec = model_.decoder();
+  const auto& c = dec.config();
+  const bool comb = method_ == Method::comb;
+  std::vector<int32_t> decoder_tokens = comb ? r.prefix : r.tokens();
+  if (comb) decoder_tokens.insert(decoder_tokens.end(), r.suffix.begin(), r.suffix.end());
+  const int64_t n = static_cast<int64_t>(decoder_tokens.size());
+  COMB_CHECK(!r.suffix.empty(), "a request needs a question (its suffix is empty)");
+  for (size_t d = 0; d < r.documents.size(); ++d) COMB_CHECK(!r.documents[d].empty(), "document {} is empty", d);
+  COMB_CHECK(n < c.n_ctx, "the request has {} tokens but the model's context holds {}", n, c.n_ctx);
+  PicPrefill out{dec.make_cache(1, std::min<int64_t>(c.n_ctx, n + std::max<int64_t>(max_new_tokens, 1))), {}, {}, n};
+  switch (method_) {
+    case Method::full: prefill_full(decoder_tokens, out); break;
+    case Method::prefix: prefill_prefix(decoder_tokens, out); break;
+    case Method::naive: prefill_naive(r, decoder_tokens, out); break;
+    case Method::epic: prefill_epic(r, decoder_tokens, out); break;
+    case Method::cacheblend: prefill_cacheblend(r, decoder_tokens, out); break;
+    case Method::comb: prefill_comb(r, decoder_tokens, out); break;
+  }
+  return out;
+}
+
+// Everything computed, nothing cached.
+COMB_INLINE void PicEngine::prefill_full(const std::vector<int32_t>& tokens, PicPrefill& out) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  out.logits = model_.decoder().forward(ids_of(tokens, 0, n), out.cache)[0][-1];
+  out.computed = n;
+}
+
+// The longest run of whole cached blocks that begins the prompt, then the rest computed (at least
+// one token) and its whole blocks cached.
+COMB_INLINE void PicEngine::prefill_prefix(const std::vector<int32_t>& tokens, PicPrefill& out) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  HeldBlocks held{*prefix_, prefix_->acquire(tokens)};
+  while (!held.blocks.empty() && static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens() >= n) {
+    prefix_->release({held.blocks.back()});  // keep at least one token to compute
+    held.blocks.pop_back();
+  }
+  const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
+  prefix_->fill(held.blocks, out.cache);
+  out.cache.set_length(m);
+  out.logits = model_.decoder().forward(ids_of(tokens, m, n), out.cache)[0][-1];
+  prefix_->insert(tokens, n, out.cache);
+  out.computed = n - m;
+  out.reused = m;
+}
+
+// Each document's K/V as cached (computed alone from position 0), moved to its place; the question
+// computed after them.
+COMB_INLINE void PicEngine::prefill_naive(const PicRequest& r, const std::vector<int32_t>& tokens, PicPrefill& out) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  std::vector<DocSpan> spans;
+  fill_reused(r, out, spans);
+  const int64_t start = out.cache.length();
+  out.logits = model_.decoder().forward(ids_of(tokens, start, n), out.cache)[0][-1];
+  out.computed += n - start;
+}
+
+// As naive, and the first epic_k tokens of every document not at position 0 recomputed.
+COMB_INLINE void PicEngine::prefill_epic(const PicRequest& r, const std::vector<int32_t>& tokens, PicPrefill& out) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  std::vector<DocSpan> spans;
+  fill_reused(r, out, spans);
+  std::vector<int64_t> positions;
+  for (const auto& s : spans)
+    // EPIC spares the first chunk, whose K/V are exact: a document at position 0. With a prompt
+    // prefix (the eval's instruction), the prefix is that chunk and every document is recomputed.
+    if (s.offset > 0)
+      for (int64_t i = 0; i < std::min(options_.epic_k, s.length); ++i) positions.push_back(s.offset + i);
+  for (int64_t p = out.cache.length(); p < n; ++p) positions.push_back(p);
+  out.logits = recompute(tokens, positions, 0, {}, out);
+  out.computed += static_cast<int64_t>(positions.size());
+}
+
+// As naive; every token runs the layers up to the check layer, and from there only the selected
+// ones (cacheblend_selection) are recomputed.
+COMB_INLINE void PicEngine::prefill_cacheblend(const PicRequest& r, const std::vector<int32_t>& tokens, PicPrefill& out) {
+  const Decoder& dec = model_.decoder();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  std::vector<DocSpan> spans;
+  fill_reused(r, out, spans);
+  const int64_t n_context = out.cache.length();
+  // Every token runs the layers before the check layer (their K/V replace the reused ones there).
+  at::Tensor pos = at::arange(n, at::kLong);
+  at::Tensor hidden = dec.embed(ids_of(tokens, 0, n));
+  for (int64_t i = 0; i < options_.check_layer; ++i) hidden = dec.layer_at(i, hidden, pos, out.cache, n);
+  std::vector<int64_t> chosen = cacheblend_selection(hidden, pos, spans, n_context, n, out);
+  at::Tensor chosen_pos = at::tensor(chosen, at::kLong).to(dec.device());
+  out.logits = recompute(tokens, chosen, options_.check_layer, hidden.index_select(1, chosen_pos), out);
+  out.computed += static_cast<int64_t>(chosen.size());
+}
+
+COMB_INLINE std::vector<int64_t> PicEngine::cacheblend_selection(const at::Tensor& hidden, const at::Tensor& pos,
+                                                     const std::vector<DocSpan>& spans, int64_t n_context, int64_t n,
+                                                     const PicPrefill& out) const {
+  const Decoder& dec = model_.decoder();
+  at::Tensor fresh = dec.keys_at(options_.check_layer, hidden.narrow(1, 0, n_context), pos.narrow(0, 0, n_context));
+  at::Tensor reused = out.cache.keys(options_.check_layer).narrow(2, 0, n_context).to(fresh.scalar_type());
+  at::Tensor deviation = (fresh - reused).to(at::kFloat).pow(2).sum({0, 1, 3}).cpu();  // [n_context]
+  std::vector<int64_t> doc_positions;
+  for (const auto& s : spans)
+    for (int64_t i = 0; i < s.length; ++i) doc_positions.push_back(s.offset + i);
+  const int64_t pick = static_cast<int64_t>(std::ceil(options_.blend_ratio * double(doc_positions.size())));
+  std::vector<int64_t> chosen;
+  if (pick > 0) {
+    at::Tensor candidates = at::tensor(doc_positions, at::kLong);
+    at::Tensor top = std::get<1>(deviation.index_select(0, candidates).topk(pick));
+    at::Tensor picked = candidates.index_select(0, top);
+    chosen.assign(picked.data_ptr<int64_t>(), picked.data_ptr<int64_t>() + picked.numel());
+  }
+  for (int64_t p = n_context; p < n; ++p) chosen.push_back(p);
+  std::sort(chosen.begin(), chosen.end());
+  return chosen;
+}
+
+// The documents through the plug-in's encoder (or from the store), linked for the cross blocks;
+// the decoder computes the prompt without them (its instruction prefix from the prefix cache when
+// the plug-in reads documents only after it).
+COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<int32_t>& tokens, PicPrefill& out) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  std::vector<std::shared_ptr<const DocumentKV>> docs;
+  for (const auto& d : r.documents) {
+    bool cached = false;
+    docs.push_back(model_.document(d, store_.get(), options_.tenant, &cached));
+    (cached ? out.reused : out.computed) += static_cast<int64_t>(d.size());
+  }
+  out.documents = Linker(model_.decoder().device()).link(docs);
+  if (!model_.plugin()->config().documents_after_prefix) {
+    out.logits = model_.forward(ids_of(tokens, 0, n), out.cache, &out.documents)[0][-1];
+    out.computed += n;
+    return;
+  }
+  // The instruction prefix reads no document: its K/V are the bare decoder's, so its whole
+  // blocks come from the prefix cache and a warm request computes the question alone.
+  const int64_t p = static_cast<int64_t>(r.prefix.size());
+  out.documents.anchor = p;
+  HeldBlocks held{*prefix_, prefix_->acquire(r.prefix)};
+  const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
+  prefix_->fill(held.blocks, out.cache);
+  out.cache.set_length(m);
+  out.logits = model_.forward(ids_of(tokens, m, n), out.cache, &out.documents)[0][-1];
+  prefix_->insert(r.prefix, p, out.cache);
+  out.computed += n - m;
+  out.reused += m;
+}
+
+COMB_INLINE GenerationResult PicEngine::generate(const PicRequest& request, const GenerateOptions& options, PicCounts* counts) {
+  auto started = std::chrono::steady_clock::now();
+  PicPrefill p = prefill(request, options.max_tokens);
+  GenerationResult r = model_.decode(p.cache, p.logits, options, p.documents.empty() ? nullptr : &p.documents,
+                                     started, p.n_prompt);
+  if (counts) *counts = {p.n_prompt, p.computed, p.reused};
+  return r;
+}
+
+}  // namespace comb

@@ -1,0 +1,621 @@
+// The COMB plug-in: encoder, cross blocks, fresh initialisation, plug-in files.
+// Compiled into libcomb (src/plugin.cpp), or inline in every translation unit that
+// defines COMB_HEADER_ONLY (comb::header_only); COMB_INLINE is `inline` there.
+#pragma once
+#include "comb/detail/inline.hpp"
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "comb/error.hpp"
+#include "comb/ops.hpp"
+#include "comb/plugin.hpp"
+#include "comb/safetensors.hpp"
+
+namespace comb {
+
+// ================================================================================================
+// Config, fingerprints, DocumentKV
+// ================================================================================================
+
+COMB_INLINE nlohmann::json PluginConfig::to_json() const {
+  nlohmann::json j = {{"cross_attention_layers", cross_layers},
+                      {"max_document_tokens", max_document_tokens},
+                      {"base_fingerprint", base_fingerprint}};
+  // The layout's keys only where they differ from the reference layout, so its files stay as they were.
+  if (encoder_layers > 0) j["encoder_layers"] = encoder_layers;
+  if (!read_depths.empty()) j["read_depths"] = read_depths;
+  if (encoder_from_base) j["encoder_from_base"] = true;
+  if (encoder_causal) j["encoder_causal"] = true;
+  if (!encoder_prefix.empty()) j["encoder_prefix"] = encoder_prefix;
+  if (kv_norm) j["kv_norm"] = true;
+  if (!qk_norm) j["qk_norm"] = false;
+  if (relative_positions) j["relative_positions"] = true;
+  if (attention_sinks) j["attention_sinks"] = true;
+  if (!cross_mlp) j["cross_mlp"] = false;
+  if (joint_attention) j["joint_attention"] = true;
+  if (documents_after_prefix) j["documents_after_prefix"] = true;
+  return j;
+}
+
+COMB_INLINE PluginConfig PluginConfig::from_json(const nlohmann::json& j, const std::string& where) {
+  PluginConfig c;
+  COMB_CHECK(j.is_object(), "{}: plug-in config should be a JSON object", where);
+  COMB_CHECK(j.contains("cross_attention_layers") && j["cross_attention_layers"].is_array(),
+             "{}: plug-in config needs a 'cross_attention_layers' list", where);
+  auto ints = [&](const char* key) {
+    const auto& v = j[key];
+    COMB_CHECK(v.is_array() && std::all_of(v.begin(), v.end(), [](const auto& e) { return e.is_number_integer(); }),
+               "{}: plug-in config '{}' should be a list of integers", where, key);
+    return v.get<std::vector<int64_t>>();
+  };
+  auto integer = [&](const char* key, int64_t fallback) {
+    if (!j.contains(key)) return fallback;
+    COMB_CHECK(j[key].is_number_integer(), "{}: plug-in config '{}' should be an integer", where, key);
+    return j[key].get<int64_t>();
+  };
+  auto flag = [&](const char* key, bool fallback) {
+    if (!j.contains(key)) return fallback;
+    COMB_CHECK(j[key].is_boolean(), "{}: plug-in config '{}' should be true or false", where, key);
+    return j[key].get<bool>();
+  };
+  c.cross_layers = ints("cross_attention_layers");
+  c.max_document_tokens = integer("max_document_tokens", 0);
+  COMB_CHECK(!j.contains("base_fingerprint") || j["base_fingerprint"].is_string(),
+             "{}: plug-in config 'base_fingerprint' should be a string", where);
+  c.base_fingerprint = j.value("base_fingerprint", "");
+  c.encoder_layers = integer("encoder_layers", 0);
+  if (j.contains("read_depths")) c.read_depths = ints("read_depths");
+  c.encoder_from_base = flag("encoder_from_base", false);
+  c.encoder_causal = flag("encoder_causal", false);
+  if (j.contains("encoder_prefix")) c.encoder_prefix = ints("encoder_prefix");
+  c.kv_norm = flag("kv_norm", false);
+  c.qk_norm = flag("qk_norm", true);
+  c.relative_positions = flag("relative_positions", false);
+  c.attention_sinks = flag("attention_sinks", false);
+  c.cross_mlp = flag("cross_mlp", true);
+  c.joint_attention = flag("joint_attention", false);
+  c.documents_after_prefix = flag("documents_after_prefix", false);
+  return c;
+}
+
+namespace impl_plugin {  // this file's own helpers
+COMB_INLINE std::string hex128(XXH128_hash_t h) { return fmt::format("{:016x}{:016x}", h.high64, h.low64); }
+
+COMB_INLINE void hash_tensor(XXH3_state_t* state, const at::Tensor& t) {
+  at::Tensor c = t.detach().to(at::kCPU).contiguous();
+  XXH3_128bits_update(state, c.data_ptr(), c.numel() * c.element_size());
+}
+}  // namespace impl_plugin
+using namespace impl_plugin;
+
+namespace impl_plugin {  // this file's own helpers
+// A decoder layer's weights as new float tensors (dequantized when kept quantized): a plug-in's
+// starting point is its own copy.
+COMB_INLINE LayerWeights dense_copy(const LayerWeights& l) {
+  return {l.attn_norm.clone(), dense_matrix(l, Proj::qkv).clone(), dense_matrix(l, Proj::o).clone(), l.ffn_norm.clone(),
+          dense_matrix(l, Proj::gate_up).clone(), dense_matrix(l, Proj::down).clone(), nullptr};
+}
+}  // namespace impl_plugin
+using namespace impl_plugin;
+
+COMB_INLINE BaseFingerprint::BaseFingerprint(const ModelConfig& c) {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_128bits_reset(state);
+  std::string dims = fmt::format("{} {} {} {} {} {} {} {} {}", c.architecture, c.n_vocab, c.n_embd, c.n_ff, c.n_layer,
+                                 c.n_head, c.n_head_kv, c.head_dim, c.rope_theta);
+  XXH3_128bits_update(state, dims.data(), dims.size());
+  state_ = state;
+}
+
+COMB_INLINE BaseFingerprint::~BaseFingerprint() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+
+COMB_INLINE void BaseFingerprint::add(const at::Tensor& t) { hash_tensor(static_cast<XXH3_state_t*>(state_), t.to(at::kBFloat16)); }
+
+COMB_INLINE std::string BaseFingerprint::finish() { return hex128(XXH3_128bits_digest(static_cast<XXH3_state_t*>(state_))); }
+
+COMB_INLINE std::string base_fingerprint(const Decoder& base) {
+  const auto& w = base.weights();
+  if (!w.fingerprint.empty()) return w.fingerprint;  // weights kept quantized: computed on load
+  BaseFingerprint f(base.config());
+  for (const at::Tensor* t : {&w.tok_embd, &w.output_norm, &w.layers[0].attn_norm, &w.layers[0].wqkv}) f.add(*t);
+  return f.finish();
+}
+
+// ================================================================================================
+// Plugin
+// ================================================================================================
+
+namespace impl_plugin {  // this file's own helpers
+COMB_INLINE void check_layout(const PluginConfig& p, const ModelConfig& c) {
+  const auto& layers = p.cross_layers;
+  COMB_CHECK(!layers.empty(), "a plug-in needs at least one cross block");
+  for (size_t k = 0; k < layers.size(); ++k) {
+    COMB_CHECK(layers[k] >= 0 && layers[k] < c.n_layer,
+               "cross block {} sits before decoder layer {}, but the base has {} layers", k, layers[k], c.n_layer);
+    COMB_CHECK(k == 0 || layers[k] > layers[k - 1], "cross_attention_layers must increase, found {}",
+               fmt::join(layers, ", "));
+  }
+  COMB_CHECK(p.encoder_layers >= 0, "encoder_layers must be 0 (one per block) or more, found {}", p.encoder_layers);
+  COMB_CHECK(p.read_depths.empty() || p.read_depths.size() == layers.size(),
+             "read_depths names {} depths for {} cross blocks", p.read_depths.size(), layers.size());
+  for (int64_t k = 0; k < p.n_blocks(); ++k)
+    COMB_CHECK(p.read_depth(k) >= 0 && p.read_depth(k) <= p.n_encoder_layers(),
+               "cross block {} reads the states after {} encoder layers, but the encoder has {}", k, p.read_depth(k),
+               p.n_encoder_layers());
+  for (int64_t id : p.encoder_prefix)
+    COMB_CHECK(id >= 0 && id < c.n_vocab, "encoder_prefix token {} is outside the vocabulary [0, {})", id, c.n_vocab);
+  COMB_CHECK(!p.joint_attention || (!p.qk_norm && !p.cross_mlp && !p.attention_sinks && p.relative_positions),
+             "joint cross blocks have no QK-norm, MLP or sinks of their own and read documents at relative positions "
+             "(joint_attention with qk_norm {}, cross_mlp {}, attention_sinks {}, relative_positions {})",
+             p.qk_norm, p.cross_mlp, p.attention_sinks, p.relative_positions);
+  COMB_CHECK(!p.documents_after_prefix || p.joint_attention,
+             "documents_after_prefix is a layout of joint cross blocks (joint_attention), not of residual ones");
+  COMB_CHECK(!p.encoder_from_base || p.n_encoder_layers() <= c.n_layer,
+             "an encoder of the base's layers can have at most its {} layers, found {}", c.n_layer,
+             p.n_encoder_layers());
+}
+}  // namespace impl_plugin
+using namespace impl_plugin;
+
+COMB_INLINE Plugin::Plugin(PluginConfig config, PluginWeights weights, const Decoder& base)
+    : config_(std::move(config)),
+      weights_(std::move(weights)),
+      base_config_(base.config()),
+      rope_cos_(base.rope_cos()),
+      rope_sin_(base.rope_sin()) {
+  check_layout(config_, base_config_);
+  if (config_.max_document_tokens <= 0) config_.max_document_tokens = base_config_.n_ctx;
+  // A plug-in that does not name its base (a merged checkpoint's) is bound to this one, so its
+  // fingerprint, and with it every cache key of its documents, depends on the base.
+  if (config_.base_fingerprint.empty()) config_.base_fingerprint = base_fingerprint(base);
+  if (config_.encoder_from_base) {
+    // The base's layers, shared (not copied, not saved): the file names the base by fingerprint.
+    weights_.encoder.assign(base.weights().layers.begin(), base.weights().layers.begin() + config_.n_encoder_layers());
+  }
+  refresh_fingerprint();
+}
+
+COMB_INLINE void Plugin::refresh_fingerprint() {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_128bits_reset(state);
+  std::string c = config_.to_json().dump();
+  XXH3_128bits_update(state, c.data(), c.size());
+  for (const auto& [name, t] : named_tensors()) {
+    XXH3_128bits_update(state, name.data(), name.size());
+    hash_tensor(state, t);
+  }
+  fingerprint_ = hex128(XXH3_128bits_digest(state));
+  XXH3_freeState(state);
+}
+
+COMB_INLINE int64_t Plugin::block_before(int64_t layer) const {
+  for (int64_t k = 0; k < config_.n_blocks(); ++k)
+    if (config_.cross_layers[k] == layer) return k;
+  return -1;
+}
+
+namespace impl_plugin {  // this file's own helpers
+// Per head, the median log-sum-exp of decoder layer `layer`'s causal attention scores over the
+// probes' positions after the first 8: how much a head attends to its own context there.
+COMB_INLINE std::vector<at::Tensor> self_attention_lse(const Decoder& base, const std::vector<int64_t>& layers,
+                                           const std::vector<std::vector<int32_t>>& probes) {
+  const auto& c = base.config();
+  const auto& bw = base.weights();
+  c10::InferenceMode guard;
+  std::vector<std::vector<at::Tensor>> per_layer(layers.size());
+  for (const auto& probe : probes) {
+    const int64_t n = static_cast<int64_t>(probe.size());
+    COMB_CHECK(n > 8 && n <= c.n_ctx, "a probe prompt has {} tokens; it needs 9 to {}", n, c.n_ctx);
+    at::Tensor ids = at::tensor(std::vector<int64_t>(probe.begin(), probe.end()), at::kLong).to(base.device());
+    at::Tensor x = base.embed(ids).unsqueeze(0);
+    at::Tensor cos = base.rope_cos().narrow(0, 0, n), sin = base.rope_sin().narrow(0, 0, n);
+    at::Tensor causal = at::ones({n, n}, at::TensorOptions().dtype(at::kBool).device(base.device())).tril();
+    for (int64_t i = 0; i <= layers.back(); ++i) {
+      const LayerWeights& l = bw.layers[i];
+      auto at_layer = std::find(layers.begin(), layers.end(), i);
+      if (at_layer != layers.end()) {
+        auto [q, k, v] = split_qkv(project(l, Proj::qkv, rms_norm(x, l.attn_norm, c.rms_eps)), c);
+        q = apply_rope(q, cos, sin).to(at::kFloat);
+        k = apply_rope(k, cos, sin).to(at::kFloat).repeat_interleave(c.n_head / c.n_head_kv, 1);
+        at::Tensor scores = at::matmul(q, k.transpose(-1, -2)) / std::sqrt(double(c.head_dim));
+        at::Tensor lse = at::logsumexp(scores.masked_fill(causal.logical_not(), -INFINITY), -1);  // [1, H, n]
+        per_layer[at_layer - layers.begin()].push_back(lse[0].narrow(1, 8, n - 8));
+      }
+      x = llama_layer(x, l, c, cos, sin, /*causal=*/true);
+    }
+  }
+  std::vector<at::Tensor> out;
+  for (auto& parts : per_layer) out.push_back(std::get<0>(at::cat(parts, 1).median(1)));  // [H]
+  return out;
+}
+}  // namespace impl_plugin
+using namespace impl_plugin;
+
+COMB_INLINE Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
+  const auto& c = base.config();
+  const auto& bw = base.weights();
+  PluginConfig config;
+  if (o.reads) {
+    COMB_CHECK(!o.cross_layers.empty(), "a plug-in that reads from the start needs its cross layers (--cross-layers)");
+    COMB_CHECK(o.joint_attention || !o.probes.empty(), "a plug-in that reads from the start needs probe prompts for its sinks");
+    COMB_CHECK(o.open_gate > 0 && o.open_gate < 1, "the open gate must be in (0, 1), found {}", o.open_gate);
+    config.cross_layers = o.cross_layers;
+    config.read_depths = o.cross_layers;
+    config.encoder_layers = std::max<int64_t>(1, o.cross_layers.back());
+    config.encoder_from_base = config.encoder_causal = config.kv_norm = true;
+    config.attention_sinks = !o.joint_attention;
+    config.joint_attention = o.joint_attention;
+    config.documents_after_prefix = o.joint_attention && o.documents_after_prefix;
+    config.qk_norm = config.cross_mlp = false;
+    config.relative_positions = o.relative_positions;
+    config.encoder_prefix = o.encoder_prefix;
+    config.max_document_tokens = c.n_ctx - static_cast<int64_t>(o.encoder_prefix.size());
+    config.base_fingerprint = base_fingerprint(base);
+    check_layout(config, c);
+    std::vector<at::Tensor> lse;
+    if (!o.joint_attention) lse = self_attention_lse(base, config.cross_layers, o.probes);
+    auto opts = at::TensorOptions().dtype(base.dtype()).device(base.device());
+    PluginWeights w;
+    for (size_t k = 0; k < config.cross_layers.size(); ++k) {
+      const LayerWeights& l = bw.layers.at(config.cross_layers[k]);
+      auto qkv = dense_matrix(l, Proj::qkv).split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
+      w.kv_norm.push_back(l.attn_norm.clone());
+      w.wk.push_back(qkv[1].clone());
+      w.wv.push_back(qkv[2].clone());
+      CrossBlockWeights b;
+      if (o.joint_attention) {  // the layer's own attention does the rest
+        b.doc_bias = at::zeros({c.n_head}, opts);
+        w.cross.push_back(std::move(b));
+        continue;
+      }
+      b.attn_norm = l.attn_norm.clone();
+      b.wq = qkv[0].clone();
+      b.wo = dense_matrix(l, Proj::o).clone();
+      b.attn_gate = at::full({1}, std::atanh(o.open_gate), opts);
+      b.sinks = lse[k].to(opts.device(), opts.dtype().toScalarType());
+      w.cross.push_back(std::move(b));
+    }
+    return Plugin(std::move(config), std::move(w), base);
+  }
+  config.cross_layers = o.cross_layers;
+  if (config.cross_layers.empty()) {
+    COMB_CHECK(o.n_encoder_layers > 0 && o.n_encoder_layers < c.n_layer,
+               "--encoder-layers must be in [1, {}] for this base, found {}", c.n_layer - 1, o.n_encoder_layers);
+    for (int64_t k = 0; k < o.n_encoder_layers; ++k)
+      config.cross_layers.push_back(o.first_layers ? k + 1 : (k + 1) * c.n_layer / o.n_encoder_layers - 1);
+  }
+  check_layout(config, c);
+  config.max_document_tokens = c.n_ctx;
+  config.base_fingerprint = base_fingerprint(base);
+  auto gen = at::detail::createCPUGenerator(o.seed);
+  auto opts = at::TensorOptions().dtype(base.dtype()).device(base.device());
+  auto randn = [&](std::vector<int64_t> shape) {
+    return (at::randn(shape, gen, at::kFloat) * o.init_std).to(opts.device(), opts.dtype().toScalarType());
+  };
+  auto ones = [&](int64_t n) { return at::ones({n}, opts); };
+  PluginWeights w;
+  if (o.first_layers && o.copy_decoder_layers) {
+    // Encoder layer j = decoder layer j; block k reads it with decoder layer cross_layers[k]'s attention.
+    at::Tensor probe = at::arange(1000, 1000 + 64, at::kLong).to(base.device());
+    at::Tensor h = base.embed(probe).unsqueeze(0);
+    at::Tensor cos = base.rope_cos().narrow(0, 0, 64), sin = base.rope_sin().narrow(0, 0, 64);
+    for (size_t k = 0; k < config.cross_layers.size(); ++k) {
+      const LayerWeights& src = bw.layers.at(k);
+      w.encoder.push_back(dense_copy(src));
+      // The RMS of encoder states after this layer on a probe sequence, to scale V to the decoder's.
+      h = llama_layer(h, src, c, cos, sin, /*causal=*/false);
+      const double rms = h.to(at::kFloat).pow(2).mean().sqrt().item<double>();
+      const LayerWeights& dst = bw.layers.at(config.cross_layers[k]);
+      auto qkv = dense_matrix(dst, Proj::qkv).split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
+      at::Tensor g = dst.attn_norm.unsqueeze(0);
+      w.wk.push_back((qkv[1] * g).contiguous());
+      w.wv.push_back((qkv[2] * g / rms).contiguous());
+      w.cross.push_back({dst.attn_norm.clone(), qkv[0].clone(), ones(c.head_dim), ones(c.head_dim), dense_matrix(dst, Proj::o).clone(),
+                         at::zeros({1}, opts), dst.ffn_norm.clone(), dense_matrix(dst, Proj::gate_up).clone(),
+                         dense_matrix(dst, Proj::down).clone(),
+                         at::zeros({1}, opts), /*sinks=*/at::Tensor(), /*doc_bias=*/at::Tensor()});
+    }
+    return Plugin(std::move(config), std::move(w), base);
+  }
+  for (int64_t layer : config.cross_layers) {
+    const LayerWeights& src = bw.layers.at(layer);
+    auto qkv = dense_matrix(src, Proj::qkv).split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
+    if (o.copy_decoder_layers) {
+      w.encoder.push_back(dense_copy(src));
+      w.wk.push_back(qkv[1].clone());
+      w.wv.push_back(qkv[2].clone());
+      w.cross.push_back({src.attn_norm.clone(), qkv[0].clone(), ones(c.head_dim), ones(c.head_dim), dense_matrix(src, Proj::o).clone(),
+                         at::zeros({1}, opts), src.ffn_norm.clone(), dense_matrix(src, Proj::gate_up).clone(),
+                         dense_matrix(src, Proj::down).clone(),
+                         at::zeros({1}, opts), /*sinks=*/at::Tensor(), /*doc_bias=*/at::Tensor()});
+    } else {
+      w.encoder.push_back({ones(c.n_embd), randn({c.q_dim() + 2 * c.kv_dim(), c.n_embd}), randn({c.n_embd, c.q_dim()}),
+                           ones(c.n_embd), randn({2 * c.n_ff, c.n_embd}), randn({c.n_embd, c.n_ff}), nullptr});
+      w.wk.push_back(randn({c.kv_dim(), c.n_embd}));
+      w.wv.push_back(randn({c.kv_dim(), c.n_embd}));
+      w.cross.push_back({ones(c.n_embd), randn({c.q_dim(), c.n_embd}), ones(c.head_dim), ones(c.head_dim),
+                         randn({c.n_embd, c.q_dim()}), at::zeros({1}, opts), ones(c.n_embd),
+                         randn({2 * c.n_ff, c.n_embd}), randn({c.n_embd, c.n_ff}), at::zeros({1}, opts),
+                         /*sinks=*/at::Tensor(), /*doc_bias=*/at::Tensor()});
+    }
+  }
+  return Plugin(std::move(config), std::move(w), base);
+}
+
+COMB_INLINE std::vector<std::pair<std::string, at::Tensor>> Plugin::named_tensors() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  const auto& c = base_config_;
+  const auto& p = config_;
+  if (weights_.tok_embd.defined()) out.emplace_back("chunk_model.embed_tokens.weight", weights_.tok_embd);
+  if (!p.encoder_from_base)
+    for (size_t j = 0; j < weights_.encoder.size(); ++j)
+      append_llama_layer_hf_named(out, fmt::format("chunk_model.layers.{}.", j), weights_.encoder[j], c);
+  for (int64_t k = 0; k < p.n_blocks(); ++k) {
+    if (p.kv_norm) out.emplace_back(fmt::format("chunk_model.kv_norm.{}.weight", k), weights_.kv_norm[k]);
+    out.emplace_back(fmt::format("chunk_model.k_proj.{}.weight", k), weights_.wk[k]);
+    out.emplace_back(fmt::format("chunk_model.v_proj.{}.weight", k), weights_.wv[k]);
+  }
+  for (size_t k = 0; k < weights_.cross.size(); ++k) {
+    const auto& b = weights_.cross[k];
+    std::string pre = fmt::format("language_model.model.cross_layers.{}.", k);
+    if (p.joint_attention) {
+      out.emplace_back(pre + "cross_attn.doc_bias", b.doc_bias);
+      continue;
+    }
+    out.emplace_back(pre + "input_layernorm.weight", b.attn_norm);
+    out.emplace_back(pre + "cross_attn.q_proj.weight", b.wq);
+    if (p.qk_norm) {
+      out.emplace_back(pre + "cross_attn.q_norm.weight", b.q_norm);
+      out.emplace_back(pre + "cross_attn.k_norm.weight", b.k_norm);
+    }
+    out.emplace_back(pre + "cross_attn.o_proj.weight", b.wo);
+    out.emplace_back(pre + "cross_attn_attn_gate", b.attn_gate);
+    if (p.attention_sinks) out.emplace_back(pre + "cross_attn.sinks", b.sinks);
+    if (p.cross_mlp) {
+      auto gu = b.w_gate_up.split_with_sizes({c.n_ff, c.n_ff}, 0);
+      out.emplace_back(pre + "post_attention_layernorm.weight", b.ffn_norm);
+      out.emplace_back(pre + "mlp.gate_proj.weight", gu[0]);
+      out.emplace_back(pre + "mlp.up_proj.weight", gu[1]);
+      out.emplace_back(pre + "mlp.down_proj.weight", b.w_down);
+      out.emplace_back(pre + "cross_attn_mlp_gate", b.mlp_gate);
+    }
+  }
+  return out;
+}
+
+COMB_INLINE Plugin Plugin::from_checkpoint(const TensorSource& source, const PluginConfig& config, const Decoder& base) {
+  const auto& c = base.config();
+  check_layout(config, c);
+  WeightReader r(source, base.dtype(), base.device());
+  PluginWeights w;
+  w.tok_embd = r.get("chunk_model.embed_tokens.weight", {c.n_vocab, c.n_embd}, /*required=*/false);
+  const int64_t d = c.n_embd;
+  if (!config.encoder_from_base)
+    for (int64_t j = 0; j < config.n_encoder_layers(); ++j)
+      w.encoder.push_back(r.layer(fmt::format("chunk_model.layers.{}.", j), c));
+  for (int64_t k = 0; k < config.n_blocks(); ++k) {
+    if (config.kv_norm) w.kv_norm.push_back(r.get(fmt::format("chunk_model.kv_norm.{}.weight", k), {d}));
+    w.wk.push_back(r.get(fmt::format("chunk_model.k_proj.{}.weight", k), {c.kv_dim(), d}));
+    w.wv.push_back(r.get(fmt::format("chunk_model.v_proj.{}.weight", k), {c.kv_dim(), d}));
+    std::string p = fmt::format("language_model.model.cross_layers.{}.", k);
+    CrossBlockWeights b;
+    if (config.joint_attention) {
+      b.doc_bias = r.get(p + "cross_attn.doc_bias", {c.n_head});
+      w.cross.push_back(std::move(b));
+      continue;
+    }
+    b.attn_norm = r.get(p + "input_layernorm.weight", {d});
+    b.wq = r.get(p + "cross_attn.q_proj.weight", {c.q_dim(), d});
+    if (config.qk_norm) {
+      b.q_norm = r.get(p + "cross_attn.q_norm.weight", {c.head_dim});
+      b.k_norm = r.get(p + "cross_attn.k_norm.weight", {c.head_dim});
+    }
+    b.wo = r.get(p + "cross_attn.o_proj.weight", {d, c.q_dim()});
+    b.attn_gate = r.get(p + "cross_attn_attn_gate", {1});
+    if (config.attention_sinks) b.sinks = r.get(p + "cross_attn.sinks", {c.n_head});
+    if (config.cross_mlp) {
+      b.ffn_norm = r.get(p + "post_attention_layernorm.weight", {d});
+      at::Tensor wg = r.get(p + "mlp.gate_proj.weight", {c.n_ff, d});
+      at::Tensor wu = r.get(p + "mlp.up_proj.weight", {c.n_ff, d});
+      b.w_down = r.get(p + "mlp.down_proj.weight", {d, c.n_ff});
+      b.mlp_gate = r.get(p + "cross_attn_mlp_gate", {1});
+      if (wg.defined() && wu.defined()) b.w_gate_up = at::cat({wg, wu}, 0);
+    }
+    w.cross.push_back(std::move(b));
+  }
+  r.finish(fmt::format("COMB plug-in with {} cross blocks does not fit the base decoder (n_embd {}, n_ff {}, {} heads, "
+                       "{} kv heads, head_dim {})",
+                       config.n_blocks(), c.n_embd, c.n_ff, c.n_head, c.n_head_kv, c.head_dim));
+  return Plugin(config, std::move(w), base);
+}
+
+COMB_INLINE Plugin Plugin::load(const std::string& path, const Decoder& base) {
+  SafetensorsFile file(path);
+  auto it = file.metadata().find("comb.plugin");
+  COMB_CHECK(it != file.metadata().end(), "'{}' is not a comb plug-in file (no 'comb.plugin' metadata)", path);
+  nlohmann::json j = nlohmann::json::parse(it->second, nullptr, false);
+  COMB_CHECK(!j.is_discarded(), "'{}': 'comb.plugin' metadata is not valid JSON", path);
+  PluginConfig config = PluginConfig::from_json(j, path);
+  std::string base_fp = base_fingerprint(base);
+  COMB_CHECK(config.base_fingerprint.empty() || config.base_fingerprint == base_fp,
+             "'{}' was built for another base decoder (fingerprint {}); this model's is {}", path,
+             config.base_fingerprint, base_fp);
+  return from_checkpoint(file, config, base);
+}
+
+COMB_INLINE void Plugin::save(const std::string& path, c10::ScalarType dtype) const {
+  auto tensors = named_tensors();
+  if (dtype != c10::ScalarType::Undefined)
+    for (auto& [name, t] : tensors) t = t.detach().to(dtype);
+  save_safetensors(path, tensors,
+                   {{"format", "pt"}, {"comb.plugin", config_.to_json().dump()},
+                    {"comb.base_config", base_config_.to_hf_json().dump()}});
+}
+
+// ================================================================================================
+// Forward
+// ================================================================================================
+
+COMB_INLINE DocumentKV Plugin::encode(const Decoder& base, const std::vector<int32_t>& tokens) const {
+  const auto& c = base_config_;
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  COMB_CHECK(n > 0, "a document is empty: the encoder needs at least one token");
+  COMB_CHECK(n <= config_.max_document_tokens, "a document has {} tokens; the encoder takes at most {}", n,
+             config_.max_document_tokens);
+  for (int32_t id : tokens)
+    COMB_CHECK(id >= 0 && id < c.n_vocab, "document token {} is outside the vocabulary [0, {})", id, c.n_vocab);
+  at::Tensor ids = at::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), at::kLong).to(base.device());
+  auto [keys, values] = encode_batch(base, weights_, ids.unsqueeze(0), {});
+  DocumentKV out;
+  out.n_tokens = n;
+  // K after k_norm (stored so, never recomputed per decode step), V as is: [n_head_kv, n, head_dim]
+  for (size_t k = 0; k < keys.size(); ++k) {
+    out.keys.push_back(keys[k][0].contiguous());
+    out.values.push_back(values[k][0].contiguous());
+  }
+  return out;
+}
+
+COMB_INLINE std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::encode_batch(const Decoder& base,
+                                                                                 const PluginWeights& w,
+                                                                                 const at::Tensor& tokens,
+                                                                                 const at::Tensor& mask) const {
+  const auto& c = base_config_;
+  const auto& p = config_;
+  const c10::ScalarType dt = base.dtype();
+  auto W = [&](const at::Tensor& t) { return t.scalar_type() == dt ? t : t.to(dt); };
+  const int64_t n_docs = tokens.size(0), len = tokens.size(1), pre = static_cast<int64_t>(p.encoder_prefix.size());
+  COMB_CHECK(len <= p.max_document_tokens, "a document has {} tokens; the encoder takes at most {}", len,
+             p.max_document_tokens);
+  at::Tensor ids = tokens, real = mask;
+  if (pre > 0) {
+    at::Tensor head = at::tensor(p.encoder_prefix, at::kLong).to(tokens.device()).unsqueeze(0).expand({n_docs, pre});
+    ids = at::cat({head, tokens}, 1);
+    if (mask.defined()) real = at::cat({at::ones({n_docs, pre}, mask.options()), mask}, 1);
+  }
+  const int64_t total = pre + len;
+  at::Tensor h = w.tok_embd.defined() ? at::embedding(W(w.tok_embd), ids) : base.embed(ids);
+  at::Tensor cos = base.rope_cos().narrow(0, 0, total), sin = base.rope_sin().narrow(0, 0, total);
+  // Padding comes after a document's real tokens: causally it is never seen; both ways it is masked.
+  at::Tensor enc_mask = real.defined() && !p.encoder_causal ? real.view({n_docs, 1, 1, total}) : at::Tensor();
+  std::vector<at::Tensor> keys(p.n_blocks()), values(p.n_blocks());
+  at::Tensor back_cos, back_sin;  // [n_docs, 1, len, head_dim]: document d's token j at position j - len_d
+  if (p.relative_positions) {
+    at::Tensor lens = mask.defined() ? mask.sum(1, /*keepdim=*/true).to(at::kLong)
+                                     : at::full({n_docs, 1}, len, at::TensorOptions().dtype(at::kLong).device(tokens.device()));
+    at::Tensor back = (lens - at::arange(len, lens.options()).unsqueeze(0)).clamp_min(0);  // len_d - j (>= 1 for real tokens)
+    back_cos = rope_cos_.index_select(0, back.reshape({-1})).view({n_docs, 1, len, c.head_dim});
+    back_sin = -rope_sin_.index_select(0, back.reshape({-1})).view({n_docs, 1, len, c.head_dim});  // sin(-a) = -sin(a)
+  }
+  auto project = [&](int64_t depth) {
+    for (int64_t k = 0; k < p.n_blocks(); ++k) {
+      if (p.read_depth(k) != depth) continue;
+      at::Tensor s = pre > 0 ? h.narrow(1, pre, len) : h;  // the blocks read the document's tokens only
+      if (p.kv_norm) s = rms_norm(s, W(w.kv_norm[k]), c.rms_eps);
+      at::Tensor ke = at::linear(s, W(w.wk[k])).view({n_docs, len, c.n_head_kv, c.head_dim});
+      if (p.qk_norm) ke = rms_norm(ke, W(w.cross[k].k_norm), c.rms_eps);
+      keys[k] = ke.transpose(1, 2);
+      if (p.relative_positions) keys[k] = apply_rope(keys[k], back_cos, back_sin);
+      values[k] = at::linear(s, W(w.wv[k])).view({n_docs, len, c.n_head_kv, c.head_dim}).transpose(1, 2);
+    }
+  };
+  project(0);
+  for (int64_t j = 0; j < p.n_encoder_layers(); ++j) {
+    const LayerWeights& l = w.encoder.at(j);
+    // The base's own layers kept quantized (encoder_from_base) are read as they are.
+    h = llama_layer(h, l.quantized ? l : LayerWeights{W(l.attn_norm), W(l.wqkv), W(l.wo), W(l.ffn_norm), W(l.w_gate_up),
+                                                       W(l.w_down), nullptr},
+                    c, cos, sin, p.encoder_causal, enc_mask);
+    project(j + 1);
+  }
+  return {std::move(keys), std::move(values)};
+}
+
+COMB_INLINE std::vector<JointKV> Plugin::joint_kv(const PluginWeights& w, const std::vector<std::vector<at::Tensor>>& keys,
+                                     const std::vector<std::vector<at::Tensor>>& values,
+                                     const std::vector<int64_t>& doc_counts, int64_t anchor) const {
+  COMB_CHECK(config_.joint_attention, "joint_kv: this plug-in's blocks do not join their layers' attention");
+  COMB_CHECK(anchor == 0 || config_.documents_after_prefix,
+             "joint_kv: documents anchored at position {} need a plug-in with documents_after_prefix", anchor);
+  COMB_CHECK(anchor >= 0 && anchor < rope_cos_.size(0), "joint_kv: anchor {} outside the context of {}", anchor,
+             rope_cos_.size(0));
+  COMB_CHECK(static_cast<int64_t>(keys.size()) == config_.n_blocks() && values.size() == keys.size(),
+             "joint_kv: K/V for {} and {} blocks, the plug-in has {}", keys.size(), values.size(), config_.n_blocks());
+  const auto& c = base_config_;
+  std::vector<JointKV> out;
+  for (size_t k = 0; k < keys.size(); ++k) {
+    const auto& ks = keys[k];
+    const auto& vs = values[k];
+    COMB_CHECK(!ks.empty() && ks.size() == vs.size(), "joint_kv: {} keys and {} values linked", ks.size(), vs.size());
+    // Each row's documents joined (cat, differentiable: training runs this too), then padded.
+    std::vector<at::Tensor> row_keys, row_values;
+    std::vector<int64_t> lens;
+    size_t d = 0;
+    for (int64_t count : doc_counts) {
+      COMB_CHECK(count >= 0 && d + count <= ks.size(), "joint_kv: doc_counts name more documents than the {} linked",
+                 ks.size());
+      std::vector<at::Tensor> rk(ks.begin() + d, ks.begin() + d + count), rv(vs.begin() + d, vs.begin() + d + count);
+      d += count;
+      row_keys.push_back(rk.empty() ? at::zeros({c.n_head_kv, 0, c.head_dim}, ks[0].options()) : at::cat(rk, 1));
+      row_values.push_back(rv.empty() ? at::zeros({c.n_head_kv, 0, c.head_dim}, vs[0].options()) : at::cat(rv, 1));
+      lens.push_back(row_keys.back().size(1));
+    }
+    COMB_CHECK(d == ks.size(), "joint_kv: doc_counts name {} documents, {} are linked", d, ks.size());
+    const int64_t m = *std::max_element(lens.begin(), lens.end());
+    for (size_t r = 0; r < lens.size(); ++r) {
+      row_keys[r] = at::constant_pad_nd(row_keys[r], {0, 0, 0, m - lens[r]});
+      row_values[r] = at::constant_pad_nd(row_values[r], {0, 0, 0, m - lens[r]});
+    }
+    JointKV j;
+    j.keys = at::stack(row_keys);
+    if (anchor > 0) {
+      // RoPE rotations compose: keys at -n..-1 turned by `anchor` are keys at anchor-n..anchor-1.
+      const int64_t hd = j.keys.size(-1);
+      j.keys = apply_rope(j.keys, rope_cos_.select(0, anchor).to(j.keys.scalar_type()).view({1, 1, 1, hd}),
+                          rope_sin_.select(0, anchor).to(j.keys.scalar_type()).view({1, 1, 1, hd}));
+    }
+    j.anchor = anchor;
+    j.values = at::stack(row_values);
+    if (std::any_of(lens.begin(), lens.end(), [&](int64_t l) { return l != m; }))
+      j.valid = at::arange(m, ks[0].options().dtype(at::kLong)).unsqueeze(0) <
+                at::tensor(lens, at::kLong).to(ks[0].device()).unsqueeze(1);
+    j.bias = w.cross.at(k).doc_bias;
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+COMB_INLINE at::Tensor Plugin::cross_block(int64_t k, const at::Tensor& x, const std::vector<at::Tensor>& keys,
+                               const std::vector<at::Tensor>& values, const std::vector<int64_t>& doc_counts,
+                               int64_t start) const {
+  return cross_block(weights_, k, x, keys, values, doc_counts, start);
+}
+
+COMB_INLINE at::Tensor Plugin::cross_block(const PluginWeights& w, int64_t k, const at::Tensor& x,
+                               const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                               const std::vector<int64_t>& doc_counts, int64_t start) const {
+  const auto& c = base_config_;
+  const auto& b = w.cross.at(k);
+  const c10::ScalarType dt = x.scalar_type();
+  auto W = [&](const at::Tensor& t) { return t.scalar_type() == dt ? t : t.to(dt); };
+  const int64_t batch = x.size(0), n = x.size(1);
+  at::Tensor q = at::linear(rms_norm(x, W(b.attn_norm), c.rms_eps), W(b.wq)).view({batch, n, c.n_head, c.head_dim});
+  if (config_.qk_norm) q = rms_norm(q, W(b.q_norm), c.rms_eps);
+  if (config_.relative_positions) {
+    COMB_CHECK(start >= 0 && start + n <= rope_cos_.size(0), "cross block: positions [{}, {}) beyond the context of {}",
+               start, start + n, rope_cos_.size(0));
+    q = apply_rope(q.transpose(1, 2), rope_cos_.narrow(0, start, n).to(dt), rope_sin_.narrow(0, start, n).to(dt))
+            .transpose(1, 2);
+  }
+  at::Tensor attn = ops::cross_attention(q, keys, values, doc_counts, 1.0 / std::sqrt(double(c.head_dim)),
+                                         config_.attention_sinks ? b.sinks : at::Tensor());
+  at::Tensor h = x + at::tanh(W(b.attn_gate)) * at::linear(attn.reshape({batch, n, c.q_dim()}), W(b.wo));
+  if (!config_.cross_mlp) return h;
+  return h + at::tanh(W(b.mlp_gate)) * swiglu_mlp(rms_norm(h, W(b.ffn_norm), c.rms_eps), W(b.w_gate_up), W(b.w_down));
+}
+
+}  // namespace comb

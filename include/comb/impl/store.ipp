@@ -1,0 +1,534 @@
+// PICacheStore (tiers, LRU, pinning, disk format with checksums) and Linker.
+// Compiled into libcomb (src/store.cpp), or inline in every translation unit that
+// defines COMB_HEADER_ONLY (comb::header_only); COMB_INLINE is `inline` there.
+#pragma once
+#include "comb/detail/inline.hpp"
+#include <ATen/ATen.h>
+#include <xxhash.h>
+
+#include <cstring>
+#include <filesystem>
+#include <list>
+#include <mutex>
+#include <unordered_map>
+
+#include "comb/cuda_backend.hpp"
+#include "comb/detail/mapped_file.hpp"
+#include "comb/detail/redis_tier.hpp"
+#include "comb/error.hpp"
+#include "comb/log.hpp"
+#include "comb/store.hpp"
+
+namespace fs = std::filesystem;
+
+namespace comb {
+
+COMB_INLINE int64_t DocumentKV::bytes() const {
+  int64_t n = 0;
+  for (const auto& t : keys) n += t.numel() * t.element_size();
+  for (const auto& t : values) n += t.numel() * t.element_size();
+  return n;
+}
+
+COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype) const {
+  DocumentKV out;
+  out.n_tokens = n_tokens;
+  for (const auto& t : keys) out.keys.push_back(t.to(device, dtype).contiguous());
+  for (const auto& t : values) out.values.push_back(t.to(device, dtype).contiguous());
+  return out;
+}
+
+COMB_INLINE std::string CacheKey::hex() const { return fmt::format("{:016x}{:016x}", high, low); }
+
+COMB_INLINE CacheKey CacheKey::from_hex(const std::string& hex) {
+  COMB_CHECK(hex.size() == 32 && hex.find_first_not_of("0123456789abcdef") == std::string::npos,
+             "'{}' is not a cache key (32 lower-case hex digits)", hex);
+  return {std::stoull(hex.substr(0, 16), nullptr, 16), std::stoull(hex.substr(16), nullptr, 16)};
+}
+
+COMB_INLINE CacheKey PICacheStore::key(const std::vector<int32_t>& tokens, const std::string& plugin_fingerprint,
+                           const std::string& tenant) {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_128bits_reset(state);
+  auto put = [&](const void* p, uint64_t n) {
+    XXH3_128bits_update(state, &n, sizeof(n));  // length first: no two inputs run together
+    XXH3_128bits_update(state, p, n);
+  };
+  put(tokens.data(), tokens.size() * sizeof(int32_t));
+  put(plugin_fingerprint.data(), plugin_fingerprint.size());
+  put(tenant.data(), tenant.size());
+  XXH128_hash_t h = XXH3_128bits_digest(state);
+  XXH3_freeState(state);
+  return {h.high64, h.low64};
+}
+
+namespace impl_store {  // this file's own helpers
+
+struct KeyHash {
+  size_t operator()(const CacheKey& k) const { return static_cast<size_t>(k.low ^ (k.high * 0x9E3779B97F4A7C15ull)); }
+};
+
+// ---- Disk format -------------------------------------------------------------------------------
+COMB_INLINE constexpr char kMagic[8] = {'C', 'O', 'M', 'B', 'K', 'V', '\0', '\1'};
+struct DiskHeader {
+  char magic[8];
+  uint32_t version;  // 1
+  uint32_t dtype;    // 0 float32, 1 bfloat16, 2 float16
+  uint32_t n_blocks, n_head_kv, head_dim, reserved;
+  uint64_t n_tokens, payload_bytes, checksum;  // checksum: XXH3-64 of the payload
+  uint64_t key_high, key_low;
+};
+static_assert(sizeof(DiskHeader) == 72, "disk header layout");
+
+COMB_INLINE uint32_t dtype_code(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: COMB_FAIL("cache storage dtype must be float32, bfloat16 or float16, found {}", c10::toString(t));
+  }
+}
+COMB_INLINE c10::ScalarType code_dtype(uint32_t c) { return c == 0 ? at::kFloat : c == 1 ? at::kBFloat16 : at::kHalf; }
+
+COMB_INLINE std::string serialize(const CacheKey& key, const DocumentKV& kv) {
+  DiskHeader h{};
+  std::memcpy(h.magic, kMagic, 8);
+  h.version = 1;
+  h.dtype = dtype_code(kv.keys.at(0).scalar_type());
+  h.n_blocks = static_cast<uint32_t>(kv.keys.size());
+  h.n_head_kv = static_cast<uint32_t>(kv.keys[0].size(0));
+  h.head_dim = static_cast<uint32_t>(kv.keys[0].size(2));
+  h.n_tokens = static_cast<uint64_t>(kv.n_tokens);
+  h.key_high = key.high;
+  h.key_low = key.low;
+  std::string payload;
+  for (size_t b = 0; b < kv.keys.size(); ++b)
+    for (const at::Tensor* t : {&kv.keys[b], &kv.values[b]}) {
+      at::Tensor c = t->to(at::kCPU).contiguous();
+      payload.append(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
+    }
+  h.payload_bytes = payload.size();
+  h.checksum = XXH3_64bits(payload.data(), payload.size());
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h)) + payload;
+}
+
+// The entry in bytes [data, data + size), or nullopt (with the reason) when anything about it is
+// wrong.
+COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t size, const CacheKey& key, std::string& why) {
+  if (size < sizeof(DiskHeader)) return why = "shorter than its header", std::nullopt;
+  DiskHeader h;
+  std::memcpy(&h, data, sizeof(h));
+  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 2) return why = "bad magic or version", std::nullopt;
+  if (h.key_high != key.high || h.key_low != key.low) return why = "holds another key", std::nullopt;
+  const c10::ScalarType dtype = code_dtype(h.dtype);
+  // Sizes multiplied with overflow checks: a header whose product wraps around is refused here,
+  // not trusted to size a tensor.
+  uint64_t block = 0, total = 0;
+  const bool wraps = __builtin_mul_overflow(uint64_t(h.n_head_kv) * h.head_dim, h.n_tokens, &block) ||
+                     __builtin_mul_overflow(block, uint64_t(c10::elementSize(dtype)), &block) ||
+                     __builtin_mul_overflow(block, 2 * uint64_t(h.n_blocks), &total);
+  if (wraps || h.n_blocks == 0 || block == 0 || h.payload_bytes != total ||
+      size != sizeof(DiskHeader) + h.payload_bytes)
+    return why = "truncated or sizes inconsistent", std::nullopt;
+  const uint8_t* payload = data + sizeof(DiskHeader);
+  if (XXH3_64bits(payload, h.payload_bytes) != h.checksum) return why = "checksum mismatch", std::nullopt;
+  DocumentKV kv;
+  kv.n_tokens = static_cast<int64_t>(h.n_tokens);
+  std::vector<int64_t> shape{h.n_head_kv, static_cast<int64_t>(h.n_tokens), h.head_dim};
+  for (uint32_t b = 0; b < h.n_blocks; ++b) {
+    at::Tensor k = at::empty(shape, dtype), v = at::empty(shape, dtype);
+    std::memcpy(k.data_ptr(), payload + (2 * b) * block, block);
+    std::memcpy(v.data_ptr(), payload + (2 * b + 1) * block, block);
+    kv.keys.push_back(k);
+    kv.values.push_back(v);
+  }
+  return kv;
+}
+
+COMB_INLINE std::optional<DocumentKV> deserialize(const std::string& path, const CacheKey& key, std::string& why) {
+  detail::MappedFile f(path);
+  return deserialize(f.data(), f.size(), key, why);
+}
+
+COMB_INLINE std::string remote_key(const CacheKey& key) { return "comb:kv:" + key.hex(); }
+
+// ---- Tiers -------------------------------------------------------------------------------------
+struct MemoryTier {
+  struct Slot {
+    std::shared_ptr<const DocumentKV> kv;
+    std::list<CacheKey>::iterator lru;
+    int64_t bytes;
+    bool pinned;
+  };
+  int64_t budget = 0;
+  c10::Device device = c10::kCPU;
+  TierStats stats;
+  std::list<CacheKey> lru;  // front: most recently used
+  std::unordered_map<CacheKey, Slot, KeyHash> slots;
+
+  bool enabled() const { return budget > 0; }
+  void touch(Slot& s, const CacheKey& key) {
+    lru.erase(s.lru);
+    lru.push_front(key);
+    s.lru = lru.begin();
+  }
+  void erase(const CacheKey& key) {
+    auto it = slots.find(key);
+    stats.bytes -= it->second.bytes;
+    lru.erase(it->second.lru);
+    slots.erase(it);
+  }
+};
+
+}  // namespace impl_store
+using namespace impl_store;
+
+struct PICacheStore::Impl {
+  StoreOptions options;
+  mutable std::mutex mutex;
+  std::vector<MemoryTier> memory;  // [0] device (when CUDA), then host
+  // Disk tier: files "<key hex>.kv"; LRU order and sizes kept here.
+  TierStats disk;
+  std::list<CacheKey> disk_lru;
+  std::unordered_map<CacheKey, std::pair<std::list<CacheKey>::iterator, int64_t>, KeyHash> disk_files;
+  int64_t corrupt = 0, write_errors = 0;
+  // Remote tier (Redis): its own locking; the store's mutex is never held across a network call.
+  std::unique_ptr<detail::RedisTier> remote;
+  TierStats remote_stats;
+
+  bool disk_enabled() const { return options.disk_bytes > 0 && !options.disk_dir.empty(); }
+  std::string path_of(const CacheKey& k) const { return options.disk_dir + "/" + k.hex() + ".kv"; }
+
+  // Inserts into memory tier `t` (or the ones after it), evicting LRU unpinned entries; never
+  // exceeds a budget. An entry evicted from a tier moves to the next memory tier, if any.
+  // Returns the entry as stored (converted to its tier's device), or as given if no tier took it.
+  std::shared_ptr<const DocumentKV> insert(size_t t, const CacheKey& key, std::shared_ptr<const DocumentKV> kv) {
+    for (; t < memory.size(); ++t) {
+      MemoryTier& tier = memory[t];
+      // Storage bytes are known before any copy: an entry this tier cannot hold beside its pinned
+      // ones is neither copied to its device nor allowed to evict anything.
+      const int64_t bytes = storage_bytes(*kv);
+      if (!fits(tier, bytes)) continue;
+      if (kv->keys[0].device() != tier.device || kv->keys[0].scalar_type() != options.dtype)
+        kv = std::make_shared<const DocumentKV>(kv->to(tier.device, options.dtype));
+      std::vector<std::pair<CacheKey, std::shared_ptr<const DocumentKV>>> evicted;
+      while (tier.stats.bytes + bytes > tier.budget) {  // ends: the unpinned bytes cover the excess
+        auto victim = tier.lru.rbegin();
+        while (tier.slots.at(*victim).pinned) ++victim;
+        CacheKey vk = *victim;
+        evicted.emplace_back(vk, tier.slots.at(vk).kv);
+        tier.erase(vk);
+        ++tier.stats.evictions;
+      }
+      tier.lru.push_front(key);
+      tier.slots[key] = {kv, tier.lru.begin(), bytes, false};
+      tier.stats.bytes += bytes;
+      for (auto& [vk, vkv] : evicted) insert(t + 1, vk, vkv);
+      return kv;
+    }
+    return kv;
+  }
+
+  // Bytes `kv` takes once converted to the storage dtype.
+  int64_t storage_bytes(const DocumentKV& kv) const {
+    int64_t elements = 0;
+    for (const auto* list : {&kv.keys, &kv.values})
+      for (const auto& t : *list) elements += t.numel();
+    return elements * static_cast<int64_t>(c10::elementSize(options.dtype));
+  }
+  // Whether `tier` can hold `bytes` beside its pinned entries (evicting unpinned ones as needed).
+  static bool fits(const MemoryTier& tier, int64_t bytes) {
+    if (!tier.enabled()) return false;
+    int64_t pinned = 0;
+    for (const auto& [k, slot] : tier.slots)
+      if (slot.pinned) pinned += slot.bytes;
+    return bytes <= tier.budget - pinned;
+  }
+
+  void disk_write(const CacheKey& key, const DocumentKV& kv) {
+    if (!disk_enabled() || disk_files.count(key)) return;
+    std::string bytes = serialize(key, kv);
+    const int64_t size = static_cast<int64_t>(bytes.size());
+    if (size > options.disk_bytes) return;
+    try {
+      while (disk.bytes + size > options.disk_bytes) disk_remove(disk_lru.back(), /*evicted=*/true);
+      detail::write_file_atomic(path_of(key), bytes, 0600);  // documents' K/V: the owner's only
+    } catch (const Error& e) {
+      ++write_errors;
+      log(LogLevel::warning, "cache store: disk write failed, the entry stays in memory only: {}", e.what());
+      return;
+    }
+    disk_lru.push_front(key);
+    disk_files[key] = {disk_lru.begin(), size};
+    disk.bytes += size;
+  }
+
+  void disk_remove(const CacheKey& key, bool evicted) {
+    auto it = disk_files.find(key);
+    if (it == disk_files.end()) return;
+    std::error_code ec;
+    fs::remove(path_of(key), ec);
+    disk.bytes -= it->second.second;
+    disk_lru.erase(it->second.first);
+    disk_files.erase(it);
+    if (evicted) ++disk.evictions;
+  }
+
+  // The entry from the memory or disk tiers (the caller holds `mutex`), or nullptr.
+  std::shared_ptr<const DocumentKV> get_local(const CacheKey& key);
+
+  void scan_disk() {
+    std::error_code ec;
+    fs::create_directories(options.disk_dir, ec);
+    COMB_CHECK(fs::is_directory(options.disk_dir), "cache directory '{}' cannot be created: {}", options.disk_dir,
+               ec ? ec.message() : "a file of that name is in the way");
+    std::string probe = options.disk_dir + "/.comb-write-probe";
+    try {
+      detail::write_file_atomic(probe, "ok");
+    } catch (const Error& e) {
+      COMB_FAIL("cache directory '{}' is not writable: {}", options.disk_dir, e.what());
+    }
+    fs::remove(probe, ec);
+    std::vector<std::pair<fs::file_time_type, std::pair<CacheKey, int64_t>>> found;
+    for (const auto& e : fs::directory_iterator(options.disk_dir)) {
+      std::string name = e.path().filename().string();
+      if (!e.is_regular_file() || name.size() != 35 || name.substr(32) != ".kv") continue;
+      try {
+        found.push_back({e.last_write_time(), {CacheKey::from_hex(name.substr(0, 32)), int64_t(e.file_size())}});
+      } catch (const Error&) {
+      }
+    }
+    std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (const auto& [time, entry] : found) {
+      disk_lru.push_back(entry.first);
+      disk_files[entry.first] = {std::prev(disk_lru.end()), entry.second};
+      disk.bytes += entry.second;
+    }
+    while (disk.bytes > options.disk_bytes && !disk_lru.empty()) disk_remove(disk_lru.back(), true);
+  }
+};
+
+COMB_INLINE PICacheStore::PICacheStore(StoreOptions options) : impl_(std::make_unique<Impl>()) {
+  dtype_code(options.dtype);  // validates
+  COMB_CHECK(options.device_bytes >= 0 && options.host_bytes >= 0 && options.disk_bytes >= 0,
+             "cache budgets must be >= 0 (device {}, host {}, disk {})", options.device_bytes, options.host_bytes,
+             options.disk_bytes);
+  COMB_CHECK(options.disk_bytes == 0 || !options.disk_dir.empty(), "a disk budget needs a cache directory");
+  impl_->options = options;
+  if (options.device.is_cuda()) {
+    load_cuda_backend();  // before anything asks LibTorch about CUDA
+    MemoryTier device;
+    device.budget = options.device_bytes;
+    device.device = options.device;
+    impl_->memory.push_back(std::move(device));
+  }
+  MemoryTier host;
+  host.budget = options.host_bytes;
+  impl_->memory.push_back(std::move(host));
+  if (impl_->disk_enabled()) impl_->scan_disk();
+  if (!options.remote_url.empty()) {
+    detail::RedisTierOptions remote;
+    remote.address = detail::parse_redis_url(options.remote_url);
+    remote.ttl_s = options.remote_ttl_s;
+    remote.timeout_ms = options.remote_timeout_ms;
+    remote.backoff_ms = options.remote_backoff_ms;
+    impl_->remote = std::make_unique<detail::RedisTier>(remote);
+  }
+}
+
+COMB_INLINE PICacheStore::~PICacheStore() = default;
+
+COMB_INLINE void PICacheStore::flush() {
+  if (impl_->remote) impl_->remote->flush();
+}
+
+COMB_INLINE const StoreOptions& PICacheStore::options() const { return impl_->options; }
+
+COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& key) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    if (auto hit = impl_->get_local(key)) return hit;
+  }
+  if (!impl_->remote) return nullptr;
+  std::string why;
+  std::optional<DocumentKV> kv;
+  bool found = false;
+  impl_->remote->read(remote_key(key), [&](const char* data, size_t size) {
+    found = true;
+    try {  // straight from the reply's buffer: one copy, into the entry's tensors
+      kv = deserialize(reinterpret_cast<const uint8_t*>(data), size, key, why);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    return kv.has_value();
+  });
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  if (!kv) {
+    ++impl_->remote_stats.misses;
+    if (found) {  // there, but not an entry of this key: dropped, to be computed and written again
+      ++impl_->corrupt;
+      log(LogLevel::warning, "cache store: dropped corrupt Redis entry {} ({})", key.hex(), why);
+      impl_->remote->remove(remote_key(key));
+    }
+    return nullptr;
+  }
+  ++impl_->remote_stats.hits;
+  // Another caller may have stored it while this one read: theirs stands.
+  for (auto& tier : impl_->memory)
+    if (auto it = tier.slots.find(key); it != tier.slots.end()) return it->second.kv;
+  if (kv->keys[0].scalar_type() != impl_->options.dtype) *kv = kv->to(at::kCPU, impl_->options.dtype);
+  auto entry = std::make_shared<const DocumentKV>(std::move(*kv));
+  impl_->disk_write(key, *entry);
+  return impl_->insert(0, key, entry);
+}
+
+COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::Impl::get_local(const CacheKey& key) {
+  for (size_t t = 0; t < memory.size(); ++t) {
+    auto it = memory[t].slots.find(key);
+    if (it == memory[t].slots.end()) {
+      ++memory[t].stats.misses;
+      continue;
+    }
+    ++memory[t].stats.hits;
+    std::shared_ptr<const DocumentKV> kv = it->second.kv;
+    if (t > 0 && !it->second.pinned && fits(memory[0], it->second.bytes)) {  // promote to the fastest tier
+      // The copy first: if it throws (device memory), the entry stays where it was.
+      auto moved = std::make_shared<const DocumentKV>(kv->to(memory[0].device, options.dtype));
+      memory[t].erase(key);
+      return insert(0, key, moved);
+    }
+    memory[t].touch(it->second, key);
+    return kv;
+  }
+  if (disk_enabled()) {
+    auto it = disk_files.find(key);
+    if (it != disk_files.end()) {
+      std::string why;
+      std::optional<DocumentKV> kv;
+      try {
+        kv = deserialize(path_of(key), key, why);
+      } catch (const std::exception& e) {  // comb::Error, c10::Error, std::bad_alloc: a bad file, not a crash
+        why = e.what();
+      }
+      if (kv) {
+        ++disk.hits;
+        disk_lru.erase(it->second.first);
+        disk_lru.push_front(key);
+        it->second.first = disk_lru.begin();
+        // A file written by a store of another storage dtype is converted, like every entry.
+        if (kv->keys[0].scalar_type() != options.dtype) *kv = kv->to(at::kCPU, options.dtype);
+        return insert(0, key, std::make_shared<const DocumentKV>(std::move(*kv)));
+      }
+      ++corrupt;
+      log(LogLevel::warning, "cache store: dropped corrupt entry {} ({})", key.hex(), why);
+      disk_remove(key, /*evicted=*/false);
+    }
+    ++disk.misses;
+  }
+  return nullptr;
+}
+
+COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& key, const DocumentKV& kv) {
+  COMB_CHECK(!kv.keys.empty() && kv.keys.size() == kv.values.size(), "cache entry {} has no K/V blocks", key.hex());
+  std::unique_lock<std::mutex> lock(impl_->mutex);
+  bool pinned = false;  // a replaced entry keeps its pin
+  for (auto& tier : impl_->memory)
+    if (auto it = tier.slots.find(key); it != tier.slots.end()) {
+      pinned = pinned || it->second.pinned;
+      tier.erase(key);
+    }
+  // Converted on the first tier that can hold it (the device tier only when it fits there).
+  const int64_t bytes = impl_->storage_bytes(kv);
+  auto top = std::find_if(impl_->memory.begin(), impl_->memory.end(),
+                          [&](const MemoryTier& t) { return Impl::fits(t, bytes); });
+  c10::Device where = top == impl_->memory.end() ? c10::Device(c10::kCPU) : top->device;
+  auto entry = std::make_shared<const DocumentKV>(kv.to(where, impl_->options.dtype));
+  impl_->disk_write(key, *entry);
+  auto stored = impl_->insert(0, key, entry);
+  if (pinned)
+    for (auto& tier : impl_->memory)
+      if (auto it = tier.slots.find(key); it != tier.slots.end()) it->second.pinned = true;
+  lock.unlock();
+  if (impl_->remote)  // serialized and written by the tier's thread: put() waits for neither
+    impl_->remote->put_lazy(remote_key(key), static_cast<int64_t>(sizeof(DiskHeader)) + entry->bytes(),
+                            [key, entry] { return serialize(key, *entry); });
+  return stored;
+}
+
+COMB_INLINE bool PICacheStore::pin(const CacheKey& key) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (auto& tier : impl_->memory)
+    if (auto it = tier.slots.find(key); it != tier.slots.end()) return it->second.pinned = true;
+  return false;
+}
+
+COMB_INLINE void PICacheStore::unpin(const CacheKey& key) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (auto& tier : impl_->memory)
+    if (auto it = tier.slots.find(key); it != tier.slots.end()) it->second.pinned = false;
+}
+
+COMB_INLINE StoreStats PICacheStore::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  StoreStats s;
+  auto fill = [](const MemoryTier& t) {
+    TierStats out = t.stats;
+    out.entries = static_cast<int64_t>(t.slots.size());
+    out.budget = t.budget;
+    return out;
+  };
+  const auto& memory = impl_->memory;
+  if (memory.size() == 2) s.device = fill(memory[0]);
+  s.host = fill(memory.back());
+  s.disk = impl_->disk;
+  s.disk.entries = static_cast<int64_t>(impl_->disk_files.size());
+  s.disk.budget = impl_->options.disk_bytes;
+  s.corrupt = impl_->corrupt;
+  s.write_errors = impl_->write_errors;
+  if (impl_->remote) {
+    detail::RedisTierStats r = impl_->remote->stats();
+    s.remote = impl_->remote_stats;
+    s.remote.bytes = r.bytes_written;
+    s.remote_errors = r.errors;
+    s.remote_dropped = r.dropped_writes;
+    s.remote_online = r.online;
+  }
+  return s;
+}
+
+// ================================================================================================
+// Linker
+// ================================================================================================
+
+COMB_INLINE LinkedDocuments Linker::link(const std::vector<std::shared_ptr<const DocumentKV>>& documents) const {
+  return link_batch({documents});
+}
+
+COMB_INLINE LinkedDocuments Linker::link_batch(const std::vector<std::vector<std::shared_ptr<const DocumentKV>>>& documents) const {
+  LinkedDocuments out;
+  size_t n_blocks = 0;
+  for (const auto& request : documents)
+    for (const auto& d : request) {
+      COMB_CHECK(d && !d->keys.empty(), "a linked document is empty");
+      COMB_CHECK(n_blocks == 0 || d->keys.size() == n_blocks,
+                 "linked documents come from different plug-ins ({} and {} cross blocks)", n_blocks, d->keys.size());
+      n_blocks = d->keys.size();
+    }
+  out.keys.resize(n_blocks);
+  out.values.resize(n_blocks);
+  for (const auto& request : documents) {
+    out.doc_counts.push_back(static_cast<int64_t>(request.size()));
+    for (auto d : request) {
+      if (d->keys[0].device() != device_)  // e.g. a host-tier entry for a GPU decoder: one copy
+        d = std::make_shared<const DocumentKV>(d->to(device_, d->keys[0].scalar_type()));
+      for (size_t b = 0; b < n_blocks; ++b) {
+        out.keys[b].push_back(d->keys[b]);
+        out.values[b].push_back(d->values[b]);
+      }
+      out.held.push_back(std::move(d));
+    }
+  }
+  return out;
+}
+
+}  // namespace comb
