@@ -127,6 +127,14 @@ TEST_CASE("bad tokenizer files name the file; a model without a chat template sa
   CHECK(error_of(vocab + R"(,"added_tokens":[{"id":2,"content":"<x>"}]})", "").empty());
   // Fields of the wrong type: the file is named, not only nlohmann's type error.
   CHECK_THAT(error_of(R"({"model":{"type":"BPE","vocab":{"a":"zero"},"merges":[]}})", ""),
+             Catch::Contains("tokenizer.json: the id of token 'a': expected a whole number, found \"zero\""));
+  // An id too large for any integer, written as a float (found by the tokenizer_json fuzz target:
+  // its conversion was undefined behaviour).
+  CHECK_THAT(error_of(R"({"model":{"type":"BPE","vocab":{"a":7.7e21},"merges":[]}})", ""),
+             Catch::Contains("the id of token 'a': expected a whole number, found 7.7e+21"));
+  CHECK_THAT(error_of(vocab + R"(,"added_tokens":[{"id":1.5,"content":"<x>"}]})", ""),
+             Catch::Contains("an added token's id: expected a whole number, found 1.5"));
+  CHECK_THAT(error_of(R"({"model":{"type":"BPE","merges":[]}})", ""),
              Catch::Contains("tokenizer.json': a field is missing or of the wrong type"));
   CHECK_THAT(error_of(vocab + "}", R"({"add_bos_token":null})"),
              Catch::Contains("tokenizer_config.json': a field is missing or of the wrong type"));

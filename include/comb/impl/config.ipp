@@ -3,6 +3,7 @@
 // defines COMB_HEADER_ONLY (comb::header_only); COMB_INLINE is `inline` there.
 #pragma once
 #include "comb/detail/inline.hpp"
+#include "comb/detail/json_number.hpp"
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -78,17 +79,17 @@ COMB_INLINE ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const
   COMB_CHECK(type == "llama", "{}: model_type '{}' is not supported (expected llama)", where, type);
   COMB_CHECK(!j.value("attention_bias", false) && !j.value("mlp_bias", false),
              "{}: attention or MLP biases are not supported", where);
-  c.n_vocab = req("vocab_size").get<int64_t>();
-  c.n_embd = req("hidden_size").get<int64_t>();
-  c.n_ff = req("intermediate_size").get<int64_t>();
-  c.n_layer = req("num_hidden_layers").get<int64_t>();
-  c.n_head = req("num_attention_heads").get<int64_t>();
+  c.n_vocab = detail::json_whole(req("vocab_size"), where + ": vocab_size");
+  c.n_embd = detail::json_whole(req("hidden_size"), where + ": hidden_size");
+  c.n_ff = detail::json_whole(req("intermediate_size"), where + ": intermediate_size");
+  c.n_layer = detail::json_whole(req("num_hidden_layers"), where + ": num_hidden_layers");
+  c.n_head = detail::json_whole(req("num_attention_heads"), where + ": num_attention_heads");
   c.n_head_kv = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null()
-                    ? j["num_key_value_heads"].get<int64_t>()
+                    ? detail::json_whole(j["num_key_value_heads"], where + ": num_key_value_heads")
                     : c.n_head;
-  c.head_dim = j.contains("head_dim") && !j["head_dim"].is_null() ? j["head_dim"].get<int64_t>()
+  c.head_dim = j.contains("head_dim") && !j["head_dim"].is_null() ? detail::json_whole(j["head_dim"], where + ": head_dim")
                                                                    : (c.n_head > 0 ? c.n_embd / c.n_head : 0);
-  c.n_ctx = req("max_position_embeddings").get<int64_t>();
+  c.n_ctx = detail::json_whole(req("max_position_embeddings"), where + ": max_position_embeddings");
   c.rms_eps = j.value("rms_norm_eps", 1e-6);
   c.tie_embeddings = j.value("tie_word_embeddings", false);
   // RoPE: "rope_theta"/"rope_scaling" (older layout) or "rope_parameters" (newer).
@@ -102,7 +103,8 @@ COMB_INLINE ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const
     c.rope_scaling.factor = rope.at("factor").get<double>();
     c.rope_scaling.low_freq_factor = rope.at("low_freq_factor").get<double>();
     c.rope_scaling.high_freq_factor = rope.at("high_freq_factor").get<double>();
-    c.rope_scaling.original_max_position = rope.at("original_max_position_embeddings").get<int64_t>();
+    c.rope_scaling.original_max_position =
+        detail::json_whole(rope.at("original_max_position_embeddings"), where + ": original_max_position_embeddings");
   } else {
     COMB_CHECK(rope_type == "default", "{}: RoPE type '{}' is not supported (supported: default, llama3)", where,
                rope_type);

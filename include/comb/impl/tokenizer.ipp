@@ -3,6 +3,7 @@
 // defines COMB_HEADER_ONLY (comb::header_only); COMB_INLINE is `inline` there.
 #pragma once
 #include "comb/detail/inline.hpp"
+#include "comb/detail/json_number.hpp"
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
@@ -430,7 +431,7 @@ COMB_INLINE Tokenizer Tokenizer::from_hf_json(const nlohmann::json& j, const std
   const auto& vocab = model.at("vocab");
   impl->tokens.resize(vocab.size());
   for (auto& [tok, id] : vocab.items()) {
-    int64_t i = id.get<int64_t>();
+    int64_t i = detail::json_whole(id, where + ": the id of token '" + tok + "'");
     COMB_CHECK(i >= 0 && i < static_cast<int64_t>(vocab.size()), "{}: token '{}' has id {} outside [0, {})", where,
                tok, i, vocab.size());
     impl->tokens[i] = tok;
@@ -440,7 +441,7 @@ COMB_INLINE Tokenizer Tokenizer::from_hf_json(const nlohmann::json& j, const std
     // (or below 0) would be a write out of bounds or a vast resize.
     const int64_t limit = static_cast<int64_t>(vocab.size() + j["added_tokens"].size());
     for (const auto& t : j["added_tokens"]) {
-      int64_t i = t.at("id").get<int64_t>();
+      int64_t i = detail::json_whole(t.at("id"), where + ": an added token's id");
       COMB_CHECK(i >= 0 && i < limit, "{}: added token '{}' has id {} outside [0, {}) (the vocabulary and the added tokens)",
                  where, t.value("content", "?"), i, limit);
       if (i >= static_cast<int64_t>(impl->tokens.size())) impl->tokens.resize(i + 1);
