@@ -66,6 +66,7 @@ COMB_AVX2 void gemv_avx2(const float* x, int64_t m, const float* w, int64_t k, f
 }
 #endif
 
+#if defined(__x86_64__)
 // exp(x) of 8 floats: x = n ln2 + r (|r| <= ln2 / 2), e^r by its degree-6 Taylor polynomial
 // (relative error below 2e-7 on that range), 2^n from the exponent bits. Inputs below -87.3 give 0,
 // as softmax wants of scores far under the maximum.
@@ -89,52 +90,35 @@ COMB_AVX2 inline __m256 exp_avx2(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
-// attention_rows with the three loops in vectors: scores (one dot product per key), their
-// exponentials eight at a time, and the weighted sum of values eight dimensions at a time.
-COMB_AVX2 void attention_avx2(const float* q, const float* k_cache, const float* v_cache, const AttentionShape& s,
-                              float* out, float* scratch, int64_t begin, int64_t end) {
-  const int64_t hd = s.head_dim, q_dim = s.n_head * hd, group = s.n_head / s.n_head_kv;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t b = item / s.n_head, h = item % s.n_head, kvh = h / group;
-    const float* keys = k_cache + (b * s.n_head_kv + kvh) * s.capacity * hd;
-    const float* values = v_cache + (b * s.n_head_kv + kvh) * s.capacity * hd;
-    for (int64_t i = 0; i < s.n_tokens; ++i) {
-      const int64_t t = b * s.n_tokens + i, n_keys = s.start + i + 1;
-      const float* qv = q + t * q_dim + h * hd;
-      float max_score = -INFINITY;
-      for (int64_t j = 0; j < n_keys; ++j) {
-        scratch[j] = dot_avx2(qv, keys + j * hd, hd) * scale;
-        max_score = std::max(max_score, scratch[j]);
-      }
-      const __m256 m = _mm256_set1_ps(max_score);
-      __m256 sum8 = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j + 8 <= n_keys; j += 8) {
-        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scratch + j), m));
-        _mm256_storeu_ps(scratch + j, e);
-        sum8 = _mm256_add_ps(sum8, e);
-      }
-      float total = hsum(sum8);
-      for (; j < n_keys; ++j) total += (scratch[j] = std::exp(scratch[j] - max_score));
-      const float inv = 1.0f / total;
-      float* o = out + t * q_dim + h * hd;
-      int64_t d = 0;
-      for (; d + 8 <= hd; d += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t jj = 0; jj < n_keys; ++jj)
-          acc = _mm256_fmadd_ps(_mm256_set1_ps(scratch[jj]), _mm256_loadu_ps(values + jj * hd + d), acc);
-        _mm256_storeu_ps(o + d, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
-      }
-      for (; d < hd; ++d) {
-        float acc = 0;
-        for (int64_t jj = 0; jj < n_keys; ++jj) acc += scratch[jj] * values[jj * hd + d];
-        o[d] = acc * inv;
-      }
-    }
+// softmax_mix with the exponentials eight at a time and the weighted sum eight dimensions at a time.
+COMB_AVX2 void softmax_mix_avx2(float* scores, int64_t n, float max_score, const float* values, int64_t hd, float* out) {
+  const __m256 m = _mm256_set1_ps(max_score);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + j), m));
+    _mm256_storeu_ps(scores + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float total = hsum(sum8);
+  for (; j < n; ++j) total += (scores[j] = std::exp(scores[j] - max_score));
+  const float inv = 1.0f / total;
+  int64_t d = 0;
+  for (; d + 8 <= hd; d += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n; ++k)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[k]), _mm256_loadu_ps(values + k * hd + d), acc);
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+  }
+  for (; d < hd; ++d) {
+    float acc = 0;
+    for (int64_t k = 0; k < n; ++k) acc += scores[k] * values[k * hd + d];
+    out[d] = acc * inv;
   }
 }
+#endif
 
+#if defined(__x86_64__)
 // Each group's 32 products are summed in a vector, scaled once, and added to the row's sum.
 COMB_AVX2 void gemv_q8_avx2(const float* x, int64_t m, const int8_t* q, const float* scale, int64_t k, float* y,
                             int64_t n_out, int64_t begin, int64_t end) {
@@ -164,6 +148,7 @@ COMB_AVX2 void gemv_q8_avx2(const float* x, int64_t m, const int8_t* q, const fl
     }
   }
 }
+#endif
 
 float dot(const float* a, const float* b, int64_t n) {
 #if defined(__x86_64__)
@@ -177,6 +162,18 @@ float dot(const float* a, const float* b, int64_t n) {
 // y += p * x
 inline void axpy(float p, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
+}
+
+// out[0, hd) = softmax(scores[0, n)) . values [n, hd] (rows hd apart); `max_score` is the scores'
+// maximum, and the scores are overwritten by their exponentials.
+void softmax_mix(float* scores, int64_t n, float max_score, const float* values, int64_t hd, float* out) {
+#if defined(__x86_64__)
+  if (has_avx2()) return softmax_mix_avx2(scores, n, max_score, values, hd, out);
+#endif
+  float total = 0;
+  for (int64_t j = 0; j < n; ++j) total += (scores[j] = std::exp(scores[j] - max_score));
+  std::fill(out, out + hd, 0.0f);
+  for (int64_t j = 0; j < n; ++j) axpy(scores[j] / total, values + j * hd, out, hd);
 }
 
 }  // namespace
@@ -266,9 +263,6 @@ void rotate_rows(const float* x, int64_t x_stride, const float* cos, const float
 
 void attention_rows(const float* q, const float* k_cache, const float* v_cache, const AttentionShape& s, float* out,
                     float* scratch, int64_t begin, int64_t end) {
-#if defined(__x86_64__)
-  if (has_avx2()) return attention_avx2(q, k_cache, v_cache, s, out, scratch, begin, end);
-#endif
   const int64_t hd = s.head_dim, q_dim = s.n_head * hd, group = s.n_head / s.n_head_kv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t item = begin; item < end; ++item) {
@@ -283,11 +277,7 @@ void attention_rows(const float* q, const float* k_cache, const float* v_cache, 
         scratch[j] = dot(qv, keys + j * hd, hd) * scale;
         max_score = std::max(max_score, scratch[j]);
       }
-      float total = 0;
-      for (int64_t j = 0; j < n_keys; ++j) total += (scratch[j] = std::exp(scratch[j] - max_score));
-      float* o = out + t * q_dim + h * hd;
-      std::fill(o, o + hd, 0.0f);
-      for (int64_t j = 0; j < n_keys; ++j) axpy(scratch[j] / total, values + j * hd, o, hd);
+      softmax_mix(scratch, n_keys, max_score, values, hd, out + t * q_dim + h * hd);
     }
   }
 }

@@ -115,35 +115,36 @@ int cmd_bench(Args& args) {
     report("prefill", n, n / median(times), cached);
   }
   if (n_decode > 0) {
-    std::vector<double> rates;
-    for (int r = 0; r <= repeat; ++r) {
+    // A 128-token prompt (not timed), then `run` with the call that decodes n_decode tokens after it.
+    auto after_prompt = [&](const auto& run) {
       comb::KVCache cache = dec.make_cache(1, 128 + n_decode);
-      at::Tensor logits = dec.forward(prompt(128), cache);
-      int64_t token = logits[0][-1].argmax().item<int64_t>();
-      auto t0 = now();
-      for (int64_t i = 0; i < n_decode; ++i) {
-        logits = dec.forward(at::full({1, 1}, token, at::kLong), cache);
-        token = logits[0][-1].argmax().item<int64_t>();
-      }
-      if (r > 0) rates.push_back(n_decode / std::chrono::duration<double>(now() - t0).count());
-    }
+      int64_t token = dec.forward(prompt(128), cache)[0][-1].argmax().item<int64_t>();
+      run([&] {
+        for (int64_t i = 0; i < n_decode; ++i)
+          token = dec.forward(at::full({1, 1}, token, at::kLong), cache)[0][-1].argmax().item<int64_t>();
+      });
+    };
+    std::vector<double> rates;
+    for (int r = 0; r <= repeat; ++r)
+      after_prompt([&](const auto& decode) {
+        auto t0 = now();
+        decode();
+        if (r > 0) rates.push_back(n_decode / std::chrono::duration<double>(now() - t0).count());
+      });
     report("decode", n_decode, median(rates));
     if (profile) {
-      comb::KVCache cache = dec.make_cache(1, 128 + n_decode);
-      at::Tensor logits = dec.forward(prompt(128), cache);
-      int64_t token = logits[0][-1].argmax().item<int64_t>();
+      double step_us = 0;
       op_profile::stats.clear();
       op_profile::top_level_ns = 0;
-      auto handle = at::addThreadLocalCallback(
-          at::RecordFunctionCallback(op_profile::enter, op_profile::leave).needsInputs(false).scopes(
-              {at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE}));
-      const int64_t t0 = op_profile::now_ns();
-      for (int64_t i = 0; i < n_decode; ++i) {
-        logits = dec.forward(at::full({1, 1}, token, at::kLong), cache);
-        token = logits[0][-1].argmax().item<int64_t>();
-      }
-      const double step_us = (op_profile::now_ns() - t0) / 1e3 / n_decode;
-      at::removeCallback(handle);
+      after_prompt([&](const auto& decode) {
+        auto handle = at::addThreadLocalCallback(
+            at::RecordFunctionCallback(op_profile::enter, op_profile::leave).needsInputs(false).scopes(
+                {at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE}));
+        const int64_t t0 = op_profile::now_ns();
+        decode();
+        step_us = (op_profile::now_ns() - t0) / 1e3 / n_decode;
+        at::removeCallback(handle);
+      });
       std::vector<std::pair<std::string, op_profile::Stat>> rows(op_profile::stats.begin(), op_profile::stats.end());
       std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.self_ns > b.second.self_ns; });
       const double outside_us = step_us - op_profile::top_level_ns / 1e3 / n_decode;
