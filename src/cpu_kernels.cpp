@@ -90,8 +90,8 @@ COMB_AVX2 inline __m256 exp_avx2(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
-// softmax_mix with the exponentials eight at a time and the weighted sum eight dimensions at a time.
-COMB_AVX2 void softmax_mix_avx2(float* scores, int64_t n, float max_score, const float* values, int64_t hd, float* out) {
+// exp(scores[j] - max_score) in place over [0, n); returns their sum.
+COMB_AVX2 float softmax_exp_avx2(float* scores, int64_t n, float max_score) {
   const __m256 m = _mm256_set1_ps(max_score);
   __m256 sum8 = _mm256_setzero_ps();
   int64_t j = 0;
@@ -102,7 +102,12 @@ COMB_AVX2 void softmax_mix_avx2(float* scores, int64_t n, float max_score, const
   }
   float total = hsum(sum8);
   for (; j < n; ++j) total += (scores[j] = std::exp(scores[j] - max_score));
-  const float inv = 1.0f / total;
+  return total;
+}
+
+// softmax_mix with the exponentials eight at a time and the weighted sum eight dimensions at a time.
+COMB_AVX2 void softmax_mix_avx2(float* scores, int64_t n, float max_score, const float* values, int64_t hd, float* out) {
+  const float inv = 1.0f / softmax_exp_avx2(scores, n, max_score);
   int64_t d = 0;
   for (; d + 8 <= hd; d += 8) {
     __m256 acc = _mm256_setzero_ps();
@@ -114,6 +119,21 @@ COMB_AVX2 void softmax_mix_avx2(float* scores, int64_t n, float max_score, const
     float acc = 0;
     for (int64_t k = 0; k < n; ++k) acc += scores[k] * values[k * hd + d];
     out[d] = acc * inv;
+  }
+}
+
+// acc[0, hd) += sum_k p[k] * values[k, 0 .. hd) (rows hd apart); hd a multiple of 8 up to 256.
+COMB_AVX2 void mix_rows_avx2(const float* p, int64_t n, const float* values, int64_t hd, float* acc) {
+  for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+    const int64_t w = std::min<int64_t>(64, hd - d0) / 8;
+    __m256 a[8];
+    for (int64_t i = 0; i < w; ++i) a[i] = _mm256_loadu_ps(acc + d0 + 8 * i);
+    for (int64_t k = 0; k < n; ++k) {
+      const __m256 pk = _mm256_set1_ps(p[k]);
+      const float* v = values + k * hd + d0;
+      for (int64_t i = 0; i < w; ++i) a[i] = _mm256_fmadd_ps(pk, _mm256_loadu_ps(v + 8 * i), a[i]);
+    }
+    for (int64_t i = 0; i < w; ++i) _mm256_storeu_ps(acc + d0 + 8 * i, a[i]);
   }
 }
 #endif
@@ -174,6 +194,22 @@ void softmax_mix(float* scores, int64_t n, float max_score, const float* values,
   for (int64_t j = 0; j < n; ++j) total += (scores[j] = std::exp(scores[j] - max_score));
   std::fill(out, out + hd, 0.0f);
   for (int64_t j = 0; j < n; ++j) axpy(scores[j] / total, values + j * hd, out, hd);
+}
+
+float softmax_exp(float* scores, int64_t n, float max_score) {
+#if defined(__x86_64__)
+  if (has_avx2()) return softmax_exp_avx2(scores, n, max_score);
+#endif
+  float total = 0;
+  for (int64_t j = 0; j < n; ++j) total += (scores[j] = std::exp(scores[j] - max_score));
+  return total;
+}
+
+void mix_rows(const float* p, int64_t n, const float* values, int64_t hd, float* acc) {
+#if defined(__x86_64__)
+  if (has_avx2() && hd % 8 == 0) return mix_rows_avx2(p, n, values, hd, acc);
+#endif
+  for (int64_t k = 0; k < n; ++k) axpy(p[k], values + k * hd, acc, hd);
 }
 
 }  // namespace
@@ -279,6 +315,54 @@ void attention_rows(const float* q, const float* k_cache, const float* v_cache, 
       }
       softmax_mix(scratch, n_keys, max_score, values, hd, out + t * q_dim + h * hd);
     }
+  }
+}
+
+void paged_attention(const float* q, const float* k_pool, const float* v_pool, const int32_t* table, int64_t n_keys,
+                     const float* const* joint_k, const float* const* joint_v, const int64_t* joint_n,
+                     int64_t n_segments, const float* joint_bias, const PagedShape& s, float* out, float* scratch,
+                     int64_t begin, int64_t end) {
+  const int64_t hd = s.head_dim, bt = s.block_tokens, group = s.n_head / s.n_head_kv;
+  const int64_t block_stride = s.n_head_kv * bt * hd;  // one block of the pool, all KV heads
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  int64_t n_joint = 0;
+  for (int64_t i = 0; i < n_segments; ++i) n_joint += joint_n[i];
+  for (int64_t h = begin; h < end; ++h) {
+    const int64_t kvh = h / group;
+    const float* qh = q + h * hd;
+    const float bias = joint_bias ? joint_bias[h] : 0.0f;
+    float max_score = -INFINITY;
+    float* sc = scratch;
+    for (int64_t i = 0; i < n_segments; ++i) {
+      const float* jk = joint_k[i] + kvh * joint_n[i] * hd;
+      for (int64_t j = 0; j < joint_n[i]; ++j) {
+        sc[j] = dot(qh, jk + j * hd, hd) * scale + bias;
+        max_score = std::max(max_score, sc[j]);
+      }
+      sc += joint_n[i];
+    }
+    float* own = scratch + n_joint;
+    for (int64_t p0 = 0; p0 < n_keys; p0 += bt) {
+      const float* kb = k_pool + int64_t(table[p0 / bt]) * block_stride + kvh * bt * hd;
+      const int64_t len = std::min(bt, n_keys - p0);
+      for (int64_t j = 0; j < len; ++j) {
+        own[p0 + j] = dot(qh, kb + j * hd, hd) * scale;
+        max_score = std::max(max_score, own[p0 + j]);
+      }
+    }
+    const float inv = 1.0f / softmax_exp(scratch, n_joint + n_keys, max_score);
+    float* o = out + h * hd;
+    std::fill(o, o + hd, 0.0f);
+    sc = scratch;
+    for (int64_t i = 0; i < n_segments; ++i) {
+      mix_rows(sc, joint_n[i], joint_v[i] + kvh * joint_n[i] * hd, hd, o);
+      sc += joint_n[i];
+    }
+    for (int64_t p0 = 0; p0 < n_keys; p0 += bt) {
+      const float* vb = v_pool + int64_t(table[p0 / bt]) * block_stride + kvh * bt * hd;
+      mix_rows(own + p0, std::min(bt, n_keys - p0), vb, hd, o);
+    }
+    for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
   }
 }
 

@@ -22,6 +22,9 @@ struct PicRequest {
   std::vector<int32_t> prefix;                   // chat header and instruction
   std::vector<std::vector<int32_t>> documents;   // each rendered alone
   std::vector<int32_t> suffix;                   // question and assistant header
+  // Salt of every cache key this request reads or writes (documents and prefix blocks): requests
+  // of different tenants share nothing. Empty: PicOptions::tenant.
+  std::string tenant;
   std::vector<int32_t> tokens() const;           // all of it, in order: what `full` reads
 };
 
@@ -46,13 +49,14 @@ class PrefixCache {
  public:
   PrefixCache(int64_t block_tokens, int64_t budget_bytes) : block_(block_tokens), budget_(budget_bytes) {}
   // The longest run of cached whole blocks at the start of `tokens`, referenced until release().
-  std::vector<uint64_t> acquire(const std::vector<int32_t>& tokens);
+  // `salt` (a tenant) is hashed into every block's key: salts never share blocks.
+  std::vector<uint64_t> acquire(const std::vector<int32_t>& tokens, const std::string& salt = "");
   void release(const std::vector<uint64_t>& blocks);
   // Copies the K/V of acquired `blocks` into `cache` at positions [0, blocks * block_tokens).
   void fill(const std::vector<uint64_t>& blocks, KVCache& cache) const;
   // Adds the whole blocks of tokens[0, n) that `cache` holds and the cache lacks (those it has
   // become the most recently used); evicts LRU unreferenced blocks past the budget.
-  void insert(const std::vector<int32_t>& tokens, int64_t n, const KVCache& cache);
+  void insert(const std::vector<int32_t>& tokens, int64_t n, const KVCache& cache, const std::string& salt = "");
   int64_t block_tokens() const { return block_; }
   int64_t bytes() const { return bytes_; }
   int64_t n_blocks() const { return static_cast<int64_t>(blocks_.size()); }
@@ -65,7 +69,7 @@ class PrefixCache {
     int64_t bytes = 0;
     std::list<uint64_t>::iterator lru;
   };
-  std::vector<uint64_t> chain(const std::vector<int32_t>& tokens, int64_t n) const;
+  std::vector<uint64_t> chain(const std::vector<int32_t>& tokens, int64_t n, const std::string& salt) const;
   void touch(const std::vector<uint64_t>& chain);
   void evict();
   int64_t block_, budget_, bytes_ = 0;
@@ -80,27 +84,52 @@ struct PicCounts {
   int64_t reused = 0;
 };
 
-// The decoder's state after a request's prompt, ready to decode.
+// The decoder's state after a request's prompt, ready to decode; or, between PicEngine::start()
+// and the advance() that completes it, a prompt partly computed.
 struct PicPrefill {
   KVCache cache;
-  at::Tensor logits;          // [n_vocab] float: after the last prompt token
+  at::Tensor logits;          // [n_vocab] float: after the last prompt token (undefined until done)
   LinkedDocuments documents;  // comb: what the cross blocks read
   int64_t n_prompt = 0;       // decoder positions filled
   int64_t computed = 0;       // tokens that went through the model now (decoder and encoder)
   int64_t reused = 0;         // tokens whose K/V came from a cache
+  // The decoder's tokens; positions [cache.length(), n_prompt) are still to compute.
+  std::vector<int32_t> tokens;
+  int64_t prefix_insert = 0;  // when done, the first this many go into the prefix cache
+  std::string tenant;         // the salt of the prefix blocks inserted then
+  bool done() const { return logits.defined(); }
+  int64_t pending() const { return n_prompt - cache.length(); }
 };
 
 class PicEngine {
  public:
   PicEngine(const Model& model, Method method, PicOptions options = {});
+  // Engines of several methods sharing one document store and one prefix cache (a server's):
+  // naive, EPIC and CacheBlend read the same decoder-K/V entries. options.cache_* are then unused.
+  PicEngine(const Model& model, Method method, PicOptions options, std::shared_ptr<PICacheStore> store,
+            std::shared_ptr<PrefixCache> prefix);
   ~PicEngine();
 
   PicPrefill prefill(const PicRequest& request, int64_t max_new_tokens);
+  // prefill() in steps, so that a server can run other work between them: start() does what
+  // cannot be split (documents from the store or computed, reused K/V placed, EPIC's and
+  // CacheBlend's recomputation) and leaves the rest of the prompt pending; each advance() computes
+  // at most `max_tokens` more of it and is true once the prompt is complete (logits set). The
+  // result is prefill()'s, up to the rounding of other matrix shapes.
+  PicPrefill start(const PicRequest& request, int64_t max_new_tokens);
+  bool advance(PicPrefill& prefill, int64_t max_tokens);
   // prefill() then decoding; `counts` receives the prefill's token counts if given.
   GenerationResult generate(const PicRequest& request, const GenerateOptions& options, PicCounts* counts = nullptr);
   // Forgets every cached document and prefix block.
   void clear();
+  // One document's cache for this method (encoder K/V for comb, decoder K/V for naive, EPIC and
+  // CacheBlend; none for full and prefix): found in the store, or computed now and stored (true).
+  bool warm(const std::vector<int32_t>& document, const std::string& tenant);
+  // The store's key of that cache.
+  CacheKey document_key(const std::vector<int32_t>& document, const std::string& tenant) const;
   Method method() const { return method_; }
+  PICacheStore& store() { return *store_; }
+  PrefixCache& prefix_cache() { return *prefix_; }
   // Bytes one cached document token takes for this method (0 for full).
   double cache_bytes_per_token() const;
 
@@ -108,7 +137,9 @@ class PicEngine {
   struct DocSpan {
     int64_t offset, length;
   };
-  std::shared_ptr<const DocumentKV> decoder_kv(const std::vector<int32_t>& tokens, PicPrefill& out);
+  std::shared_ptr<const DocumentKV> decoder_kv(const std::vector<int32_t>& tokens, const std::string& tenant,
+                                               bool* computed);
+  const std::string& tenant(const PicRequest& r) const { return r.tenant.empty() ? options_.tenant : r.tenant; }
   void fill_reused(const PicRequest& request, PicPrefill& out, std::vector<DocSpan>& spans);
   at::Tensor recompute(const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,
                        int64_t from_layer, at::Tensor hidden, PicPrefill& out);
@@ -129,8 +160,8 @@ class PicEngine {
   const Model& model_;
   Method method_;
   PicOptions options_;
-  std::unique_ptr<PICacheStore> store_;
-  std::unique_ptr<PrefixCache> prefix_;
+  std::shared_ptr<PICacheStore> store_;
+  std::shared_ptr<PrefixCache> prefix_;
   std::string decoder_fingerprint_;
 };
 

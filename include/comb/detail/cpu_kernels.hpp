@@ -48,4 +48,21 @@ void rotate_rows(const float* x, int64_t x_stride, const float* cos, const float
 void attention_rows(const float* q, const float* k_cache, const float* v_cache, const AttentionShape& s, float* out,
                     float* scratch, int64_t begin, int64_t end);
 
+// Shapes of decode attention over K/V kept in blocks of a pool: per layer, keys and values
+// [n_blocks, n_head_kv, block_tokens, head_dim].
+struct PagedShape {
+  int64_t n_head, n_head_kv, head_dim, block_tokens;
+};
+
+// One decoding token's attention, heads h in [begin, end): q [n_head, head_dim] over the
+// sequence's positions [0, n_keys), position p in block table[p / block_tokens] at row
+// p % block_tokens. The same softmax also reads n_segments joined segments (a joint-attention
+// plug-in's documents): keys joint_k[i], values joint_v[i] [n_head_kv, joint_n[i], head_dim],
+// each score plus joint_bias[h] (joint_bias may be null: 0). out: [n_head, head_dim]; scratch:
+// (sum of joint_n) + n_keys floats per call.
+void paged_attention(const float* q, const float* k_pool, const float* v_pool, const int32_t* table, int64_t n_keys,
+                     const float* const* joint_k, const float* const* joint_v, const int64_t* joint_n,
+                     int64_t n_segments, const float* joint_bias, const PagedShape& s, float* out, float* scratch,
+                     int64_t begin, int64_t end);
+
 }  // namespace comb::detail::cpu

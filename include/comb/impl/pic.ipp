@@ -55,9 +55,11 @@ using namespace impl_pic;
 // PrefixCache
 // ================================================================================================
 
-COMB_INLINE std::vector<uint64_t> PrefixCache::chain(const std::vector<int32_t>& tokens, int64_t n) const {
+COMB_INLINE std::vector<uint64_t> PrefixCache::chain(const std::vector<int32_t>& tokens, int64_t n,
+                                                   const std::string& salt) const {
   std::vector<uint64_t> out;
-  uint64_t h = 0x636f6d62;  // any fixed seed
+  uint64_t h = 0x636f6d62;  // any fixed seed, turned by the salt
+  if (!salt.empty()) h = XXH3_64bits_withSeed(salt.data(), salt.size(), h);
   for (int64_t b = 0; (b + 1) * block_ <= n; ++b) {
     h = XXH3_64bits_withSeed(tokens.data() + b * block_, block_ * sizeof(int32_t), h);
     out.push_back(h);
@@ -65,9 +67,9 @@ COMB_INLINE std::vector<uint64_t> PrefixCache::chain(const std::vector<int32_t>&
   return out;
 }
 
-COMB_INLINE std::vector<uint64_t> PrefixCache::acquire(const std::vector<int32_t>& tokens) {
+COMB_INLINE std::vector<uint64_t> PrefixCache::acquire(const std::vector<int32_t>& tokens, const std::string& salt) {
   std::vector<uint64_t> out;
-  for (uint64_t h : chain(tokens, static_cast<int64_t>(tokens.size()))) {
+  for (uint64_t h : chain(tokens, static_cast<int64_t>(tokens.size()), salt)) {
     auto it = blocks_.find(h);
     if (it == blocks_.end()) break;
     ++it->second.refs;
@@ -106,11 +108,12 @@ COMB_INLINE void PrefixCache::fill(const std::vector<uint64_t>& blocks, KVCache&
   }
 }
 
-COMB_INLINE void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t n, const KVCache& cache) {
+COMB_INLINE void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t n, const KVCache& cache,
+                                     const std::string& salt) {
   COMB_CHECK(cache.batch() == 1, "prefix cache: one sequence at a time, found a batch of {}", cache.batch());
   COMB_CHECK(n >= 0 && n <= static_cast<int64_t>(tokens.size()), "prefix cache: insert of {} tokens from a list of {}",
              n, tokens.size());
-  auto hashes = chain(tokens, std::min<int64_t>(n, cache.length()));
+  auto hashes = chain(tokens, std::min<int64_t>(n, cache.length()), salt);
   for (size_t b = 0; b < hashes.size(); ++b) {
     if (blocks_.count(hashes[b])) continue;  // used again: touched below
     Block block;
@@ -160,6 +163,10 @@ COMB_INLINE void PrefixCache::clear() {
 // ================================================================================================
 
 COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions options)
+    : PicEngine(model, method, options, nullptr, nullptr) {}
+
+COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions options,
+                                 std::shared_ptr<PICacheStore> shared_store, std::shared_ptr<PrefixCache> shared_prefix)
     : model_(model), method_(method), options_(std::move(options)) {
   COMB_CHECK(options_.blend_ratio >= 0 && options_.blend_ratio <= 1, "CacheBlend ratio must be in [0, 1], found {}",
              options_.blend_ratio);
@@ -176,8 +183,9 @@ COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions o
   store.dtype = options_.cache_dtype;
   store.remote_url = options_.cache_url;
   store.remote_ttl_s = options_.cache_ttl_s;
-  store_ = std::make_unique<PICacheStore>(store);
-  prefix_ = std::make_unique<PrefixCache>(options_.prefix_block, options_.cache_bytes);
+  store_ = shared_store ? std::move(shared_store) : std::make_shared<PICacheStore>(store);
+  prefix_ = shared_prefix ? std::move(shared_prefix)
+                          : std::make_shared<PrefixCache>(options_.prefix_block, options_.cache_bytes);
   // Decoder-KV entries share the store with COMB entries: a distinct fingerprint keeps them apart.
   decoder_fingerprint_ = "decoder-kv:" + base_fingerprint(model.decoder()) + model.decoder().weights().cache_tag();
 }
@@ -185,7 +193,7 @@ COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions o
 COMB_INLINE PicEngine::~PicEngine() = default;
 
 COMB_INLINE void PicEngine::clear() {
-  store_ = std::make_unique<PICacheStore>(store_->options());
+  store_ = std::make_shared<PICacheStore>(store_->options());
   prefix_->clear();
 }
 
@@ -202,10 +210,11 @@ COMB_INLINE double PicEngine::cache_bytes_per_token() const {
 
 // One document's decoder K/V computed alone from position 0 (blocks = layers), from the store
 // when it has them.
-COMB_INLINE std::shared_ptr<const DocumentKV> PicEngine::decoder_kv(const std::vector<int32_t>& tokens, PicPrefill& out) {
-  CacheKey key = PICacheStore::key(tokens, decoder_fingerprint_, options_.tenant);
+COMB_INLINE std::shared_ptr<const DocumentKV> PicEngine::decoder_kv(const std::vector<int32_t>& tokens,
+                                                                  const std::string& tenant, bool* computed) {
+  CacheKey key = PICacheStore::key(tokens, decoder_fingerprint_, tenant);
   if (auto hit = store_->get(key)) {
-    out.reused += static_cast<int64_t>(tokens.size());
+    *computed = false;
     return hit;
   }
   const Decoder& dec = model_.decoder();
@@ -218,8 +227,29 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PicEngine::decoder_kv(const std::v
     kv.keys.push_back(cache.keys(l)[0].narrow(1, 0, n));
     kv.values.push_back(cache.values(l)[0].narrow(1, 0, n));
   }
-  out.computed += n;
+  *computed = true;
   return store_->put(key, kv);
+}
+
+COMB_INLINE CacheKey PicEngine::document_key(const std::vector<int32_t>& document, const std::string& tenant) const {
+  return PICacheStore::key(document, method_ == Method::comb ? model_.plugin()->fingerprint() : decoder_fingerprint_,
+                           tenant);
+}
+
+COMB_INLINE bool PicEngine::warm(const std::vector<int32_t>& document, const std::string& tenant) {
+  c10::InferenceMode guard;
+  COMB_CHECK(!document.empty(), "an empty document has no cache");
+  bool computed = false;
+  switch (method_) {
+    case Method::full:
+    case Method::prefix: return false;  // no per-document cache
+    case Method::comb: {
+      bool cached = false;
+      model_.document(document, store_.get(), tenant, &cached);
+      return !cached;
+    }
+    default: decoder_kv(document, tenant, &computed); return computed;
+  }
 }
 
 // Fills the cache with the prefix and every document reused as is (naive), each document's keys
@@ -228,8 +258,10 @@ COMB_INLINE void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, st
   const Decoder& dec = model_.decoder();
   int64_t pos = 0;
   auto place = [&](const std::vector<int32_t>& tokens, bool is_document) {
-    auto kv = decoder_kv(tokens, out);
+    bool computed = false;
+    auto kv = decoder_kv(tokens, out.tenant, &computed);
     const int64_t n = static_cast<int64_t>(tokens.size());
+    (computed ? out.computed : out.reused) += n;
     for (int64_t l = 0; l < out.cache.n_layers(); ++l) {
       dec.place(l, out.cache, pos, kv->keys[l].to(dec.device(), dec.dtype()).unsqueeze(0),
                 kv->values[l].to(dec.device(), dec.dtype()).unsqueeze(0));
@@ -272,6 +304,26 @@ struct HeldBlocks {
 using namespace impl_pic;
 
 COMB_INLINE PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_tokens) {
+  PicPrefill out = start(r, max_new_tokens);
+  advance(out, out.pending());
+  return out;
+}
+
+COMB_INLINE bool PicEngine::advance(PicPrefill& out, int64_t max_tokens) {
+  if (out.done()) return true;
+  COMB_CHECK(max_tokens > 0 || out.pending() == 0, "advance() by {} tokens", max_tokens);
+  c10::InferenceMode guard;
+  const int64_t from = out.cache.length(), to = std::min(out.n_prompt, from + std::max<int64_t>(max_tokens, 1));
+  at::Tensor logits =
+      model_.forward(ids_of(out.tokens, from, to), out.cache, out.documents.empty() ? nullptr : &out.documents);
+  out.computed += to - from;
+  if (to < out.n_prompt) return false;
+  out.logits = logits[0][-1];
+  if (out.prefix_insert > 0) prefix_->insert(out.tokens, out.prefix_insert, out.cache, out.tenant);
+  return true;
+}
+
+COMB_INLINE PicPrefill PicEngine::start(const PicRequest& r, int64_t max_new_tokens) {
   c10::InferenceMode guard;
   const Decoder& dec = model_.decoder();
   const auto& c = dec.config();
@@ -282,7 +334,8 @@ COMB_INLINE PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_t
   COMB_CHECK(!r.suffix.empty(), "a request needs a question (its suffix is empty)");
   for (size_t d = 0; d < r.documents.size(); ++d) COMB_CHECK(!r.documents[d].empty(), "document {} is empty", d);
   COMB_CHECK(n < c.n_ctx, "the request has {} tokens but the model's context holds {}", n, c.n_ctx);
-  PicPrefill out{dec.make_cache(1, std::min<int64_t>(c.n_ctx, n + std::max<int64_t>(max_new_tokens, 1))), {}, {}, n};
+  PicPrefill out{dec.make_cache(1, std::min<int64_t>(c.n_ctx, n + std::max<int64_t>(max_new_tokens, 1))), {}, {}, n,
+                 0, 0, decoder_tokens, 0, tenant(r)};
   switch (method_) {
     case Method::full: prefill_full(decoder_tokens, out); break;
     case Method::prefix: prefill_prefix(decoder_tokens, out); break;
@@ -295,17 +348,13 @@ COMB_INLINE PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_t
 }
 
 // Everything computed, nothing cached.
-COMB_INLINE void PicEngine::prefill_full(const std::vector<int32_t>& tokens, PicPrefill& out) {
-  const int64_t n = static_cast<int64_t>(tokens.size());
-  out.logits = model_.decoder().forward(ids_of(tokens, 0, n), out.cache)[0][-1];
-  out.computed = n;
-}
+COMB_INLINE void PicEngine::prefill_full(const std::vector<int32_t>&, PicPrefill&) {}  // all pending
 
-// The longest run of whole cached blocks that begins the prompt, then the rest computed (at least
-// one token) and its whole blocks cached.
+// The longest run of whole cached blocks that begins the prompt (copied, then let go), then the
+// rest computed (at least one token; pending) and its whole blocks cached when done.
 COMB_INLINE void PicEngine::prefill_prefix(const std::vector<int32_t>& tokens, PicPrefill& out) {
   const int64_t n = static_cast<int64_t>(tokens.size());
-  HeldBlocks held{*prefix_, prefix_->acquire(tokens)};
+  HeldBlocks held{*prefix_, prefix_->acquire(tokens, out.tenant)};
   while (!held.blocks.empty() && static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens() >= n) {
     prefix_->release({held.blocks.back()});  // keep at least one token to compute
     held.blocks.pop_back();
@@ -313,21 +362,15 @@ COMB_INLINE void PicEngine::prefill_prefix(const std::vector<int32_t>& tokens, P
   const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
   prefix_->fill(held.blocks, out.cache);
   out.cache.set_length(m);
-  out.logits = model_.decoder().forward(ids_of(tokens, m, n), out.cache)[0][-1];
-  prefix_->insert(tokens, n, out.cache);
-  out.computed = n - m;
+  out.prefix_insert = n;
   out.reused = m;
 }
 
 // Each document's K/V as cached (computed alone from position 0), moved to its place; the question
 // computed after them.
-COMB_INLINE void PicEngine::prefill_naive(const PicRequest& r, const std::vector<int32_t>& tokens, PicPrefill& out) {
-  const int64_t n = static_cast<int64_t>(tokens.size());
+COMB_INLINE void PicEngine::prefill_naive(const PicRequest& r, const std::vector<int32_t>&, PicPrefill& out) {
   std::vector<DocSpan> spans;
-  fill_reused(r, out, spans);
-  const int64_t start = out.cache.length();
-  out.logits = model_.decoder().forward(ids_of(tokens, start, n), out.cache)[0][-1];
-  out.computed += n - start;
+  fill_reused(r, out, spans);  // the question pending
 }
 
 // As naive, and the first epic_k tokens of every document not at position 0 recomputed.
@@ -390,31 +433,24 @@ COMB_INLINE std::vector<int64_t> PicEngine::cacheblend_selection(const at::Tenso
 // The documents through the plug-in's encoder (or from the store), linked for the cross blocks;
 // the decoder computes the prompt without them (its instruction prefix from the prefix cache when
 // the plug-in reads documents only after it).
-COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<int32_t>& tokens, PicPrefill& out) {
-  const int64_t n = static_cast<int64_t>(tokens.size());
+COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<int32_t>&, PicPrefill& out) {
   std::vector<std::shared_ptr<const DocumentKV>> docs;
   for (const auto& d : r.documents) {
     bool cached = false;
-    docs.push_back(model_.document(d, store_.get(), options_.tenant, &cached));
+    docs.push_back(model_.document(d, store_.get(), out.tenant, &cached));
     (cached ? out.reused : out.computed) += static_cast<int64_t>(d.size());
   }
   out.documents = Linker(model_.decoder().device()).link(docs);
-  if (!model_.plugin()->config().documents_after_prefix) {
-    out.logits = model_.forward(ids_of(tokens, 0, n), out.cache, &out.documents)[0][-1];
-    out.computed += n;
-    return;
-  }
+  if (!model_.plugin()->config().documents_after_prefix) return;  // the whole prompt pending
   // The instruction prefix reads no document: its K/V are the bare decoder's, so its whole
   // blocks come from the prefix cache and a warm request computes the question alone.
   const int64_t p = static_cast<int64_t>(r.prefix.size());
   out.documents.anchor = p;
-  HeldBlocks held{*prefix_, prefix_->acquire(r.prefix)};
+  HeldBlocks held{*prefix_, prefix_->acquire(r.prefix, out.tenant)};
   const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
   prefix_->fill(held.blocks, out.cache);
   out.cache.set_length(m);
-  out.logits = model_.forward(ids_of(tokens, m, n), out.cache, &out.documents)[0][-1];
-  prefix_->insert(r.prefix, p, out.cache);
-  out.computed += n - m;
+  out.prefix_insert = p;  // the prefix is the first p of the decoder's tokens
   out.reused += m;
 }
 

@@ -1,0 +1,682 @@
+// comb::ServeEngine and comb::BlockPool (see comb/serving.hpp). Compiled into libcomb
+// (src/serving.cpp), or inline in every translation unit that defines COMB_HEADER_ONLY.
+#pragma once
+#include "comb/detail/inline.hpp"
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "comb/detail/cpu_kernels.hpp"
+#include "comb/error.hpp"
+#include "comb/serving.hpp"
+
+namespace comb {
+
+// ================================================================================================
+// BlockPool
+// ================================================================================================
+
+COMB_INLINE BlockPool::BlockPool(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens)
+    : n_blocks_(n_blocks), block_tokens_(block_tokens) {
+  COMB_CHECK(block_tokens > 0, "block size must be > 0 tokens, found {}", block_tokens);
+  COMB_CHECK(n_blocks > 0 && n_blocks < (int64_t(1) << 31), "a pool of {} blocks (expected 1 to 2^31 - 1)", n_blocks);
+  for (int64_t l = 0; l < c.n_layer; ++l) {
+    k_.push_back(at::zeros({n_blocks, c.n_head_kv, block_tokens, c.head_dim}, at::kFloat));
+    v_.push_back(at::zeros({n_blocks, c.n_head_kv, block_tokens, c.head_dim}, at::kFloat));
+  }
+  free_.reserve(n_blocks);
+  for (int64_t b = n_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
+}
+
+COMB_INLINE std::vector<int32_t> BlockPool::allocate(int64_t n) {
+  if (n > n_free()) return {};
+  std::vector<int32_t> out(free_.end() - n, free_.end());
+  free_.resize(free_.size() - n);
+  return out;
+}
+
+COMB_INLINE void BlockPool::release(const std::vector<int32_t>& blocks) {
+  free_.insert(free_.end(), blocks.begin(), blocks.end());
+}
+
+COMB_INLINE int64_t BlockPool::bytes() const {
+  int64_t b = 0;
+  for (size_t l = 0; l < k_.size(); ++l) b += 2 * k_[l].numel() * int64_t(sizeof(float));
+  return b;
+}
+
+COMB_INLINE void BlockPool::load(const KVCache& cache, int64_t n, const std::vector<int32_t>& blocks) {
+  COMB_CHECK(cache.batch() == 1 && n <= cache.capacity() && blocks_for(n) <= static_cast<int64_t>(blocks.size()),
+             "block pool: {} positions of a cache of batch {} into {} blocks of {}", n, cache.batch(), blocks.size(),
+             block_tokens_);
+  for (int64_t l = 0; l < cache.n_layers(); ++l) {
+    at::Tensor k = cache.keys(l)[0], v = cache.values(l)[0];  // [n_head_kv, capacity, head_dim]
+    for (int64_t p0 = 0, j = 0; p0 < n; p0 += block_tokens_, ++j) {
+      const int64_t len = std::min(block_tokens_, n - p0);
+      k_[l][blocks[j]].narrow(1, 0, len).copy_(k.narrow(1, p0, len));
+      v_[l][blocks[j]].narrow(1, 0, len).copy_(v.narrow(1, p0, len));
+    }
+  }
+}
+
+COMB_INLINE void Histogram::add(double seconds) {
+  size_t i = 0;
+  while (i < bounds.size() && seconds > bounds[i]) ++i;
+  ++counts[i];
+  sum += seconds;
+  ++count;
+}
+
+// ================================================================================================
+// ServeEngine
+// ================================================================================================
+
+struct ServeEngine::Sequence {
+  using clock = std::chrono::steady_clock;
+  Id id = 0;
+  ServeRequest request;
+  Method method = Method::comb;
+  clock::time_point submitted, last_token;
+  int64_t decoder_tokens = 0;  // positions the prompt fills in the decoder
+  int64_t reserve = 0;         // tokens reserved: decoder_tokens + max_tokens
+  std::vector<int32_t> blocks;
+  // Prompt
+  size_t docs_warmed = 0;
+  int64_t warm_computed = 0;   // document tokens computed by warming, before start()
+  std::unique_ptr<PicPrefill> prefill;
+  std::vector<CacheKey> pinned;
+  // Decoding
+  int64_t length = 0;          // positions held in `blocks`
+  int32_t next = -1;           // the token to feed at position `length`
+  LinkedDocuments documents;   // comb
+  bool joined = false;         // comb, documents after the prefix: read documents.joined (rotated keys)
+  std::unique_ptr<Sampler> sampler;
+  std::unique_ptr<StreamDecoder> stream;
+  size_t emitted = 0;          // bytes of result.text handed to on_text
+  bool done = false;
+  ServeResult result;
+};
+
+namespace impl_serving {  // this file's own helpers
+COMB_INLINE double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+// The end of the longest prefix of s[0, n) that does not cut a UTF-8 character.
+COMB_INLINE size_t utf8_boundary(const std::string& s, size_t n) {
+  while (n > 0 && n < s.size() && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;
+  return n;
+}
+COMB_INLINE std::vector<double> latency_bounds() {
+  return {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+}
+}  // namespace impl_serving
+using namespace impl_serving;
+
+COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
+    : model_(model), options_(std::move(options)) {
+  const Decoder& dec = model.decoder();
+  const auto& c = dec.config();
+  COMB_CHECK(dec.device().is_cpu() && dec.dtype() == at::kFloat,
+             "the serving engine runs on the CPU with float32 activations (weights float32 or kept quantized), found "
+             "{} {}",
+             dec.device().str(), c10::toString(dec.dtype()));
+  COMB_CHECK(options_.max_running > 0, "max running requests must be > 0, found {}", options_.max_running);
+  COMB_CHECK(options_.max_queued >= 0, "max queued requests must be >= 0, found {}", options_.max_queued);
+  COMB_CHECK(options_.prefill_chunk > 0, "prefill chunk must be > 0 tokens, found {}", options_.prefill_chunk);
+  COMB_CHECK(options_.block_tokens > 0 && options_.block_tokens <= 1024, "block size must be 1 to 1024 tokens, found {}",
+             options_.block_tokens);
+  if (options_.method == Method::comb)
+    COMB_CHECK(model.plugin(), "the default method comb needs a plug-in (--plugin FILE, or another --method)");
+  StoreOptions so;
+  so.host_bytes = options_.pic.cache_bytes;
+  so.dtype = options_.pic.cache_dtype;
+  so.disk_dir = options_.cache_dir;
+  so.disk_bytes = options_.cache_dir.empty() ? 0 : options_.cache_disk_bytes;
+  so.remote_url = options_.pic.cache_url;
+  so.remote_ttl_s = options_.pic.cache_ttl_s;
+  store_ = std::make_shared<PICacheStore>(so);
+  prefix_ = std::make_shared<PrefixCache>(options_.pic.prefix_block, options_.pic.cache_bytes);
+  const int64_t block_bytes = 2 * c.n_layer * c.n_head_kv * options_.block_tokens * c.head_dim * int64_t(sizeof(float));
+  const int64_t n_blocks = options_.kv_bytes / block_bytes;
+  COMB_CHECK(n_blocks >= 1, "KV memory of {} bytes holds no block of {} tokens ({} bytes)", options_.kv_bytes,
+             options_.block_tokens, block_bytes);
+  pool_ = std::make_unique<BlockPool>(c, n_blocks, options_.block_tokens);
+  if (options_.max_tokens_in_flight <= 0) options_.max_tokens_in_flight = n_blocks * options_.block_tokens;
+  const Tokenizer& tok = model.tokenizer();
+  if (auto eos = tok.eos_id()) stop_tokens_.push_back(*eos);
+  try {
+    if (auto eot = tok.find_token(model.chat_template().end_of_turn())) stop_tokens_.push_back(*eot);
+  } catch (const Error&) {  // a model without a chat template: EOS only
+  }
+  if (const Plugin* p = model.plugin())
+    for (int64_t k = 0; k < p->config().n_blocks(); ++k) {
+      const auto& b = p->weights().cross.at(k).doc_bias;
+      doc_bias_.push_back(b.defined() ? b.to(at::kFloat).contiguous() : at::Tensor());
+    }
+  stats_.ttft = Histogram(latency_bounds());
+  stats_.inter_token = Histogram(latency_bounds());
+  stats_.batch_size = Histogram({1, 2, 4, 8, 16, 32, 64});
+  engine(options_.method);  // checks the default method's options now
+  thread_ = std::thread([this] { loop(); });
+}
+
+COMB_INLINE ServeEngine::~ServeEngine() {
+  try {
+    shutdown(false);
+  } catch (...) {
+  }
+}
+
+COMB_INLINE PicEngine& ServeEngine::engine(Method m) {
+  auto& e = engines_[m];
+  if (!e) e = std::make_unique<PicEngine>(model_, m, options_.pic, store_, prefix_);
+  return *e;
+}
+
+COMB_INLINE ServeEngine::Id ServeEngine::submit(ServeRequest request) {
+  const auto& c = model_.config();
+  auto s = std::make_unique<Sequence>();
+  s->method = request.method.value_or(options_.method);
+  if (s->method == Method::comb)
+    COMB_CHECK(model_.plugin(), "method comb needs a plug-in, and this server has none");
+  const PicRequest& p = request.prompt;
+  COMB_CHECK(!p.suffix.empty(), "the prompt is empty");
+  for (size_t d = 0; d < p.documents.size(); ++d) COMB_CHECK(!p.documents[d].empty(), "document {} is empty", d);
+  int64_t total = static_cast<int64_t>(p.prefix.size() + p.suffix.size()), docs = 0;
+  for (const auto& d : p.documents) docs += static_cast<int64_t>(d.size());
+  if (s->method == Method::comb && model_.plugin())
+    for (size_t d = 0; d < p.documents.size(); ++d)
+      COMB_CHECK(static_cast<int64_t>(p.documents[d].size()) <= model_.plugin()->config().max_document_tokens ||
+                     model_.plugin()->config().max_document_tokens <= 0,
+                 "document {} has {} tokens; the plug-in's encoder takes at most {}", d, p.documents[d].size(),
+                 model_.plugin()->config().max_document_tokens);
+  s->decoder_tokens = s->method == Method::comb ? total : total + docs;
+  COMB_CHECK(request.max_tokens >= 1, "max_tokens must be at least 1, found {}", request.max_tokens);
+  COMB_CHECK(s->decoder_tokens + request.max_tokens <= c.n_ctx,
+             "this model's context holds {} tokens; the request asks for {} prompt tokens (in the decoder) and {} to "
+             "generate",
+             c.n_ctx, s->decoder_tokens, request.max_tokens);
+  s->reserve = s->decoder_tokens + request.max_tokens;
+  COMB_CHECK(pool_->blocks_for(s->reserve) <= pool_->n_blocks() && s->reserve <= options_.max_tokens_in_flight,
+             "the request needs {} tokens of KV memory; the server holds {} at most", s->reserve,
+             std::min(pool_->n_blocks() * pool_->block_tokens(), options_.max_tokens_in_flight));
+  s->result.method = s->method;
+  s->result.prompt_tokens = total + docs;
+  s->request = std::move(request);
+  s->sampler = std::make_unique<Sampler>(s->request.sampling);
+  s->stream = std::make_unique<StreamDecoder>(model_.tokenizer());
+  s->submitted = Sequence::clock::now();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stopping_) {
+    ++stats_.refused;
+    throw Overloaded("the server is shutting down");
+  }
+  if (static_cast<int64_t>(queue_.size()) >= options_.max_queued) {
+    ++stats_.refused;
+    throw Overloaded(fmt::format("{} requests are already waiting (the limit)", queue_.size()));
+  }
+  s->id = next_id_++;
+  Id id = s->id;
+  queue_.push_back(std::move(s));
+  wake_.notify_all();
+  return id;
+}
+
+COMB_INLINE void ServeEngine::cancel(Id id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  cancels_.push_back(id);
+  wake_.notify_all();
+}
+
+COMB_INLINE void ServeEngine::shutdown(bool finish) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!stopping_) finish_on_stop_ = finish;
+    if (!finish) finish_on_stop_ = false;
+    stopping_ = true;
+    wake_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+COMB_INLINE void ServeEngine::run(const std::function<void()>& job) {
+  struct State {
+    std::atomic<bool> done{false};
+    std::exception_ptr error;
+  };
+  auto state = std::make_shared<State>();
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (stopped_) throw Overloaded("the server is shutting down");
+  jobs_.push_back([job, state] {
+    try {
+      job();
+    } catch (...) {
+      state->error = std::current_exception();
+    }
+    state->done = true;  // set under the mutex by the loop
+  });
+  wake_.notify_all();
+  job_done_.wait(lock, [&] { return state->done || stopped_; });
+  if (!state->done) throw Overloaded("the server is shutting down");
+  if (state->error) std::rethrow_exception(state->error);
+}
+
+COMB_INLINE bool ServeEngine::warm_document(const std::vector<int32_t>& tokens, Method method, const std::string& tenant) {
+  if (method == Method::comb) COMB_CHECK(model_.plugin(), "method comb needs a plug-in, and this server has none");
+  bool computed = false;
+  run([&] { computed = engine(method).warm(tokens, tenant); });
+  return computed;
+}
+
+COMB_INLINE ServeStats ServeEngine::stats() const {
+  ServeStats s;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    s = stats_;
+    s.queued = static_cast<int64_t>(queue_.size());
+    s.prefilling = static_cast<int64_t>(prefilling_.size());
+    s.running = static_cast<int64_t>(running_.size());
+    s.tokens_in_flight = in_flight_;
+    s.blocks_total = pool_->n_blocks();
+    s.block_tokens = pool_->block_tokens();
+  }
+  s.store = store_->stats();
+  return s;
+}
+
+// Admits queued requests in order while there is room: running requests, tokens in flight, blocks.
+COMB_INLINE void ServeEngine::admit(std::unique_lock<std::mutex>&) {
+  while (!queue_.empty()) {
+    Sequence& s = *queue_.front();
+    if (static_cast<int64_t>(prefilling_.size() + running_.size()) >= options_.max_running) break;
+    if (in_flight_ + s.reserve > options_.max_tokens_in_flight) break;
+    std::vector<int32_t> blocks = pool_->allocate(pool_->blocks_for(s.reserve));
+    if (blocks.empty()) break;
+    s.blocks = std::move(blocks);
+    in_flight_ += s.reserve;
+    s.result.queue_ms = seconds_since(s.submitted) * 1e3;
+    prefilling_.push_back(std::move(queue_.front()));
+    queue_.pop_front();
+  }
+  stats_.blocks_free = pool_->n_free();
+}
+
+COMB_INLINE void ServeEngine::loop() {
+  c10::InferenceMode guard;
+  for (;;) {
+    std::vector<std::function<void()>> jobs;
+    std::vector<Id> cancels;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [&] {
+        return stopping_ || !queue_.empty() || !prefilling_.empty() || !running_.empty() || !jobs_.empty() ||
+               !cancels_.empty();
+      });
+      if (stopping_ && !finish_on_stop_) {
+        for (auto& s : queue_) cancels.push_back(s->id);
+        for (auto& s : prefilling_) cancels.push_back(s->id);
+        for (auto& s : running_) cancels.push_back(s->id);
+      }
+      if (stopping_ && queue_.empty() && prefilling_.empty() && running_.empty() && cancels.empty() &&
+          cancels_.empty()) {
+        stopped_ = true;
+        for (auto& j : jobs_) jobs.push_back(std::move(j));  // never run: their callers are told
+        jobs_.clear();
+        job_done_.notify_all();
+        return;
+      }
+      for (auto& j : jobs_) jobs.push_back(std::move(j));
+      jobs_.clear();
+      cancels.insert(cancels.end(), cancels_.begin(), cancels_.end());
+      cancels_.clear();
+    }
+    for (auto& job : jobs) {
+      job();
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_done_.notify_all();
+    }
+    if (!cancels.empty()) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      for (Id id : cancels) {
+        for (auto it = queue_.begin(); it != queue_.end(); ++it)
+          if ((*it)->id == id) {
+            auto s = std::move(*it);
+            queue_.erase(it);
+            lock.unlock();
+            finish(*s, "cancelled");
+            lock.lock();
+            break;
+          }
+        for (auto* list : {&prefilling_, &running_})
+          for (auto& s : *list)
+            if (s->id == id && !s->done) {
+              lock.unlock();
+              finish(*s, "cancelled");
+              lock.lock();
+            }
+      }
+    }
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      auto gone = [](const std::unique_ptr<Sequence>& s) { return s->done; };
+      prefilling_.erase(std::remove_if(prefilling_.begin(), prefilling_.end(), gone), prefilling_.end());
+      running_.erase(std::remove_if(running_.begin(), running_.end(), gone), running_.end());
+      admit(lock);
+    }
+    Sequence* first = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!prefilling_.empty()) first = prefilling_.front().get();
+    }
+    if (first) {
+      try {
+        prefill_step(*first);
+      } catch (const std::exception& e) {
+        finish(*first, "error", e.what());
+      }
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!prefilling_.empty() && prefilling_.front().get() == first && (first->done || first->next >= 0)) {
+        if (!first->done) running_.push_back(std::move(prefilling_.front()));
+        prefilling_.erase(prefilling_.begin());
+      }
+      stats_.prefix_bytes = prefix_->bytes();
+      stats_.prefix_blocks = prefix_->n_blocks();
+    }
+    bool any = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      any = !running_.empty();
+    }
+    if (any) {
+      try {
+        decode_step();
+      } catch (const std::exception& e) {
+        std::vector<Sequence*> rows;
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          for (auto& s : running_) rows.push_back(s.get());
+        }
+        for (Sequence* s : rows)
+          if (!s->done) finish(*s, "error", e.what());
+      }
+    }
+  }
+}
+
+// One piece of a request's prompt: one document's cache (from the store or computed), then the
+// method's start(), then `prefill_chunk` tokens at a time; when complete, its K/V move into its
+// blocks and its first token is sampled.
+COMB_INLINE void ServeEngine::prefill_step(Sequence& s) {
+  const PicRequest& p = s.request.prompt;
+  PicEngine& e = engine(s.method);
+  const std::string& tenant = p.tenant.empty() ? options_.pic.tenant : p.tenant;
+  const bool per_document = s.method != Method::full && s.method != Method::prefix;
+  if (!s.prefill) {
+    if (per_document && s.docs_warmed < p.documents.size()) {
+      const auto& d = p.documents[s.docs_warmed++];
+      if (e.warm(d, tenant)) s.warm_computed += static_cast<int64_t>(d.size());
+      return;
+    }
+    if (s.method == Method::comb)  // read by every decoding step: kept in memory until the request ends
+      for (const auto& d : p.documents) {
+        CacheKey key = e.document_key(d, tenant);
+        if (store_->pin(key)) s.pinned.push_back(key);
+      }
+    s.prefill = std::make_unique<PicPrefill>(e.start(p, 1));
+    s.prefill->computed += s.warm_computed;  // documents warmed above were read back as cached
+    s.prefill->reused -= s.warm_computed;
+    if (!s.prefill->done()) return;
+  } else if (!e.advance(*s.prefill, options_.prefill_chunk)) {
+    return;
+  }
+  PicPrefill& f = *s.prefill;
+  pool_->load(f.cache, f.n_prompt, s.blocks);
+  s.length = f.n_prompt;
+  s.result.cached_tokens = f.reused;
+  s.result.computed_tokens = f.computed;
+  if (!f.documents.empty()) {
+    s.documents = std::move(f.documents);
+    s.joined = s.documents.anchor > 0;
+    if (!s.joined) {
+      s.documents.joined = std::make_shared<LinkedDocuments::Joined>();  // its copy is not read by decoding
+      for (auto& block : s.documents.keys)
+        for (auto& t : block) t = t.to(at::kFloat).contiguous();
+      for (auto& block : s.documents.values)
+        for (auto& t : block) t = t.to(at::kFloat).contiguous();
+    }
+  }
+  at::Tensor logits = f.logits;
+  s.prefill.reset();  // the prompt's own cache goes
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.prompt_tokens += s.result.prompt_tokens;
+    stats_.cached_tokens += s.result.cached_tokens;
+    stats_.computed_tokens += s.result.computed_tokens;
+  }
+  int32_t token = s.sampler->sample(logits);
+  emit(s, token, logits);
+}
+
+// Hands out what the new token completes; false (and the request finished) when it is the last.
+COMB_INLINE bool ServeEngine::emit(Sequence& s, int32_t token, const at::Tensor&) {
+  const auto now = Sequence::clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (s.result.tokens.empty()) {
+      s.result.ttft_ms = seconds_since(s.submitted) * 1e3;
+      stats_.ttft.add(s.result.ttft_ms / 1e3);
+    } else {
+      stats_.inter_token.add(std::chrono::duration<double>(now - s.last_token).count());
+    }
+    ++stats_.generated_tokens;
+  }
+  s.last_token = now;
+  if (std::find(stop_tokens_.begin(), stop_tokens_.end(), token) != stop_tokens_.end()) {
+    finish(s, "stop");
+    return false;
+  }
+  s.result.tokens.push_back(token);
+  s.result.text += s.stream->push(token);
+  std::string& text = s.result.text;
+  size_t longest = 0;
+  for (const auto& stop : s.request.stop) longest = std::max(longest, stop.size());
+  if (longest > 0) {
+    size_t from = s.emitted, cut = std::string::npos;
+    for (const auto& stop : s.request.stop) {
+      if (stop.empty()) continue;
+      size_t at = text.find(stop, from);
+      if (at != std::string::npos) cut = std::min(cut, at);
+    }
+    if (cut != std::string::npos) {
+      text.resize(cut);
+      s.stream->flush();  // an unfinished character after the stop string goes with it
+      finish(s, "stop");
+      return false;
+    }
+  }
+  // Text that a stop string could still claim is held back.
+  size_t safe = text.size() >= longest ? text.size() - (longest > 0 ? longest - 1 : 0) : 0;
+  safe = utf8_boundary(text, safe);
+  if (safe > s.emitted) {
+    if (s.request.on_text) s.request.on_text(text.substr(s.emitted, safe - s.emitted));
+    s.emitted = safe;
+  }
+  if (static_cast<int64_t>(s.result.tokens.size()) >= s.request.max_tokens || s.length >= model_.config().n_ctx) {
+    finish(s, "length");
+    return false;
+  }
+  s.next = token;
+  return true;
+}
+
+COMB_INLINE void ServeEngine::finish(Sequence& s, const std::string& reason, const std::string& error) {
+  if (s.done) return;
+  s.done = true;
+  if (reason != "cancelled" && reason != "error") s.result.text += s.stream->flush();
+  if (s.request.on_text && s.result.text.size() > s.emitted && reason != "error")
+    s.request.on_text(s.result.text.substr(s.emitted));
+  s.emitted = s.result.text.size();
+  s.result.finish_reason = reason;
+  s.result.error = error;
+  s.result.total_ms = seconds_since(s.submitted) * 1e3;
+  for (const auto& key : s.pinned) store_->unpin(key);
+  s.pinned.clear();
+  s.prefill.reset();
+  s.documents = LinkedDocuments();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!s.blocks.empty()) {
+      pool_->release(s.blocks);
+      s.blocks.clear();
+      in_flight_ -= s.reserve;
+    }
+    stats_.blocks_free = pool_->n_free();
+    if (reason == "cancelled") ++stats_.cancelled;
+    else if (reason == "error") ++stats_.failed;
+    else ++stats_.finished;
+  }
+  if (s.request.on_done) s.request.on_done(s.result);
+}
+
+COMB_INLINE void ServeEngine::decode_step() {
+  std::vector<Sequence*> rows;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& s : running_)
+      if (!s->done) rows.push_back(s.get());
+  }
+  if (rows.empty()) return;
+  const auto t0 = Sequence::clock::now();
+  at::Tensor logits = batched_forward(rows);  // [rows, n_vocab]
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.decode_steps;
+    stats_.decode_seconds += seconds_since(t0);
+    stats_.batch_size.add(static_cast<double>(rows.size()));
+  }
+  for (size_t b = 0; b < rows.size(); ++b) {
+    Sequence& s = *rows[b];
+    ++s.length;
+    at::Tensor l = logits[static_cast<int64_t>(b)];
+    emit(s, s.sampler->sample(l), l);
+  }
+}
+
+// One decoding step of every row: token s.next at position s.length, K/V written into its blocks.
+// Each row's numbers do not depend on the other rows (row-wise kernels throughout), so a request's
+// greedy output is the same in a batch of any size.
+COMB_INLINE at::Tensor ServeEngine::batched_forward(const std::vector<Sequence*>& rows) {
+  namespace cpu = detail::cpu;
+  const Decoder& dec = model_.decoder();
+  const auto& c = dec.config();
+  const auto& W = dec.weights();
+  const Plugin* plugin = model_.plugin();
+  const int64_t B = static_cast<int64_t>(rows.size()), E = c.n_embd, hd = c.head_dim;
+  const int64_t q_dim = c.q_dim(), kv_dim = c.kv_dim(), qkv_dim = q_dim + 2 * kv_dim;
+  std::vector<int64_t> ids(B);
+  for (int64_t b = 0; b < B; ++b) ids[b] = rows[b]->next;
+  at::Tensor x = dec.embed(at::tensor(ids, at::kLong).view({B, 1})).view({B, E}).to(at::kFloat).contiguous();
+  auto norm = [&](const at::Tensor& t, const at::Tensor& w) {  // w: float32, as the decoder's dtype
+    at::Tensor out = at::empty_like(t);
+    cpu::rms_norm_rows(t.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), E, static_cast<float>(c.rms_eps),
+                       0, B);
+    return out;
+  };
+  auto linear = [&](const LayerWeights& l, Proj p, const at::Tensor& weight, const at::Tensor& t) -> at::Tensor {
+    if (l.quantized) return project(l, p, t).contiguous();
+    const int64_t k = t.size(-1), n_out = weight.size(0);
+    at::Tensor out = at::empty({B, n_out}, t.options());
+    at::parallel_for(0, n_out, 64, [&](int64_t b, int64_t e) {
+      cpu::gemv_rows(t.data_ptr<float>(), B, weight.data_ptr<float>(), k, out.data_ptr<float>(), n_out, b, e);
+    });
+    return out;
+  };
+  const cpu::PagedShape shape{c.n_head, c.n_head_kv, hd, pool_->block_tokens()};
+  const float* cos = dec.rope_cos().data_ptr<float>();
+  const float* sin = dec.rope_sin().data_ptr<float>();
+  at::Tensor q = at::empty({B, q_dim}, x.options()), attn = at::empty({B, q_dim}, x.options());
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    const auto& w = W.layers[i];
+    const int64_t block = plugin ? plugin->block_before(i) : -1;
+    if (block >= 0 && !plugin->config().joint_attention) {  // a cross block before the layer, row by row
+      for (int64_t b = 0; b < B; ++b) {
+        Sequence& s = *rows[b];
+        if (s.documents.empty()) continue;
+        x[b].copy_(plugin
+                       ->cross_block(block, x[b].view({1, 1, E}), s.documents.keys[block], s.documents.values[block],
+                                     s.documents.doc_counts, s.length)
+                       .view({E}));
+      }
+    }
+    at::Tensor qkv = linear(w, Proj::qkv, w.wqkv, norm(x, w.attn_norm));  // [B, qkv_dim]
+    float* kp = pool_->keys(i).data_ptr<float>();
+    float* vp = pool_->values(i).data_ptr<float>();
+    const int64_t bt = pool_->block_tokens(), block_stride = c.n_head_kv * bt * hd;
+    for (int64_t b = 0; b < B; ++b) {
+      const Sequence& s = *rows[b];
+      const int64_t pos = s.length;
+      const float* row = qkv.data_ptr<float>() + b * qkv_dim;
+      const float* cp = cos + pos * hd;
+      const float* sp = sin + pos * hd;
+      cpu::rotate_rows(row, hd, cp, sp, hd, c.n_head, q.data_ptr<float>() + b * q_dim, hd);
+      float* kb = kp + int64_t(s.blocks[pos / bt]) * block_stride + (pos % bt) * hd;
+      float* vb = vp + int64_t(s.blocks[pos / bt]) * block_stride + (pos % bt) * hd;
+      cpu::rotate_rows(row + q_dim, hd, cp, sp, hd, c.n_head_kv, kb, bt * hd);
+      for (int64_t h = 0; h < c.n_head_kv; ++h)
+        std::copy(row + q_dim + kv_dim + h * hd, row + q_dim + kv_dim + (h + 1) * hd, vb + h * bt * hd);
+    }
+    // What each row's attention reads beside its own positions (a joint-attention plug-in's documents).
+    std::vector<std::vector<const float*>> seg_k(B), seg_v(B);
+    std::vector<std::vector<int64_t>> seg_n(B);
+    std::vector<const float*> bias(B, nullptr);
+    if (block >= 0 && plugin->config().joint_attention)
+      for (int64_t b = 0; b < B; ++b) {
+        Sequence& s = *rows[b];
+        if (s.documents.empty()) continue;
+        if (s.joined) {
+          const JointKV& j = s.documents.joined->blocks.at(block);
+          seg_k[b].push_back(j.keys.data_ptr<float>());
+          seg_v[b].push_back(j.values.data_ptr<float>());
+          seg_n[b].push_back(j.keys.size(2));
+        } else {
+          for (size_t d = 0; d < s.documents.keys[block].size(); ++d) {
+            seg_k[b].push_back(s.documents.keys[block][d].data_ptr<float>());
+            seg_v[b].push_back(s.documents.values[block][d].data_ptr<float>());
+            seg_n[b].push_back(s.documents.keys[block][d].size(1));
+          }
+        }
+        if (doc_bias_.at(block).defined()) bias[b] = doc_bias_[block].data_ptr<float>();
+      }
+    at::parallel_for(0, B * c.n_head, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / c.n_head, h = item % c.n_head;
+        const Sequence& s = *rows[b];
+        int64_t n_joint = 0;
+        for (int64_t n : seg_n[b]) n_joint += n;
+        scratch.resize(n_joint + s.length + 1);
+        cpu::paged_attention(q.data_ptr<float>() + b * q_dim, kp, vp, s.blocks.data(), s.length + 1, seg_k[b].data(),
+                             seg_v[b].data(), seg_n[b].data(), static_cast<int64_t>(seg_n[b].size()), bias[b], shape,
+                             attn.data_ptr<float>() + b * q_dim, scratch.data(), h, h + 1);
+      }
+    });
+    x.add_(linear(w, Proj::o, w.wo, attn));
+    at::Tensor gate_up = linear(w, Proj::gate_up, w.w_gate_up, norm(x, w.ffn_norm));  // [B, 2 n_ff]
+    at::Tensor act = at::empty({B, c.n_ff}, x.options());
+    cpu::silu_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), c.n_ff, 0, B);
+    x.add_(linear(w, Proj::down, w.w_down, act));
+  }
+  at::Tensor h = norm(x, W.output_norm);
+  if (W.output_q) return W.output_q->apply(h).contiguous();
+  const int64_t n_vocab = W.output.size(0);
+  at::Tensor out = at::empty({B, n_vocab}, h.options());
+  at::parallel_for(0, n_vocab, 256, [&](int64_t b, int64_t e) {
+    cpu::gemv_rows(h.data_ptr<float>(), B, W.output.data_ptr<float>(), E, out.data_ptr<float>(), n_vocab, b, e);
+  });
+  return out;
+}
+
+}  // namespace comb

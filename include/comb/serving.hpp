@@ -1,0 +1,180 @@
+#pragma once
+// comb::ServeEngine: many requests served at once. One scheduler thread steps every running
+// request together (continuous batching): each decoding step is one batched forward over all
+// running sequences, whatever their lengths, with their K/V in blocks of a pool sized at start;
+// new requests' prompts are computed between steps, a chunk at a time, so that a long prompt does
+// not stall the running ones. Per-document caches live in one PICacheStore shared by every request
+// and every caching method (see pic.hpp), salted per tenant. The HTTP server (`comb serve`) is a
+// thin layer over this class.
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comb/error.hpp"
+#include "comb/pic.hpp"
+
+namespace comb {
+
+// K/V of running sequences: per layer, keys and values [n_blocks, n_head_kv, block_tokens,
+// head_dim] (float32), allocated once; a sequence holds whole blocks.
+class BlockPool {
+ public:
+  BlockPool(const ModelConfig& config, int64_t n_blocks, int64_t block_tokens);
+  // `n` free blocks, or an empty list (and nothing taken) when fewer are free.
+  std::vector<int32_t> allocate(int64_t n);
+  void release(const std::vector<int32_t>& blocks);
+  // Copies positions [0, n) of a one-sequence cache into `blocks` (enough of them for n).
+  void load(const KVCache& cache, int64_t n, const std::vector<int32_t>& blocks);
+  const at::Tensor& keys(int64_t layer) const { return k_[layer]; }
+  const at::Tensor& values(int64_t layer) const { return v_[layer]; }
+  int64_t block_tokens() const { return block_tokens_; }
+  int64_t n_blocks() const { return n_blocks_; }
+  int64_t n_free() const { return static_cast<int64_t>(free_.size()); }
+  int64_t bytes() const;  // of the whole pool
+  int64_t blocks_for(int64_t tokens) const { return (tokens + block_tokens_ - 1) / block_tokens_; }
+
+ private:
+  std::vector<at::Tensor> k_, v_;
+  std::vector<int32_t> free_;
+  int64_t n_blocks_, block_tokens_;
+};
+
+struct ServeOptions {
+  Method method = Method::comb;  // the default caching method (a request may name another)
+  PicOptions pic;                // the methods' options; cache_bytes: the document store's memory
+  std::string cache_dir;         // the document store's disk tier ("" : none); it survives restarts
+  int64_t cache_disk_bytes = int64_t(4) << 30;
+  int64_t kv_bytes = int64_t(1) << 30;  // the block pool of running sequences
+  int64_t block_tokens = 16;
+  int64_t max_running = 16;      // sequences decoding together
+  int64_t max_queued = 64;       // requests waiting beyond them; more are refused (overloaded)
+  int64_t max_tokens_in_flight = 0;  // prompt + max_tokens summed over running requests (0: what the pool holds)
+  int64_t prefill_chunk = 256;   // prompt tokens computed between two decoding steps
+};
+
+// Thrown by submit() when the queue is full or the engine is stopping: try again later.
+class Overloaded : public Error {
+ public:
+  using Error::Error;
+};
+
+struct ServeResult {
+  std::vector<int32_t> tokens;  // generated (a stop token excluded)
+  std::string text;             // their text, a stop string and what follows it cut
+  std::string finish_reason;    // "stop", "length", "cancelled" or "error"
+  std::string error;            // with "error": what went wrong
+  Method method = Method::full;
+  int64_t prompt_tokens = 0;    // every prompt token, documents included
+  int64_t cached_tokens = 0;    // of them, K/V read from a cache (documents, prefix blocks)
+  int64_t computed_tokens = 0;  // of them, computed for this request (decoder and encoder)
+  double queue_ms = 0, ttft_ms = 0, total_ms = 0;  // from submit()
+};
+
+struct ServeRequest {
+  PicRequest prompt;              // prefix, documents, suffix (without documents: all in one)
+  std::optional<Method> method;   // unset: ServeOptions::method
+  int64_t max_tokens = 128;
+  SamplingOptions sampling;
+  std::vector<std::string> stop;  // stop strings (not part of the text)
+  // Called on the engine's thread, in order: each piece of text once no stop string can take it
+  // back, then the result. Keep them short (hand the piece to another thread).
+  std::function<void(const std::string& piece)> on_text;
+  std::function<void(const ServeResult& result)> on_done;
+};
+
+// Latency histogram with Prometheus's cumulative buckets (seconds).
+struct Histogram {
+  std::vector<double> bounds;
+  std::vector<uint64_t> counts;  // per bound, then +Inf
+  double sum = 0;
+  uint64_t count = 0;
+  explicit Histogram(std::vector<double> b = {}) : bounds(std::move(b)), counts(bounds.size() + 1) {}
+  void add(double seconds);
+};
+
+struct ServeStats {
+  int64_t running = 0, queued = 0, prefilling = 0;
+  int64_t blocks_total = 0, blocks_free = 0, block_tokens = 0;
+  int64_t tokens_in_flight = 0;
+  uint64_t finished = 0, cancelled = 0, failed = 0, refused = 0;
+  uint64_t prompt_tokens = 0, cached_tokens = 0, computed_tokens = 0, generated_tokens = 0;
+  uint64_t decode_steps = 0;
+  double decode_seconds = 0;      // inside batched decoding steps
+  Histogram ttft, inter_token, batch_size;
+  StoreStats store;
+  int64_t prefix_bytes = 0, prefix_blocks = 0;
+};
+
+class ServeEngine {
+ public:
+  using Id = uint64_t;
+  // CPU only (float32 or kept-quantized weights); starts the scheduler thread.
+  ServeEngine(const Model& model, ServeOptions options);
+  ~ServeEngine();  // shutdown(false)
+  ServeEngine(const ServeEngine&) = delete;
+  ServeEngine& operator=(const ServeEngine&) = delete;
+
+  // Queues a request. Throws comb::Error for a request that can never run (too long for the
+  // context or the pool, a method without its plug-in), Overloaded when the queue is full or the
+  // engine stops.
+  Id submit(ServeRequest request);
+  // The request ends at the next step with "cancelled" and its blocks go back to the pool.
+  void cancel(Id id);
+  // Stops taking requests; finishes the running and queued ones (`finish`) or cancels them; then
+  // ends the scheduler thread. Idempotent.
+  void shutdown(bool finish);
+  // Runs `job` on the scheduler thread between two steps and waits for it (work on the model
+  // outside requests, such as precomputing a document's cache); its exception is rethrown here.
+  void run(const std::function<void()>& job);
+  // One document's cache computed (or found) now for `method` and `tenant`: true when computed.
+  bool warm_document(const std::vector<int32_t>& tokens, Method method, const std::string& tenant);
+  ServeStats stats() const;
+  const ServeOptions& options() const { return options_; }
+  const Model& model() const { return model_; }
+
+ private:
+  struct Sequence;
+  void loop();
+  void admit(std::unique_lock<std::mutex>& lock);
+  void prefill_step(Sequence& s);
+  void decode_step();
+  bool emit(Sequence& s, int32_t token, const at::Tensor& logits);
+  void finish(Sequence& s, const std::string& reason, const std::string& error = "");
+  PicEngine& engine(Method m);
+  at::Tensor batched_forward(const std::vector<Sequence*>& rows);
+
+  const Model& model_;
+  ServeOptions options_;
+  std::shared_ptr<PICacheStore> store_;
+  std::shared_ptr<PrefixCache> prefix_;
+  std::map<Method, std::unique_ptr<PicEngine>> engines_;
+  std::unique_ptr<BlockPool> pool_;
+  std::vector<int32_t> stop_tokens_;
+  std::vector<at::Tensor> doc_bias_;  // per plug-in block: [n_head] float32, or undefined
+
+  mutable std::mutex mutex_;
+  std::condition_variable wake_, job_done_;
+  std::deque<std::unique_ptr<Sequence>> queue_;
+  std::vector<std::unique_ptr<Sequence>> prefilling_, running_;
+  std::deque<std::function<void()>> jobs_;
+  std::vector<Id> cancels_;
+  Id next_id_ = 1;
+  int64_t in_flight_ = 0;  // tokens reserved by admitted requests
+  bool stopping_ = false, finish_on_stop_ = true, stopped_ = false;
+  ServeStats stats_;
+  std::thread thread_;
+};
+
+}  // namespace comb

@@ -1,0 +1,195 @@
+// The serving engine: continuous batching gives each request the tokens it gets alone, blocks go
+// back to the pool, overload and cancellation, stop strings.
+#include <catch2/catch.hpp>
+
+#include <future>
+
+#include "helpers.hpp"
+
+using namespace comb;
+
+namespace {
+
+const Model& model_with_plugin() {
+  static const Model model = [] {
+    Options o;
+    o.plugin = test::env_or("COMB_SHIPPED_PLUGIN", "");
+    return Model::load(test::model_path(), o);
+  }();
+  return model;
+}
+
+std::vector<QaDocument> documents(int which) {
+  std::vector<QaDocument> all = {
+      {"Harbor", "The harbor of Velmora was rebuilt in 1874 after a storm destroyed the old pier."},
+      {"Orchard", "The orchard grows pears and quinces; its oldest tree was planted by Anna Lind."},
+      {"Bridge", "The Caldon bridge has seven arches and was opened to traffic in 1921."},
+      {"Library", "The town library keeps a map of the coast drawn by the cartographer Ivo Marek."},
+  };
+  std::vector<QaDocument> out;
+  for (int i = 0; i < 3; ++i) out.push_back(all[(which + i) % all.size()]);
+  return out;
+}
+
+struct Waiter {
+  std::promise<ServeResult> done;
+  std::string streamed;
+};
+
+ServeRequest make(const Model& m, int i, Method method, int64_t max_tokens) {
+  static const char* questions[] = {"When was the harbor rebuilt?", "Who planted the oldest tree?",
+                                    "How many arches does the bridge have?", "Who drew the map of the coast?"};
+  ServeRequest r;
+  if (i % 4 == 3) {  // no documents: a plain chat prompt
+    r.prompt.suffix = m.chat_prompt(questions[i % 4]);
+  } else {
+    r.prompt = qa_request(m, documents(i), questions[i % 4]);
+  }
+  r.method = method;
+  r.max_tokens = max_tokens;
+  return r;
+}
+
+std::vector<ServeResult> run_all(ServeEngine& engine, std::vector<ServeRequest> requests, bool together,
+                                 std::vector<std::string>* streamed = nullptr) {
+  std::vector<std::unique_ptr<Waiter>> waiters;
+  std::vector<ServeResult> out;
+  for (auto& r : requests) {
+    waiters.push_back(std::make_unique<Waiter>());
+    Waiter* w = waiters.back().get();
+    r.on_text = [w](const std::string& piece) { w->streamed += piece; };
+    r.on_done = [w](const ServeResult& result) { w->done.set_value(result); };
+    engine.submit(std::move(r));
+    if (!together) out.push_back(w->done.get_future().get());
+  }
+  if (together)
+    for (auto& w : waiters) out.push_back(w->done.get_future().get());
+  if (streamed)
+    for (auto& w : waiters) streamed->push_back(w->streamed);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("serving: greedy tokens are the same alone and in a batch, for every method", "[serving]") {
+  const Model& m = model_with_plugin();
+  ServeOptions o;
+  o.prefill_chunk = 24;  // prompts computed in several chunks between decoding steps
+  o.max_running = 16;
+  ServeEngine engine(m, o);
+  const Method methods[] = {Method::comb, Method::full, Method::prefix, Method::naive, Method::epic, Method::cacheblend};
+  std::vector<ServeRequest> requests;
+  for (int i = 0; i < 12; ++i) requests.push_back(make(m, i, methods[i % 6], 6 + i % 5));
+  std::vector<ServeRequest> again = requests;
+  std::vector<std::string> streamed;
+  auto alone = run_all(engine, std::move(requests), false);
+  const auto before = engine.stats();
+  auto together = run_all(engine, std::move(again), true, &streamed);
+  const auto after = engine.stats();
+  REQUIRE(alone.size() == together.size());
+  for (size_t i = 0; i < alone.size(); ++i) {
+    INFO("request " << i << " (" << method_name(alone[i].method) << ")");
+    CHECK(alone[i].finish_reason != "error");
+    CHECK(!alone[i].tokens.empty());
+    CHECK(alone[i].tokens == together[i].tokens);
+    CHECK(alone[i].text == together[i].text);
+    CHECK(streamed[i] == together[i].text);  // the streamed pieces add up to the text
+  }
+  // The second round ran batched: steps with more than one row happened.
+  const uint64_t single_before = before.batch_size.counts[0], single_after = after.batch_size.counts[0];
+  CHECK(after.batch_size.count - before.batch_size.count > single_after - single_before);
+  CHECK(after.blocks_free == after.blocks_total);
+  CHECK(after.tokens_in_flight == 0);
+  // Documents were read from the shared store the second time.
+  for (size_t i = 0; i < together.size(); ++i)
+    if (together[i].method != Method::full && i % 4 != 3) CHECK(together[i].cached_tokens > 0);
+}
+
+TEST_CASE("serving: a request's greedy answer is PicEngine::generate's", "[serving]") {
+  const Model& m = model_with_plugin();
+  ServeEngine engine(m, {});
+  for (Method method : {Method::full, Method::comb, Method::naive}) {
+    ServeRequest r = make(m, 1, method, 10);
+    PicRequest prompt = r.prompt;
+    auto served = run_all(engine, {r}, false);
+    PicEngine pic(m, method);
+    GenerateOptions g;
+    g.max_tokens = 10;
+    GenerationResult direct = pic.generate(prompt, g);
+    INFO(method_name(method) << ": served '" << served[0].text << "', direct '" << direct.text << "'");
+    CHECK(served[0].tokens == direct.tokens);
+  }
+}
+
+TEST_CASE("serving: cancellation frees blocks, overload is refused, stop strings cut", "[serving]") {
+  const Model& m = model_with_plugin();
+  ServeOptions o;
+  o.max_running = 1;
+  o.max_queued = 1;
+  ServeEngine engine(m, o);
+  const int64_t total = engine.stats().blocks_total;
+
+  // A long request, cancelled after its first pieces.
+  std::promise<ServeResult> long_done;
+  std::atomic<int> pieces{0};
+  ServeRequest r = make(m, 0, Method::full, 200);
+  r.on_text = [&](const std::string&) { ++pieces; };
+  r.on_done = [&](const ServeResult& res) { long_done.set_value(res); };
+  auto id = engine.submit(std::move(r));
+  while (pieces.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  // It runs; the queue holds one more; a third is refused.
+  std::promise<ServeResult> second_done;
+  ServeRequest r2 = make(m, 3, Method::full, 4);
+  r2.on_done = [&](const ServeResult& res) { second_done.set_value(res); };
+  engine.submit(std::move(r2));
+  CHECK_THROWS_AS(engine.submit(make(m, 3, Method::full, 4)), Overloaded);
+  CHECK(engine.stats().blocks_free < total);
+  engine.cancel(id);
+  ServeResult cancelled = long_done.get_future().get();
+  CHECK(cancelled.finish_reason == "cancelled");
+  CHECK(cancelled.tokens.size() < 200);
+  CHECK(second_done.get_future().get().finish_reason != "error");
+  auto s = engine.stats();
+  CHECK(s.blocks_free == total);
+  CHECK(s.cancelled == 1);
+  CHECK(s.refused == 1);
+
+  // Stop strings: the text ends before the first one, which is not part of it.
+  ServeRequest plain = make(m, 3, Method::full, 40);
+  auto full_text = run_all(engine, {plain}, false)[0].text;
+  REQUIRE(full_text.size() > 6);
+  std::string stop = full_text.substr(3, 3);
+  plain.stop = {stop};
+  std::vector<std::string> streamed;
+  auto stopped = run_all(engine, {plain}, false, &streamed)[0];
+  CHECK(stopped.finish_reason == "stop");
+  CHECK(stopped.text == full_text.substr(0, full_text.find(stop)));
+  CHECK(streamed[0] == stopped.text);
+
+  // Requests that can never run are refused at once, with what was wrong.
+  ServeRequest huge = make(m, 3, Method::full, m.config().n_ctx);
+  CHECK_THROWS_WITH(engine.submit(std::move(huge)), Catch::Contains("context holds"));
+  ServeRequest empty;
+  CHECK_THROWS_WITH(engine.submit(std::move(empty)), Catch::Contains("prompt is empty"));
+}
+
+TEST_CASE("serving: shutdown finishes or cancels what is in flight", "[serving]") {
+  const Model& m = model_with_plugin();
+  for (bool finish : {true, false}) {
+    ServeEngine engine(m, {});
+    std::vector<std::promise<ServeResult>> done(3);
+    for (int i = 0; i < 3; ++i) {
+      ServeRequest r = make(m, i, Method::naive, 8);
+      r.on_done = [&done, i](const ServeResult& res) { done[i].set_value(res); };
+      engine.submit(std::move(r));
+    }
+    engine.shutdown(finish);
+    for (auto& d : done) {
+      auto res = d.get_future().get();
+      CHECK(res.finish_reason == (finish ? res.finish_reason : std::string("cancelled")));
+      if (finish) CHECK(res.finish_reason != "cancelled");
+    }
+    CHECK_THROWS_AS(engine.submit(make(m, 0, Method::naive, 4)), Overloaded);
+    CHECK(engine.stats().blocks_free == engine.stats().blocks_total);
+  }
+}
