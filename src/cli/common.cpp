@@ -35,17 +35,20 @@ void check_inputs(const Args& args) {
 // used) before a model loads, so that "--max-tokens 1x" is refused at once, naming the option.
 void check_numbers(const Args& args) {
   Args probe = args;
-  for (const char* o : {"accumulate", "batch", "cache-mb", "cache-ttl", "cached", "check-layer", "decode-tokens", "docs",
-                        "encoder-layers", "epic-k", "items", "limit", "log-every", "max-docs", "max-document-tokens",
-                        "max-documents", "max-new-tokens", "max-tokens", "min-docs", "min-documents", "offset",
-                        "pairs-per-document", "place", "prefix-block", "save-every", "steps", "teacher-tokens",
-                        "teacher-top-k", "tokenize", "top-k", "warmup"})
+  for (const char* o : {"accumulate", "batch", "block-tokens", "cache-mb", "cache-ttl", "cached", "check-layer",
+                        "decode-tokens", "default-max-tokens", "docs", "drain-timeout", "encoder-layers", "epic-k",
+                        "items", "kv-mb", "limit", "log-every", "max-docs", "max-document-tokens", "max-documents",
+                        "max-new-tokens", "max-queued", "max-running", "max-tokens", "max-tokens-in-flight", "min-docs",
+                        "min-documents", "offset", "pairs-per-document", "place", "port", "prefill-chunk",
+                        "prefix-block", "save-every", "steps", "teacher-tokens", "teacher-top-k", "tokenize", "top-k",
+                        "warm", "warmup"})
     probe.num<int64_t>(o, 0);
   for (const char* o : {"cpu-kernels", "documents-after-prefix", "encoder-prefix", "profile", "reading-check",
                         "relative-positions", "repeat", "resume", "threads"})
     probe.num<int>(o, 0);
+  probe.num<int>("log-requests", 0);
   for (const char* o : {"blend-ratio", "clip", "gate-lr-scale", "kl-weight", "kv-share", "lr", "min-lr-ratio",
-                        "needle-share", "open-gate", "open-gates", "weight-decay"})
+                        "needle-share", "duration", "open-gate", "open-gates", "weight-decay"})
     probe.num<double>(o, 0);
   probe.num<float>("temperature", 0), probe.num<float>("top-p", 0);
   probe.num<uint64_t>("seed", 0);

@@ -19,6 +19,8 @@ commands:
   make-data     write QA items: generated (--kind codeword, needle), or made from a public source file
                 (--kind nq-multidoc, --kind kv)
   bench         measure prefill and decode throughput
+  serve         an OpenAI-compatible HTTP server (continuous batching, documents, every caching method)
+  loadgen       Poisson load over QA items for a running `comb serve`: requests/s, tokens/s, TTFT
   version       print the version
 
 options of every command that loads a model (all but make-data and report):
@@ -173,6 +175,41 @@ bench options:
                          time, without the operations it calls), and the time outside every operation
                          (the decoder's own C++ between them) (default 0)
   --json                 one JSON object per figure
+
+serve options (with the model options above; docs/serving.md):
+  --host ADDR            address to listen on (default 127.0.0.1)
+  --port N               port (default 8000; 0: any free port, see --port-file)
+  --port-file FILE       write the port listened on into FILE once listening
+  --served-model-name S  the model's name in the API (default: the model file's name without extension)
+  --method M             the default caching method, a request's "method" overrides it: comb (default
+                         with a plug-in), naive (default without), epic, cacheblend, prefix, full
+  --max-running N        requests decoding together, one batched step (default 16)
+  --max-queued N         requests waiting beyond them; more get 429 with Retry-After (default 64)
+  --max-tokens-in-flight N  prompt + max_tokens summed over admitted requests (default: the pool's size)
+  --kv-mb N              memory of the K/V block pool, allocated at start (default 1024)
+  --block-tokens N       tokens per K/V block (default 16)
+  --prefill-chunk N      prompt tokens computed between two decoding steps (default 256)
+  --max-documents N      documents per request (default 32)
+  --default-max-tokens N when a request gives no max_tokens (default 256, within the context)
+  --cache-mb N, --cache-dir DIR, --cache-url URL, --cache-ttl S
+                         the document store shared by all requests and methods (as for generate)
+  --epic-k N, --blend-ratio R, --prefix-block N   the methods' options (as for eval)
+  --drain-timeout S      after SIGTERM, how long requests in flight may take before being
+                         cancelled (default 30)
+  --log-requests 0|1     one line per request on stderr (default 1)
+
+loadgen options (no model loaded; docs/benchmarks.md):
+  --host ADDR, --port N  the server (default 127.0.0.1:8000)
+  --data FILE            QA items (JSON Lines, gzip or plain); their documents are the shared pool
+  --items N              the first N items (default 20)
+  --methods A,B          caching methods, one run each per rate (default comb,prefix)
+  --rates R1,R2          Poisson arrival rates, requests per second (default 1)
+  --duration S           seconds of arrivals per run (default 30); the run then waits for them
+  --max-tokens N         per request (default 16), greedy
+  --warm 0|1             before a method's runs, every item once (default 1)
+  --served-model-name S  the model name the server serves (default SmolLM2-135M-Instruct.Q4_1)
+  --seed N               arrivals, items and document orders (default 0)
+  --json                 one JSON object per run
 )";
 
 }  // namespace comb::cli
@@ -225,11 +262,19 @@ int main(int argc, char** argv) {
       comb::Model model = load_model(args);
       return comb::cli::cmd_train(args, model);
     }
+    if (cmd == "serve") {
+      Args args(argc, argv, 2, {});
+      return cmd_serve(args);
+    }
+    if (cmd == "loadgen") {
+      Args args(argc, argv, 2, {"json"});
+      return cmd_loadgen(args);
+    }
     if (cmd == "bench") {
       Args args(argc, argv, 2, {"json"});
       return cmd_bench(args);
     }
-    throw Error("unknown command '" + cmd + "' (expected generate, qa, eval, report, train, make-data, plugin, bench or version)");
+    throw Error("unknown command '" + cmd + "' (expected generate, qa, eval, report, train, make-data, plugin, bench, serve, loadgen or version)");
   } catch (const Error& e) {
     if (std::string(e.what()) == "help") {
       std::fputs(kUsage, stdout);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "comb/comb.hpp"
+#include "serve_api.hpp"  // src/cli: the server's request parser
 
 namespace comb::fuzz {
 
@@ -221,12 +222,37 @@ inline int store_entry(const uint8_t* data, size_t size) {
   return 0;
 }
 
+// A request body of `comb serve` (chat, completion, document upload): refused only with ApiError.
+inline int serve_request(const uint8_t* data, size_t size) {
+  const std::string body(reinterpret_cast<const char*>(data), size);
+  serve::Limits limits;
+  for (bool chat : {true, false}) {
+    try {
+      serve::CompletionRequest r = serve::parse_completion_request(body, chat, limits);
+      if (static_cast<int64_t>(r.documents.size()) > limits.max_documents || r.stop.size() > size_t(limits.max_stop))
+        std::abort();  // the limits it checks
+      for (const auto& d : r.documents)
+        if (static_cast<int64_t>(d.text.size()) > limits.max_document_bytes) std::abort();
+    } catch (const serve::ApiError& e) {
+      if (e.status < 400 || e.status >= 500) std::abort();
+      serve::error_body(e);
+    }
+  }
+  try {
+    serve::parse_document_upload(body, limits);
+  } catch (const serve::ApiError& e) {
+    serve::error_body(e);
+  }
+  return 0;
+}
+
 using Harness = int (*)(const uint8_t*, size_t);
 inline const std::map<std::string, Harness>& harnesses() {
   static const std::map<std::string, Harness> all = {
       {"gguf", gguf},         {"safetensors", safetensors},   {"safetensors_index", safetensors_index},
       {"tokenizer_json", tokenizer_json}, {"tokenizer_config", tokenizer_config}, {"chat_template", chat_template},
-      {"qa", qa},             {"plugin", plugin},             {"store_entry", store_entry}};
+      {"qa", qa},             {"plugin", plugin},             {"store_entry", store_entry},
+      {"serve_request", serve_request}};
   return all;
 }
 

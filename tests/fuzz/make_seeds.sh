@@ -13,7 +13,7 @@ model=$(grep -o 'COMB_DEFAULT_MODEL:FILEPATH=.*' "$build/CMakeCache.txt" | cut -
 [ -f "$model" ] || { echo "make_seeds.sh: no default model in $build/CMakeCache.txt (COMB_DEFAULT_MODEL)" >&2; exit 1; }
 tiny=$build/oracle/tiny-llama
 [ -d "$tiny" ] || ctest --test-dir "$build" -R '^oracle\.' >/dev/null  # the tests' oracles write it
-mkdir -p "$out"/{gguf,safetensors,safetensors_index,tokenizer_json,tokenizer_config,chat_template,qa,plugin,store_entry}
+mkdir -p "$out"/{gguf,safetensors,safetensors_index,tokenizer_json,tokenizer_config,chat_template,qa,plugin,store_entry,serve_request}
 
 # GGUF: the model's own metadata (tokenizer arrays cut to 512 tokens) with its norm tensors and one
 # row block of each stored type, written by the gguf package; and the template and config alone.
@@ -122,4 +122,21 @@ echo "Paris is the capital of France." > "$saved/doc.txt"
 "$comb" generate --model "$tiny" --plugin "$out/plugin/tiny.comb.safetensors" --document "$saved/doc.txt" \
   --raw --prompt "Capital?" --max-tokens 1 --cache-dir "$saved/cache" >/dev/null
 cp "$saved"/cache/*.kv "$out/store_entry/" 2>/dev/null || echo "make_seeds: no store entry written" >&2
+# Request bodies of comb serve: chat, completion (text and token ids), documents inline and by id, uploads.
+cat > "$out/serve_request/chat.json" <<'JSON'
+{"model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 16, "temperature": 0.7, "top_p": 0.9, "seed": -3, "stop": ["\n", "END"], "stream": true, "stream_options": {"include_usage": true}, "n": 1}
+JSON
+cat > "$out/serve_request/documents.json" <<'JSON'
+{"model": "m", "messages": [{"role": "user", "content": "Who?"}], "documents": [{"title": "A", "text": "Anna planted it."}, {"id": "doc-00000000000000ff"}], "method": "comb", "cache_salt": "tenant-1", "max_completion_tokens": 8}
+JSON
+cat > "$out/serve_request/completion.json" <<'JSON'
+{"model": "m", "prompt": "The capital of France is", "max_tokens": 4, "stop": "\n", "logprobs": null, "echo": false}
+JSON
+cat > "$out/serve_request/ids.json" <<'JSON'
+{"model": "m", "prompt": [1, 2, 3, 49151], "documents": [{"text": "x"}], "method": "naive"}
+JSON
+cat > "$out/serve_request/upload.json" <<'JSON'
+{"title": "Orchard", "text": "The oldest tree was planted by Anna Lind.", "cache_salt": "t", "method": "epic"}
+JSON
+
 find "$out" -type f | sed "s|$out/||" | sort | awk -F/ '{n[$1]++} END {for (t in n) printf "seeds %s: %d\n", t, n[t]}' | sort

@@ -1,0 +1,212 @@
+// `comb loadgen`: load for `comb serve`. Requests arrive as a Poisson process at each given rate;
+// each is a streamed chat completion over one QA item's documents (in a random order: the items'
+// documents are a pool that requests share, as in retrieval-augmented generation) with a caching
+// method named per run. Prints completed requests/s, output tokens/s, time to first token p50 and
+// p99 (measured by the client, to the first streamed token) and the share of prompt tokens read
+// from a cache.
+#include <httplib.h>
+
+#include <atomic>
+#include <mutex>
+#include <thread>
+
+#include "commands.hpp"
+
+namespace comb::cli {
+
+namespace {
+
+using json = nlohmann::json;
+using clock_type = std::chrono::steady_clock;
+
+struct Outcome {
+  int status = 0;
+  double ttft_s = -1, total_s = 0;
+  int64_t completion = 0, prompt = 0, cached = 0;
+  std::string error;
+};
+
+// One streamed request; the time to the first chunk that carries text or an end.
+Outcome one_request(const std::string& host, int port, const std::string& body) {
+  Outcome out;
+  httplib::Client cli(host, port);
+  cli.set_tcp_nodelay(true);
+  cli.set_read_timeout(600, 0);
+  cli.set_connection_timeout(10, 0);
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/chat/completions";
+  req.headers = {{"Content-Type", "application/json"}};
+  req.body = body;
+  const auto t0 = clock_type::now();
+  std::string buffer, raw;
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    buffer.append(data, n);
+    if (raw.size() < 2000) raw.append(data, std::min<size_t>(n, 2000));
+    size_t end;
+    while ((end = buffer.find("\n\n")) != std::string::npos) {
+      std::string event = buffer.substr(0, end);
+      buffer.erase(0, end + 2);
+      if (event.rfind("data: ", 0) != 0 || event == "data: [DONE]") continue;
+      json j = json::parse(event.substr(6), nullptr, false);
+      if (j.is_discarded()) continue;
+      if (j.contains("usage") && j["usage"].is_object()) {
+        out.completion = j["usage"].value("completion_tokens", int64_t(0));
+        out.prompt = j["usage"].value("prompt_tokens", int64_t(0));
+        if (j["usage"].contains("prompt_tokens_details"))
+          out.cached = j["usage"]["prompt_tokens_details"].value("cached_tokens", int64_t(0));
+      }
+      if (j.contains("error")) out.error = j["error"].dump();
+      if (out.ttft_s < 0 && j.contains("choices") && !j["choices"].empty()) {
+        const json& c = j["choices"][0];
+        const bool text = c.contains("delta") && c["delta"].contains("content") && c["delta"]["content"].is_string() &&
+                          !c["delta"]["content"].get<std::string>().empty();
+        if (text || (c.contains("finish_reason") && !c["finish_reason"].is_null()))
+          out.ttft_s = std::chrono::duration<double>(clock_type::now() - t0).count();
+      }
+    }
+    return true;
+  };
+  httplib::Response res;
+  httplib::Error err = httplib::Error::Success;
+  const bool ok = cli.send(req, res, err);
+  out.total_s = std::chrono::duration<double>(clock_type::now() - t0).count();
+  out.status = ok ? res.status : 0;
+  if (!ok) out.error = httplib::to_string(err);
+  else if (res.status != 200) out.error = raw.empty() ? res.body : raw;
+  return out;
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const double at = p * double(v.size() - 1);
+  const size_t lo = static_cast<size_t>(at), hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (at - double(lo));
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at <= s.size()) {
+    size_t comma = s.find(',', at);
+    if (comma == std::string::npos) comma = s.size();
+    if (comma > at) out.push_back(s.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+int cmd_loadgen(Args& args) {
+  const std::string host = args.str("host", "127.0.0.1");
+  const int port = static_cast<int>(args.num<int64_t>("port", 8000));
+  const std::string data = args.str("data");
+  COMB_CHECK(!data.empty(), "--data FILE (QA items, e.g. nq-multidoc-10.dev.jsonl.gz) is required");
+  const int64_t pool = args.num<int64_t>("items", 20);
+  const double duration = args.num<double>("duration", 30);
+  const int64_t max_tokens = args.num<int64_t>("max-tokens", 16);
+  const uint64_t seed = args.num<uint64_t>("seed", 0);
+  const std::string model = args.str("served-model-name", "SmolLM2-135M-Instruct.Q4_1");
+  const bool warm = args.num<int>("warm", 1) != 0;
+  const bool json_out = args.has("json");
+  if (json_out) args.str("json");
+  std::vector<double> rates;
+  for (const auto& r : split(args.str("rates", "1"))) {
+    char* end = nullptr;
+    const double v = std::strtod(r.c_str(), &end);
+    COMB_CHECK(end && *end == 0 && std::isfinite(v) && v > 0,
+               "--rates: each rate (requests per second, comma-separated) should be a number above 0, found '{}'", r);
+    rates.push_back(v);
+  }
+  const std::vector<std::string> methods = split(args.str("methods", "comb,prefix"));
+  args.check_all_used();
+  COMB_CHECK(duration > 0, "--duration should be above 0 seconds, found {}", duration);
+
+  std::vector<QaItem> items = read_qa_items(data, pool);
+  COMB_CHECK(!items.empty(), "'{}' has no items", data);
+  auto body_for = [&](const QaItem& item, const std::string& method, std::mt19937_64& rng) {
+    std::vector<QaDocument> docs = item.documents;
+    std::shuffle(docs.begin(), docs.end(), rng);
+    json d = json::array();
+    for (const auto& doc : docs) d.push_back({{"title", doc.title}, {"text", doc.text}});
+    return json{{"model", model}, {"messages", json::array({{{"role", "user"}, {"content", item.question}}})},
+                {"documents", d}, {"method", method}, {"max_tokens", max_tokens}, {"temperature", 0},
+                {"stream", true}, {"stream_options", {{"include_usage", true}}}}
+        .dump();
+  };
+  fmt::print(stderr, "[loadgen] {} items of {} as the document pool; {} s per run; methods {}; rates {}\n", items.size(),
+             data_name(data), duration, fmt::join(methods, ","), fmt::join(rates, ","));
+  if (!json_out)
+    fmt::print("{:<8} {:>6} {:>5} {:>5} {:>4} {:>8} {:>8} {:>9} {:>9} {:>7}\n", "method", "rate", "sent", "done", "err",
+               "req/s", "tok/s", "ttft_p50", "ttft_p99", "cached");
+  for (const auto& method : methods) {
+    std::mt19937_64 rng(seed);
+    if (warm) {  // every item once, one at a time: the caches a server has after a while
+      for (const auto& item : items) {
+        Outcome o = one_request(host, port, body_for(item, method, rng));
+        COMB_CHECK(o.status == 200 && o.error.empty(), "warm-up request for method {} failed: HTTP {} {}", method,
+                   o.status, o.error.substr(0, 300));
+      }
+    }
+    for (double rate : rates) {
+      std::exponential_distribution<double> gap(rate);
+      std::uniform_int_distribution<size_t> pick(0, items.size() - 1);
+      std::mutex mutex;
+      std::vector<Outcome> outcomes;
+      std::vector<std::thread> threads;
+      const auto start = clock_type::now();
+      double at = gap(rng);
+      while (at < duration) {
+        std::this_thread::sleep_until(start + std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(at)));
+        std::string body = body_for(items[pick(rng)], method, rng);
+        threads.emplace_back([&, body] {
+          Outcome o = one_request(host, port, body);
+          std::lock_guard<std::mutex> lock(mutex);
+          outcomes.push_back(o);
+        });
+        at += gap(rng);
+      }
+      for (auto& t : threads) t.join();
+      const double elapsed = std::chrono::duration<double>(clock_type::now() - start).count();
+      std::vector<double> ttft;
+      int64_t done = 0, errors = 0, tokens = 0, prompt = 0, cached = 0;
+      std::map<int, int64_t> statuses;
+      std::string first_error;
+      for (const auto& o : outcomes) {
+        ++statuses[o.status];
+        if (o.status == 200 && o.error.empty() && o.ttft_s >= 0) {
+          ++done;
+          ttft.push_back(o.ttft_s);
+          tokens += o.completion;
+          prompt += o.prompt;
+          cached += o.cached;
+        } else {
+          ++errors;
+          if (first_error.empty()) first_error = fmt::format("HTTP {} {}", o.status, o.error.substr(0, 300));
+        }
+      }
+      const double req_s = done / elapsed, tok_s = tokens / elapsed;
+      const double p50 = percentile(ttft, 0.5), p99 = percentile(ttft, 0.99);
+      const double hit = prompt > 0 ? double(cached) / double(prompt) : 0;
+      if (json_out) {
+        json st = json::object();
+        for (auto& [k, v] : statuses) st[std::to_string(k)] = v;
+        fmt::print("{}\n", json{{"method", method}, {"rate", rate}, {"sent", outcomes.size()}, {"completed", done},
+                                {"errors", errors}, {"statuses", st}, {"elapsed_s", elapsed},
+                                {"requests_per_s", req_s}, {"output_tokens_per_s", tok_s}, {"ttft_p50_s", p50},
+                                {"ttft_p99_s", p99}, {"cache_hit_ratio", hit}}
+                               .dump());
+      } else {
+        fmt::print("{:<8} {:>6.2f} {:>5} {:>5} {:>4} {:>8.2f} {:>8.1f} {:>8.3f}s {:>8.3f}s {:>6.1f}%\n", method, rate,
+                   outcomes.size(), done, errors, req_s, tok_s, p50, p99, 100 * hit);
+      }
+      std::fflush(stdout);
+      if (!first_error.empty()) fmt::print(stderr, "[loadgen] {} at {}/s: first failure: {}\n", method, rate, first_error);
+    }
+  }
+  return 0;
+}
+
+}  // namespace comb::cli

@@ -1,0 +1,637 @@
+// `comb serve`: an OpenAI-compatible HTTP server (cpp-httplib) over comb::ServeEngine, with
+// documents as part of a request and an API to upload them ahead of requests.
+#include <httplib.h>
+#include <pthread.h>
+#include <signal.h>
+#include <xxhash.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <ctime>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "commands.hpp"
+#include "serve_api.hpp"
+
+namespace comb::cli {
+
+namespace {
+
+using json = nlohmann::json;
+using serve::ApiError;
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// What the engine's thread hands one request's HTTP handler.
+struct Channel {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::deque<std::string> pieces;
+  std::optional<ServeResult> result;
+};
+
+struct StoredDocument {
+  std::string id, title, salt;
+  std::vector<int32_t> tokens;
+  int64_t created = 0;
+  std::vector<std::string> methods;  // whose caches were computed on upload
+};
+
+// Token ids of a conversation through the chat template, every message's content read as data
+// (control tokens written in it stay text): the template is rendered with a marker per content,
+// its own parts encoded with control tokens, the contents without.
+std::vector<int32_t> chat_tokens(const Model& model, const std::vector<std::pair<std::string, std::string>>& messages) {
+  const Tokenizer& tok = model.tokenizer();
+  std::vector<ChatMessage> marked;
+  for (size_t i = 0; i < messages.size(); ++i) marked.push_back({messages[i].first, fmt::format("\x1f{}\x1f", i)});
+  const std::string text = model.chat_template().apply(marked, true);
+  std::vector<int32_t> ids;
+  auto bos = tok.bos_id();
+  if (tok.add_bos() && bos && text.rfind(tok.token_bytes(*bos), 0) != 0) ids.push_back(*bos);
+  size_t at = 0;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const std::string marker = fmt::format("\x1f{}\x1f", i);
+    const size_t found = text.find(marker, at);
+    COMB_CHECK(found != std::string::npos, "the chat template dropped message {}", i);
+    auto part = tok.encode(text.substr(at, found - at));
+    ids.insert(ids.end(), part.begin(), part.end());
+    auto content = tok.encode(messages[i].second, false);
+    ids.insert(ids.end(), content.begin(), content.end());
+    at = found + marker.size();
+  }
+  auto tail = tok.encode(text.substr(at));
+  ids.insert(ids.end(), tail.begin(), tail.end());
+  return ids;
+}
+
+// Prometheus text: one metric's HELP/TYPE lines.
+void metric_head(std::string& out, const std::string& name, const char* type, const char* help) {
+  out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+}
+
+void histogram_text(std::string& out, const std::string& name, const char* help, const Histogram& h) {
+  metric_head(out, name, "histogram", help);
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i < h.bounds.size(); ++i) {
+    cumulative += h.counts[i];
+    out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, h.bounds[i], cumulative);
+  }
+  out += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, h.count, name, h.sum, name, h.count);
+}
+
+class Api {
+ public:
+  Api(const Model& model, ServeEngine& engine, std::string name, serve::Limits limits, int64_t default_max_tokens,
+      bool log_requests)
+      : model_(model), engine_(engine), name_(std::move(name)), limits_(limits),
+        default_max_tokens_(default_max_tokens), log_(log_requests), started_(std::time(nullptr)) {}
+
+  std::atomic<bool> draining{false};
+
+  void routes(httplib::Server& http) {
+    http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+      if (draining) {
+        res.status = 503;
+        res.set_header("Retry-After", "5");
+        res.set_content(R"({"status":"draining"})", "application/json");
+      } else {
+        res.set_content(R"({"status":"ok"})", "application/json");
+      }
+    });
+    http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+      json m = {{"id", name_}, {"object", "model"}, {"created", started_}, {"owned_by", "comb"},
+                {"max_model_len", model_.config().n_ctx}};
+      res.set_content(dump({{"object", "list"}, {"data", json::array({m})}}), "application/json");
+    });
+    http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(metrics(), "text/plain; version=0.0.4");
+    });
+    http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      guarded(res, [&] { completion(req, res, true); });
+    });
+    http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      guarded(res, [&] { completion(req, res, false); });
+    });
+    http.Post("/v1/documents", [this](const httplib::Request& req, httplib::Response& res) {
+      guarded(res, [&] { upload(req, res); });
+    });
+    http.Get("/v1/documents", [this](const httplib::Request& req, httplib::Response& res) {
+      guarded(res, [&] {
+        const std::string salt = req.get_param_value("cache_salt");
+        json data = json::array();
+        std::lock_guard<std::mutex> lock(docs_mutex_);
+        for (const auto& [key, d] : docs_)
+          if (key.first == salt) data.push_back(document_json(d));
+        res.set_content(dump({{"object", "list"}, {"data", data}}), "application/json");
+      });
+    });
+    http.Get(R"(/v1/documents/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+      guarded(res, [&] {
+        std::lock_guard<std::mutex> lock(docs_mutex_);
+        auto it = docs_.find({req.get_param_value("cache_salt"), req.matches[1].str()});
+        if (it == docs_.end()) throw ApiError(404, fmt::format("no document '{}'", req.matches[1].str()), "id");
+        res.set_content(dump(document_json(it->second)), "application/json");
+      });
+    });
+    http.Delete(R"(/v1/documents/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+      guarded(res, [&] {
+        std::lock_guard<std::mutex> lock(docs_mutex_);
+        const std::string id = req.matches[1].str();
+        if (docs_.erase({req.get_param_value("cache_salt"), id}) == 0)
+          throw ApiError(404, fmt::format("no document '{}'", id), "id");
+        res.set_content(dump({{"id", id}, {"object", "document"}, {"deleted", true}}), "application/json");
+      });
+    });
+    http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+      if (!res.body.empty()) return;  // a handler's own error
+      std::string message = fmt::format("{} {}: HTTP {}", req.method, req.path.substr(0, 200), res.status);
+      if (res.status == 404) message = fmt::format("no route {} {}", req.method, req.path.substr(0, 200));
+      if (res.status == 413) message = "the body is larger than this server takes";
+      res.set_content(serve::error_body(ApiError(res.status, message)), "application/json");
+    });
+    http.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+      std::string what = "unknown error";
+      try {
+        std::rethrow_exception(ep);
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      res.status = 500;
+      res.set_content(serve::error_body(ApiError(500, "internal error: " + what)), "application/json");
+    });
+    http.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+      static const char* known[] = {"/health", "/v1/models", "/metrics", "/v1/chat/completions", "/v1/completions",
+                                    "/v1/documents"};
+      std::string route = "other";
+      for (const char* k : known)
+        if (req.path == k) route = k;
+      if (route == "other" && req.path.rfind("/v1/documents/", 0) == 0) route = "/v1/documents/{id}";
+      std::lock_guard<std::mutex> lock(counts_mutex_);
+      ++counts_[{route, res.status}];
+      if (log_ && res.status >= 400) {
+        size_t cut = std::min<size_t>(res.body.size(), 400);  // at a character's start
+        while (cut > 0 && cut < res.body.size() && (static_cast<unsigned char>(res.body[cut]) & 0xC0) == 0x80) --cut;
+        fmt::print(stderr, "[serve] {} {} {} {}\n", req.method, route, res.status, res.body.substr(0, cut));
+      }
+    });
+  }
+
+ private:
+  // Runs a handler; an ApiError (or a comb::Error about the request) becomes its JSON answer.
+  void guarded(httplib::Response& res, const std::function<void()>& body) {
+    try {
+      body();
+    } catch (const ApiError& e) {
+      reply_error(res, e);
+    } catch (const Overloaded& e) {
+      reply_error(res, ApiError(draining ? 503 : 429, e.what(), "", draining ? "shutting_down" : "overloaded"));
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      reply_error(res, ApiError(400, m, "", m.find("context holds") != std::string::npos ? "context_length_exceeded" : ""));
+    }
+  }
+
+  void reply_error(httplib::Response& res, const ApiError& e) {
+    res.status = e.status;
+    if (e.status == 429 || e.status == 503) res.set_header("Retry-After", "1");
+    res.set_content(serve::error_body(e), "application/json");
+  }
+
+  json document_json(const StoredDocument& d) const {
+    json j = {{"id", d.id}, {"object", "document"}, {"title", d.title}, {"tokens", d.tokens.size()},
+              {"created", d.created}, {"methods", d.methods}};
+    if (!d.salt.empty()) j["cache_salt"] = d.salt;
+    return j;
+  }
+
+  Method method_of(const std::string& name) const {
+    Method m = name.empty() ? engine_.options().method : parse_method(name);
+    if (m == Method::comb && !model_.plugin())
+      throw ApiError(400, "method comb needs a plug-in, and this server runs without one", "method");
+    return m;
+  }
+
+  void upload(const httplib::Request& req, httplib::Response& res) {
+    if (draining) throw Overloaded("the server is shutting down");
+    serve::DocumentUpload u = serve::parse_document_upload(req.body, limits_);
+    const Method method = method_of(u.method);
+    StoredDocument d;
+    d.tokens = qa_document_tokens(model_, {u.title, u.text});
+    if (method == Method::comb && model_.plugin()->config().max_document_tokens > 0 &&
+        static_cast<int64_t>(d.tokens.size()) > model_.plugin()->config().max_document_tokens)
+      throw ApiError(400, fmt::format("the document has {} tokens; the plug-in's encoder takes at most {}",
+                                      d.tokens.size(), model_.plugin()->config().max_document_tokens), "text");
+    d.id = fmt::format("doc-{:016x}", XXH3_64bits(d.tokens.data(), d.tokens.size() * sizeof(int32_t)));
+    d.title = u.title;
+    d.salt = u.cache_salt;
+    d.created = std::time(nullptr);
+    const bool computed = engine_.warm_document(d.tokens, method, u.cache_salt);
+    {
+      std::lock_guard<std::mutex> lock(docs_mutex_);
+      auto& slot = docs_[{d.salt, d.id}];
+      std::vector<std::string> methods = slot.methods;
+      if (std::find(methods.begin(), methods.end(), method_name(method)) == methods.end())
+        methods.push_back(method_name(method));
+      slot = d;
+      slot.methods = methods;
+      d.methods = methods;
+    }
+    json j = document_json(d);
+    j["cached"] = !computed;
+    res.set_content(dump(j), "application/json");
+  }
+
+  ServeRequest build(const serve::CompletionRequest& c, Method method) {
+    const Tokenizer& tok = model_.tokenizer();
+    if (c.model != name_)
+      throw ApiError(404, fmt::format("the model '{}' does not exist; this server serves '{}'", c.model.substr(0, 200), name_),
+                     "model", "model_not_found");
+    ServeRequest r;
+    r.method = method;
+    r.prompt.tenant = c.cache_salt;
+    for (size_t i = 0; i < c.documents.size(); ++i) {
+      const auto& ref = c.documents[i];
+      if (!ref.id.empty()) {
+        std::lock_guard<std::mutex> lock(docs_mutex_);
+        auto it = docs_.find({c.cache_salt, ref.id});
+        if (it == docs_.end())
+          throw ApiError(400, fmt::format("documents[{}]: no document '{}' was uploaded with this cache_salt", i, ref.id),
+                         fmt::format("documents[{}].id", i), "document_not_found");
+        r.prompt.documents.push_back(it->second.tokens);
+      } else {
+        r.prompt.documents.push_back(qa_document_tokens(model_, {ref.title, ref.text}));
+      }
+    }
+    const bool docs = !c.documents.empty();
+    if (c.chat) {
+      if (docs) {
+        if (c.messages.size() != 1 || c.messages[0].first != "user")
+          throw ApiError(400, "with documents, 'messages' should be one user message (the question)", "messages");
+        r.prompt.prefix = qa_prefix(model_);
+        r.prompt.suffix = qa_suffix(model_, c.messages[0].second);
+      } else {
+        r.prompt.suffix = chat_tokens(model_, c.messages);
+      }
+    } else {
+      std::vector<int32_t> ids;
+      if (c.prompt_is_ids) {
+        for (size_t i = 0; i < c.prompt_ids.size(); ++i) {
+          if (c.prompt_ids[i] >= tok.n_vocab())
+            throw ApiError(400, fmt::format("prompt[{}]: token id {} is outside the vocabulary of {}", i,
+                                            c.prompt_ids[i], tok.n_vocab()), fmt::format("prompt[{}]", i));
+          ids.push_back(static_cast<int32_t>(c.prompt_ids[i]));
+        }
+      } else {
+        ids = tok.encode(c.prompt);
+        if (tok.add_bos() && tok.bos_id() && (ids.empty() || ids[0] != *tok.bos_id())) ids.insert(ids.begin(), *tok.bos_id());
+      }
+      if (docs && tok.add_bos() && tok.bos_id() && !ids.empty() && ids[0] == *tok.bos_id()) {
+        r.prompt.prefix = {ids[0]};  // the documents come after it
+        ids.erase(ids.begin());
+        if (ids.empty()) throw ApiError(400, "'prompt' is empty", "prompt");
+      }
+      r.prompt.suffix = std::move(ids);
+    }
+    int64_t decoder = static_cast<int64_t>(r.prompt.prefix.size() + r.prompt.suffix.size());
+    if (method != Method::comb)
+      for (const auto& d : r.prompt.documents) decoder += static_cast<int64_t>(d.size());
+    const int64_t room = model_.config().n_ctx - decoder;
+    if (room < 1)
+      throw ApiError(400, fmt::format("this model's context holds {} tokens; the prompt takes {} in the decoder",
+                                      model_.config().n_ctx, decoder), "messages", "context_length_exceeded");
+    r.max_tokens = c.max_tokens ? *c.max_tokens : std::min(default_max_tokens_, room);
+    if (r.max_tokens > room)
+      throw ApiError(400, fmt::format("this model's context holds {} tokens; the prompt takes {} in the decoder and "
+                                      "max_tokens asks for {} more", model_.config().n_ctx, decoder, r.max_tokens),
+                     "max_tokens", "context_length_exceeded");
+    r.sampling.temperature = static_cast<float>(c.temperature);
+    r.sampling.top_p = static_cast<float>(c.top_p);
+    r.sampling.seed = c.seed ? *c.seed : std::random_device{}();
+    r.stop = c.stop;
+    return r;
+  }
+
+  void completion(const httplib::Request& req, httplib::Response& res, bool chat) {
+    if (draining) throw Overloaded("the server is shutting down");
+    serve::CompletionRequest c = serve::parse_completion_request(req.body, chat, limits_);
+    const Method method = method_of(c.method);
+    ServeRequest r = build(c, method);
+    auto ch = std::make_shared<Channel>();
+    if (c.stream)
+      r.on_text = [ch](const std::string& piece) {
+        std::lock_guard<std::mutex> lock(ch->mutex);
+        ch->pieces.push_back(piece);
+        ch->cv.notify_all();
+      };
+    const std::string path = req.path;
+    const bool log = log_;
+    r.on_done = [ch, path, log](const ServeResult& result) {
+      if (log)
+        fmt::print(stderr, "[serve] POST {} {} method={} prompt={} cached={} computed={} completion={} ttft={:.0f}ms "
+                   "total={:.0f}ms\n", path, result.finish_reason, method_name(result.method), result.prompt_tokens,
+                   result.cached_tokens, result.computed_tokens, result.tokens.size(), result.ttft_ms, result.total_ms);
+      std::lock_guard<std::mutex> lock(ch->mutex);
+      ch->result = result;
+      ch->cv.notify_all();
+    };
+    const ServeEngine::Id id = engine_.submit(std::move(r));
+    const std::string rid = fmt::format("{}-{:x}{:06x}", chat ? "chatcmpl" : "cmpl", started_, id);
+    const int64_t created = std::time(nullptr);
+    const bool stream = c.stream, usage_chunk = c.include_usage;
+    auto head = [=, this]() {
+      return json{{"id", rid}, {"object", chat ? (stream ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
+                  {"created", created}, {"model", name_}};
+    };
+    auto usage = [](const ServeResult& s) {
+      return json{{"prompt_tokens", s.prompt_tokens}, {"completion_tokens", s.tokens.size()},
+                  {"total_tokens", s.prompt_tokens + static_cast<int64_t>(s.tokens.size())},
+                  {"prompt_tokens_details", {{"cached_tokens", s.cached_tokens}}}};
+    };
+    // "stop" or "length"; a cancelled request has no client left to read its reason.
+    auto finish_reason = [](const ServeResult& s) -> json { return s.finish_reason; };
+    auto extra = [](const ServeResult& s) {
+      return json{{"method", method_name(s.method)}, {"computed_tokens", s.computed_tokens}, {"ttft_ms", s.ttft_ms},
+                  {"queue_ms", s.queue_ms}, {"total_ms", s.total_ms}};
+    };
+    auto cancel = [this, id] { engine_.cancel(id); };
+    // Waits for the engine; between events, a probe (an SSE comment, or white space before the
+    // JSON) finds a client that went away, and its request is cancelled.
+    auto wait = [ch](std::deque<std::string>& pieces, std::optional<ServeResult>& result) {
+      std::unique_lock<std::mutex> lock(ch->mutex);
+      ch->cv.wait_for(lock, std::chrono::milliseconds(500), [&] { return !ch->pieces.empty() || ch->result; });
+      pieces.swap(ch->pieces);
+      result = ch->result;
+      return !pieces.empty() || result;
+    };
+    if (stream) {
+      auto started = std::make_shared<bool>(false);
+      res.set_chunked_content_provider(
+          "text/event-stream",
+          [=](size_t, httplib::DataSink& sink) {
+            auto send = [&](const json& j) {
+              const std::string line = "data: " + dump(j) + "\n\n";
+              return sink.write(line.data(), line.size());
+            };
+            auto choice = [&](const json& delta_or_text, json reason) {
+              json ch2 = chat ? json{{"index", 0}, {"delta", delta_or_text}, {"finish_reason", reason}}
+                              : json{{"index", 0}, {"text", delta_or_text}, {"finish_reason", reason}, {"logprobs", nullptr}};
+              json j = head();
+              j["choices"] = json::array({ch2});
+              return j;
+            };
+            if (!*started) {
+              *started = true;
+              if (chat && !send(choice(json{{"role", "assistant"}, {"content", ""}}, nullptr))) return cancel(), false;
+            }
+            std::deque<std::string> pieces;
+            std::optional<ServeResult> result;
+            if (!wait(pieces, result)) {
+              static const char probe[] = ": waiting\n\n";
+              if (!sink.write(probe, sizeof(probe) - 1)) return cancel(), false;
+              return true;
+            }
+            for (const auto& p : pieces)
+              if (!send(choice(chat ? json{{"content", p}} : json(p), nullptr))) return cancel(), false;
+            if (!result) return true;
+            if (result->finish_reason == "error") {
+              send({{"error", {{"message", result->error}, {"type", "internal_error"}}}});
+            } else {
+              json last = choice(chat ? json::object() : json(""), finish_reason(*result));
+              last["comb"] = extra(*result);
+              send(last);
+              if (usage_chunk) {
+                json u = head();
+                u["choices"] = json::array();
+                u["usage"] = usage(*result);
+                send(u);
+              }
+            }
+            static const char done[] = "data: [DONE]\n\n";
+            sink.write(done, sizeof(done) - 1);
+            sink.done();
+            return true;
+          },
+          [=](bool success) {
+            if (!success) cancel();
+          });
+    } else {
+      res.set_chunked_content_provider(
+          "application/json",
+          [=](size_t, httplib::DataSink& sink) {
+            std::deque<std::string> pieces;
+            std::optional<ServeResult> result;
+            wait(pieces, result);
+            if (!result) {
+              if (!sink.write(" ", 1)) return cancel(), false;
+              return true;
+            }
+            json body;
+            if (result->finish_reason == "error") {
+              body = json::parse(serve::error_body(ApiError(500, "generation failed: " + result->error)));
+            } else {
+              body = head();
+              json choice = chat ? json{{"index", 0},
+                                        {"message", {{"role", "assistant"}, {"content", result->text}}},
+                                        {"finish_reason", finish_reason(*result)}}
+                                 : json{{"index", 0}, {"text", result->text}, {"finish_reason", finish_reason(*result)},
+                                        {"logprobs", nullptr}};
+              body["choices"] = json::array({choice});
+              body["usage"] = usage(*result);
+              body["comb"] = extra(*result);
+            }
+            const std::string text = dump(body);
+            sink.write(text.data(), text.size());
+            sink.done();
+            return true;
+          },
+          [=](bool success) {
+            if (!success) cancel();
+          });
+    }
+  }
+
+  std::string metrics() {
+    ServeStats s = engine_.stats();
+    std::string out;
+    {
+      std::lock_guard<std::mutex> lock(counts_mutex_);
+      metric_head(out, "comb_http_requests_total", "counter", "HTTP requests answered, by route and status");
+      for (const auto& [key, n] : counts_)
+        out += fmt::format("comb_http_requests_total{{route=\"{}\",status=\"{}\"}} {}\n", key.first, key.second, n);
+    }
+    auto gauge = [&](const char* name, const char* help, double v) {
+      metric_head(out, name, "gauge", help);
+      out += fmt::format("{} {}\n", name, v);
+    };
+    auto counter = [&](const char* name, const char* help, double v) {
+      metric_head(out, name, "counter", help);
+      out += fmt::format("{} {}\n", name, v);
+    };
+    gauge("comb_requests_running", "Requests decoding", s.running);
+    gauge("comb_requests_prefilling", "Requests whose prompt is being computed", s.prefilling);
+    gauge("comb_requests_queued", "Requests waiting for room", s.queued);
+    counter("comb_requests_finished_total", "Requests that ended with stop or length", s.finished);
+    counter("comb_requests_cancelled_total", "Requests cancelled (client gone, shutdown)", s.cancelled);
+    counter("comb_requests_failed_total", "Requests that failed inside the engine", s.failed);
+    counter("comb_requests_refused_total", "Requests refused because the queue was full or the server stopping", s.refused);
+    gauge("comb_kv_blocks_total", "Blocks of the K/V pool", s.blocks_total);
+    gauge("comb_kv_blocks_free", "Free blocks of the K/V pool", s.blocks_free);
+    gauge("comb_kv_block_tokens", "Tokens per block", s.block_tokens);
+    gauge("comb_tokens_in_flight", "Prompt and completion tokens reserved by admitted requests", s.tokens_in_flight);
+    counter("comb_prompt_tokens_total", "Prompt tokens, documents included", s.prompt_tokens);
+    counter("comb_prompt_tokens_cached_total", "Prompt tokens whose K/V came from a cache", s.cached_tokens);
+    counter("comb_prompt_tokens_computed_total", "Prompt tokens computed (decoder and encoder)", s.computed_tokens);
+    counter("comb_generation_tokens_total", "Tokens generated", s.generated_tokens);
+    counter("comb_decode_steps_total", "Batched decoding steps", s.decode_steps);
+    counter("comb_decode_seconds_total", "Time inside batched decoding steps", s.decode_seconds);
+    {
+      const auto now = std::chrono::steady_clock::now();
+      std::lock_guard<std::mutex> lock(counts_mutex_);
+      const double dt = std::chrono::duration<double>(now - last_scrape_).count();
+      const double rate = last_scrape_.time_since_epoch().count() == 0 || dt <= 0
+                              ? 0.0
+                              : (static_cast<double>(s.generated_tokens) - last_generated_) / dt;
+      last_scrape_ = now;
+      last_generated_ = static_cast<double>(s.generated_tokens);
+      gauge("comb_generation_tokens_per_second", "Tokens generated per second since the previous scrape", rate);
+    }
+    histogram_text(out, "comb_time_to_first_token_seconds", "From arrival to the first token", s.ttft);
+    histogram_text(out, "comb_inter_token_latency_seconds", "Between two tokens of a request", s.inter_token);
+    histogram_text(out, "comb_decode_batch_size", "Sequences per decoding step", s.batch_size);
+    const std::pair<const char*, const TierStats*> tiers[] = {
+        {"host", &s.store.host}, {"disk", &s.store.disk}, {"remote", &s.store.remote}, {"device", &s.store.device}};
+    metric_head(out, "comb_cache_hits_total", "counter", "Document cache hits by tier");
+    for (auto& [t, st] : tiers) out += fmt::format("comb_cache_hits_total{{tier=\"{}\"}} {}\n", t, st->hits);
+    metric_head(out, "comb_cache_misses_total", "counter", "Document cache misses by tier");
+    for (auto& [t, st] : tiers) out += fmt::format("comb_cache_misses_total{{tier=\"{}\"}} {}\n", t, st->misses);
+    metric_head(out, "comb_cache_bytes", "gauge", "Bytes held by tier");
+    for (auto& [t, st] : tiers) out += fmt::format("comb_cache_bytes{{tier=\"{}\"}} {}\n", t, st->bytes);
+    metric_head(out, "comb_cache_entries", "gauge", "Documents held by tier");
+    for (auto& [t, st] : tiers) out += fmt::format("comb_cache_entries{{tier=\"{}\"}} {}\n", t, st->entries);
+    metric_head(out, "comb_cache_evictions_total", "counter", "Documents evicted by tier");
+    for (auto& [t, st] : tiers) out += fmt::format("comb_cache_evictions_total{{tier=\"{}\"}} {}\n", t, st->evictions);
+    gauge("comb_prefix_cache_bytes", "Bytes of the prefix cache", s.prefix_bytes);
+    gauge("comb_prefix_cache_blocks", "Blocks of the prefix cache", s.prefix_blocks);
+    return out;
+  }
+
+  const Model& model_;
+  ServeEngine& engine_;
+  std::string name_;
+  serve::Limits limits_;
+  int64_t default_max_tokens_;
+  bool log_;
+  int64_t started_;
+  std::mutex docs_mutex_;
+  std::map<std::pair<std::string, std::string>, StoredDocument> docs_;  // (salt, id)
+  std::mutex counts_mutex_;
+  std::map<std::pair<std::string, int>, uint64_t> counts_;
+  std::chrono::steady_clock::time_point last_scrape_{};
+  double last_generated_ = 0;
+};
+
+}  // namespace
+
+int cmd_serve(Args& args) {
+  // SIGTERM and SIGINT go to one waiting thread (blocked here, before any thread starts).
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  ServeOptions o;
+  const std::string method = args.str("method");
+  if (!method.empty()) o.method = parse_method(method);  // checked before the model loads
+  o.pic.cache_bytes = args.num<int64_t>("cache-mb", 1024) << 20;
+  o.pic.cache_url = args.str("cache-url");
+  o.pic.cache_ttl_s = args.num<int64_t>("cache-ttl", 0);
+  o.pic.epic_k = args.num<int64_t>("epic-k", o.pic.epic_k);
+  o.pic.blend_ratio = args.num<double>("blend-ratio", o.pic.blend_ratio);
+  o.pic.prefix_block = args.num<int64_t>("prefix-block", o.pic.prefix_block);
+  o.cache_dir = args.str("cache-dir");
+  o.kv_bytes = args.num<int64_t>("kv-mb", 1024) << 20;
+  o.block_tokens = args.num<int64_t>("block-tokens", 16);
+  o.max_running = args.num<int64_t>("max-running", 16);
+  o.max_queued = args.num<int64_t>("max-queued", 64);
+  o.max_tokens_in_flight = args.num<int64_t>("max-tokens-in-flight", 0);
+  o.prefill_chunk = args.num<int64_t>("prefill-chunk", 256);
+  serve::Limits limits;
+  limits.max_documents = args.num<int64_t>("max-documents", 32);
+  const std::string host = args.str("host", "127.0.0.1");
+  const int64_t port64 = args.num<int64_t>("port", 8000);
+  COMB_CHECK(port64 >= 0 && port64 <= 65535, "--port should be 0 to 65535, found {}", port64);
+  const int port = static_cast<int>(port64);
+  COMB_CHECK(o.max_running > 0, "--max-running should be at least 1, found {}", o.max_running);
+  COMB_CHECK(o.max_queued >= 0, "--max-queued should be at least 0, found {}", o.max_queued);
+  COMB_CHECK(o.kv_bytes > 0, "--kv-mb should be at least 1, found {}", o.kv_bytes >> 20);
+  COMB_CHECK(o.prefill_chunk > 0, "--prefill-chunk should be at least 1, found {}", o.prefill_chunk);
+  COMB_CHECK(limits.max_documents >= 0, "--max-documents should be at least 0, found {}", limits.max_documents);
+  const int64_t drain_s = args.num<int64_t>("drain-timeout", 30);
+  const bool log_requests = args.num<int>("log-requests", 1) != 0;
+  std::string name = args.str("served-model-name");
+  if (name.empty()) name = std::filesystem::path(args.has("model") ? args.peek_all("model").back() : default_model()).stem().string();
+  const int64_t default_max_tokens = args.num<int64_t>("default-max-tokens", 256);
+  const std::string port_file = args.str("port-file");
+  Model model = load_model(args, true);
+  if (method.empty() && !model.plugin()) o.method = Method::naive;  // comb needs a plug-in
+  args.check_all_used();
+
+  ServeEngine engine(model, o);
+  Api api(model, engine, name, limits, default_max_tokens, log_requests);
+  httplib::Server http;
+  const size_t workers = static_cast<size_t>(o.max_running + o.max_queued + 8);
+  http.new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
+  http.set_payload_max_length(8u << 20);
+  http.set_read_timeout(10, 0);
+  http.set_write_timeout(10, 0);
+  http.set_keep_alive_max_count(1000);
+  http.set_tcp_nodelay(true);  // each streamed token leaves at once
+  api.routes(http);
+  const int bound = port == 0 ? http.bind_to_any_port(host) : (http.bind_to_port(host, port) ? port : -1);
+  COMB_CHECK(bound > 0, "cannot listen on {}:{} (in use, or not an address of this machine)", host, port);
+  if (!port_file.empty()) {
+    std::ofstream f(port_file + ".tmp");
+    f << bound << "\n";
+    f.close();
+    std::filesystem::rename(port_file + ".tmp", port_file);
+  }
+  fmt::print(stderr, "[serve] http://{}:{} model '{}' method {} ({}), K/V pool {} blocks of {} tokens ({} MiB), "
+             "up to {} running and {} queued\n", host, bound, name, method_name(o.method),
+             model.plugin() ? "plug-in loaded" : "no plug-in", engine.stats().blocks_total, o.block_tokens,
+             o.kv_bytes >> 20, o.max_running, o.max_queued);
+
+  std::thread waiter([&] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    if (sig == 0) return;
+    fmt::print(stderr, "[serve] {}: no new requests; finishing those in flight (at most {} s)\n",
+               sig == SIGTERM ? "SIGTERM" : "SIGINT", drain_s);
+    api.draining = true;
+    std::thread limit([&] {
+      // Requests still running after the drain time are cancelled.
+      for (int64_t i = 0; i < drain_s * 10; ++i) {
+        auto st = engine.stats();
+        if (st.running + st.queued + st.prefilling == 0) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      engine.shutdown(false);
+    });
+    limit.join();
+    http.stop();
+  });
+  const bool ok = http.listen_after_bind();
+  engine.shutdown(false);
+  if (waiter.joinable()) {
+    pthread_kill(waiter.native_handle(), SIGTERM);  // wakes sigwait when listen ended on its own
+    waiter.join();
+  }
+  fmt::print(stderr, "[serve] stopped\n");
+  return ok ? 0 : 1;
+}
+
+}  // namespace comb::cli

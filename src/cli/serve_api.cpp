@@ -1,0 +1,259 @@
+// Request bodies of `comb serve` parsed and checked (see serve_api.hpp).
+#include "serve_api.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <limits>
+
+namespace comb::serve {
+
+namespace {
+
+using json = nlohmann::json;
+
+const char* type_name(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return "a boolean";
+    case json::value_t::string: return "a string";
+    case json::value_t::array: return "an array";
+    case json::value_t::object: return "an object";
+    case json::value_t::number_float: return "a number";
+    default: return "an integer";
+  }
+}
+
+[[noreturn]] void bad(const std::string& param, const std::string& message) { throw ApiError(400, message, param); }
+
+void expect(bool ok, const std::string& param, const std::string& message) {
+  if (!ok) bad(param, message);
+}
+
+std::string string_field(const json& v, const std::string& param, int64_t max_bytes) {
+  expect(v.is_string(), param, fmt::format("'{}' should be a string, found {}", param, type_name(v)));
+  const auto& s = v.get_ref<const std::string&>();
+  expect(static_cast<int64_t>(s.size()) <= max_bytes, param,
+         fmt::format("'{}' has {} bytes; at most {} are taken", param, s.size(), max_bytes));
+  return s;
+}
+
+double number_field(const json& v, const std::string& param, double lo, double hi) {
+  expect(v.is_number(), param, fmt::format("'{}' should be a number, found {}", param, type_name(v)));
+  const double d = v.get<double>();
+  expect(std::isfinite(d) && d >= lo && d <= hi, param,
+         fmt::format("'{}' should be between {} and {}, found {}", param, lo, hi, v.dump()));
+  return d;
+}
+
+int64_t integer_field(const json& v, const std::string& param, int64_t lo, int64_t hi) {
+  expect(v.is_number_integer() || v.is_number_unsigned(), param,
+         fmt::format("'{}' should be an integer, found {}", param,
+                     v.is_number_float() ? "the number " + v.dump() : std::string(type_name(v))));
+  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+    bad(param, fmt::format("'{}' should be between {} and {}, found {}", param, lo, hi, v.dump()));
+  const int64_t i = v.get<int64_t>();
+  expect(i >= lo && i <= hi, param, fmt::format("'{}' should be between {} and {}, found {}", param, lo, hi, i));
+  return i;
+}
+
+bool bool_field(const json& v, const std::string& param) {
+  expect(v.is_boolean(), param, fmt::format("'{}' should be true or false, found {}", param, type_name(v)));
+  return v.get<bool>();
+}
+
+json parse_object(const std::string& body) {
+  json j;
+  try {
+    j = json::parse(body);
+  } catch (const json::parse_error& e) {
+    // e.byte is where the parser stopped; the library's own text names the token it found.
+    throw ApiError(400, fmt::format("the body is not valid JSON (at byte {}): {}", e.byte, e.what()));
+  }
+  expect(j.is_object(), "", fmt::format("the body should be a JSON object, found {}", type_name(j)));
+  return j;
+}
+
+// A message's content: a string, or OpenAI's list of parts of which only text parts are taken.
+std::string content_text(const json& v, const std::string& param, int64_t max_bytes) {
+  if (v.is_string()) return string_field(v, param, max_bytes);
+  expect(v.is_array(), param, fmt::format("'{}' should be a string or a list of text parts, found {}", param, type_name(v)));
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string p = fmt::format("{}[{}]", param, i);
+    const json& part = v[i];
+    expect(part.is_object(), p, fmt::format("'{}' should be an object, found {}", p, type_name(part)));
+    expect(part.contains("type") && part["type"] == "text", p,
+           fmt::format("'{}' should be a part of type \"text\" (the only kind this model reads)", p));
+    expect(part.contains("text"), p, fmt::format("'{}' has no 'text'", p));
+    out += string_field(part["text"], p + ".text", max_bytes);
+    expect(static_cast<int64_t>(out.size()) <= max_bytes, param,
+           fmt::format("'{}' has more than {} bytes", param, max_bytes));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string ApiError::default_type(int status) {
+  if (status == 401) return "authentication_error";
+  if (status == 404) return "not_found_error";
+  if (status == 429) return "rate_limit_exceeded";
+  if (status == 503) return "service_unavailable";
+  if (status >= 500) return "internal_error";
+  return "invalid_request_error";
+}
+
+std::string error_body(const ApiError& e) {
+  json err = {{"message", e.what()},
+              {"type", e.type},
+              {"param", e.param.empty() ? json(nullptr) : json(e.param)},
+              {"code", e.code.empty() ? json(nullptr) : json(e.code)}};
+  return json{{"error", err}}.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+bool known_method(const std::string& name) {
+  for (const char* m : {"full", "prefix", "naive", "cacheblend", "epic", "comb"})
+    if (name == m) return true;
+  return false;
+}
+
+CompletionRequest parse_completion_request(const std::string& body, bool chat, const Limits& limits) {
+  json j = parse_object(body);
+  CompletionRequest r;
+  r.chat = chat;
+  expect(j.contains("model"), "model", "'model' is required");
+  r.model = string_field(j["model"], "model", 512);
+  if (chat) {
+    expect(j.contains("messages"), "messages", "'messages' is required");
+    const json& m = j["messages"];
+    expect(m.is_array(), "messages", fmt::format("'messages' should be a list, found {}", type_name(m)));
+    expect(!m.empty(), "messages", "'messages' is empty");
+    expect(static_cast<int64_t>(m.size()) <= limits.max_messages, "messages",
+           fmt::format("'messages' has {} entries; at most {} are taken", m.size(), limits.max_messages));
+    int64_t bytes = 0;
+    for (size_t i = 0; i < m.size(); ++i) {
+      const std::string p = fmt::format("messages[{}]", i);
+      expect(m[i].is_object(), p, fmt::format("'{}' should be an object, found {}", p, type_name(m[i])));
+      expect(m[i].contains("role"), p + ".role", fmt::format("'{}' has no 'role'", p));
+      std::string role = string_field(m[i]["role"], p + ".role", 64);
+      if (role == "developer") role = "system";
+      expect(role == "system" || role == "user" || role == "assistant", p + ".role",
+             fmt::format("'{}.role' should be system, user or assistant, found '{}'", p, role));
+      expect(m[i].contains("content") && !m[i]["content"].is_null(), p + ".content",
+             fmt::format("'{}' has no 'content'", p));
+      std::string content = content_text(m[i]["content"], p + ".content", limits.max_prompt_bytes);
+      bytes += static_cast<int64_t>(content.size());
+      expect(bytes <= limits.max_prompt_bytes, "messages",
+             fmt::format("the messages have more than {} bytes", limits.max_prompt_bytes));
+      r.messages.emplace_back(role, std::move(content));
+    }
+  } else {
+    expect(j.contains("prompt"), "prompt", "'prompt' is required");
+    const json& p = j["prompt"];
+    if (p.is_string()) {
+      r.prompt = string_field(p, "prompt", limits.max_prompt_bytes);
+    } else if (p.is_array() && p.size() == 1 && p[0].is_string()) {
+      r.prompt = string_field(p[0], "prompt[0]", limits.max_prompt_bytes);
+    } else if (p.is_array() && !p.empty() && (p[0].is_number() || p[0].is_array())) {
+      expect(!p[0].is_array(), "prompt", "one prompt per request: 'prompt' should be a string or a list of token ids");
+      expect(static_cast<int64_t>(p.size()) <= limits.max_prompt_bytes, "prompt", "'prompt' has too many token ids");
+      for (size_t i = 0; i < p.size(); ++i)
+        r.prompt_ids.push_back(integer_field(p[i], fmt::format("prompt[{}]", i), 0, std::numeric_limits<int32_t>::max()));
+      r.prompt_is_ids = true;
+    } else {
+      bad("prompt", fmt::format("'prompt' should be a string or a list of token ids, found {}",
+                                p.is_array() ? (p.empty() ? "an empty list" : "a list of several prompts") : type_name(p)));
+    }
+    if (!r.prompt_is_ids) expect(!r.prompt.empty(), "prompt", "'prompt' is empty");
+    if (j.contains("echo") && !j["echo"].is_null()) expect(!bool_field(j["echo"], "echo"), "echo", "'echo' is not supported");
+    if (j.contains("suffix") && !j["suffix"].is_null()) bad("suffix", "'suffix' is not supported");
+  }
+  for (const char* key : {"max_tokens", "max_completion_tokens"})
+    if (j.contains(key) && !j[key].is_null()) r.max_tokens = integer_field(j[key], key, 1, int64_t(1) << 40);
+  if (j.contains("temperature") && !j["temperature"].is_null())
+    r.temperature = number_field(j["temperature"], "temperature", 0, 2);
+  if (j.contains("top_p") && !j["top_p"].is_null()) r.top_p = number_field(j["top_p"], "top_p", 0, 1);
+  expect(r.top_p > 0, "top_p", "'top_p' should be above 0");
+  if (j.contains("seed") && !j["seed"].is_null())
+    r.seed = static_cast<uint64_t>(
+        integer_field(j["seed"], "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()));
+  if (j.contains("stop") && !j["stop"].is_null()) {
+    const json& s = j["stop"];
+    if (s.is_string()) {
+      r.stop.push_back(string_field(s, "stop", 256));
+    } else {
+      expect(s.is_array(), "stop", fmt::format("'stop' should be a string or a list of strings, found {}", type_name(s)));
+      expect(static_cast<int64_t>(s.size()) <= limits.max_stop, "stop",
+             fmt::format("'stop' has {} strings; at most {} are taken", s.size(), limits.max_stop));
+      for (size_t i = 0; i < s.size(); ++i) r.stop.push_back(string_field(s[i], fmt::format("stop[{}]", i), 256));
+    }
+    for (const auto& s2 : r.stop) expect(!s2.empty(), "stop", "'stop' holds an empty string");
+  }
+  if (j.contains("stream") && !j["stream"].is_null()) r.stream = bool_field(j["stream"], "stream");
+  if (j.contains("stream_options") && !j["stream_options"].is_null()) {
+    const json& o = j["stream_options"];
+    expect(o.is_object(), "stream_options", fmt::format("'stream_options' should be an object, found {}", type_name(o)));
+    if (o.contains("include_usage") && !o["include_usage"].is_null())
+      r.include_usage = bool_field(o["include_usage"], "stream_options.include_usage");
+  }
+  if (j.contains("n") && !j["n"].is_null()) expect(integer_field(j["n"], "n", 1, 128) == 1, "n", "'n' above 1 is not supported");
+  if (j.contains("best_of") && !j["best_of"].is_null())
+    expect(integer_field(j["best_of"], "best_of", 1, 128) == 1, "best_of", "'best_of' above 1 is not supported");
+  if (j.contains("logprobs") && !j["logprobs"].is_null()) {
+    const json& l = j["logprobs"];
+    expect(!(l.is_boolean() && l.get<bool>()) && !(l.is_number() && l.get<double>() != 0), "logprobs",
+           "'logprobs' is not supported");
+  }
+  for (const char* key : {"tools", "functions"})
+    if (j.contains(key) && !j[key].is_null() && !(j[key].is_array() && j[key].empty()))
+      bad(key, fmt::format("'{}' is not supported by this model", key));
+  if (j.contains("method") && !j["method"].is_null()) {
+    r.method = string_field(j["method"], "method", 32);
+    expect(known_method(r.method), "method",
+           fmt::format("'method' should be full, prefix, naive, cacheblend, epic or comb, found '{}'", r.method));
+  }
+  if (j.contains("cache_salt") && !j["cache_salt"].is_null())
+    r.cache_salt = string_field(j["cache_salt"], "cache_salt", limits.max_salt_bytes);
+  if (j.contains("documents") && !j["documents"].is_null()) {
+    const json& d = j["documents"];
+    expect(d.is_array(), "documents", fmt::format("'documents' should be a list, found {}", type_name(d)));
+    expect(static_cast<int64_t>(d.size()) <= limits.max_documents, "documents",
+           fmt::format("'documents' has {} entries; at most {} are taken", d.size(), limits.max_documents));
+    for (size_t i = 0; i < d.size(); ++i) {
+      const std::string p = fmt::format("documents[{}]", i);
+      expect(d[i].is_object(), p, fmt::format("'{}' should be an object, found {}", p, type_name(d[i])));
+      DocumentRef ref;
+      if (d[i].contains("id")) {
+        ref.id = string_field(d[i]["id"], p + ".id", 128);
+        expect(!d[i].contains("text"), p, fmt::format("'{}' should have an 'id' or a 'text', not both", p));
+      } else {
+        expect(d[i].contains("text"), p + ".text", fmt::format("'{}' has neither 'id' nor 'text'", p));
+        ref.text = string_field(d[i]["text"], p + ".text", limits.max_document_bytes);
+        expect(!ref.text.empty(), p + ".text", fmt::format("'{}.text' is empty", p));
+        if (d[i].contains("title") && !d[i]["title"].is_null()) ref.title = string_field(d[i]["title"], p + ".title", 1024);
+      }
+      r.documents.push_back(std::move(ref));
+    }
+  }
+  return r;
+}
+
+DocumentUpload parse_document_upload(const std::string& body, const Limits& limits) {
+  json j = parse_object(body);
+  DocumentUpload d;
+  expect(j.contains("text"), "text", "'text' is required");
+  d.text = string_field(j["text"], "text", limits.max_document_bytes);
+  expect(!d.text.empty(), "text", "'text' is empty");
+  if (j.contains("title") && !j["title"].is_null()) d.title = string_field(j["title"], "title", 1024);
+  if (j.contains("cache_salt") && !j["cache_salt"].is_null())
+    d.cache_salt = string_field(j["cache_salt"], "cache_salt", limits.max_salt_bytes);
+  if (j.contains("method") && !j["method"].is_null()) {
+    d.method = string_field(j["method"], "method", 32);
+    expect(known_method(d.method), "method",
+           fmt::format("'method' should be full, prefix, naive, cacheblend, epic or comb, found '{}'", d.method));
+  }
+  return d;
+}
+
+}  // namespace comb::serve

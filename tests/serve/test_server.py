@@ -1,0 +1,433 @@
+"""`comb serve` checked from outside: a real server on a loopback port, called by the official
+openai client (chat and completions, streamed and not, with and without documents, every caching
+method), the documents API and tenancy, 16 concurrent requests against one at a time, 1,000
+malformed or hostile requests, overload, a client that goes away, metrics, SIGTERM.
+
+usage: test_server.py COMB_BINARY  (the model: $COMB_MODEL, as the other tests)
+"""
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx2 as httpx  # the openai client's own HTTP library
+import openai
+from openai import OpenAI
+
+COMB = sys.argv[1]
+METHODS = ["comb", "full", "prefix", "naive", "epic", "cacheblend"]
+DOCS = [
+    {"title": "Harbor", "text": "The harbor of Velmora was rebuilt in 1874 after a storm destroyed the old pier."},
+    {"title": "Orchard", "text": "The orchard grows pears and quinces; its oldest tree was planted by Anna Lind."},
+    {"title": "Bridge", "text": "The Caldon bridge has seven arches and was opened to traffic in 1921."},
+]
+QUESTIONS = ["When was the harbor rebuilt?", "Who planted the oldest tree?", "How many arches does the bridge have?"]
+failures = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        failures.append(what)
+
+
+class Server:
+    def __init__(self, *extra):
+        self.dir = tempfile.mkdtemp(prefix="comb-serve-")
+        port_file = os.path.join(self.dir, "port")
+        self.log = open(os.path.join(self.dir, "log"), "w+", errors="replace")
+        plugin = ["--plugin", os.environ["COMB_SHIPPED_PLUGIN"]] if os.environ.get("COMB_SHIPPED_PLUGIN") else []
+        self.proc = subprocess.Popen([COMB, "serve", "--port", "0", "--port-file", port_file, "--threads", "2", *plugin,
+                                      *extra],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        for _ in range(600):
+            if os.path.exists(port_file) or self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        if not os.path.exists(port_file):
+            raise RuntimeError("the server did not start:\n" + self.logs())
+        self.port = int(open(port_file).read())
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.model = httpx.get(self.base + "/v1/models").json()["data"][0]["id"]
+        self.client = OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def logs(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def metric(self, name):
+        for line in httpx.get(self.base + "/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            return self.proc.wait(60)
+        return self.proc.returncode
+
+
+def chat(s, question, docs=None, method=None, stream=False, salt=None, max_tokens=12, **kw):
+    extra = {}
+    if docs is not None:
+        extra["documents"] = docs
+    if method:
+        extra["method"] = method
+    if salt:
+        extra["cache_salt"] = salt
+    args = dict(model=s.model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
+                temperature=0, extra_body=extra, **kw)
+    if not stream:
+        r = s.client.chat.completions.create(**args)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+    text, reason, usage = "", None, None
+    for chunk in s.client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args):
+        if chunk.usage:
+            usage = chunk.usage
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+    return text, reason, usage
+
+
+def test_api(s):
+    models = s.client.models.list()
+    check(len(models.data) == 1 and models.data[0].id == s.model, "GET /v1/models lists the served model")
+    text, reason, usage = chat(s, "What is the capital of France?")
+    check(bool(text) and reason in ("stop", "length"), f"chat without documents answers: {text!r}")
+    check(usage.prompt_tokens > 0 and usage.completion_tokens > 0 and
+          usage.total_tokens == usage.prompt_tokens + usage.completion_tokens, "usage adds up")
+    streamed, reason2, usage2 = chat(s, "What is the capital of France?", stream=True)
+    check(streamed == text and reason2 == reason, "streamed chat = non-streamed chat (greedy)")
+    check(usage2 is not None and usage2.completion_tokens == usage.completion_tokens, "streamed usage chunk")
+    c = s.client.completions.create(model=s.model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    check(bool(c.choices[0].text) and c.usage.completion_tokens > 0, f"completion: {c.choices[0].text!r}")
+    pieces = [ch.choices[0].text for ch in s.client.completions.create(
+        model=s.model, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True) if ch.choices]
+    check("".join(pieces) == c.choices[0].text, "streamed completion = non-streamed completion")
+    cd = s.client.completions.create(model=s.model, prompt="Question: who planted the oldest tree?\nAnswer:",
+                                     max_tokens=8, temperature=0, extra_body={"documents": DOCS})
+    check(cd.usage.prompt_tokens > c.usage.prompt_tokens, "completion with documents counts their tokens")
+    # Every method, with documents, streamed and not; the second request reads cached documents.
+    for m in METHODS:
+        a, _, u1 = chat(s, QUESTIONS[1], DOCS, method=m)
+        b, _, _ = chat(s, QUESTIONS[1], DOCS, method=m, stream=True)
+        c2, _, u3 = chat(s, QUESTIONS[1], list(reversed(DOCS)), method=m)
+        check(a == b and bool(a), f"{m}: streamed = non-streamed: {a!r}")
+        cached = u3.prompt_tokens_details.cached_tokens
+        if m == "full":
+            check(cached == 0, f"{m}: nothing cached ({cached})")
+        elif m == "prefix":
+            check(cached > 0, f"{m}: the instruction prefix from cache ({cached} of {u3.prompt_tokens})")
+        else:
+            check(cached >= sum(1 for _ in DOCS) * 10, f"{m}: documents from cache in another order ({cached} of {u3.prompt_tokens})")
+    seeded = [s.client.chat.completions.create(model=s.model, messages=[{"role": "user", "content": "Tell me a story."}],
+                                               max_tokens=10, temperature=0.9, seed=7).choices[0].message.content
+              for _ in range(2)]
+    check(seeded[0] == seeded[1], "sampling with a seed repeats")
+    r = s.client.chat.completions.create(model=s.model, messages=[{"role": "user", "content": "Count: one two three four"}],
+                                         max_tokens=30, temperature=0)
+    full_text = r.choices[0].message.content
+    stop = full_text[2:5]
+    r2 = s.client.chat.completions.create(model=s.model, messages=[{"role": "user", "content": "Count: one two three four"}],
+                                          max_tokens=30, temperature=0, stop=[stop])
+    check(r2.choices[0].message.content == full_text[:full_text.find(stop)] and r2.choices[0].finish_reason == "stop",
+          f"stop string {stop!r} cuts the text")
+
+
+def test_documents(s):
+    fresh = {"title": "Mill", "text": "The mill on the Arne river ground its last grain in 1952."}
+    up = httpx.post(s.base + "/v1/documents", json=fresh).json()
+    check(up["id"].startswith("doc-") and up["tokens"] > 0 and up["cached"] is False, f"upload computes its cache: {up}")
+    again = httpx.post(s.base + "/v1/documents", json=fresh).json()
+    check(again["id"] == up["id"] and again["cached"] is True, "the same document again: same id, from cache")
+    _, _, u1 = chat(s, "When did the mill stop?", [{"id": up["id"]}])
+    check(u1.prompt_tokens_details.cached_tokens >= up["tokens"], "a request naming it reads its cache")
+    by_id, _, _ = chat(s, "When did the mill stop?", [{"id": up["id"]}, DOCS[0]])
+    inline, _, _ = chat(s, "When did the mill stop?", [fresh, DOCS[0]])
+    check(by_id == inline, "a document by id answers as the same document inline")
+    listed = httpx.get(s.base + "/v1/documents").json()["data"]
+    check([d["id"] for d in listed] == [up["id"]], "GET /v1/documents lists it")
+    other = httpx.post(s.base + "/v1/chat/completions", json={
+        "model": s.model, "messages": [{"role": "user", "content": "x"}], "documents": [{"id": up["id"]}],
+        "cache_salt": "tenant-b"})
+    check(other.status_code == 400 and other.json()["error"]["code"] == "document_not_found",
+          "another cache_salt cannot read the document by id")
+    check(httpx.get(s.base + "/v1/documents", params={"cache_salt": "tenant-b"}).json()["data"] == [],
+          "another cache_salt lists nothing")
+    # Caches are per salt: tenant A's documents are never served to tenant B.
+    salted = [{"title": "Ledger", "text": f"The ledger of the mill records {n} sacks of flour."} for n in (314, 2718)]
+    _, _, ua = chat(s, "How many sacks?", salted, salt="tenant-a")
+    _, _, ua2 = chat(s, "How many sacks?", salted, salt="tenant-a")
+    _, _, ub = chat(s, "How many sacks?", salted, salt="tenant-b")
+    check(ua.prompt_tokens_details.cached_tokens == 0 and ua2.prompt_tokens_details.cached_tokens > 0,
+          "tenant A: cold, then its own documents from cache")
+    check(ub.prompt_tokens_details.cached_tokens == 0, "tenant B does not get tenant A's cached documents")
+    d = httpx.delete(s.base + f"/v1/documents/{up['id']}")
+    check(d.status_code == 200 and d.json()["deleted"] is True, "DELETE /v1/documents/{id}")
+    check(httpx.get(s.base + f"/v1/documents/{up['id']}").status_code == 404, "then it is gone")
+
+
+def test_concurrency(s):
+    jobs = [(QUESTIONS[i % 3], [DOCS[(i + k) % 3] for k in range(3)], METHODS[i % 6]) for i in range(16)]
+    alone = [chat(s, q, d, method=m, max_tokens=16)[0] for q, d, m in jobs]
+    together = [None] * 16
+    barrier = threading.Barrier(16)
+
+    def run(i):
+        q, d, m = jobs[i]
+        barrier.wait()
+        together[i] = chat(s, q, d, method=m, max_tokens=16, stream=(i % 2 == 0))[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    steps_before = s.metric("comb_decode_steps_total")
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    same = sum(a == b for a, b in zip(alone, together))
+    check(same == 16, f"16 concurrent requests give the greedy tokens of one at a time ({same}/16)")
+    batches = httpx.get(s.base + "/metrics").text
+    check("comb_decode_batch_size_bucket" in batches, "batch sizes in /metrics")
+    buckets = {}
+    for line in batches.splitlines():
+        if line.startswith("comb_decode_batch_size_bucket"):
+            buckets[line.split('"')[1]] = float(line.split()[1])
+    check(buckets["+Inf"] - buckets["1"] > 0, f"steps with more than one sequence happened ({buckets})")
+
+
+def hostile_requests(model):
+    """1,000 bodies and paths, none of them valid."""
+    rng = random.Random(5)
+    good = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    out = []
+    fixed = [
+        ("POST", "/v1/chat/completions", b"{", "truncated JSON"),
+        ("POST", "/v1/chat/completions", b"", "empty body"),
+        ("POST", "/v1/chat/completions", b"[1,2,3]", "not an object"),
+        ("POST", "/v1/chat/completions", b"\xff\xfe\x00garbage", "binary"),
+        ("POST", "/v1/chat/completions", b'{"model": "' + b"\xc3\x28" + b'"}', "invalid UTF-8"),
+        ("POST", "/v1/chat/completions", b"[" * 100000 + b"]" * 100000, "deep nesting"),
+        ("POST", "/v1/chat/completions", b'{"a":' * 50000 + b"1" + b"}" * 50000, "deep objects"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "model": "gpt-4"}).encode(), "unknown model"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "max_tokens": 10**30}).encode(), "huge max_tokens"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "max_tokens": 10**9}).encode(), "max_tokens past the context"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "max_tokens": -5}).encode(), "negative max_tokens"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "max_tokens": 2.5}).encode(), "fractional max_tokens"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "temperature": "hot"}).encode(), "string temperature"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "temperature": 1e308}).encode(), "huge temperature"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "n": 3}).encode(), "n = 3"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "messages": []}).encode(), "no messages"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "messages": "hi"}).encode(), "messages a string"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "messages": [{"role": "robot", "content": "x"}]}).encode(), "bad role"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "messages": [{"role": "user", "content": "x " * 20000}]}).encode(), "prompt past the context"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "documents": [{"text": "y" * 70000}]}).encode(), "oversized document"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "documents": [{"text": "d"}] * 33}).encode(), "too many documents"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "documents": [{"id": "doc-nope"}]}).encode(), "unknown document"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "documents": "all"}).encode(), "documents a string"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "method": "magic"}).encode(), "unknown method"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "stop": ["a", "b", "c", "d", "e"]}).encode(), "five stops"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "stream": "yes"}).encode(), "stream a string"),
+        ("POST", "/v1/chat/completions", json.dumps({**good, "seed": 1e40}).encode(), "huge seed"),
+        ("POST", "/v1/completions", json.dumps({"model": model, "prompt": [10**12]}).encode(), "token id out of range"),
+        ("POST", "/v1/completions", json.dumps({"model": model, "prompt": [99999999]}).encode(), "token id past the vocabulary"),
+        ("POST", "/v1/completions", json.dumps({"model": model, "prompt": ["a", "b"]}).encode(), "two prompts"),
+        ("POST", "/v1/completions", json.dumps({"model": model}).encode(), "no prompt"),
+        ("POST", "/v1/documents", b'{"title": 5}', "document without text"),
+        ("POST", "/v1/documents", json.dumps({"text": "z" * 70000}).encode(), "oversized upload"),
+        ("POST", "/v1/documents", b"x" * (9 << 20), "body over the limit"),
+        ("GET", "/v1/documents/doc-nope", None, "unknown document id"),
+        ("DELETE", "/v1/documents/doc-nope", None, "delete unknown"),
+        ("GET", "/v1/nothing", None, "unknown route"),
+        ("POST", "/v1/models", b"{}", "POST to a GET route"),
+    ]
+    out.extend(fixed)
+    # Per field, values that are never valid there.
+    invalid = {
+        "model": [None, 1, [], {}, "", "other-model"],
+        "messages": [None, "x", [], [None], [{"role": "user"}], [{"content": 5, "role": "user"}],
+                     [{"role": "robot", "content": "x"}], {}, [{"role": "user", "content": [{"type": "image"}]}]],
+        "max_tokens": [0, -1, 2**63, "x", 2.5, True, [], 10**6],
+        "temperature": [-1, 3, "x", [], {}, True],
+        "top_p": [0, -0.5, 2, "x", []],
+        "seed": [1.5, "x", 2**64, [], True],
+        "stop": [5, [1], ["a"] * 5, [""], {}, True],
+        "stream": ["yes", 1, [], {}],
+        "documents": ["all", 5, [5], [{}], [{"text": ""}], [{"text": 5}], [{"id": 7}], [{"id": "x", "text": "y"}]],
+        "method": [5, "magic", [], ""],
+        "cache_salt": [5, [], {}, "s" * 300],
+        "n": [2, 0, "x", 1.5],
+        "stream_options": ["x", 5, {"include_usage": "yes"}],
+        "logprobs": [True, 5],
+    }
+    while len(out) < 1000:
+        kind = rng.randrange(4)
+        if kind == 0:  # a valid body with one field replaced by a wrong value
+            body = dict(good)
+            field = rng.choice(sorted(invalid))
+            body[field] = rng.choice(invalid[field])
+            raw = json.dumps(body).encode()
+            out.append(("POST", rng.choice(["/v1/chat/completions", "/v1/completions"]), raw, "wrong type"))
+        elif kind == 1:  # a valid body cut short
+            raw = json.dumps({**good, "documents": DOCS}).encode()
+            out.append(("POST", "/v1/chat/completions", raw[:rng.randrange(1, len(raw) - 1)], "truncated"))
+        elif kind == 2:  # random bytes
+            out.append(("POST", rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/documents"]),
+                        bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))), "random bytes"))
+        else:  # a valid body with its bytes flipped
+            raw = bytearray(json.dumps({**good, "stop": ["\n"]}).encode())
+            for _ in range(rng.randrange(1, 4)):
+                raw[rng.randrange(len(raw))] = rng.randrange(256)
+            try:  # a flip that leaves valid JSON may leave a valid request: only broken JSON is kept
+                json.loads(bytes(raw))
+                continue
+            except (ValueError, UnicodeDecodeError):
+                pass
+            out.append(("POST", "/v1/chat/completions", bytes(raw), "flipped bytes"))
+    return out[:1000]
+
+
+def test_hostile(s):
+    statuses = {}
+    bad = []
+    with httpx.Client(base_url=s.base, timeout=60) as h:
+        for method, path, body, what in hostile_requests(s.model):
+            try:
+                r = h.request(method, path, content=body, headers={"Content-Type": "application/json"})
+                code = r.status_code
+                shaped = code >= 400 and "error" in r.json() and "message" in r.json()["error"]
+            except Exception as e:  # noqa: BLE001 - any failure to answer counts
+                code, shaped = f"no answer: {type(e).__name__}", False
+            statuses[code] = statuses.get(code, 0) + 1
+            if not (isinstance(code, int) and 400 <= code < 500 and shaped):
+                bad.append((what, code, (body or b"")[:80]))
+    print("statuses of 1,000 hostile requests:", statuses)
+    check(not bad, f"1,000 hostile requests: every one a 4xx with an OpenAI-shaped error ({bad[:5]})")
+    check(s.proc.poll() is None, "the server is still running")
+    text, _, _ = chat(s, "What is the capital of France?")
+    check(bool(text), "a valid request afterwards succeeds")
+
+
+def test_cancel_and_metrics(s):
+    total = s.metric("comb_kv_blocks_total")
+    cancelled = s.metric("comb_requests_cancelled_total")
+    body = {"model": s.model, "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
+            "max_tokens": 2000, "temperature": 0, "stream": True, "documents": DOCS}
+    with httpx.Client(timeout=60) as h, h.stream("POST", s.base + "/v1/chat/completions", json=body) as r:
+        n = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                n += 1
+            if n >= 4:
+                break
+        in_use = total - s.metric("comb_kv_blocks_free")
+    check(in_use > 0, f"a running request holds blocks ({in_use:.0f})")
+    for _ in range(100):  # the client is gone: the next write fails and the request is cancelled
+        if s.metric("comb_requests_cancelled_total") > cancelled and s.metric("comb_kv_blocks_free") == total:
+            break
+        time.sleep(0.1)
+    check(s.metric("comb_requests_cancelled_total") == cancelled + 1, "the disconnected request was cancelled")
+    check(s.metric("comb_kv_blocks_free") == total, "and its blocks went back to the pool")
+    # A non-streamed request whose client goes away is cancelled too (white space probes the socket).
+    sock = socket.create_connection(("127.0.0.1", s.port))
+    payload = json.dumps({**body, "stream": False}).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    time.sleep(1.0)
+    sock.close()
+    for _ in range(100):
+        if s.metric("comb_requests_cancelled_total") == cancelled + 2 and s.metric("comb_kv_blocks_free") == total:
+            break
+        time.sleep(0.1)
+    check(s.metric("comb_requests_cancelled_total") == cancelled + 2 and s.metric("comb_kv_blocks_free") == total,
+          "a non-streamed request is cancelled when its client goes away")
+    m = httpx.get(s.base + "/metrics").text
+    for name in ["comb_http_requests_total", "comb_requests_running", "comb_requests_queued",
+                 "comb_time_to_first_token_seconds_bucket", "comb_inter_token_latency_seconds_bucket",
+                 "comb_generation_tokens_per_second", "comb_cache_hits_total", "comb_cache_misses_total",
+                 "comb_cache_bytes"]:
+        check(name in m, f"/metrics has {name}")
+    check(s.metric("comb_time_to_first_token_seconds_count") > 0, "TTFT observed")
+    check(httpx.get(s.base + "/health").json() == {"status": "ok"}, "GET /health")
+
+
+def test_overload():
+    s = Server("--max-running", "1", "--max-queued", "1", "--method", "full")
+    try:
+        codes, retry = [], []
+
+        def run():
+            r = httpx.post(s.base + "/v1/chat/completions", timeout=300, json={
+                "model": s.model, "messages": [{"role": "user", "content": "Tell me about the sea."}],
+                "max_tokens": 40, "temperature": 0})
+            codes.append(r.status_code)
+            if r.status_code == 429:
+                retry.append(r.headers.get("Retry-After"))
+                check(r.json()["error"]["type"] == "rate_limit_exceeded", "429 carries an OpenAI-shaped error")
+
+        threads = [threading.Thread(target=run) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        check(codes.count(429) >= 1 and codes.count(200) >= 2 and set(codes) <= {200, 429},
+              f"overload: some 429, the rest answered ({sorted(codes)})")
+        check(all(r is not None for r in retry), "429 carries Retry-After")
+        try:
+            s.client.chat.completions.create(model=s.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            check(True, "the server answers after overload")
+        except openai.APIError as e:
+            check(False, f"the server answers after overload ({e})")
+        # SIGTERM with a request in flight: it is finished, new ones are refused, the process exits 0.
+        result = {}
+
+        def inflight():
+            result["r"] = httpx.post(s.base + "/v1/chat/completions", timeout=300, json={
+                "model": s.model, "messages": [{"role": "user", "content": "Tell me about the sea."}],
+                "max_tokens": 60, "temperature": 0})
+
+        t = threading.Thread(target=inflight)
+        t.start()
+        time.sleep(0.5)
+        s.proc.send_signal(signal.SIGTERM)
+        t.join()
+        code = s.proc.wait(60)
+        r = result["r"]
+        check(r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length"),
+              "SIGTERM: the request in flight is finished")
+        check(code == 0 and "stopped" in s.logs(), f"SIGTERM: the server exits cleanly ({code})")
+        log = s.logs()
+        check("POST /v1/chat/completions" in log and "ttft=" in log, "one log line per request")
+    finally:
+        s.stop()
+
+
+def main():
+    s = Server()
+    try:
+        for test in (test_api, test_documents, test_concurrency, test_hostile, test_cancel_and_metrics):
+            t0 = time.time()
+            test(s)
+            print(f"-- {test.__name__}: {time.time() - t0:.1f} s", flush=True)
+    finally:
+        code = s.stop()
+        check(code == 0, f"the server exits with 0 ({code})")
+        if failures:
+            print(s.logs()[-5000:])
+    t0 = time.time()
+    test_overload()
+    print(f"-- test_overload: {time.time() - t0:.1f} s")
+    print(f"{len(failures)} failed" if failures else "all passed")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
