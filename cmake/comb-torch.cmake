@@ -43,4 +43,18 @@ set_target_properties(comb::torch PROPERTIES
   INTERFACE_INCLUDE_DIRECTORIES "${COMB_TORCH_INCLUDE_DIR};${COMB_TORCH_INCLUDE_DIR}/torch/csrc/api/include"
   INTERFACE_LINK_LIBRARIES "${COMB_TORCH_CPU_LIBRARY};${COMB_C10_LIBRARY}"
   INTERFACE_COMPILE_FEATURES cxx_std_17)
+# at::parallel_for is a template whose `#pragma omp parallel` is compiled into the code that calls
+# it: without -fopenmp there, every comb kernel split with it runs on one thread. With GCC, comb's
+# code is compiled with -fopenmp and linked to the OpenMP runtime LibTorch itself uses (the wheel's
+# lib/libgomp.so.1 when it has one: one runtime, one thread pool, at::set_num_threads for both).
+# Clang (the fuzz builds) emits libomp's calls for -fopenmp, not libgomp's: its builds stay serial.
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+  find_file(COMB_TORCH_GOMP libgomp.so.1 PATHS "${COMB_TORCH_ROOT}/lib" NO_DEFAULT_PATH)
+  set_property(TARGET comb::torch APPEND PROPERTY INTERFACE_COMPILE_OPTIONS $<$<COMPILE_LANGUAGE:CXX>:-fopenmp>)
+  if(COMB_TORCH_GOMP)
+    set_property(TARGET comb::torch APPEND PROPERTY INTERFACE_LINK_LIBRARIES "${COMB_TORCH_GOMP}")
+  else()
+    set_property(TARGET comb::torch APPEND PROPERTY INTERFACE_LINK_LIBRARIES -fopenmp)
+  endif()
+endif()
 unset(_comb_torch_hints)

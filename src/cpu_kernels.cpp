@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <tuple>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -41,28 +43,117 @@ COMB_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// One weight row at a time, four independent accumulators; the row stays in L1 for the other x rows.
-// NOTE: decode is bound by reading the weights once; this streams them at close to DRAM speed.
-COMB_AVX2 void gemv_avx2(const float* x, int64_t m, const float* w, int64_t k, float* y, int64_t n_out, int64_t begin,
-                         int64_t end) {
-  for (int64_t o = begin; o < end; ++o) {
-    const float* row = w + o * k;
-    for (int64_t r = 0; r < m; ++r) {
-      const float* xr = x + r * k;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      int64_t i = 0;
-      for (; i + 32 <= k; i += 32) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(row + i), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i + 8), _mm256_loadu_ps(row + i + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i + 16), _mm256_loadu_ps(row + i + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i + 24), _mm256_loadu_ps(row + i + 24), a3);
-      }
-      for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(row + i), a0);
-      float sum = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-      for (; i < k; ++i) sum += xr[i] * row[i];
-      y[r * n_out + o] = sum;
+// Dot products of R rows of x with O rows of w, one accumulator vector for each (row, output),
+// k in order (the last chunk masked or finished in scalar), then one horizontal sum. Every result is
+// computed the same way whatever the tile it falls in, so it depends on its own row and output only:
+// a sequence's numbers do not depend on the rows decoded beside it (batched decoding). The tile
+// shapes only change which loads are shared: O weight rows stay in registers or L1 while the rows
+// of x go by.
+template <int R, int O>
+COMB_AVX2 void dot_tile_avx2(const float* x, int64_t k, const float* w, float* y, int64_t n_out) {
+  __m256 acc[R][O];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int o = 0; o < O; ++o) acc[r][o] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    __m256 wv[O];
+#pragma GCC unroll 4
+    for (int o = 0; o < O; ++o) wv[o] = _mm256_loadu_ps(w + o * k + i);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * k + i);
+#pragma GCC unroll 4
+      for (int o = 0; o < O; ++o) acc[r][o] = _mm256_fmadd_ps(xv, wv[o], acc[r][o]);
     }
   }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int o = 0; o < O; ++o) {
+      float sum = hsum(acc[r][o]);
+      for (int64_t j = i; j < k; ++j) sum += x[r * k + j] * w[o * k + j];
+      y[r * n_out + o] = sum;
+    }
+}
+
+#define COMB_AVX512 __attribute__((target("avx512f,avx2,fma")))
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && !std::getenv("COMB_NO_AVX512");
+  return yes;
+}
+
+template <int R, int O>
+COMB_AVX512 void dot_tile_avx512(const float* x, int64_t k, const float* w, float* y, int64_t n_out) {
+  __m512 acc[R][O];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int o = 0; o < O; ++o) acc[r][o] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    __m512 wv[O];
+#pragma GCC unroll 8
+    for (int o = 0; o < O; ++o) wv[o] = _mm512_loadu_ps(w + o * k + i);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * k + i);
+#pragma GCC unroll 8
+      for (int o = 0; o < O; ++o) acc[r][o] = _mm512_fmadd_ps(xv, wv[o], acc[r][o]);
+    }
+  }
+  if (i < k) {  // the last chunk, masked
+    const __mmask16 mask = static_cast<__mmask16>((1u << (k - i)) - 1);
+    __m512 wv[O];
+#pragma GCC unroll 8
+    for (int o = 0; o < O; ++o) wv[o] = _mm512_maskz_loadu_ps(mask, w + o * k + i);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + r * k + i);
+#pragma GCC unroll 8
+      for (int o = 0; o < O; ++o) acc[r][o] = _mm512_fmadd_ps(xv, wv[o], acc[r][o]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int o = 0; o < O; ++o) y[r * n_out + o] = _mm512_reduce_add_ps(acc[r][o]);
+}
+
+// Outputs in blocks of O (the rows of x two at a time, then one), the last outputs one by one.
+template <int O, class Pair, class One, class Single>
+inline void dot_tiles(int64_t m, int64_t k, int64_t n_out, int64_t begin, int64_t end, const Pair& pair, const One& one,
+                      const Single& single) {
+  int64_t o = begin;
+  for (; o + O <= end; o += O) {
+    int64_t r = 0;
+    for (; r + 2 <= m; r += 2) pair(r, o);
+    for (; r < m; ++r) one(r, o);
+  }
+  for (; o < end; ++o)
+    for (int64_t r = 0; r < m; ++r) single(r, o);
+  (void)k, (void)n_out;
+}
+
+COMB_AVX2 void gemv_avx2(const float* x, int64_t m, const float* w, int64_t k, float* y, int64_t n_out, int64_t begin,
+                         int64_t end) {
+  auto at = [&](int64_t r, int64_t o) { return std::make_tuple(x + r * k, w + o * k, y + r * n_out + o); };
+  dot_tiles<4>(
+      m, k, n_out, begin, end,
+      [&](int64_t r, int64_t o) { auto [xs, ws, ys] = at(r, o); dot_tile_avx2<2, 4>(xs, k, ws, ys, n_out); },
+      [&](int64_t r, int64_t o) { auto [xs, ws, ys] = at(r, o); dot_tile_avx2<1, 4>(xs, k, ws, ys, n_out); },
+      [&](int64_t r, int64_t o) { auto [xs, ws, ys] = at(r, o); dot_tile_avx2<1, 1>(xs, k, ws, ys, n_out); });
+}
+
+COMB_AVX512 void gemv_avx512(const float* x, int64_t m, const float* w, int64_t k, float* y, int64_t n_out,
+                             int64_t begin, int64_t end) {
+  auto at = [&](int64_t r, int64_t o) { return std::make_tuple(x + r * k, w + o * k, y + r * n_out + o); };
+  dot_tiles<8>(
+      m, k, n_out, begin, end,
+      [&](int64_t r, int64_t o) { auto [xs, ws, ys] = at(r, o); dot_tile_avx512<2, 8>(xs, k, ws, ys, n_out); },
+      [&](int64_t r, int64_t o) { auto [xs, ws, ys] = at(r, o); dot_tile_avx512<1, 8>(xs, k, ws, ys, n_out); },
+      [&](int64_t r, int64_t o) { auto [xs, ws, ys] = at(r, o); dot_tile_avx512<1, 1>(xs, k, ws, ys, n_out); });
 }
 #endif
 
@@ -217,6 +308,7 @@ void mix_rows(const float* p, int64_t n, const float* values, int64_t hd, float*
 void gemv_rows(const float* x, int64_t m, const float* w, int64_t k, float* y, int64_t n_out, int64_t begin,
                int64_t end) {
 #if defined(__x86_64__)
+  if (has_avx512()) return gemv_avx512(x, m, w, k, y, n_out, begin, end);
   if (has_avx2()) return gemv_avx2(x, m, w, k, y, n_out, begin, end);
 #endif
   for (int64_t o = begin; o < end; ++o)
@@ -316,6 +408,128 @@ void attention_rows(const float* q, const float* k_cache, const float* v_cache, 
       softmax_mix(scratch, n_keys, max_score, values, hd, out + t * q_dim + h * hd);
     }
   }
+}
+
+namespace {
+#if defined(__x86_64__)
+// paged_attention for the G query heads that share KV head `kvh`, head_dim = 16 C: every key and
+// value is read once for all G (grouped-query attention), 16 dimensions at a time.
+template <int G, int C>
+COMB_AVX512 inline void group_score(const __m512 (&qv)[G][C], const float* key, const float* bias, float* scratch,
+                                    int64_t n_all, int64_t j, float* max_score) {
+  __m512 kv[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(key + 16 * c);
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+#pragma GCC unroll 8
+    for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+    const float v = _mm512_reduce_add_ps(a) + (bias ? bias[g] : 0.0f);
+    scratch[g * n_all + j] = v;
+    max_score[g] = std::max(max_score[g], v);
+  }
+}
+
+template <int G, int C>
+COMB_AVX512 inline void group_mix(__m512 (&acc)[G][C], const float* value, const float* scratch, int64_t n_all,
+                                  int64_t j) {
+  __m512 vv[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(value + 16 * c);
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    const __m512 p = _mm512_set1_ps(scratch[g * n_all + j]);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+  }
+}
+
+template <int G, int C>
+COMB_AVX512 void paged_group_avx512(const float* q, const float* k_pool, const float* v_pool, const int32_t* table,
+                                    int64_t n_keys, const float* const* joint_k, const float* const* joint_v,
+                                    const int64_t* joint_n, int64_t n_segments, const float* joint_bias,
+                                    const PagedShape& s, float* out, float* scratch, int64_t kvh) {
+  constexpr int64_t hd = 16 * C;
+  const int64_t bt = s.block_tokens, block_stride = s.n_head_kv * bt * hd;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  int64_t n_joint = 0;
+  for (int64_t i = 0; i < n_segments; ++i) n_joint += joint_n[i];
+  const int64_t n_all = n_joint + n_keys;
+  __m512 qv[G][C];
+  float bias[G], max_score[G];
+  const bool has_bias = joint_bias != nullptr;
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    const int64_t h = kvh * G + g;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * hd + 16 * c), _mm512_set1_ps(scale));
+    bias[g] = joint_bias ? joint_bias[h] : 0.0f;
+    max_score[g] = -INFINITY;
+  }
+  int64_t j = 0;
+  for (int64_t i = 0; i < n_segments; ++i) {
+    const float* jk = joint_k[i] + kvh * joint_n[i] * hd;
+    for (int64_t t = 0; t < joint_n[i]; ++t, ++j)
+      group_score<G, C>(qv, jk + t * hd, has_bias ? bias : nullptr, scratch, n_all, j, max_score);
+  }
+  for (int64_t p0 = 0; p0 < n_keys; p0 += bt) {
+    const float* kb = k_pool + int64_t(table[p0 / bt]) * block_stride + kvh * bt * hd;
+    const int64_t len = std::min(bt, n_keys - p0);
+    for (int64_t t = 0; t < len; ++t, ++j) group_score<G, C>(qv, kb + t * hd, nullptr, scratch, n_all, j, max_score);
+  }
+  float inv[G];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) inv[g] = 1.0f / softmax_exp(scratch + g * n_all, n_all, max_score[g]);
+  __m512 acc[G][C];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  j = 0;
+  for (int64_t i = 0; i < n_segments; ++i) {
+    const float* jv = joint_v[i] + kvh * joint_n[i] * hd;
+    for (int64_t t = 0; t < joint_n[i]; ++t, ++j) group_mix<G, C>(acc, jv + t * hd, scratch, n_all, j);
+  }
+  for (int64_t p0 = 0; p0 < n_keys; p0 += bt) {
+    const float* vb = v_pool + int64_t(table[p0 / bt]) * block_stride + kvh * bt * hd;
+    const int64_t len = std::min(bt, n_keys - p0);
+    for (int64_t t = 0; t < len; ++t, ++j) group_mix<G, C>(acc, vb + t * hd, scratch, n_all, j);
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(out + (kvh * G + g) * hd + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+}
+#endif
+}  // namespace
+
+bool paged_attention_grouped(const float* q, const float* k_pool, const float* v_pool, const int32_t* table,
+                             int64_t n_keys, const float* const* joint_k, const float* const* joint_v,
+                             const int64_t* joint_n, int64_t n_segments, const float* joint_bias, const PagedShape& s,
+                             float* out, float* scratch, int64_t kvh) {
+#if defined(__x86_64__)
+  if (!has_avx512()) return false;
+  using F = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, const float* const*,
+                     const float* const*, const int64_t*, int64_t, const float*, const PagedShape&, float*, float*,
+                     int64_t);
+  const int64_t group = s.n_head / s.n_head_kv;
+  F f = nullptr;
+  if (s.head_dim == 64) {
+    static const F by_group[] = {paged_group_avx512<1, 4>, paged_group_avx512<2, 4>, paged_group_avx512<3, 4>,
+                                 paged_group_avx512<4, 4>};
+    if (group >= 1 && group <= 4) f = by_group[group - 1];
+  } else if (s.head_dim == 128) {
+    static const F by_group[] = {paged_group_avx512<1, 8>, paged_group_avx512<2, 8>};
+    if (group >= 1 && group <= 2) f = by_group[group - 1];
+  }
+  if (!f) return false;
+  f(q, k_pool, v_pool, table, n_keys, joint_k, joint_v, joint_n, n_segments, joint_bias, s, out, scratch, kvh);
+  return true;
+#else
+  return false;
+#endif
 }
 
 void paged_attention(const float* q, const float* k_pool, const float* v_pool, const int32_t* table, int64_t n_keys,

@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "comb/detail/spin_pool.hpp"
 #include "comb/error.hpp"
 #include "comb/pic.hpp"
 
@@ -88,6 +89,7 @@ struct ServeRequest {
   int64_t max_tokens = 128;
   SamplingOptions sampling;
   std::vector<std::string> stop;  // stop strings (not part of the text)
+  bool ignore_eos = false;        // go on past end-of-sequence and end-of-turn tokens (benchmarks)
   // Called on the engine's thread, in order: each piece of text once no stop string can take it
   // back, then the result. Keep them short (hand the piece to another thread).
   std::function<void(const std::string& piece)> on_text;
@@ -113,6 +115,7 @@ struct ServeStats {
   uint64_t decode_steps = 0;
   double decode_seconds = 0;      // inside batched decoding steps
   Histogram ttft, inter_token, batch_size;
+  std::map<int64_t, std::pair<uint64_t, double>> steps_by_batch;  // rows -> (steps, seconds)
   StoreStats store;
   int64_t prefix_bytes = 0, prefix_blocks = 0;
 };
@@ -163,6 +166,7 @@ class ServeEngine {
   std::unique_ptr<BlockPool> pool_;
   std::vector<int32_t> stop_tokens_;
   std::vector<at::Tensor> doc_bias_;  // per plug-in block: [n_head] float32, or undefined
+  std::unique_ptr<detail::SpinPool> workers_;  // the scheduler thread's, for the decoding step
 
   mutable std::mutex mutex_;
   std::condition_variable wake_, job_done_;

@@ -56,6 +56,7 @@ int cmd_bench(Args& args) {
   if (n_tokenize < 0) throw Error("--tokenize: expected a number of characters >= 0, found " + std::to_string(n_tokenize));
   int repeat = std::max(1, args.num<int>("repeat", 3));
   const bool profile = args.num<int>("profile", 0) != 0;
+  const std::string batch_decode = args.str("batch-decode");
   bool json = args.has("json");
   args.str("json");
   args.check_all_used();
@@ -168,6 +169,56 @@ int cmd_bench(Args& args) {
         fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(every other operation)", "", rest, 100 * rest / step_us);
         fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(outside every operation)", "", outside_us, 100 * outside_us / step_us);
       }
+    }
+  }
+  if (!batch_decode.empty()) {
+    // The serving engine's batched decoding step with B sequences running: B requests of 128
+    // prompt tokens each, decoding --decode-tokens past end-of-sequence; the steps that ran all B.
+    // The batch sizes take turns, --repeat rounds, and each figure is the median of its rounds.
+    const std::vector<int64_t> sizes = comb::cli::parse_int_list(batch_decode, "batch-decode");
+    for (int64_t b : sizes)
+      if (b <= 0) throw Error("--batch-decode: expected batch sizes > 0, found " + std::to_string(b));
+    std::map<int64_t, std::vector<double>> rates, step_ms;
+    for (int r = 0; r < repeat; ++r)
+      for (int64_t b : sizes) {
+        comb::ServeOptions o;
+        o.method = comb::Method::full;
+        o.max_running = b;
+        o.kv_bytes = std::max<int64_t>(o.kv_bytes, b * (128 + n_decode + 16) * 2 * model.config().n_layer *
+                                                       model.config().kv_dim() * int64_t(sizeof(float)));
+        comb::ServeEngine engine(model, o);
+        std::vector<std::promise<void>> done(static_cast<size_t>(b));
+        for (int64_t i = 0; i < b; ++i) {
+          comb::ServeRequest req;
+          at::Tensor ids = prompt(128);
+          req.prompt.suffix.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+          req.max_tokens = n_decode;
+          req.ignore_eos = true;
+          req.on_done = [&done, i](const comb::ServeResult&) { done[static_cast<size_t>(i)].set_value(); };
+          engine.submit(std::move(req));
+        }
+        for (auto& d : done) d.get_future().wait();
+        const auto st = engine.stats();
+        auto it = st.steps_by_batch.find(b);
+        if (it == st.steps_by_batch.end() || it->second.first == 0)
+          throw Error(fmt::format("--batch-decode {}: no decoding step ran all {} sequences (raise --decode-tokens)", b, b));
+        rates[b].push_back(double(b) * double(it->second.first) / it->second.second);
+        step_ms[b].push_back(1e3 * it->second.second / double(it->second.first));
+      }
+    const double one = rates.count(1) ? median(rates[1]) : 0;
+    std::vector<int64_t> reported;
+    for (int64_t b : sizes) {
+      if (std::find(reported.begin(), reported.end(), b) != reported.end()) continue;  // a size given twice
+      reported.push_back(b);
+      const double tps = median(rates[b]), ms = median(step_ms[b]);
+      if (json)
+        std::cout << nlohmann::json{{"bench", "batch_decode"}, {"batch", b}, {"rounds", rates[b].size()},
+                                    {"step_ms", ms}, {"tokens_per_s", tps}, {"vs_batch_1", one > 0 ? tps / one : 0.0}}
+                         .dump()
+                  << std::endl;
+      else
+        fmt::print("batch {:>3}  {:>8.2f} ms/step  {:>9.1f} tokens/s  (median of {}){}\n", b, ms, tps, rates[b].size(),
+                   one > 0 && b != 1 ? fmt::format("  {:.2f}x batch 1", tps / one) : "");
     }
   }
   if (n_place > 0) {

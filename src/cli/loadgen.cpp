@@ -108,7 +108,7 @@ int cmd_loadgen(Args& args) {
   const double duration = args.num<double>("duration", 30);
   const int64_t max_tokens = args.num<int64_t>("max-tokens", 16);
   const uint64_t seed = args.num<uint64_t>("seed", 0);
-  const std::string model = args.str("served-model-name", "SmolLM2-135M-Instruct.Q4_1");
+  std::string model = args.str("served-model-name");
   const bool warm = args.num<int>("warm", 1) != 0;
   const bool json_out = args.has("json");
   if (json_out) args.str("json");
@@ -124,6 +124,16 @@ int cmd_loadgen(Args& args) {
   args.check_all_used();
   COMB_CHECK(duration > 0, "--duration should be above 0 seconds, found {}", duration);
 
+  if (model.empty()) {  // the server's one model
+    httplib::Client cli(host, port);
+    auto res = cli.Get("/v1/models");
+    COMB_CHECK(res && res->status == 200, "no server answers on {}:{} (GET /v1/models: {})", host, port,
+               res ? std::to_string(res->status) : httplib::to_string(res.error()));
+    json j = json::parse(res->body, nullptr, false);
+    COMB_CHECK(!j.is_discarded() && j.contains("data") && !j["data"].empty(), "GET /v1/models: no model in '{}'",
+               res->body.substr(0, 200));
+    model = j["data"][0].value("id", "");
+  }
   std::vector<QaItem> items = read_qa_items(data, pool);
   COMB_CHECK(!items.empty(), "'{}' has no items", data);
   auto body_for = [&](const QaItem& item, const std::string& method, std::mt19937_64& rng) {

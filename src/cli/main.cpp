@@ -207,7 +207,7 @@ loadgen options (no model loaded; docs/benchmarks.md):
   --duration S           seconds of arrivals per run (default 30); the run then waits for them
   --max-tokens N         per request (default 16), greedy
   --warm 0|1             before a method's runs, every item once (default 1)
-  --served-model-name S  the model name the server serves (default SmolLM2-135M-Instruct.Q4_1)
+  --served-model-name S  the model name to ask for (default: the one GET /v1/models lists)
   --seed N               arrivals, items and document orders (default 0)
   --json                 one JSON object per run
 )";

@@ -311,6 +311,7 @@ class Api {
     r.sampling.top_p = static_cast<float>(c.top_p);
     r.sampling.seed = c.seed ? *c.seed : std::random_device{}();
     r.stop = c.stop;
+    r.ignore_eos = c.ignore_eos;
     return r;
   }
 

@@ -215,6 +215,7 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
   }
   if (j.contains("cache_salt") && !j["cache_salt"].is_null())
     r.cache_salt = string_field(j["cache_salt"], "cache_salt", limits.max_salt_bytes);
+  if (j.contains("ignore_eos") && !j["ignore_eos"].is_null()) r.ignore_eos = bool_field(j["ignore_eos"], "ignore_eos");
   if (j.contains("documents") && !j["documents"].is_null()) {
     const json& d = j["documents"];
     expect(d.is_array(), "documents", fmt::format("'documents' should be a list, found {}", type_name(d)));

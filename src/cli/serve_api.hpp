@@ -58,6 +58,7 @@ struct CompletionRequest {
   bool include_usage = false;          // stream_options.include_usage
   std::string method;                  // "" : the server's default
   std::string cache_salt;
+  bool ignore_eos = false;             // go on past end-of-sequence (benchmarks; as vLLM's)
 };
 
 // Parses and checks a request body; throws ApiError (400, naming the field) on anything malformed:

@@ -7,7 +7,8 @@
 namespace comb::detail::cpu {
 
 // y[m, o] = sum_k x[m, k] * w[o, k] for rows o in [begin, end).
-// x: [n_rows_x, k], w: [n_out, k] row-major, y: [n_rows_x, n_out]. n_rows_x <= 4.
+// x: [n_rows_x, k], w: [n_out, k] row-major, y: [n_rows_x, n_out]. Any n_rows_x: each result
+// depends on its own row of x only (the same numbers whatever the other rows; batched decoding).
 void gemv_rows(const float* x, int64_t n_rows_x, const float* w, int64_t k, float* y, int64_t n_out, int64_t begin,
                int64_t end);
 
@@ -64,5 +65,13 @@ void paged_attention(const float* q, const float* k_pool, const float* v_pool, c
                      const float* const* joint_k, const float* const* joint_v, const int64_t* joint_n,
                      int64_t n_segments, const float* joint_bias, const PagedShape& s, float* out, float* scratch,
                      int64_t begin, int64_t end);
+
+// The same for the n_head / n_head_kv query heads that share KV head `kvh`, every key and value
+// read once for all of them; scratch: n_head / n_head_kv times (sum of joint_n + n_keys) floats.
+// False (nothing done) where no such kernel fits the CPU and shapes: call paged_attention per head.
+bool paged_attention_grouped(const float* q, const float* k_pool, const float* v_pool, const int32_t* table,
+                             int64_t n_keys, const float* const* joint_k, const float* const* joint_v,
+                             const int64_t* joint_n, int64_t n_segments, const float* joint_bias, const PagedShape& s,
+                             float* out, float* scratch, int64_t kvh);
 
 }  // namespace comb::detail::cpu

@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "comb/detail/cpu_kernels.hpp"
+#include "comb/detail/spin_pool.hpp"
 #include "comb/error.hpp"
 #include "comb/serving.hpp"
 
@@ -160,7 +161,12 @@ COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
   stats_.inter_token = Histogram(latency_bounds());
   stats_.batch_size = Histogram({1, 2, 4, 8, 16, 32, 64});
   engine(options_.method);  // checks the default method's options now
-  thread_ = std::thread([this] { loop(); });
+  const int threads = at::get_num_threads();
+  thread_ = std::thread([this, threads] {
+    workers_ = std::make_unique<detail::SpinPool>(threads);  // the decoding step's loops
+    loop();
+    workers_.reset();
+  });
 }
 
 COMB_INLINE ServeEngine::~ServeEngine() {
@@ -474,7 +480,7 @@ COMB_INLINE bool ServeEngine::emit(Sequence& s, int32_t token, const at::Tensor&
     ++stats_.generated_tokens;
   }
   s.last_token = now;
-  if (std::find(stop_tokens_.begin(), stop_tokens_.end(), token) != stop_tokens_.end()) {
+  if (!s.request.ignore_eos && std::find(stop_tokens_.begin(), stop_tokens_.end(), token) != stop_tokens_.end()) {
     finish(s, "stop");
     return false;
   }
@@ -553,9 +559,13 @@ COMB_INLINE void ServeEngine::decode_step() {
   at::Tensor logits = batched_forward(rows);  // [rows, n_vocab]
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    const double dt = seconds_since(t0);
     ++stats_.decode_steps;
-    stats_.decode_seconds += seconds_since(t0);
+    stats_.decode_seconds += dt;
     stats_.batch_size.add(static_cast<double>(rows.size()));
+    auto& by = stats_.steps_by_batch[static_cast<int64_t>(rows.size())];
+    ++by.first;
+    by.second += dt;
   }
   for (size_t b = 0; b < rows.size(); ++b) {
     Sequence& s = *rows[b];
@@ -585,13 +595,18 @@ COMB_INLINE at::Tensor ServeEngine::batched_forward(const std::vector<Sequence*>
                        0, B);
     return out;
   };
+  // Weight rows in chunks of 64 over the pool (a chunk's results do not depend on who computes it).
+  auto gemv = [&](const float* in, const float* w, int64_t k, float* out, int64_t n_out) {
+    constexpr int64_t chunk = 64;
+    workers_->run((n_out + chunk - 1) / chunk, [&](int64_t c) {
+      cpu::gemv_rows(in, B, w, k, out, n_out, c * chunk, std::min(n_out, (c + 1) * chunk));
+    });
+  };
   auto linear = [&](const LayerWeights& l, Proj p, const at::Tensor& weight, const at::Tensor& t) -> at::Tensor {
     if (l.quantized) return project(l, p, t).contiguous();
     const int64_t k = t.size(-1), n_out = weight.size(0);
     at::Tensor out = at::empty({B, n_out}, t.options());
-    at::parallel_for(0, n_out, 64, [&](int64_t b, int64_t e) {
-      cpu::gemv_rows(t.data_ptr<float>(), B, weight.data_ptr<float>(), k, out.data_ptr<float>(), n_out, b, e);
-    });
+    gemv(t.data_ptr<float>(), weight.data_ptr<float>(), k, out.data_ptr<float>(), n_out);
     return out;
   };
   const cpu::PagedShape shape{c.n_head, c.n_head_kv, hd, pool_->block_tokens()};
@@ -650,18 +665,21 @@ COMB_INLINE at::Tensor ServeEngine::batched_forward(const std::vector<Sequence*>
         }
         if (doc_bias_.at(block).defined()) bias[b] = doc_bias_[block].data_ptr<float>();
       }
-    at::parallel_for(0, B * c.n_head, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch;
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / c.n_head, h = item % c.n_head;
-        const Sequence& s = *rows[b];
-        int64_t n_joint = 0;
-        for (int64_t n : seg_n[b]) n_joint += n;
-        scratch.resize(n_joint + s.length + 1);
-        cpu::paged_attention(q.data_ptr<float>() + b * q_dim, kp, vp, s.blocks.data(), s.length + 1, seg_k[b].data(),
-                             seg_v[b].data(), seg_n[b].data(), static_cast<int64_t>(seg_n[b].size()), bias[b], shape,
-                             attn.data_ptr<float>() + b * q_dim, scratch.data(), h, h + 1);
-      }
+    const int64_t group = c.n_head / c.n_head_kv;
+    workers_->run(B * c.n_head_kv, [&](int64_t item) {  // one KV head and the query heads that share it
+      const int64_t b = item / c.n_head_kv, kvh = item % c.n_head_kv;
+      const Sequence& s = *rows[b];
+      int64_t n_joint = 0;
+      for (int64_t n : seg_n[b]) n_joint += n;
+      thread_local std::vector<float> scratch;
+      scratch.resize(group * (n_joint + s.length + 1));
+      const int64_t n_seg = static_cast<int64_t>(seg_n[b].size());
+      float* o = attn.data_ptr<float>() + b * q_dim;
+      const float* qb = q.data_ptr<float>() + b * q_dim;
+      if (!cpu::paged_attention_grouped(qb, kp, vp, s.blocks.data(), s.length + 1, seg_k[b].data(), seg_v[b].data(),
+                                        seg_n[b].data(), n_seg, bias[b], shape, o, scratch.data(), kvh))
+        cpu::paged_attention(qb, kp, vp, s.blocks.data(), s.length + 1, seg_k[b].data(), seg_v[b].data(),
+                             seg_n[b].data(), n_seg, bias[b], shape, o, scratch.data(), kvh * group, (kvh + 1) * group);
     });
     x.add_(linear(w, Proj::o, w.wo, attn));
     at::Tensor gate_up = linear(w, Proj::gate_up, w.w_gate_up, norm(x, w.ffn_norm));  // [B, 2 n_ff]
@@ -673,9 +691,7 @@ COMB_INLINE at::Tensor ServeEngine::batched_forward(const std::vector<Sequence*>
   if (W.output_q) return W.output_q->apply(h).contiguous();
   const int64_t n_vocab = W.output.size(0);
   at::Tensor out = at::empty({B, n_vocab}, h.options());
-  at::parallel_for(0, n_vocab, 256, [&](int64_t b, int64_t e) {
-    cpu::gemv_rows(h.data_ptr<float>(), B, W.output.data_ptr<float>(), E, out.data_ptr<float>(), n_vocab, b, e);
-  });
+  gemv(h.data_ptr<float>(), W.output.data_ptr<float>(), E, out.data_ptr<float>(), n_vocab);
   return out;
 }
 
