@@ -69,6 +69,8 @@ json parse_object(const std::string& body) {
   } catch (const json::parse_error& e) {
     // e.byte is where the parser stopped; the library's own text names the token it found.
     throw ApiError(400, fmt::format("the body is not valid JSON (at byte {}): {}", e.byte, e.what()));
+  } catch (const json::exception& e) {  // a number beyond a double's range (2e5555), ...
+    throw ApiError(400, fmt::format("the body cannot be read as JSON: {}", e.what()));
   }
   expect(j.is_object(), "", fmt::format("the body should be a JSON object, found {}", type_name(j)));
   return j;

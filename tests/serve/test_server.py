@@ -1,7 +1,8 @@
 """`comb serve` checked from outside: a real server on a loopback port, called by the official
 openai client (chat and completions, streamed and not, with and without documents, every caching
 method), the documents API and tenancy, 16 concurrent requests against one at a time, 1,000
-malformed or hostile requests, overload, a client that goes away, metrics, SIGTERM.
+malformed or hostile requests, overload, a client that goes away, metrics, SIGTERM, the disk tier
+across a restart.
 
 usage: test_server.py COMB_BINARY  (the model: $COMB_MODEL, as the other tests)
 """
@@ -216,6 +217,7 @@ def hostile_requests(model):
         ("POST", "/v1/chat/completions", b"\xff\xfe\x00garbage", "binary"),
         ("POST", "/v1/chat/completions", b'{"model": "' + b"\xc3\x28" + b'"}', "invalid UTF-8"),
         ("POST", "/v1/chat/completions", b"[" * 100000 + b"]" * 100000, "deep nesting"),
+        ("POST", "/v1/chat/completions", b'{"max_tokens": 2e5555555555}', "a number beyond a double"),
         ("POST", "/v1/chat/completions", b'{"a":' * 50000 + b"1" + b"}" * 50000, "deep objects"),
         ("POST", "/v1/chat/completions", json.dumps({**good, "model": "gpt-4"}).encode(), "unknown model"),
         ("POST", "/v1/chat/completions", json.dumps({**good, "max_tokens": 10**30}).encode(), "huge max_tokens"),
@@ -410,6 +412,24 @@ def test_overload():
         s.stop()
 
 
+def test_restart():
+    """The document store's disk tier (--cache-dir) outlives the server."""
+    cache = tempfile.mkdtemp(prefix="comb-serve-cache-")
+    docs = [{"title": "Quarry", "text": "The quarry at Helm was closed in 1931 after the river flooded it."}]
+    s = Server("--cache-dir", cache)
+    try:
+        _, _, first = chat(s, "When was the quarry closed?", docs)
+    finally:
+        check(s.stop() == 0, "first server stopped")
+    s = Server("--cache-dir", cache)
+    try:
+        _, _, second = chat(s, "When was the quarry closed?", docs)
+    finally:
+        s.stop()
+    check(first.prompt_tokens_details.cached_tokens == 0 and second.prompt_tokens_details.cached_tokens > 0,
+          f"after a restart the documents come from the disk tier ({second.prompt_tokens_details.cached_tokens} cached)")
+
+
 def main():
     s = Server()
     try:
@@ -422,9 +442,10 @@ def main():
         check(code == 0, f"the server exits with 0 ({code})")
         if failures:
             print(s.logs()[-5000:])
-    t0 = time.time()
-    test_overload()
-    print(f"-- test_overload: {time.time() - t0:.1f} s")
+    for test in (test_overload, test_restart):
+        t0 = time.time()
+        test()
+        print(f"-- {test.__name__}: {time.time() - t0:.1f} s", flush=True)
     print(f"{len(failures)} failed" if failures else "all passed")
     sys.exit(1 if failures else 0)
 
