@@ -75,6 +75,8 @@ class Model {
   // else encoded now (and put into `store`, if given). `from_cache` tells which, if given.
   std::shared_ptr<const DocumentKV> document(const std::vector<int32_t>& tokens, PICacheStore* store = nullptr,
                                             const std::string& tenant = "", bool* from_cache = nullptr) const;
+  // The store's key of that document's encoder K/V (tokens, plug-in and weights, tenant).
+  CacheKey document_key(const std::vector<int32_t>& tokens, const std::string& tenant = "") const;
   // The decoder's forward with linked documents read by the cross blocks; without documents (or
   // without a plug-in) exactly Decoder::forward.
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache, const LinkedDocuments* documents = nullptr,

@@ -155,6 +155,9 @@ class ServeEngine {
   void decode_step();
   bool emit(Sequence& s, int32_t token, const at::Tensor& logits);
   void finish(Sequence& s, const std::string& reason, const std::string& error = "");
+  // Store pins counted per document across requests (the store's own pin is on or off).
+  void pin(Sequence& s, const CacheKey& key);
+  void unpin_all(Sequence& s);
   PicEngine& engine(Method m);
   at::Tensor batched_forward(const std::vector<Sequence*>& rows);
 
@@ -168,7 +171,9 @@ class ServeEngine {
   std::vector<at::Tensor> doc_bias_;  // per plug-in block: [n_head] float32, or undefined
   std::unique_ptr<detail::SpinPool> workers_;  // the scheduler thread's, for the decoding step
 
+  std::map<std::pair<uint64_t, uint64_t>, int> pins_;  // scheduler thread only
   mutable std::mutex mutex_;
+  std::mutex join_mutex_;
   std::condition_variable wake_, job_done_;
   std::deque<std::unique_ptr<Sequence>> queue_;
   std::vector<std::unique_ptr<Sequence>> prefilling_, running_;

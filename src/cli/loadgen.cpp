@@ -49,15 +49,21 @@ Outcome one_request(const std::string& host, int port, const std::string& body) 
       buffer.erase(0, end + 2);
       if (event.rfind("data: ", 0) != 0 || event == "data: [DONE]") continue;
       json j = json::parse(event.substr(6), nullptr, false);
-      if (j.is_discarded()) continue;
-      if (j.contains("usage") && j["usage"].is_object()) {
-        out.completion = j["usage"].value("completion_tokens", int64_t(0));
-        out.prompt = j["usage"].value("prompt_tokens", int64_t(0));
-        if (j["usage"].contains("prompt_tokens_details"))
-          out.cached = j["usage"]["prompt_tokens_details"].value("cached_tokens", int64_t(0));
+      if (j.is_discarded() || !j.is_object()) continue;
+      try {  // another server's fields may be null or of other types: read what is there
+        if (j.contains("usage") && j["usage"].is_object()) {
+          const json& u = j["usage"];
+          if (u.contains("completion_tokens") && u["completion_tokens"].is_number()) out.completion = u["completion_tokens"];
+          if (u.contains("prompt_tokens") && u["prompt_tokens"].is_number()) out.prompt = u["prompt_tokens"];
+          if (u.contains("prompt_tokens_details") && u["prompt_tokens_details"].is_object() &&
+              u["prompt_tokens_details"].contains("cached_tokens") && u["prompt_tokens_details"]["cached_tokens"].is_number())
+            out.cached = u["prompt_tokens_details"]["cached_tokens"];
+        }
+      } catch (const json::exception&) {
       }
       if (j.contains("error")) out.error = j["error"].dump();
-      if (out.ttft_s < 0 && j.contains("choices") && !j["choices"].empty()) {
+      if (out.ttft_s < 0 && j.contains("choices") && j["choices"].is_array() && !j["choices"].empty() &&
+          j["choices"][0].is_object()) {
         const json& c = j["choices"][0];
         const bool text = c.contains("delta") && c["delta"].contains("content") && c["delta"]["content"].is_string() &&
                           !c["delta"]["content"].get<std::string>().empty();

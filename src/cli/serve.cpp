@@ -174,7 +174,10 @@ class Api {
       if (log_ && res.status >= 400) {
         size_t cut = std::min<size_t>(res.body.size(), 400);  // at a character's start
         while (cut > 0 && cut < res.body.size() && (static_cast<unsigned char>(res.body[cut]) & 0xC0) == 0x80) --cut;
-        fmt::print(stderr, "[serve] {} {} {} {}\n", req.method, route, res.status, res.body.substr(0, cut));
+        try {
+          fmt::print(stderr, "[serve] {} {} {} {}\n", req.method, route, res.status, res.body.substr(0, cut));
+        } catch (...) {
+        }
       }
     });
   }
@@ -218,6 +221,15 @@ class Api {
     if (draining) throw Overloaded("the server is shutting down");
     serve::DocumentUpload u = serve::parse_document_upload(req.body, limits_);
     const Method method = method_of(u.method);
+    if (method == Method::full || method == Method::prefix)
+      throw ApiError(400, fmt::format("method {} keeps no per-document cache: upload for comb, naive, epic or cacheblend",
+                                      method_name(method)), "method");
+    {
+      std::lock_guard<std::mutex> lock(docs_mutex_);
+      if (static_cast<int64_t>(docs_.size()) >= kMaxUploads)
+        throw ApiError(400, fmt::format("the server holds {} uploaded documents (the limit): delete some first",
+                                        docs_.size()), "", "too_many_documents");
+    }
     StoredDocument d;
     d.tokens = qa_document_tokens(model_, {u.title, u.text});
     if (method == Method::comb && model_.plugin()->config().max_document_tokens > 0 &&
@@ -330,13 +342,18 @@ class Api {
     const std::string path = req.path;
     const bool log = log_;
     r.on_done = [ch, path, log](const ServeResult& result) {
-      if (log)
-        fmt::print(stderr, "[serve] POST {} {} method={} prompt={} cached={} computed={} completion={} ttft={:.0f}ms "
-                   "total={:.0f}ms\n", path, result.finish_reason, method_name(result.method), result.prompt_tokens,
-                   result.cached_tokens, result.computed_tokens, result.tokens.size(), result.ttft_ms, result.total_ms);
-      std::lock_guard<std::mutex> lock(ch->mutex);
-      ch->result = result;
-      ch->cv.notify_all();
+      {
+        std::lock_guard<std::mutex> lock(ch->mutex);
+        ch->result = result;
+        ch->cv.notify_all();
+      }
+      if (log) try {  // the log line after the answer: a failing stderr never holds a request
+          fmt::print(stderr, "[serve] POST {} {} method={} prompt={} cached={} computed={} completion={} "
+                     "ttft={:.0f}ms total={:.0f}ms\n", path, result.finish_reason, method_name(result.method),
+                     result.prompt_tokens, result.cached_tokens, result.computed_tokens, result.tokens.size(),
+                     result.ttft_ms, result.total_ms);
+        } catch (...) {
+        }
     };
     const ServeEngine::Id id = engine_.submit(std::move(r));
     const std::string rid = fmt::format("{}-{:x}{:06x}", chat ? "chatcmpl" : "cmpl", started_, id);
@@ -519,6 +536,7 @@ class Api {
     return out;
   }
 
+  static constexpr int64_t kMaxUploads = 100000;  // entries of the document registry
   const Model& model_;
   ServeEngine& engine_;
   std::string name_;
@@ -585,12 +603,14 @@ int cmd_serve(Args& args) {
   ServeEngine engine(model, o);
   Api api(model, engine, name, limits, default_max_tokens, log_requests);
   httplib::Server http;
-  const size_t workers = static_cast<size_t>(o.max_running + o.max_queued + 8);
+  // A worker per admitted and queued request, and room for health checks and refusals beside them.
+  const size_t workers = static_cast<size_t>(o.max_running + o.max_queued + 32);
   http.new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
   http.set_payload_max_length(8u << 20);
   http.set_read_timeout(10, 0);
   http.set_write_timeout(10, 0);
   http.set_keep_alive_max_count(1000);
+  http.set_keep_alive_timeout(2);  // an idle connection gives its worker back soon
   http.set_tcp_nodelay(true);  // each streamed token leaves at once
   api.routes(http);
   const int bound = port == 0 ? http.bind_to_any_port(host) : (http.bind_to_port(host, port) ? port : -1);
@@ -606,31 +626,30 @@ int cmd_serve(Args& args) {
              model.plugin() ? "plug-in loaded" : "no plug-in", engine.stats().blocks_total, o.block_tokens,
              o.kv_bytes >> 20, o.max_running, o.max_queued);
 
+  std::atomic<bool> listen_ended{false};
   std::thread waiter([&] {
     int sig = 0;
     sigwait(&signals, &sig);
-    if (sig == 0) return;
+    if (listen_ended) return;  // woken by the main thread: the listener is gone already
     fmt::print(stderr, "[serve] {}: no new requests; finishing those in flight (at most {} s)\n",
                sig == SIGTERM ? "SIGTERM" : "SIGINT", drain_s);
     api.draining = true;
-    std::thread limit([&] {
-      // Requests still running after the drain time are cancelled.
-      for (int64_t i = 0; i < drain_s * 10; ++i) {
-        auto st = engine.stats();
-        if (st.running + st.queued + st.prefilling == 0) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      }
-      engine.shutdown(false);
-    });
-    limit.join();
+    // Requests still running after the drain time are cancelled.
+    for (int64_t i = 0; i < drain_s * 10; ++i) {
+      auto st = engine.stats();
+      if (st.running + st.queued + st.prefilling == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    engine.shutdown(false);
+    // stop() does nothing before the listener runs (a signal during loading): wait for it.
+    while (!listen_ended && !http.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     http.stop();
   });
   const bool ok = http.listen_after_bind();
+  listen_ended = true;
   engine.shutdown(false);
-  if (waiter.joinable()) {
-    pthread_kill(waiter.native_handle(), SIGTERM);  // wakes sigwait when listen ended on its own
-    waiter.join();
-  }
+  pthread_kill(waiter.native_handle(), SIGTERM);  // wakes sigwait if no signal came; else pending, unread
+  waiter.join();
   fmt::print(stderr, "[serve] stopped\n");
   return ok ? 0 : 1;
 }

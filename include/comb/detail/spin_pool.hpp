@@ -9,6 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -45,8 +46,9 @@ class SpinPool {
 
   int size() const { return static_cast<int>(workers_.size()) + 1; }
 
-  // Runs fn(i) for every i in [0, n) on the pool and the calling thread; returns when all ran.
-  // One caller at a time. Which thread runs which i is not fixed: fn(i) must not depend on it.
+  // Runs fn(i) for every i in [0, n) on the pool and the calling thread; returns when all ran
+  // (rethrowing the first exception of fn, after every call ended). One caller at a time. Which
+  // thread runs which i is not fixed: fn(i) must not depend on it.
   void run(int64_t n, const std::function<void(int64_t)>& fn) {
     if (n <= 0) return;
     if (workers_.empty() || n == 1) {
@@ -65,9 +67,15 @@ class SpinPool {
       wake_.notify_all();
     }
     claim();
-    while (done_.load(std::memory_order_acquire) < n) pause();
+    for (int spins = 0; done_.load(std::memory_order_acquire) < n; ++spins) wait_a_little(spins);
     for (size_t w = 0; w < workers_.size(); ++w)  // every worker is out of this loop before the next
-      while (parked_[w].load(std::memory_order_acquire) != g) pause();
+      for (int spins = 0; parked_[w].load(std::memory_order_acquire) != g; ++spins) wait_a_little(spins);
+    if (failed_.load()) {  // the first exception of fn, once every call has ended
+      failed_.store(false);
+      std::exception_ptr e = std::move(error_);
+      error_ = nullptr;
+      std::rethrow_exception(e);
+    }
   }
 
  private:
@@ -79,9 +87,20 @@ class SpinPool {
 #endif
   }
 
+  // Spins, then lets other threads run (a worker may wait for a core the caller holds).
+  static void wait_a_little(int spins) {
+    if (spins < 4096) pause();
+    else std::this_thread::yield();
+  }
+
   void claim() {
     for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < n_;) {
-      (*fn_)(i);
+      try {
+        (*fn_)(i);
+      } catch (...) {
+        bool expected = false;
+        if (failed_.compare_exchange_strong(expected, true)) error_ = std::current_exception();
+      }
       done_.fetch_add(1, std::memory_order_release);
     }
   }
@@ -117,6 +136,8 @@ class SpinPool {
   const std::function<void(int64_t)>* fn_ = nullptr;
   std::atomic<bool> stop_{false};
   std::atomic<int> sleepers_{0};
+  std::atomic<bool> failed_{false};
+  std::exception_ptr error_;  // written by the thread that set failed_, read by run() after the join
   std::mutex mutex_;
   std::condition_variable wake_;
 };

@@ -129,13 +129,18 @@ COMB_INLINE void Model::set_plugin(std::shared_ptr<const Plugin> plugin) {
   plugin_ = std::move(plugin);
 }
 
+COMB_INLINE CacheKey Model::document_key(const std::vector<int32_t>& tokens, const std::string& tenant) const {
+  COMB_CHECK(plugin_, "documents need a plug-in: load one with Options::plugin (--plugin FILE)");
+  return PICacheStore::key(tokens, plugin_->fingerprint() + decoder_->weights().cache_tag(), tenant);
+}
+
 COMB_INLINE std::shared_ptr<const DocumentKV> Model::document(const std::vector<int32_t>& tokens, PICacheStore* store,
                                                   const std::string& tenant, bool* from_cache) const {
   COMB_CHECK(plugin_, "documents need a plug-in: load one with Options::plugin (--plugin FILE)");
   c10::InferenceMode guard;
   if (from_cache) *from_cache = false;
   if (!store) return std::make_shared<const DocumentKV>(plugin_->encode(*decoder_, tokens));
-  CacheKey key = PICacheStore::key(tokens, plugin_->fingerprint() + decoder_->weights().cache_tag(), tenant);
+  CacheKey key = document_key(tokens, tenant);
   if (auto hit = store->get(key)) {
     if (from_cache) *from_cache = true;
     return hit;

@@ -232,8 +232,8 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PicEngine::decoder_kv(const std::v
 }
 
 COMB_INLINE CacheKey PicEngine::document_key(const std::vector<int32_t>& document, const std::string& tenant) const {
-  return PICacheStore::key(document, method_ == Method::comb ? model_.plugin()->fingerprint() : decoder_fingerprint_,
-                           tenant);
+  return method_ == Method::comb ? model_.document_key(document, tenant)
+                                 : PICacheStore::key(document, decoder_fingerprint_, tenant);
 }
 
 COMB_INLINE bool PicEngine::warm(const std::vector<int32_t>& document, const std::string& tenant) {

@@ -33,7 +33,7 @@ COMB_INLINE BlockPool::BlockPool(const ModelConfig& c, int64_t n_blocks, int64_t
 }
 
 COMB_INLINE std::vector<int32_t> BlockPool::allocate(int64_t n) {
-  if (n > n_free()) return {};
+  if (n <= 0 || n > n_free()) return {};
   std::vector<int32_t> out(free_.end() - n, free_.end());
   free_.resize(free_.size() - n);
   return out;
@@ -201,7 +201,7 @@ COMB_INLINE ServeEngine::Id ServeEngine::submit(ServeRequest request) {
                  model_.plugin()->config().max_document_tokens);
   s->decoder_tokens = s->method == Method::comb ? total : total + docs;
   COMB_CHECK(request.max_tokens >= 1, "max_tokens must be at least 1, found {}", request.max_tokens);
-  COMB_CHECK(s->decoder_tokens + request.max_tokens <= c.n_ctx,
+  COMB_CHECK(s->decoder_tokens < c.n_ctx && request.max_tokens <= c.n_ctx - s->decoder_tokens,
              "this model's context holds {} tokens; the request asks for {} prompt tokens (in the decoder) and {} to "
              "generate",
              c.n_ctx, s->decoder_tokens, request.max_tokens);
@@ -220,9 +220,14 @@ COMB_INLINE ServeEngine::Id ServeEngine::submit(ServeRequest request) {
     ++stats_.refused;
     throw Overloaded("the server is shutting down");
   }
-  if (static_cast<int64_t>(queue_.size()) >= options_.max_queued) {
+  // Every request passes through the queue; those that a free running slot will take at the
+  // scheduler's next turn do not count against max_queued.
+  const int64_t free_slots =
+      std::max<int64_t>(0, options_.max_running - static_cast<int64_t>(running_.size() + prefilling_.size()));
+  if (static_cast<int64_t>(queue_.size()) >= options_.max_queued + free_slots) {
     ++stats_.refused;
-    throw Overloaded(fmt::format("{} requests are already waiting (the limit)", queue_.size()));
+    throw Overloaded(fmt::format("{} requests are already waiting (the limit is {})", queue_.size(),
+                                 options_.max_queued));
   }
   s->id = next_id_++;
   Id id = s->id;
@@ -245,7 +250,8 @@ COMB_INLINE void ServeEngine::shutdown(bool finish) {
     stopping_ = true;
     wake_.notify_all();
   }
-  if (thread_.joinable()) thread_.join();
+  std::lock_guard<std::mutex> join(join_mutex_);  // one caller joins; the others find it joined
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
 }
 
 COMB_INLINE void ServeEngine::run(const std::function<void()>& job) {
@@ -422,18 +428,20 @@ COMB_INLINE void ServeEngine::prefill_step(Sequence& s) {
   const bool per_document = s.method != Method::full && s.method != Method::prefix;
   if (!s.prefill) {
     if (per_document && s.docs_warmed < p.documents.size()) {
+      // One document's cache, pinned in memory so that start() finds it (and, for comb, every
+      // decoding step after it).
       const auto& d = p.documents[s.docs_warmed++];
       if (e.warm(d, tenant)) s.warm_computed += static_cast<int64_t>(d.size());
+      pin(s, e.document_key(d, tenant));
       return;
     }
-    if (s.method == Method::comb)  // read by every decoding step: kept in memory until the request ends
-      for (const auto& d : p.documents) {
-        CacheKey key = e.document_key(d, tenant);
-        if (store_->pin(key)) s.pinned.push_back(key);
-      }
     s.prefill = std::make_unique<PicPrefill>(e.start(p, 1));
-    s.prefill->computed += s.warm_computed;  // documents warmed above were read back as cached
-    s.prefill->reused -= s.warm_computed;
+    // Documents warmed above were read back as cached (all of them, pinned; the bound is for a
+    // memory tier too small to hold them, where one may have been computed twice).
+    const int64_t moved = std::min(s.warm_computed, s.prefill->reused);
+    s.prefill->computed += moved;
+    s.prefill->reused -= moved;
+    if (s.method != Method::comb) unpin_all(s);  // their K/V are in the prompt's own cache now
     if (!s.prefill->done()) return;
   } else if (!e.advance(*s.prefill, options_.prefill_chunk)) {
     return;
@@ -446,7 +454,12 @@ COMB_INLINE void ServeEngine::prefill_step(Sequence& s) {
   if (!f.documents.empty()) {
     s.documents = std::move(f.documents);
     s.joined = s.documents.anchor > 0;
-    if (!s.joined) {
+    if (s.joined) {  // the rotated keys the decoding step reads, as float32
+      for (auto& j : s.documents.joined->blocks) {
+        j.keys = j.keys.to(at::kFloat).contiguous();
+        j.values = j.values.to(at::kFloat).contiguous();
+      }
+    } else {
       s.documents.joined = std::make_shared<LinkedDocuments::Joined>();  // its copy is not read by decoding
       for (auto& block : s.documents.keys)
         for (auto& t : block) t = t.to(at::kFloat).contiguous();
@@ -507,7 +520,10 @@ COMB_INLINE bool ServeEngine::emit(Sequence& s, int32_t token, const at::Tensor&
   size_t safe = text.size() >= longest ? text.size() - (longest > 0 ? longest - 1 : 0) : 0;
   safe = utf8_boundary(text, safe);
   if (safe > s.emitted) {
-    if (s.request.on_text) s.request.on_text(text.substr(s.emitted, safe - s.emitted));
+    try {
+      if (s.request.on_text) s.request.on_text(text.substr(s.emitted, safe - s.emitted));
+    } catch (...) {  // a callback's failure is the caller's
+    }
     s.emitted = safe;
   }
   if (static_cast<int64_t>(s.result.tokens.size()) >= s.request.max_tokens || s.length >= model_.config().n_ctx) {
@@ -522,14 +538,11 @@ COMB_INLINE void ServeEngine::finish(Sequence& s, const std::string& reason, con
   if (s.done) return;
   s.done = true;
   if (reason != "cancelled" && reason != "error") s.result.text += s.stream->flush();
-  if (s.request.on_text && s.result.text.size() > s.emitted && reason != "error")
-    s.request.on_text(s.result.text.substr(s.emitted));
-  s.emitted = s.result.text.size();
   s.result.finish_reason = reason;
   s.result.error = error;
   s.result.total_ms = seconds_since(s.submitted) * 1e3;
-  for (const auto& key : s.pinned) store_->unpin(key);
-  s.pinned.clear();
+  // Everything the request holds goes back before its callbacks run (they may fail).
+  unpin_all(s);
   s.prefill.reset();
   s.documents = LinkedDocuments();
   {
@@ -544,7 +557,37 @@ COMB_INLINE void ServeEngine::finish(Sequence& s, const std::string& reason, con
     else if (reason == "error") ++stats_.failed;
     else ++stats_.finished;
   }
-  if (s.request.on_done) s.request.on_done(s.result);
+  try {
+    if (s.request.on_text && s.result.text.size() > s.emitted && reason != "error")
+      s.request.on_text(s.result.text.substr(s.emitted));
+  } catch (...) {  // the result below still goes out
+  }
+  s.emitted = s.result.text.size();
+  try {
+    if (s.request.on_done) s.request.on_done(s.result);
+  } catch (...) {  // a callback's failure is the caller's; the engine goes on
+  }
+}
+
+COMB_INLINE void ServeEngine::pin(Sequence& s, const CacheKey& key) {
+  int& n = pins_[{key.high, key.low}];
+  if (n == 0 && !store_->pin(key)) {  // not in a memory tier (no host tier, or too small): nothing to hold
+    pins_.erase({key.high, key.low});
+    return;
+  }
+  ++n;
+  s.pinned.push_back(key);
+}
+
+COMB_INLINE void ServeEngine::unpin_all(Sequence& s) {
+  for (const auto& key : s.pinned) {
+    auto it = pins_.find({key.high, key.low});
+    if (it != pins_.end() && --it->second == 0) {
+      store_->unpin(key);
+      pins_.erase(it);
+    }
+  }
+  s.pinned.clear();
 }
 
 COMB_INLINE void ServeEngine::decode_step() {
@@ -603,7 +646,13 @@ COMB_INLINE at::Tensor ServeEngine::batched_forward(const std::vector<Sequence*>
     });
   };
   auto linear = [&](const LayerWeights& l, Proj p, const at::Tensor& weight, const at::Tensor& t) -> at::Tensor {
-    if (l.quantized) return project(l, p, t).contiguous();
+    if (l.quantized) {  // groups of rows the kept-quantized kernels compute row by row
+      constexpr int64_t group = 32;
+      if (B <= group) return project(l, p, t).contiguous();
+      std::vector<at::Tensor> parts;
+      for (int64_t r = 0; r < B; r += group) parts.push_back(project(l, p, t.narrow(0, r, std::min(group, B - r))));
+      return at::cat(parts, 0).contiguous();
+    }
     const int64_t k = t.size(-1), n_out = weight.size(0);
     at::Tensor out = at::empty({B, n_out}, t.options());
     gemv(t.data_ptr<float>(), weight.data_ptr<float>(), k, out.data_ptr<float>(), n_out);
@@ -688,7 +737,12 @@ COMB_INLINE at::Tensor ServeEngine::batched_forward(const std::vector<Sequence*>
     x.add_(linear(w, Proj::down, w.w_down, act));
   }
   at::Tensor h = norm(x, W.output_norm);
-  if (W.output_q) return W.output_q->apply(h).contiguous();
+  if (W.output_q) {
+    constexpr int64_t group = 32;
+    std::vector<at::Tensor> parts;
+    for (int64_t r = 0; r < B; r += group) parts.push_back(W.output_q->apply(h.narrow(0, r, std::min(group, B - r))));
+    return at::cat(parts, 0).contiguous();
+  }
   const int64_t n_vocab = W.output.size(0);
   at::Tensor out = at::empty({B, n_vocab}, h.options());
   gemv(h.data_ptr<float>(), W.output.data_ptr<float>(), E, out.data_ptr<float>(), n_vocab);
