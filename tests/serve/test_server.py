@@ -324,13 +324,13 @@ def test_cancel_and_metrics(s):
     body = {"model": s.model, "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
             "max_tokens": 2000, "temperature": 0, "stream": True, "documents": DOCS}
     with httpx.Client(timeout=60) as h, h.stream("POST", s.base + "/v1/chat/completions", json=body) as r:
-        n = 0
+        n, in_use = 0, 0
         for line in r.iter_lines():
             if line.startswith("data: "):
                 n += 1
-            if n >= 4:
+            if n >= 4:  # read while the stream is open: leaving the loop may close it
+                in_use = total - s.metric("comb_kv_blocks_free")
                 break
-        in_use = total - s.metric("comb_kv_blocks_free")
     check(in_use > 0, f"a running request holds blocks ({in_use:.0f})")
     for _ in range(100):  # the client is gone: the next write fails and the request is cancelled
         if s.metric("comb_requests_cancelled_total") > cancelled and s.metric("comb_kv_blocks_free") == total:
