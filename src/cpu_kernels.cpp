@@ -4,8 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <tuple>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -80,7 +79,7 @@ COMB_AVX2 void dot_tile_avx2(const float* x, int64_t k, const float* w, float* y
 
 #define COMB_AVX512 __attribute__((target("avx512f,avx2,fma")))
 bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && !std::getenv("COMB_NO_AVX512");
+  static const bool yes = __builtin_cpu_supports("avx512f");
   return yes;
 }
 
@@ -121,39 +120,35 @@ COMB_AVX512 void dot_tile_avx512(const float* x, int64_t k, const float* w, floa
     for (int o = 0; o < O; ++o) y[r * n_out + o] = _mm512_reduce_add_ps(acc[r][o]);
 }
 
-// Outputs in blocks of O (the rows of x two at a time, then one), the last outputs one by one.
-template <int O, class Pair, class One, class Single>
-inline void dot_tiles(int64_t m, int64_t k, int64_t n_out, int64_t begin, int64_t end, const Pair& pair, const One& one,
-                      const Single& single) {
+// Outputs in blocks of O (the rows of x two at a time, then one), the last outputs one by one:
+// tile(rows, outputs, r, o) with the tile's shape as compile-time constants.
+template <int O, class Tile>
+inline void dot_tiles(int64_t m, int64_t begin, int64_t end, const Tile& tile) {
+  using one = std::integral_constant<int, 1>;
+  using two = std::integral_constant<int, 2>;
+  using block = std::integral_constant<int, O>;
   int64_t o = begin;
   for (; o + O <= end; o += O) {
     int64_t r = 0;
-    for (; r + 2 <= m; r += 2) pair(r, o);
-    for (; r < m; ++r) one(r, o);
+    for (; r + 2 <= m; r += 2) tile(two{}, block{}, r, o);
+    for (; r < m; ++r) tile(one{}, block{}, r, o);
   }
   for (; o < end; ++o)
-    for (int64_t r = 0; r < m; ++r) single(r, o);
-  (void)k, (void)n_out;
+    for (int64_t r = 0; r < m; ++r) tile(one{}, one{}, r, o);
 }
 
 COMB_AVX2 void gemv_avx2(const float* x, int64_t m, const float* w, int64_t k, float* y, int64_t n_out, int64_t begin,
                          int64_t end) {
-  auto at = [&](int64_t r, int64_t o) { return std::make_tuple(x + r * k, w + o * k, y + r * n_out + o); };
-  dot_tiles<4>(
-      m, k, n_out, begin, end,
-      [&](int64_t r, int64_t o) { auto [xs, ws, ys] = at(r, o); dot_tile_avx2<2, 4>(xs, k, ws, ys, n_out); },
-      [&](int64_t r, int64_t o) { auto [xs, ws, ys] = at(r, o); dot_tile_avx2<1, 4>(xs, k, ws, ys, n_out); },
-      [&](int64_t r, int64_t o) { auto [xs, ws, ys] = at(r, o); dot_tile_avx2<1, 1>(xs, k, ws, ys, n_out); });
+  dot_tiles<4>(m, begin, end, [&](auto rows, auto outs, int64_t r, int64_t o) {
+    dot_tile_avx2<decltype(rows)::value, decltype(outs)::value>(x + r * k, k, w + o * k, y + r * n_out + o, n_out);
+  });
 }
 
 COMB_AVX512 void gemv_avx512(const float* x, int64_t m, const float* w, int64_t k, float* y, int64_t n_out,
                              int64_t begin, int64_t end) {
-  auto at = [&](int64_t r, int64_t o) { return std::make_tuple(x + r * k, w + o * k, y + r * n_out + o); };
-  dot_tiles<8>(
-      m, k, n_out, begin, end,
-      [&](int64_t r, int64_t o) { auto [xs, ws, ys] = at(r, o); dot_tile_avx512<2, 8>(xs, k, ws, ys, n_out); },
-      [&](int64_t r, int64_t o) { auto [xs, ws, ys] = at(r, o); dot_tile_avx512<1, 8>(xs, k, ws, ys, n_out); },
-      [&](int64_t r, int64_t o) { auto [xs, ws, ys] = at(r, o); dot_tile_avx512<1, 1>(xs, k, ws, ys, n_out); });
+  dot_tiles<8>(m, begin, end, [&](auto rows, auto outs, int64_t r, int64_t o) {
+    dot_tile_avx512<decltype(rows)::value, decltype(outs)::value>(x + r * k, k, w + o * k, y + r * n_out + o, n_out);
+  });
 }
 #endif
 
@@ -194,23 +189,6 @@ COMB_AVX2 float softmax_exp_avx2(float* scores, int64_t n, float max_score) {
   float total = hsum(sum8);
   for (; j < n; ++j) total += (scores[j] = std::exp(scores[j] - max_score));
   return total;
-}
-
-// softmax_mix with the exponentials eight at a time and the weighted sum eight dimensions at a time.
-COMB_AVX2 void softmax_mix_avx2(float* scores, int64_t n, float max_score, const float* values, int64_t hd, float* out) {
-  const float inv = 1.0f / softmax_exp_avx2(scores, n, max_score);
-  int64_t d = 0;
-  for (; d + 8 <= hd; d += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t k = 0; k < n; ++k)
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[k]), _mm256_loadu_ps(values + k * hd + d), acc);
-    _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
-  }
-  for (; d < hd; ++d) {
-    float acc = 0;
-    for (int64_t k = 0; k < n; ++k) acc += scores[k] * values[k * hd + d];
-    out[d] = acc * inv;
-  }
 }
 
 // acc[0, hd) += sum_k p[k] * values[k, 0 .. hd) (rows hd apart); hd a multiple of 8 up to 256.
@@ -275,18 +253,6 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
 }
 
-// out[0, hd) = softmax(scores[0, n)) . values [n, hd] (rows hd apart); `max_score` is the scores'
-// maximum, and the scores are overwritten by their exponentials.
-void softmax_mix(float* scores, int64_t n, float max_score, const float* values, int64_t hd, float* out) {
-#if defined(__x86_64__)
-  if (has_avx2()) return softmax_mix_avx2(scores, n, max_score, values, hd, out);
-#endif
-  float total = 0;
-  for (int64_t j = 0; j < n; ++j) total += (scores[j] = std::exp(scores[j] - max_score));
-  std::fill(out, out + hd, 0.0f);
-  for (int64_t j = 0; j < n; ++j) axpy(scores[j] / total, values + j * hd, out, hd);
-}
-
 float softmax_exp(float* scores, int64_t n, float max_score) {
 #if defined(__x86_64__)
   if (has_avx2()) return softmax_exp_avx2(scores, n, max_score);
@@ -301,6 +267,15 @@ void mix_rows(const float* p, int64_t n, const float* values, int64_t hd, float*
   if (has_avx2() && hd % 8 == 0) return mix_rows_avx2(p, n, values, hd, acc);
 #endif
   for (int64_t k = 0; k < n; ++k) axpy(p[k], values + k * hd, acc, hd);
+}
+
+// out[0, hd) = softmax(scores[0, n)) . values [n, hd] (rows hd apart); `max_score` is the scores'
+// maximum, and the scores are overwritten by their exponentials.
+void softmax_mix(float* scores, int64_t n, float max_score, const float* values, int64_t hd, float* out) {
+  const float inv = 1.0f / softmax_exp(scores, n, max_score);
+  std::fill(out, out + hd, 0.0f);
+  mix_rows(scores, n, values, hd, out);
+  for (int64_t d = 0; d < hd; ++d) out[d] *= inv;
 }
 
 }  // namespace
@@ -458,7 +433,6 @@ COMB_AVX512 void paged_group_avx512(const float* q, const float* k_pool, const f
   const int64_t n_all = n_joint + n_keys;
   __m512 qv[G][C];
   float bias[G], max_score[G];
-  const bool has_bias = joint_bias != nullptr;
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
     const int64_t h = kvh * G + g;
@@ -471,7 +445,7 @@ COMB_AVX512 void paged_group_avx512(const float* q, const float* k_pool, const f
   for (int64_t i = 0; i < n_segments; ++i) {
     const float* jk = joint_k[i] + kvh * joint_n[i] * hd;
     for (int64_t t = 0; t < joint_n[i]; ++t, ++j)
-      group_score<G, C>(qv, jk + t * hd, has_bias ? bias : nullptr, scratch, n_all, j, max_score);
+      group_score<G, C>(qv, jk + t * hd, joint_bias ? bias : nullptr, scratch, n_all, j, max_score);
   }
   for (int64_t p0 = 0; p0 < n_keys; p0 += bt) {
     const float* kb = k_pool + int64_t(table[p0 / bt]) * block_stride + kvh * bt * hd;

@@ -40,6 +40,8 @@ struct PicOptions {
   // "redis://HOST[:PORT][/DB]", or "" for none. clear() forgets the local tiers, not this one.
   std::string cache_url;
   int64_t cache_ttl_s = 0;      // expiry of the entries written there (0: none)
+  // The document store these options describe (memory budget, dtype, remote tier).
+  StoreOptions store_options() const;
 };
 
 // Decoder K/V of whole token blocks, keyed by a hash chain over the tokens: reuse of an exact

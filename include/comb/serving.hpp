@@ -153,7 +153,7 @@ class ServeEngine {
   void admit(std::unique_lock<std::mutex>& lock);
   void prefill_step(Sequence& s);
   void decode_step();
-  bool emit(Sequence& s, int32_t token, const at::Tensor& logits);
+  bool emit(Sequence& s, int32_t token);
   void finish(Sequence& s, const std::string& reason, const std::string& error = "");
   // Store pins counted per document across requests (the store's own pin is on or off).
   void pin(Sequence& s, const CacheKey& key);

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 
+#include "comb/detail/utf8.hpp"
 #include "commands.hpp"
 #include "serve_api.hpp"
 
@@ -38,33 +39,6 @@ struct StoredDocument {
   int64_t created = 0;
   std::vector<std::string> methods;  // whose caches were computed on upload
 };
-
-// Token ids of a conversation through the chat template, every message's content read as data
-// (control tokens written in it stay text): the template is rendered with a marker per content,
-// its own parts encoded with control tokens, the contents without.
-std::vector<int32_t> chat_tokens(const Model& model, const std::vector<std::pair<std::string, std::string>>& messages) {
-  const Tokenizer& tok = model.tokenizer();
-  std::vector<ChatMessage> marked;
-  for (size_t i = 0; i < messages.size(); ++i) marked.push_back({messages[i].first, fmt::format("\x1f{}\x1f", i)});
-  const std::string text = model.chat_template().apply(marked, true);
-  std::vector<int32_t> ids;
-  auto bos = tok.bos_id();
-  if (tok.add_bos() && bos && text.rfind(tok.token_bytes(*bos), 0) != 0) ids.push_back(*bos);
-  size_t at = 0;
-  for (size_t i = 0; i < messages.size(); ++i) {
-    const std::string marker = fmt::format("\x1f{}\x1f", i);
-    const size_t found = text.find(marker, at);
-    COMB_CHECK(found != std::string::npos, "the chat template dropped message {}", i);
-    auto part = tok.encode(text.substr(at, found - at));
-    ids.insert(ids.end(), part.begin(), part.end());
-    auto content = tok.encode(messages[i].second, false);
-    ids.insert(ids.end(), content.begin(), content.end());
-    at = found + marker.size();
-  }
-  auto tail = tok.encode(text.substr(at));
-  ids.insert(ids.end(), tail.begin(), tail.end());
-  return ids;
-}
 
 // Prometheus text: one metric's HELP/TYPE lines.
 void metric_head(std::string& out, const std::string& name, const char* type, const char* help) {
@@ -172,8 +146,7 @@ class Api {
       std::lock_guard<std::mutex> lock(counts_mutex_);
       ++counts_[{route, res.status}];
       if (log_ && res.status >= 400) {
-        size_t cut = std::min<size_t>(res.body.size(), 400);  // at a character's start
-        while (cut > 0 && cut < res.body.size() && (static_cast<unsigned char>(res.body[cut]) & 0xC0) == 0x80) --cut;
+        const size_t cut = detail::utf8_cut(res.body, std::min<size_t>(res.body.size(), 400));
         try {
           fmt::print(stderr, "[serve] {} {} {} {}\n", req.method, route, res.status, res.body.substr(0, cut));
         } catch (...) {
@@ -243,13 +216,11 @@ class Api {
     const bool computed = engine_.warm_document(d.tokens, method, u.cache_salt);
     {
       std::lock_guard<std::mutex> lock(docs_mutex_);
-      auto& slot = docs_[{d.salt, d.id}];
-      std::vector<std::string> methods = slot.methods;
-      if (std::find(methods.begin(), methods.end(), method_name(method)) == methods.end())
-        methods.push_back(method_name(method));
+      auto& slot = docs_[{d.salt, d.id}];  // the same document again keeps the methods it was cached for
+      d.methods = std::move(slot.methods);
+      if (std::find(d.methods.begin(), d.methods.end(), method_name(method)) == d.methods.end())
+        d.methods.push_back(method_name(method));
       slot = d;
-      slot.methods = methods;
-      d.methods = methods;
     }
     json j = document_json(d);
     j["cached"] = !computed;
@@ -280,12 +251,12 @@ class Api {
     const bool docs = !c.documents.empty();
     if (c.chat) {
       if (docs) {
-        if (c.messages.size() != 1 || c.messages[0].first != "user")
+        if (c.messages.size() != 1 || c.messages[0].role != "user")
           throw ApiError(400, "with documents, 'messages' should be one user message (the question)", "messages");
         r.prompt.prefix = qa_prefix(model_);
-        r.prompt.suffix = qa_suffix(model_, c.messages[0].second);
+        r.prompt.suffix = qa_suffix(model_, c.messages[0].content);
       } else {
-        r.prompt.suffix = chat_tokens(model_, c.messages);
+        r.prompt.suffix = model_.chat_prompt(c.messages);
       }
     } else {
       std::vector<int32_t> ids;

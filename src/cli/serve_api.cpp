@@ -148,7 +148,7 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
       bytes += static_cast<int64_t>(content.size());
       expect(bytes <= limits.max_prompt_bytes, "messages",
              fmt::format("the messages have more than {} bytes", limits.max_prompt_bytes));
-      r.messages.emplace_back(role, std::move(content));
+      r.messages.push_back({role, std::move(content)});
     }
   } else {
     expect(j.contains("prompt"), "prompt", "'prompt' is required");

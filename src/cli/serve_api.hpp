@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "comb/chat_template.hpp"  // ChatMessage (no LibTorch)
+
 namespace comb::serve {
 
 // A request the server refuses: the HTTP status and OpenAI's error fields.
@@ -44,7 +46,7 @@ struct Limits {
 struct CompletionRequest {
   bool chat = true;                    // /v1/chat/completions, else /v1/completions
   std::string model;
-  std::vector<std::pair<std::string, std::string>> messages;  // chat: role, content
+  std::vector<ChatMessage> messages;   // chat
   std::string prompt;                  // completions: text, or
   std::vector<int64_t> prompt_ids;     // token ids (checked against the vocabulary later)
   bool prompt_is_ids = false;

@@ -42,6 +42,12 @@ COMB_INLINE c10::Device parse_device(const std::string& name) {
     COMB_FAIL("unknown device '{}' (expected cpu, cuda or cuda:N)", name);
   }
 }
+// BOS first when the tokenizer adds one and the rendered template does not begin with it.
+COMB_INLINE std::vector<int32_t> bos_before(const Tokenizer& tok, const std::string& text) {
+  auto bos = tok.bos_id();
+  if (tok.add_bos() && bos && text.rfind(tok.token_bytes(*bos), 0) != 0) return {*bos};
+  return {};
+}
 }  // namespace impl_model
 using namespace impl_model;
 
@@ -224,11 +230,33 @@ COMB_INLINE const ChatTemplate& Model::chat_template() const {
 
 COMB_INLINE std::vector<int32_t> Model::chat_prompt(const std::string& user_message) const {
   std::string text = chat_template().apply({{"user", user_message}}, true);
-  std::vector<int32_t> ids;
-  auto bos = tokenizer_->bos_id();
-  if (tokenizer_->add_bos() && bos && text.rfind(tokenizer_->token_bytes(*bos), 0) != 0) ids.push_back(*bos);
+  std::vector<int32_t> ids = bos_before(*tokenizer_, text);
   auto body = tokenizer_->encode(text);
   ids.insert(ids.end(), body.begin(), body.end());
+  return ids;
+}
+
+COMB_INLINE std::vector<int32_t> Model::chat_prompt(const std::vector<ChatMessage>& messages) const {
+  // The template rendered with a marker per content; its own parts encoded with control tokens,
+  // the contents without.
+  const Tokenizer& tok = *tokenizer_;
+  std::vector<ChatMessage> marked;
+  for (size_t i = 0; i < messages.size(); ++i) marked.push_back({messages[i].role, fmt::format("\x1f{}\x1f", i)});
+  const std::string text = chat_template().apply(marked, true);
+  std::vector<int32_t> ids = bos_before(tok, text);
+  size_t at = 0;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const std::string marker = fmt::format("\x1f{}\x1f", i);
+    const size_t found = text.find(marker, at);
+    COMB_CHECK(found != std::string::npos, "the chat template dropped message {}", i);
+    auto part = tok.encode(text.substr(at, found - at));
+    ids.insert(ids.end(), part.begin(), part.end());
+    auto content = tok.encode(messages[i].content, false);
+    ids.insert(ids.end(), content.begin(), content.end());
+    at = found + marker.size();
+  }
+  auto tail = tok.encode(text.substr(at));
+  ids.insert(ids.end(), tail.begin(), tail.end());
   return ids;
 }
 

@@ -37,6 +37,15 @@ COMB_INLINE std::string method_name(Method m) {
   return "?";
 }
 
+COMB_INLINE StoreOptions PicOptions::store_options() const {
+  StoreOptions store;
+  store.host_bytes = cache_bytes;
+  store.dtype = cache_dtype;
+  store.remote_url = cache_url;
+  store.remote_ttl_s = cache_ttl_s;
+  return store;
+}
+
 COMB_INLINE std::vector<int32_t> PicRequest::tokens() const {
   std::vector<int32_t> out = prefix;
   for (const auto& d : documents) out.insert(out.end(), d.begin(), d.end());
@@ -178,12 +187,7 @@ COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions o
   COMB_CHECK(options_.epic_k >= 0, "EPIC k must be >= 0, found {}", options_.epic_k);
   COMB_CHECK(options_.prefix_block > 0, "prefix block must be > 0, found {}", options_.prefix_block);
   if (method == Method::comb) COMB_CHECK(model.plugin(), "--method comb needs a plug-in (--plugin FILE; the default model has a shipped one)");
-  StoreOptions store;
-  store.host_bytes = options_.cache_bytes;
-  store.dtype = options_.cache_dtype;
-  store.remote_url = options_.cache_url;
-  store.remote_ttl_s = options_.cache_ttl_s;
-  store_ = shared_store ? std::move(shared_store) : std::make_shared<PICacheStore>(store);
+  store_ = shared_store ? std::move(shared_store) : std::make_shared<PICacheStore>(options_.store_options());
   prefix_ = shared_prefix ? std::move(shared_prefix)
                           : std::make_shared<PrefixCache>(options_.prefix_block, options_.cache_bytes);
   // Decoder-KV entries share the store with COMB entries: a distinct fingerprint keeps them apart.

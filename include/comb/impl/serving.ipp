@@ -11,6 +11,7 @@
 
 #include "comb/detail/cpu_kernels.hpp"
 #include "comb/detail/spin_pool.hpp"
+#include "comb/detail/utf8.hpp"
 #include "comb/error.hpp"
 #include "comb/serving.hpp"
 
@@ -105,11 +106,6 @@ namespace impl_serving {  // this file's own helpers
 COMB_INLINE double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
-// The end of the longest prefix of s[0, n) that does not cut a UTF-8 character.
-COMB_INLINE size_t utf8_boundary(const std::string& s, size_t n) {
-  while (n > 0 && n < s.size() && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;
-  return n;
-}
 COMB_INLINE std::vector<double> latency_bounds() {
   return {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
 }
@@ -131,13 +127,9 @@ COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
              options_.block_tokens);
   if (options_.method == Method::comb)
     COMB_CHECK(model.plugin(), "the default method comb needs a plug-in (--plugin FILE, or another --method)");
-  StoreOptions so;
-  so.host_bytes = options_.pic.cache_bytes;
-  so.dtype = options_.pic.cache_dtype;
+  StoreOptions so = options_.pic.store_options();
   so.disk_dir = options_.cache_dir;
   so.disk_bytes = options_.cache_dir.empty() ? 0 : options_.cache_disk_bytes;
-  so.remote_url = options_.pic.cache_url;
-  so.remote_ttl_s = options_.pic.cache_ttl_s;
   store_ = std::make_shared<PICacheStore>(so);
   prefix_ = std::make_shared<PrefixCache>(options_.pic.prefix_block, options_.pic.cache_bytes);
   const int64_t block_bytes = 2 * c.n_layer * c.n_head_kv * options_.block_tokens * c.head_dim * int64_t(sizeof(float));
@@ -475,12 +467,11 @@ COMB_INLINE void ServeEngine::prefill_step(Sequence& s) {
     stats_.cached_tokens += s.result.cached_tokens;
     stats_.computed_tokens += s.result.computed_tokens;
   }
-  int32_t token = s.sampler->sample(logits);
-  emit(s, token, logits);
+  emit(s, s.sampler->sample(logits));
 }
 
 // Hands out what the new token completes; false (and the request finished) when it is the last.
-COMB_INLINE bool ServeEngine::emit(Sequence& s, int32_t token, const at::Tensor&) {
+COMB_INLINE bool ServeEngine::emit(Sequence& s, int32_t token) {
   const auto now = Sequence::clock::now();
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -518,7 +509,7 @@ COMB_INLINE bool ServeEngine::emit(Sequence& s, int32_t token, const at::Tensor&
   }
   // Text that a stop string could still claim is held back.
   size_t safe = text.size() >= longest ? text.size() - (longest > 0 ? longest - 1 : 0) : 0;
-  safe = utf8_boundary(text, safe);
+  safe = detail::utf8_cut(text, safe);
   if (safe > s.emitted) {
     try {
       if (s.request.on_text) s.request.on_text(text.substr(s.emitted, safe - s.emitted));
@@ -613,8 +604,7 @@ COMB_INLINE void ServeEngine::decode_step() {
   for (size_t b = 0; b < rows.size(); ++b) {
     Sequence& s = *rows[b];
     ++s.length;
-    at::Tensor l = logits[static_cast<int64_t>(b)];
-    emit(s, s.sampler->sample(l), l);
+    emit(s, s.sampler->sample(logits[static_cast<int64_t>(b)]));
   }
 }
 
