@@ -755,3 +755,60 @@ TEST_CASE("joint blocks with the documents after the prefix: the prefix reads no
   PicPrefill fresh = PicEngine(model, Method::comb, o).prefill(r, 1);
   CHECK((warm.logits - fresh.logits).abs().max().item<double>() < 1e-5);
 }
+
+TEST_CASE("joint blocks with consecutive documents: at step 0, naive reuse's attention; the order linked counts",
+          "[plugin]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  PluginInitOptions init;
+  init.reads = init.joint_attention = init.consecutive_documents = true;  // no encoder prefix
+  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
+  REQUIRE(plugin->config().consecutive_documents);
+  model.set_plugin(plugin);
+
+  // Each document's encoder states are the decoder's own for it alone from position 0, which is
+  // what naive reuse caches; lying one after another before the question, they are read at the
+  // distances naive reuse places them at. So the question's logits are naive reuse's.
+  PicRequest r;
+  for (const auto& t : sample_documents(3, 9, 41)) r.documents.emplace_back(t.begin(), t.end());
+  r.documents[1].resize(5);  // documents of different lengths
+  r.suffix = {11, 12, 13, 14, 15, 16};
+  PicEngine naive(model, Method::naive), comb(model, Method::comb);
+  at::Tensor want = naive.prefill(r, 1).logits, got = comb.prefill(r, 1).logits;
+  CHECK((got - want).abs().max().item<double>() < 1e-4);
+  // Another order: naive reuse's answer for that order, not the first one's.
+  std::swap(r.documents[0], r.documents[2]);
+  at::Tensor want2 = naive.prefill(r, 1).logits, got2 = comb.prefill(r, 1).logits;
+  CHECK((got2 - want2).abs().max().item<double>() < 1e-4);
+  // Where the order shows: each document's keys turned back by the tokens linked after it.
+  auto docs = documents_of(model, {std::vector<int32_t>(r.documents[0].begin(), r.documents[0].end()),
+                                   std::vector<int32_t>(r.documents[1].begin(), r.documents[1].end())});
+  LinkedDocuments two = Linker(c10::kCPU).link(docs);
+  auto joined = plugin->joint_kv(plugin->weights(), two.keys, two.values, two.doc_counts);
+  const int64_t hd = model.config().head_dim, n0 = docs[0]->n_tokens, n1 = docs[1]->n_tokens;
+  const auto& dec = model.decoder();
+  for (int64_t b : {int64_t(0), model.config().n_layer - 1}) {
+    at::Tensor first = joined[b].keys[0].narrow(1, 0, n0), second = joined[b].keys[0].narrow(1, n0, n1);
+    at::Tensor turned = apply_rope(docs[0]->keys[b], dec.rope_cos()[n1].view({1, 1, hd}), -dec.rope_sin()[n1].view({1, 1, hd}));
+    CHECK((first - turned).abs().max().item<double>() < 1e-5);
+    CHECK(second.equal(docs[1]->keys[b]));  // the last one stays where it was encoded
+    CHECK((first - docs[0]->keys[b]).abs().max().item<double>() > 1e-2);
+  }
+
+  // One document: the same as the shared layout (the last document ends at -1 in both).
+  PluginInitOptions shared_init = init;
+  shared_init.consecutive_documents = false;
+  Model shared = Model::load(oracle_dir() + "/tiny-llama");
+  shared.set_plugin(std::make_shared<Plugin>(Plugin::fresh(shared.decoder(), shared_init)));
+  auto one = sample_documents(1, 11, 43);
+  at::Tensor ids = prompt_ids(7);
+  LinkedDocuments a = Linker(c10::kCPU).link(documents_of(model, one));
+  LinkedDocuments b = Linker(c10::kCPU).link(documents_of(shared, one));
+  CHECK(logits_with(model, ids, &a).equal(logits_with(shared, ids, &b)));
+
+  // The layout survives a save and load, and needs joint blocks.
+  std::string path = temp_dir("consecutive") + "/p.safetensors";
+  plugin->save(path);
+  CHECK(Plugin::load(path, model.decoder()).config().consecutive_documents);
+}

@@ -185,6 +185,29 @@ TEST_CASE("stores share entries through Redis; a hit is promoted into the local 
   test::remove_dir(dir);
 }
 
+TEST_CASE("int8 entries go through Redis as int8, scales included", "[redis]") {
+  RedisServer server(free_port());
+  const DocumentKV q = entry(1).to(at::kCPU, at::kChar);
+  StoreOptions o = remote_store(server.url());
+  o.dtype = at::kChar;
+  {
+    PICacheStore writer(o);
+    writer.put(key_of(4), q);
+    writer.flush();
+    CHECK(writer.stats().remote.bytes == 72 + q.bytes());
+  }
+  PICacheStore reader(o);
+  auto hit = reader.get(key_of(4));
+  REQUIRE(hit);
+  REQUIRE(hit->quantized());
+  CHECK(same(*hit, q));
+  for (size_t b = 0; b < q.keys.size(); ++b) {
+    CHECK(hit->key_scales[b].equal(q.key_scales[b]));
+    CHECK(hit->value_scales[b].equal(q.value_scales[b]));
+  }
+  CHECK(reader.stats().remote.hits == 1);
+}
+
 TEST_CASE("a corrupt, foreign or other tenant's Redis entry is never used", "[redis]") {
   RedisServer server(free_port());
   const DocumentKV kv = entry(2);

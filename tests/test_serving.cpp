@@ -121,6 +121,32 @@ TEST_CASE("serving: a request's greedy answer is PicEngine::generate's", "[servi
   }
 }
 
+TEST_CASE("serving: joint layouts with consecutive documents answer as PicEngine::generate", "[serving]") {
+  for (bool after_prefix : {false, true}) {
+    Model m = Model::load(test::model_path());
+    PluginInitOptions init;
+    init.reads = init.joint_attention = init.consecutive_documents = true;
+    init.documents_after_prefix = after_prefix;
+    for (int64_t l = 0; l < m.config().n_layer; ++l) init.cross_layers.push_back(l);
+    init.probes = qa_probe_prompts(m);
+    init.encoder_prefix = {init.probes[0][0]};
+    m.set_plugin(std::make_shared<Plugin>(Plugin::fresh(m.decoder(), init)));
+    ServeEngine engine(m, {});
+    for (int i : {0, 1}) {
+      ServeRequest r = make(m, i, Method::comb, 8);
+      PicRequest prompt = r.prompt;
+      auto served = run_all(engine, {r}, false);
+      PicEngine pic(m, Method::comb);
+      GenerateOptions g;
+      g.max_tokens = 8;
+      GenerationResult direct = pic.generate(prompt, g);
+      INFO("after prefix " << after_prefix << ", request " << i << ": served '" << served[0].text << "', direct '"
+                           << direct.text << "'");
+      CHECK(served[0].tokens == direct.tokens);
+    }
+  }
+}
+
 TEST_CASE("serving: cancellation frees blocks, overload is refused, stop strings cut", "[serving]") {
   const Model& m = model_with_plugin();
   ServeOptions o;

@@ -209,6 +209,133 @@ TEST_CASE("pins hold through replacements and full tiers; entries come in the st
   }
 }
 
+namespace {
+// Random K/V with an outlier key channel, as real keys have: 3 blocks of [2 kv heads, len, 16].
+DocumentKV random_entry(int64_t len, uint64_t seed) {
+  at::manual_seed(seed);
+  DocumentKV kv;
+  kv.n_tokens = len;
+  for (int b = 0; b < 3; ++b) {
+    at::Tensor k = at::randn({2, len, 16});
+    k.select(2, 5).mul_(20);  // one channel 20x the others
+    kv.keys.push_back(k);
+    kv.values.push_back(at::randn({2, len, 16}));
+  }
+  return kv;
+}
+// Largest error of `q` (read back as float32) against `kv`, relative to each tensor's largest value.
+double relative_error(const DocumentKV& q, const DocumentKV& kv) {
+  DocumentKV back = q.to(at::kCPU, at::kFloat);
+  double worst = 0;
+  for (size_t b = 0; b < kv.keys.size(); ++b)
+    for (auto [x, y] : {std::pair{&back.keys[b], &kv.keys[b]}, std::pair{&back.values[b], &kv.values[b]}})
+      worst = std::max(worst, ((*x - *y).abs().amax() / y->abs().amax()).item<double>());
+  return worst;
+}
+}  // namespace
+
+TEST_CASE("int8 entries: keys scaled per channel, values per row; kept through disk, sizes counted", "[store]") {
+  const DocumentKV kv = random_entry(40, 7);
+  const DocumentKV q = kv.to(at::kCPU, at::kChar);
+  REQUIRE(q.quantized());
+  CHECK(q.dtype() == at::kChar);
+  CHECK(q.keys[0].scalar_type() == at::kChar);
+  CHECK(q.key_scales[0].sizes() == at::IntArrayRef({2, 1, 16}));
+  CHECK(q.value_scales[0].sizes() == at::IntArrayRef({2, 40, 1}));
+  // Every element within half a step of its scale: |x - q s| <= s / 2.
+  DocumentKV back = q.to(at::kCPU, at::kFloat);
+  for (size_t b = 0; b < 3; ++b) {
+    CHECK(((back.keys[b] - kv.keys[b]).abs() <= q.key_scales[b] * 0.5001).all().item<bool>());
+    CHECK(((back.values[b] - kv.values[b]).abs() <= q.value_scales[b] * 0.5001).all().item<bool>());
+  }
+  CHECK(relative_error(q, kv) < 0.01);
+  // Per channel keeps the small key channels: with one scale per row they would lose most of their
+  // resolution to the outlier channel. Measured on the small channels only.
+  at::Tensor small = at::ones({16}, at::kBool);
+  small[5] = false;
+  at::Tensor k = kv.keys[0].index({at::indexing::Slice(), at::indexing::Slice(), small});
+  at::Tensor kq = back.keys[0].index({at::indexing::Slice(), at::indexing::Slice(), small});
+  at::Tensor row_scale = kv.keys[0].abs().amax(2, true) / 127;
+  at::Tensor k_row = (kv.keys[0] / row_scale).round() * row_scale;
+  at::Tensor kr = k_row.index({at::indexing::Slice(), at::indexing::Slice(), small});
+  CHECK((kq - k).abs().mean().item<double>() < 0.25 * (kr - k).abs().mean().item<double>());
+  // Bytes: one per element, a float32 scale per key channel and per value row.
+  const int64_t expected = 3 * (2 * 2 * 40 * 16 + 4 * 2 * 16 + 4 * 2 * 40);
+  CHECK(q.bytes() == expected);
+  CHECK(DocumentKV::storage_bytes(at::kChar, 3, 2, 16, 40) == expected);
+  CHECK(DocumentKV::storage_bytes(at::kFloat, 3, 2, 16, 40) == 3 * 2 * 2 * 40 * 16 * 4);
+  // int8 again is the same codes; zeros stay zeros (scale 1, no division by zero).
+  CHECK(q.to(at::kCPU, at::kChar).keys[1].equal(q.keys[1]));
+  DocumentKV zeros = kv;
+  zeros.values[0] = at::zeros_like(kv.values[0]);
+  DocumentKV zq = zeros.to(at::kCPU, at::kChar);
+  CHECK(zq.value_scales[0].eq(1).all().item<bool>());
+  CHECK(zq.to(at::kCPU, at::kFloat).values[0].eq(0).all().item<bool>());
+
+  SECTION("a store of int8 holds int8 in memory and on disk, and a float32 store reads it back") {
+    StoreOptions options;
+    options.dtype = at::kChar;
+    options.disk_bytes = 1 << 20;
+    options.disk_dir = temp_dir("int8");
+    {
+      PICacheStore writer(options);
+      auto stored = writer.put(key_of(1), kv);
+      REQUIRE(stored->quantized());
+      CHECK(stored->keys[0].equal(q.keys[0]));
+      CHECK(writer.stats().host.bytes == expected);
+      // The disk file: the 72-byte header and exactly the entry's bytes.
+      CHECK(int64_t(fs::file_size(options.disk_dir + "/" + key_of(1).hex() + ".kv")) == 72 + expected);
+    }
+    options.host_bytes = 0;  // from disk, as int8
+    {
+      PICacheStore reader(options);
+      auto hit = reader.get(key_of(1));
+      REQUIRE(hit);
+      REQUIRE(hit->quantized());
+      for (size_t b = 0; b < 3; ++b) {
+        CHECK(hit->keys[b].equal(q.keys[b]));
+        CHECK(hit->values[b].equal(q.values[b]));
+        CHECK(hit->key_scales[b].equal(q.key_scales[b]));
+        CHECK(hit->value_scales[b].equal(q.value_scales[b]));
+      }
+    }
+    options.dtype = at::kFloat;
+    options.host_bytes = 1 << 20;
+    PICacheStore reader(options);
+    auto hit = reader.get(key_of(1));
+    REQUIRE(hit);
+    CHECK_FALSE(hit->quantized());
+    CHECK(hit->keys[0].scalar_type() == at::kFloat);
+    CHECK(hit->keys[2].equal(back.keys[2]));
+  }
+  SECTION("an int8 file whose scale is not a positive number is a corrupt entry") {
+    StoreOptions options;
+    options.dtype = at::kChar;
+    options.host_bytes = 0;
+    options.disk_bytes = 1 << 20;
+    options.disk_dir = temp_dir("int8-bad");
+    PICacheStore store(options);
+    store.put(key_of(2), kv);
+    const std::string path = options.disk_dir + "/" + key_of(2).hex() + ".kv";
+    std::string bytes = read_bytes(path);
+    // Block 0's first key scale, after its K and V codes, made -1 (and the checksum made right).
+    const float bad = -1;
+    std::memcpy(&bytes[72 + 2 * 2 * 40 * 16], &bad, 4);
+    const uint64_t sum = XXH3_64bits(bytes.data() + 72, bytes.size() - 72);
+    std::memcpy(&bytes[48], &sum, 8);
+    write_bytes(path, bytes);
+    CHECK(store.get(key_of(2)) == nullptr);
+    CHECK(store.stats().corrupt == 1);
+  }
+  SECTION("the linker reads int8 entries as float32") {
+    auto entry_q = std::make_shared<const DocumentKV>(q);
+    LinkedDocuments linked = Linker(at::kCPU).link({entry_q});
+    CHECK(linked.keys[1][0].scalar_type() == at::kFloat);
+    CHECK(linked.keys[1][0].equal(back.keys[1]));
+    CHECK(linked.values[2][0].equal(back.values[2]));
+  }
+}
+
 TEST_CASE("a cache directory that cannot be written is a clear error; the store stays usable", "[store][errors]") {
   std::string dir = temp_dir("nowrite");
   write_bytes(dir + "/file", "x");
@@ -231,7 +358,7 @@ TEST_CASE("a cache directory that cannot be written is a clear error; the store 
   CHECK(store.stats().write_errors == 1);
   CHECK(holds(store.get(key_of(1)), 1));
   options.dtype = at::kDouble;
-  CHECK_THROWS_WITH(PICacheStore(options), Catch::Contains("float32, bfloat16 or float16"));
+  CHECK_THROWS_WITH(PICacheStore(options), Catch::Contains("float32, bfloat16, float16 or int8"));
 }
 
 TEST_CASE("concurrent get and put from several threads", "[store][threads]") {

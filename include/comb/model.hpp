@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -99,6 +101,14 @@ class Model {
  private:
   std::shared_ptr<Decoder> decoder_;
   std::shared_ptr<const Plugin> plugin_;
+  // The plug-in's encoder prefix through its layers (Plugin::encoder_prefix_states): computed for
+  // the first document and read by every later one; renewed with the plug-in.
+  struct EncoderPrefix {
+    std::once_flag once;
+    std::optional<KVCache> states;
+  };
+  std::shared_ptr<EncoderPrefix> encoder_prefix_ = std::make_shared<EncoderPrefix>();
+  const KVCache* encoder_prefix_states() const;
   std::shared_ptr<Tokenizer> tokenizer_;
   std::shared_ptr<ChatTemplate> chat_template_;
 };

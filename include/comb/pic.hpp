@@ -14,6 +14,9 @@ namespace comb {
 
 enum class Method { full, prefix, naive, cacheblend, epic, comb };
 Method parse_method(const std::string& name);  // throws comb::Error on an unknown name
+// A cache storage dtype: parse_dtype()'s names and "int8"; throws comb::Error on anything else.
+c10::ScalarType parse_cache_dtype(const std::string& name);
+std::string cache_dtype_name(c10::ScalarType dtype);
 std::string method_name(Method method);
 
 // A request in segments, each tokenized on its own, so that a document's tokens never depend on
@@ -34,6 +37,7 @@ struct PicOptions {
   int64_t epic_k = 8;           // epic: leading tokens recomputed per document
   int64_t prefix_block = 16;    // prefix: tokens per cached block
   int64_t cache_bytes = int64_t(4) << 30;  // budget of the document store / prefix cache
+  // Storage dtype of cached document K/V (every tier): float32, bfloat16, float16 or int8.
   c10::ScalarType cache_dtype = c10::kFloat;
   std::string tenant;           // salt of the store's keys
   // The document store's remote tier, shared with other processes (StoreOptions::remote_url):

@@ -46,6 +46,11 @@ struct PluginConfig {
   // read them, so their K/V are the bare decoder's and come from a prefix cache; the documents'
   // keys end right before position `anchor`. Off: every prompt token reads them (anchor 0).
   bool documents_after_prefix = false;
+  // Joint blocks only: the linked documents sit one after another, in the order linked, as in a
+  // full prompt (the last one ends where a single document would), instead of each ending right
+  // before the prompt. Each cache still depends on its document alone; the keys are turned into
+  // place when linked (Plugin::joint_kv), so the order linked now matters as it does in a prompt.
+  bool consecutive_documents = false;
 
   int64_t n_blocks() const { return static_cast<int64_t>(cross_layers.size()); }
   int64_t n_encoder_layers() const { return encoder_layers > 0 ? encoder_layers : n_blocks(); }
@@ -80,13 +85,22 @@ struct PluginWeights {
 };
 
 // One document's encoder output: per cross block, K (after k_norm) and V.
+// Stored as float32, bfloat16, float16 or int8. int8 (symmetric, round to nearest) keeps a float32
+// scale per key channel over the document's tokens ([n_head_kv, 1, head_dim]: keys have outlier
+// channels) and one per value row ([n_head_kv, n_tokens, 1]); the element is q * scale.
 struct DocumentKV {
   std::vector<at::Tensor> keys;    // per block: [n_head_kv, n_tokens, head_dim]
   std::vector<at::Tensor> values;  // per block: [n_head_kv, n_tokens, head_dim]
+  std::vector<at::Tensor> key_scales, value_scales;  // per block, int8 only (else empty)
   int64_t n_tokens = 0;
-  int64_t bytes() const;
-  // A copy on `device` in `dtype`.
+  bool quantized() const { return !key_scales.empty(); }
+  c10::ScalarType dtype() const;   // the storage dtype (kChar for int8)
+  int64_t bytes() const;           // scales included
+  // A copy on `device` in `dtype` (kChar: quantized to int8; from int8: dequantized).
   DocumentKV to(c10::Device device, c10::ScalarType dtype) const;
+  // Bytes a document of `n_tokens` takes in `dtype` with `n_blocks` blocks of [n_head_kv, head_dim].
+  static int64_t storage_bytes(c10::ScalarType dtype, int64_t n_blocks, int64_t n_head_kv, int64_t head_dim,
+                               int64_t n_tokens);
 };
 
 struct PluginInitOptions {
@@ -107,6 +121,7 @@ struct PluginInitOptions {
   // at step 0, the layer attends to the documents' states as to its own context.
   bool joint_attention = false;
   bool documents_after_prefix = false;       // joint: see PluginConfig
+  bool consecutive_documents = false;        // joint: see PluginConfig
   bool relative_positions = true;            // `reads`: see PluginConfig
   int64_t n_encoder_layers = 4;
   std::vector<int64_t> cross_layers;  // empty: spread evenly, the last block before the last layer
@@ -158,8 +173,17 @@ class Plugin {
   // Cross block index that runs before decoder layer `layer`, or -1.
   int64_t block_before(int64_t layer) const;
 
-  // Encodes one document [n] (positions 0..n-1) into per-block K/V.
-  DocumentKV encode(const Decoder& base, const std::vector<int32_t>& tokens) const;
+  // Encodes one document [n] (positions 0..n-1) into per-block K/V. An encoder of the base's own
+  // layers, causal, runs the base's cached forward (its fused kernels) after `prefix_states`, the
+  // encoder prefix's states from encoder_prefix_states() (computed here when not given): a document
+  // then costs its own tokens only, however long the prefix.
+  DocumentKV encode(const Decoder& base, const std::vector<int32_t>& tokens,
+                    const KVCache* prefix_states = nullptr) const;
+  // Whether encode() runs the base's own cached forward (encoder_from_base, causal, the base's embedding).
+  bool encoder_is_base() const;
+  // The encoder prefix through the encoder's layers: the same before every document, so a caller
+  // that encodes many (Model::document) computes it once. Needs encoder_is_base().
+  KVCache encoder_prefix_states(const Decoder& base) const;
   // Cross block `k` on x [batch, n, n_embd], reading linked keys/values (see Linker).
   // `start`: the prompt position of x's first row (with relative_positions).
   at::Tensor cross_block(int64_t k, const at::Tensor& x, const std::vector<at::Tensor>& keys,
@@ -189,6 +213,10 @@ class Plugin {
 
  private:
   Plugin(PluginConfig config, PluginWeights weights, const Decoder& base);
+  // Block k's K/V from encoder states s [n_docs, len, n_embd] of the documents' tokens: keys
+  // [n_docs, n_head_kv, len, head_dim] (k_norm, RoPE at back_cos/back_sin when defined), values alike.
+  std::pair<at::Tensor, at::Tensor> block_kv(const PluginWeights& w, int64_t k, const at::Tensor& s,
+                                             const at::Tensor& back_cos, const at::Tensor& back_sin) const;
   PluginConfig config_;
   PluginWeights weights_;
   ModelConfig base_config_;

@@ -36,14 +36,14 @@ void check_inputs(const Args& args) {
 void check_numbers(const Args& args) {
   Args probe = args;
   for (const char* o : {"accumulate", "batch", "block-tokens", "cache-mb", "cache-ttl", "cached", "check-layer",
-                        "decode-tokens", "default-max-tokens", "docs", "drain-timeout", "encoder-layers", "epic-k",
+                        "decode-tokens", "default-max-tokens", "docs", "document-tokens", "drain-timeout", "encoder-layers", "epic-k",
                         "items", "kv-mb", "limit", "log-every", "max-docs", "max-document-tokens", "max-documents",
                         "max-new-tokens", "max-queued", "max-running", "max-tokens", "max-tokens-in-flight", "min-docs",
                         "min-documents", "offset", "pairs-per-document", "place", "port", "prefill-chunk",
                         "prefix-block", "save-every", "steps", "teacher-tokens", "teacher-top-k", "tokenize", "top-k",
                         "warm", "warmup"})
     probe.num<int64_t>(o, 0);
-  for (const char* o : {"cpu-kernels", "documents-after-prefix", "encoder-prefix", "profile", "reading-check",
+  for (const char* o : {"consecutive-documents", "cpu-kernels", "documents-after-prefix", "encoder-prefix", "profile", "reading-check",
                         "relative-positions", "repeat", "resume", "threads"})
     probe.num<int>(o, 0);
   probe.num<int>("log-requests", 0);
@@ -52,6 +52,7 @@ void check_numbers(const Args& args) {
     probe.num<double>(o, 0);
   probe.num<float>("temperature", 0), probe.num<float>("top-p", 0);
   probe.num<uint64_t>("seed", 0);
+  if (probe.has("cache-dtype")) parse_cache_dtype(probe.str("cache-dtype"));
 }
 
 comb::Model load_model(Args& args, bool shipped_plugin) {

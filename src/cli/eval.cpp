@@ -3,6 +3,21 @@
 
 namespace comb::cli {
 
+namespace {
+// What the store holds for the request's documents, per document token (scales included); 0 for
+// the methods that cache no document.
+double stored_bytes_per_token(PicEngine& engine, const PicRequest& request) {
+  if (engine.method() == Method::full || engine.method() == Method::prefix) return 0;
+  int64_t bytes = 0, tokens = 0;
+  for (const auto& d : request.documents)
+    if (auto kv = engine.store().get(engine.document_key(d, request.tenant))) {
+      bytes += kv->bytes();
+      tokens += kv->n_tokens;
+    }
+  return tokens > 0 ? double(bytes) / double(tokens) : engine.cache_bytes_per_token();
+}
+}  // namespace
+
 int cmd_eval(Args& args, Model& model) {
   const std::string data = args.str("data");
   COMB_CHECK(!data.empty(), "eval needs --data FILE (JSON Lines, optionally gzip)");
@@ -13,6 +28,7 @@ int cmd_eval(Args& args, Model& model) {
   options.epic_k = args.num<int64_t>("epic-k", options.epic_k);
   options.prefix_block = args.num<int64_t>("prefix-block", options.prefix_block);
   options.cache_url = args.str("cache-url");
+  options.cache_dtype = parse_cache_dtype(args.str("cache-dtype", "float32"));
   options.cache_ttl_s = args.num<int64_t>("cache-ttl", 0);
   const int64_t limit = args.num<int64_t>("limit", 0);
   const int64_t offset = args.num<int64_t>("offset", 0);
@@ -66,8 +82,8 @@ int cmd_eval(Args& args, Model& model) {
       // one's with "Once more: " before it.
       std::string other = items[(k + 1) % items.size()].question;
       if (other == item.question) other = "Once more: " + other;
-      ColdWarm t = run_cold_warm(engine, qa_request(model, item.documents, item.question),
-                                 qa_request(model, shuffled, other), gen, prime_all);
+      const PicRequest request = qa_request(model, item.documents, item.question);
+      ColdWarm t = run_cold_warm(engine, request, qa_request(model, shuffled, other), gen, prime_all);
       const GenerationResult& warm = t.warm;
       bool ok = answer_correct(warm.text, item.answers);
       correct += ok;
@@ -83,7 +99,7 @@ int cmd_eval(Args& args, Model& model) {
                       {"reused_tokens_cold", t.cold_counts.reused},
                       {"computed_tokens_warm", t.warm_counts.computed},
                       {"reused_tokens_warm", t.warm_counts.reused},
-                      {"cache_bytes_per_token", engine.cache_bytes_per_token()},
+                      {"cache_bytes_per_token", stored_bytes_per_token(engine, request)},
                       {"priming", priming}});
       if (out.is_open()) {
         out << rows.back().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)  // cut-off UTF-8: U+FFFD

@@ -14,6 +14,7 @@ int cmd_generate(Args& args) {
   int64_t cache_mb = args.num<int64_t>("cache-mb", 1024);
   std::string cache_url = args.str("cache-url");
   int64_t cache_ttl = args.num<int64_t>("cache-ttl", 0);
+  const c10::ScalarType cache_dtype = parse_cache_dtype(args.str("cache-dtype", "float32"));
   comb::GenerateOptions options;
   options.max_tokens = args.num<int64_t>("max-tokens", 128);
   options.sampling.temperature = args.num<float>("temperature", 0.0f);
@@ -42,6 +43,7 @@ int cmd_generate(Args& args) {
       store_options.disk_bytes = cache_mb << 20;
     }
     store_options.remote_url = cache_url;
+    store_options.dtype = cache_dtype;
     store_options.remote_ttl_s = cache_ttl;
     store.emplace(store_options);
     std::vector<std::shared_ptr<const comb::DocumentKV>> documents;

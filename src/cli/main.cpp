@@ -59,10 +59,14 @@ generate options:
   --cache-url URL     share document caches through Redis (redis://HOST[:PORT][/DB]): looked up after
                       the local tiers, written in the background; also for qa and eval
   --cache-ttl S       expiry of the entries written to Redis, in seconds (default 0: none)
+  --cache-dtype T     storage of cached document K/V in every tier: float32 (default), bfloat16,
+                      float16, int8 (keys scaled per channel, values per token); also for qa, eval
+                      and serve
 
 plugin memory options:
-  --plugin FILE       the plug-in whose encoder layers count (else --encoder-layers)
-  --encoder-layers N  encoder layers (default 4)
+  --plugin FILE       the plug-in to measure (default: the shipped one for the default model)
+  --encoder-layers N  measure a fresh plug-in of N encoder layers instead
+  --document-tokens N the document encoded for the figures (default 128 tokens)
 
 plugin init options:
   --out FILE          where to write the plug-in (safetensors)
@@ -82,6 +86,8 @@ plugin init options:
                             whole instruction prefix (2) before each document
   --documents-after-prefix 0|1  joint: the documents sit between the instruction prefix and the question;
                             the prefix reads none, so a warm request takes it from the prefix cache (default 0)
+  --consecutive-documents 0|1  joint: the linked documents lie one after another in the order linked, as
+                            in a full prompt, instead of each ending right before the prompt (default 0)
 
 qa options:
   --document FILE     a document (its title: the file name); repeat for several
@@ -90,7 +96,7 @@ qa options:
                       plug-in: the shipped one for the default model, or --plugin)
   --max-new-tokens N  greedy tokens per answer (default 48)
   --plugin FILE       the plug-in for comb (default: the shipped one; none: leave comb out)
-  --cache-url URL, --cache-ttl S   as for generate
+  --cache-url URL, --cache-ttl S, --cache-dtype T   as for generate
 
 eval options:
   --method M          full (default), prefix, naive, cacheblend, epic, comb
@@ -109,6 +115,7 @@ eval options:
   --check-layer L     cacheblend: layer that picks them (default 1)
   --epic-k K          epic: leading tokens recomputed per document (default 8)
   --prefix-block N    prefix: tokens per cached block (default 16)
+  --cache-dtype T     storage of cached document K/V (as for generate)
   --cache-url URL, --cache-ttl S   as for generate; with a shared Redis, "cold" means the local tiers
                       empty (a document another process computed comes from Redis)
   --plugin FILE       comb: the plug-in (default: the shipped one for the default model)
@@ -139,6 +146,7 @@ train options:
                       attention; or copies of the layers the blocks are spread over; or reads
                       (as plugin init --init reads or joint, at --cross-layers)
   --documents-after-prefix 0|1  joint: as plugin init (default 0)
+  --consecutive-documents 0|1   joint: as plugin init (default 0)
   --seed N            data order and initialisation (default 0)
   --reading-check 0|1 also score each batch with the documents swapped between its examples (no
                       gradient; loss.csv's ce_swapped against ce shows reading) (default 0)
@@ -191,7 +199,7 @@ serve options (with the model options above; docs/serving.md):
   --prefill-chunk N      prompt tokens computed between two decoding steps (default 256)
   --max-documents N      documents per request (default 32)
   --default-max-tokens N when a request gives no max_tokens (default 256, within the context)
-  --cache-mb N, --cache-dir DIR, --cache-url URL, --cache-ttl S
+  --cache-mb N, --cache-dir DIR, --cache-url URL, --cache-ttl S, --cache-dtype T
                          the document store shared by all requests and methods (as for generate)
   --epic-k N, --blend-ratio R, --prefix-block N   the methods' options (as for eval)
   --drain-timeout S      after SIGTERM, how long requests in flight may take before being

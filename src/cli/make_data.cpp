@@ -75,6 +75,114 @@ int make_codeword(Args& args) {
   return 0;
 }
 
+// `comb make-data --kind records`: documents that compete. Each item has --docs (default 8) staff
+// records of the same shape ("Record: Anna Keller. Born in 1974 in Lyon. Works as a pharmacist.
+// Plays the cello."), people whose first or last names repeat across the item, and asks one
+// attribute of one person: the right record has to be told from its look-alikes by the whole name.
+// --split test draws first names, last names, cities, jobs and instruments from a quarter of each
+// list that --split train never uses, so no test person or answer was ever trained on.
+int make_records(Args& args) {
+  const std::string out_path = args.str("out");
+  const int64_t n = args.num<int64_t>("items", 1000);
+  const int64_t n_docs = args.num<int64_t>("docs", 8);
+  const uint64_t seed = args.num<uint64_t>("seed", 0);
+  const std::string split = args.str("split", "train");
+  args.check_all_used();
+  COMB_CHECK(split == "train" || split == "test", "--split expects train or test, found '{}'", split);
+  COMB_CHECK(!out_path.empty(), "make-data needs --out FILE");
+  COMB_CHECK(n > 0, "--items must be > 0, found {}", n);
+  COMB_CHECK(n_docs >= 2 && n_docs <= 16, "--docs must be 2 to 16 for records, found {}", n_docs);
+  static const std::vector<std::string> firsts = {
+      "Anna", "Ben", "Clara", "David", "Emma", "Felix", "Greta", "Hugo", "Ines", "Jonas", "Karin", "Lukas", "Maria",
+      "Nils", "Olivia", "Peter", "Rita", "Simon", "Teresa", "Viktor", "Alma", "Bruno", "Carla", "Dario", "Elena",
+      "Fabian", "Hanna", "Igor", "Julia", "Konrad", "Lena", "Marco"};
+  static const std::vector<std::string> lasts = {
+      "Keller", "Fischer", "Weber", "Wagner", "Becker", "Hoffmann", "Schulz", "Koch", "Richter", "Klein",
+      "Wolf", "Neumann", "Schwarz", "Braun", "Zimmer", "Kruger", "Hartmann", "Lange", "Werner", "Krause",
+      "Lehmann", "Kaiser", "Fuchs", "Vogel", "Jung", "Roth", "Frank", "Berger", "Winter", "Sommer", "Brandt", "Haas"};
+  static const std::vector<std::string> cities = {
+      "Lyon", "Porto", "Graz", "Turin", "Bergen", "Ghent", "Krakow", "Seville", "Tartu", "Aarhus", "Bilbao",
+      "Brno", "Cork", "Dresden", "Geneva", "Leeds", "Malaga", "Nantes", "Padua", "Riga", "Salzburg", "Tampere",
+      "Utrecht", "Verona", "Zagreb", "Basel", "Bruges", "Cadiz", "Lille", "Lund", "Parma", "Split", "Arles", "Bonn",
+      "Coimbra", "Delft", "Espoo", "Faro", "Gdansk", "Hamar"};
+  static const std::vector<std::string> jobs = {
+      "pharmacist", "carpenter", "librarian", "pilot", "architect", "baker", "dentist", "electrician", "florist",
+      "geologist", "jeweler", "locksmith", "mechanic", "nurse", "optician", "plumber", "surveyor", "tailor",
+      "translator", "veterinarian", "welder", "zoologist", "chemist", "editor", "firefighter", "gardener",
+      "historian", "journalist", "lawyer", "musician", "photographer", "sculptor", "accountant", "brewer",
+      "cartographer", "dietitian", "engineer", "fisherman", "glazier", "hairdresser"};
+  static const std::vector<std::string> instruments = {
+      "cello", "violin", "flute", "trumpet", "harp", "oboe", "clarinet", "piano", "banjo", "accordion", "bassoon",
+      "drums", "guitar", "mandolin", "saxophone", "trombone", "tuba", "ukulele", "viola", "xylophone", "organ",
+      "harmonica", "lute", "sitar", "bagpipes", "cornet", "dulcimer", "euphonium", "fiddle", "glockenspiel",
+      "harpsichord", "kazoo", "marimba", "ocarina", "piccolo", "recorder", "spinet", "tambourine", "vibraphone",
+      "zither"};
+  // Every fourth entry of a list belongs to the test split only.
+  auto part = [&](const std::vector<std::string>& all) {
+    std::vector<std::string> out;
+    for (size_t i = 0; i < all.size(); ++i)
+      if ((i % 4 == 0) == (split == "test")) out.push_back(all[i]);
+    return out;
+  };
+  const auto F = part(firsts), L = part(lasts), C = part(cities), J = part(jobs), I = part(instruments);
+  COMB_CHECK(static_cast<int64_t>(F.size() * L.size()) >= 2 * n_docs && static_cast<int64_t>(C.size()) >= n_docs &&
+                 static_cast<int64_t>(J.size()) >= n_docs && static_cast<int64_t>(I.size()) >= n_docs,
+             "--docs {}: the {} split's lists are too short for that many distinct records", n_docs, split);
+  std::mt19937_64 rng(seed);
+  auto pick = [&](size_t count) { return static_cast<size_t>(rng() % count); };  // the same on every platform
+  // k distinct indices of [0, count)
+  auto distinct = [&](size_t count, size_t k) {
+    std::vector<size_t> out;
+    while (out.size() < k) {
+      size_t x = pick(count);
+      if (std::find(out.begin(), out.end(), x) == out.end()) out.push_back(x);
+    }
+    return out;
+  };
+  std::vector<QaItem> items;
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t k = static_cast<size_t>(n_docs);
+    // Names from two or three first names and as many last names, so that each half of a name is
+    // shared with another record; the full names are distinct.
+    const auto fs = distinct(F.size(), 3), ls = distinct(L.size(), 3);
+    std::vector<std::pair<size_t, size_t>> people;
+    while (people.size() < k) {
+      std::pair<size_t, size_t> who{fs[pick(3)], ls[pick(3)]};
+      if (k > 9) who = {pick(F.size()), ls[pick(3)]};  // 3 x 3 names cover at most 9 records
+      if (std::find(people.begin(), people.end(), who) == people.end()) people.push_back(who);
+    }
+    const auto city = distinct(C.size(), k), job = distinct(J.size(), k), inst = distinct(I.size(), k);
+    std::vector<int> years;
+    while (years.size() < k) {
+      int y = 1950 + static_cast<int>(pick(50));
+      if (std::find(years.begin(), years.end(), y) == years.end()) years.push_back(y);
+    }
+    QaItem item;
+    item.id = fmt::format("records-{}-{}-{}", split, seed, i);
+    for (size_t d = 0; d < k; ++d) {
+      const std::string name = F[people[d].first] + " " + L[people[d].second];
+      const std::string art = std::string("aeiou").find(J[job[d]][0]) == std::string::npos ? "a" : "an";
+      item.documents.push_back({"Staff record", fmt::format("Record: {}. Born in {} in {}. Works as {} {}. Plays the {}.",
+                                                            name, years[d], C[city[d]], art, J[job[d]], I[inst[d]])});
+    }
+    const size_t gold = pick(k);
+    const std::string name = F[people[gold].first] + " " + L[people[gold].second];
+    switch (pick(4)) {
+      case 0: item.question = fmt::format("In which city was {} born?", name), item.answers = {C[city[gold]]}; break;
+      case 1: item.question = fmt::format("In which year was {} born?", name),
+              item.answers = {std::to_string(years[gold])}; break;
+      case 2: item.question = fmt::format("What does {} work as?", name), item.answers = {J[job[gold]]}; break;
+      default: item.question = fmt::format("Which instrument does {} play?", name), item.answers = {I[inst[gold]]};
+    }
+    item.gold_index = static_cast<int64_t>(gold);
+    items.push_back(std::move(item));
+  }
+  write_qa_items(out_path, items);
+  fmt::print(stderr, "[comb] wrote {} records items ({} split, {} documents each, seed {}) to {}\n", n, split, n_docs,
+             seed, out_path);
+  return 0;
+}
+
 // `comb make-data --kind nq-multidoc|kv --from SOURCE`: the source file converted (docs/data.md).
 int make_from_source(Args& args, const std::string& kind) {
   const std::string from = args.str("from"), out_path = args.str("out");
@@ -140,8 +248,9 @@ int cmd_make_data(Args& args) {
   const std::string kind = args.str("kind", "codeword");
   if (kind == "codeword") return make_codeword(args);
   if (kind == "needle") return make_needle(args);
+  if (kind == "records") return make_records(args);
   if (kind == "nq-multidoc" || kind == "kv") return make_from_source(args, kind);
-  throw Error(fmt::format("make-data --kind expects codeword, needle, nq-multidoc or kv, found '{}'", kind));
+  throw Error(fmt::format("make-data --kind expects codeword, records, needle, nq-multidoc or kv, found '{}'", kind));
 }
 
 }  // namespace comb::cli

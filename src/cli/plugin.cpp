@@ -4,11 +4,15 @@
 namespace comb::cli {
 
 int cmd_plugin_memory(Args& args) {
-  comb::Model model = load_model(args);
+  // The shipped plug-in for the default model unless --plugin or --encoder-layers says otherwise.
+  const bool fresh_layout = args.has("encoder-layers");
+  comb::Model model = load_model(args, /*shipped_plugin=*/!fresh_layout);
   int64_t n_encoder = args.num<int64_t>("encoder-layers", 4);
+  const int64_t n_doc = args.num<int64_t>("document-tokens", 128);
+  COMB_CHECK(n_doc >= 1, "--document-tokens should be at least 1, found {}", n_doc);
   args.check_all_used();
-  std::optional<comb::Plugin> fresh;  // without --plugin: a fresh one with --encoder-layers
-  const comb::Plugin* plugin = model.plugin();
+  std::optional<comb::Plugin> fresh;  // with --encoder-layers (or no plug-in): a fresh one of that many
+  const comb::Plugin* plugin = fresh_layout ? nullptr : model.plugin();
   if (!plugin) {
     comb::PluginInitOptions init;
     init.n_encoder_layers = n_encoder;
@@ -16,19 +20,34 @@ int cmd_plugin_memory(Args& args) {
   }
   c10::InferenceMode guard;
   const auto& c = model.config();
-  std::vector<int32_t> doc = model.tokenizer().encode(std::string(2000, 'a') + " the end", false);
+  const auto& p = plugin->config();
+  COMB_CHECK(n_doc <= p.max_document_tokens, "--document-tokens {}: the encoder takes at most {}", n_doc,
+             p.max_document_tokens);
+  // A document of n_doc tokens, encoded: what the store would hold for it.
+  std::vector<int32_t> doc;
+  for (int64_t i = 0; i < n_doc; ++i) doc.push_back(static_cast<int32_t>(1000 + (i * 7919) % 20000));
   comb::DocumentKV kv = plugin->encode(model.decoder(), doc);
-  comb::KVCache full = model.decoder().make_cache(1, static_cast<int64_t>(doc.size()));
-  fmt::print("| dtype | decoder KV bytes/token | COMB bytes/token | ratio | L_E/L |\n|---|---:|---:|---:|---:|\n");
-  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-    double comb_bytes = double(kv.to(c10::kCPU, dtype).bytes()) / doc.size();
-    double decoder_bytes = 0;
-    for (int64_t l = 0; l < c.n_layer; ++l)
-      decoder_bytes += double(full.keys(l).numel() + full.values(l).numel()) * c10::elementSize(dtype);
-    decoder_bytes /= doc.size();
-    fmt::print("| {} | {:.0f} | {:.0f} | {:.4f} | {}/{} = {:.4f} |\n", c10::toString(dtype), decoder_bytes, comb_bytes,
-               comb_bytes / decoder_bytes, plugin->config().n_encoder_layers(), c.n_layer,
-               double(plugin->config().n_encoder_layers()) / c.n_layer);
+  const double decoder_fp32 = 2.0 * c.n_layer * c.kv_dim() * 4;  // the decoder's own K/V, float32
+  fmt::print("plug-in: {}, {} cross blocks at decoder layers {}; encoder: {} layers, {} (L_E/L = {}/{} = {:.4f}){}\n",
+             model.plugin() && !fresh_layout ? "loaded" : "fresh", p.n_blocks(), fmt::join(p.cross_layers, ","),
+             p.n_encoder_layers(), p.encoder_from_base ? "the base's first ones" : "its own", p.n_encoder_layers(),
+             c.n_layer, double(p.n_encoder_layers()) / c.n_layer,
+             !p.joint_attention ? ""
+             : p.documents_after_prefix ? (p.consecutive_documents ? ", joint, documents in a row after the prefix"
+                                                                   : ", joint, documents after the prefix")
+                                        : (p.consecutive_documents ? ", joint, documents in a row" : ", joint"));
+  fmt::print("bytes per cached token of a {}-token document (int8: scales included), against the decoder's "
+             "float32 K/V ({:.0f} bytes/token)\n\n",
+             n_doc, decoder_fp32);
+  fmt::print("| cache dtype | decoder KV bytes/token | COMB bytes/token | vs decoder KV, same dtype | "
+             "vs decoder KV, float32 |\n|---|---:|---:|---:|---:|\n");
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kChar}) {
+    comb::DocumentKV stored = kv.to(c10::kCPU, dtype);
+    double comb_bytes = double(stored.bytes()) / n_doc;
+    double decoder_bytes =
+        double(comb::DocumentKV::storage_bytes(dtype, c.n_layer, c.n_head_kv, c.head_dim, n_doc)) / n_doc;
+    fmt::print("| {} | {:.0f} | {:.0f} | {:.1f}% | {:.1f}% |\n", comb::cache_dtype_name(dtype), decoder_bytes,
+               comb_bytes, 100 * comb_bytes / decoder_bytes, 100 * comb_bytes / decoder_fp32);
   }
   return 0;
 }
@@ -62,6 +81,9 @@ int cmd_plugin(int argc, char** argv) {
   init.documents_after_prefix = args.num<int>("documents-after-prefix", 0) != 0;
   if (init.documents_after_prefix && !init.joint_attention)
     throw Error("--documents-after-prefix 1 is a layout of --init joint");
+  init.consecutive_documents = args.num<int>("consecutive-documents", 0) != 0;
+  if (init.consecutive_documents && !init.joint_attention)
+    throw Error("--consecutive-documents 1 is a layout of --init joint");
   comb::Model model = load_model(args);
   args.check_all_used();
   if (init.reads) {

@@ -539,6 +539,7 @@ int cmd_serve(Args& args) {
   if (!method.empty()) o.method = parse_method(method);  // checked before the model loads
   o.pic.cache_bytes = args.num<int64_t>("cache-mb", 1024) << 20;
   o.pic.cache_url = args.str("cache-url");
+  o.pic.cache_dtype = parse_cache_dtype(args.str("cache-dtype", "float32"));
   o.pic.cache_ttl_s = args.num<int64_t>("cache-ttl", 0);
   o.pic.epic_k = args.num<int64_t>("epic-k", o.pic.epic_k);
   o.pic.blend_ratio = args.num<double>("blend-ratio", o.pic.blend_ratio);

@@ -72,6 +72,8 @@ int cmd_train(Args& args, Model& model) {
   init.joint_attention = init_from == "joint";
   init.documents_after_prefix = args.num<int>("documents-after-prefix", 0) != 0;
   COMB_CHECK(!init.documents_after_prefix || init.joint_attention, "--documents-after-prefix 1 is a layout of --init joint");
+  init.consecutive_documents = args.num<int>("consecutive-documents", 0) != 0;
+  COMB_CHECK(!init.consecutive_documents || init.joint_attention, "--consecutive-documents 1 is a layout of --init joint");
   const std::string save_dtype = args.str("save-dtype", "bfloat16");
   args.check_all_used();
   const c10::ScalarType out_dtype = parse_dtype(save_dtype);

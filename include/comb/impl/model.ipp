@@ -133,6 +133,7 @@ COMB_INLINE void Model::set_plugin(std::shared_ptr<const Plugin> plugin) {
                plugin->config().base_fingerprint, fp);
   }
   plugin_ = std::move(plugin);
+  encoder_prefix_ = std::make_shared<EncoderPrefix>();
 }
 
 COMB_INLINE CacheKey Model::document_key(const std::vector<int32_t>& tokens, const std::string& tenant) const {
@@ -140,18 +141,25 @@ COMB_INLINE CacheKey Model::document_key(const std::vector<int32_t>& tokens, con
   return PICacheStore::key(tokens, plugin_->fingerprint() + decoder_->weights().cache_tag(), tenant);
 }
 
+COMB_INLINE const KVCache* Model::encoder_prefix_states() const {
+  if (!plugin_ || !plugin_->encoder_is_base()) return nullptr;
+  EncoderPrefix& e = *encoder_prefix_;
+  std::call_once(e.once, [&] { e.states.emplace(plugin_->encoder_prefix_states(*decoder_)); });
+  return &*e.states;
+}
+
 COMB_INLINE std::shared_ptr<const DocumentKV> Model::document(const std::vector<int32_t>& tokens, PICacheStore* store,
                                                   const std::string& tenant, bool* from_cache) const {
   COMB_CHECK(plugin_, "documents need a plug-in: load one with Options::plugin (--plugin FILE)");
   c10::InferenceMode guard;
   if (from_cache) *from_cache = false;
-  if (!store) return std::make_shared<const DocumentKV>(plugin_->encode(*decoder_, tokens));
+  if (!store) return std::make_shared<const DocumentKV>(plugin_->encode(*decoder_, tokens, encoder_prefix_states()));
   CacheKey key = document_key(tokens, tenant);
   if (auto hit = store->get(key)) {
     if (from_cache) *from_cache = true;
     return hit;
   }
-  return store->put(key, plugin_->encode(*decoder_, tokens));
+  return store->put(key, plugin_->encode(*decoder_, tokens, encoder_prefix_states()));
 }
 
 COMB_INLINE at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, const LinkedDocuments* documents,

@@ -37,6 +37,23 @@ COMB_INLINE std::string method_name(Method m) {
   return "?";
 }
 
+COMB_INLINE c10::ScalarType parse_cache_dtype(const std::string& name) {
+  if (name == "int8") return at::kChar;
+  if (name == "float32" || name == "fp32" || name == "bfloat16" || name == "bf16" || name == "float16" || name == "fp16")
+    return parse_dtype(name);
+  COMB_FAIL("unknown cache dtype '{}' (expected float32, bfloat16, float16 or int8)", name);
+}
+
+COMB_INLINE std::string cache_dtype_name(c10::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kChar: return "int8";
+    default: return c10::toString(dtype);
+  }
+}
+
 COMB_INLINE StoreOptions PicOptions::store_options() const {
   StoreOptions store;
   store.host_bytes = cache_bytes;
@@ -203,12 +220,16 @@ COMB_INLINE void PicEngine::clear() {
 
 COMB_INLINE double PicEngine::cache_bytes_per_token() const {
   const auto& c = model_.config();
-  const double element = static_cast<double>(c10::elementSize(options_.cache_dtype));
+  // Per token of a document of `typical` tokens (int8 keys' scales are per document).
+  constexpr int64_t typical = 128;
+  auto per_token = [&](int64_t blocks) {
+    return double(DocumentKV::storage_bytes(options_.cache_dtype, blocks, c.n_head_kv, c.head_dim, typical)) / typical;
+  };
   switch (method_) {
     case Method::full: return 0;
-    case Method::comb: return 2.0 * model_.plugin()->config().n_blocks() * c.kv_dim() * element;
+    case Method::comb: return per_token(model_.plugin()->config().n_blocks());
     case Method::prefix: return 2.0 * c.n_layer * c.kv_dim() * c10::elementSize(model_.decoder().dtype());
-    default: return 2.0 * c.n_layer * c.kv_dim() * element;
+    default: return per_token(c.n_layer);
   }
 }
 
@@ -264,6 +285,7 @@ COMB_INLINE void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, st
   auto place = [&](const std::vector<int32_t>& tokens, bool is_document) {
     bool computed = false;
     auto kv = decoder_kv(tokens, out.tenant, &computed);
+    if (kv->quantized()) kv = std::make_shared<const DocumentKV>(kv->to(dec.device(), dec.dtype()));
     const int64_t n = static_cast<int64_t>(tokens.size());
     (computed ? out.computed : out.reused) += n;
     for (int64_t l = 0; l < out.cache.n_layers(); ++l) {

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
+#include <tuple>
 
 #include "comb/error.hpp"
 #include "comb/ops.hpp"
@@ -38,6 +40,7 @@ COMB_INLINE nlohmann::json PluginConfig::to_json() const {
   if (!cross_mlp) j["cross_mlp"] = false;
   if (joint_attention) j["joint_attention"] = true;
   if (documents_after_prefix) j["documents_after_prefix"] = true;
+  if (consecutive_documents) j["consecutive_documents"] = true;
   return j;
 }
 
@@ -79,6 +82,7 @@ COMB_INLINE PluginConfig PluginConfig::from_json(const nlohmann::json& j, const 
   c.cross_mlp = flag("cross_mlp", true);
   c.joint_attention = flag("joint_attention", false);
   c.documents_after_prefix = flag("documents_after_prefix", false);
+  c.consecutive_documents = flag("consecutive_documents", false);
   return c;
 }
 
@@ -154,6 +158,8 @@ COMB_INLINE void check_layout(const PluginConfig& p, const ModelConfig& c) {
              p.qk_norm, p.cross_mlp, p.attention_sinks, p.relative_positions);
   COMB_CHECK(!p.documents_after_prefix || p.joint_attention,
              "documents_after_prefix is a layout of joint cross blocks (joint_attention), not of residual ones");
+  COMB_CHECK(!p.consecutive_documents || p.joint_attention,
+             "consecutive_documents is a layout of joint cross blocks (joint_attention), not of residual ones");
   COMB_CHECK(!p.encoder_from_base || p.n_encoder_layers() <= c.n_layer,
              "an encoder of the base's layers can have at most its {} layers, found {}", c.n_layer,
              p.n_encoder_layers());
@@ -250,6 +256,7 @@ COMB_INLINE Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o
     config.attention_sinks = !o.joint_attention;
     config.joint_attention = o.joint_attention;
     config.documents_after_prefix = o.joint_attention && o.documents_after_prefix;
+    config.consecutive_documents = o.joint_attention && o.consecutive_documents;
     config.qk_norm = config.cross_mlp = false;
     config.relative_positions = o.relative_positions;
     config.encoder_prefix = o.encoder_prefix;
@@ -460,7 +467,23 @@ COMB_INLINE void Plugin::save(const std::string& path, c10::ScalarType dtype) co
 // Forward
 // ================================================================================================
 
-COMB_INLINE DocumentKV Plugin::encode(const Decoder& base, const std::vector<int32_t>& tokens) const {
+COMB_INLINE bool Plugin::encoder_is_base() const {
+  return config_.encoder_from_base && config_.encoder_causal && !weights_.tok_embd.defined();
+}
+
+COMB_INLINE KVCache Plugin::encoder_prefix_states(const Decoder& base) const {
+  COMB_CHECK(encoder_is_base(), "encoder_prefix_states: the encoder is not the base's own causal layers");
+  const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size());
+  KVCache cache = base.make_cache(1, std::max<int64_t>(pre, 1));
+  if (pre == 0) return cache;
+  at::Tensor h = base.embed(at::tensor(config_.encoder_prefix, at::kLong).to(base.device()).unsqueeze(0));
+  for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) h = base.layer(j, h, cache);
+  cache.advance(pre);
+  return cache;
+}
+
+COMB_INLINE DocumentKV Plugin::encode(const Decoder& base, const std::vector<int32_t>& tokens,
+                                      const KVCache* prefix_states) const {
   const auto& c = base_config_;
   const int64_t n = static_cast<int64_t>(tokens.size());
   COMB_CHECK(n > 0, "a document is empty: the encoder needs at least one token");
@@ -469,7 +492,41 @@ COMB_INLINE DocumentKV Plugin::encode(const Decoder& base, const std::vector<int
   for (int32_t id : tokens)
     COMB_CHECK(id >= 0 && id < c.n_vocab, "document token {} is outside the vocabulary [0, {})", id, c.n_vocab);
   at::Tensor ids = at::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), at::kLong).to(base.device());
-  auto [keys, values] = encode_batch(base, weights_, ids.unsqueeze(0), {});
+  std::vector<at::Tensor> keys(config_.n_blocks()), values(config_.n_blocks());
+  if (!encoder_is_base()) {
+    auto kv = encode_batch(base, weights_, ids.unsqueeze(0), {});
+    keys = std::move(kv.first), values = std::move(kv.second);
+  } else {
+    // The base's cached forward over the document, after the prefix's states: the same causal
+    // computation as encode_batch's, on the decoder's own (fused) path.
+    const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size());
+    KVCache cache = base.make_cache(1, pre + n);
+    if (pre > 0) {
+      std::optional<KVCache> own;
+      if (!prefix_states) prefix_states = &own.emplace(encoder_prefix_states(base));
+      COMB_CHECK(prefix_states->length() == pre, "encode: prefix states of {} positions, the encoder prefix has {}",
+                 prefix_states->length(), pre);
+      for (int64_t j = 0; j < config_.n_encoder_layers(); ++j)
+        cache.write(j, 0, prefix_states->keys(j).narrow(2, 0, pre), prefix_states->values(j).narrow(2, 0, pre));
+      cache.set_length(pre);
+    }
+    at::Tensor back_cos, back_sin;  // token j at position j - n
+    if (config_.relative_positions) {
+      at::Tensor back = n - at::arange(n, at::TensorOptions().dtype(at::kLong).device(rope_cos_.device()));
+      back_cos = rope_cos_.index_select(0, back).view({1, 1, n, c.head_dim});
+      back_sin = -rope_sin_.index_select(0, back).view({1, 1, n, c.head_dim});
+    }
+    at::Tensor h = base.embed(ids.unsqueeze(0));
+    auto project = [&](int64_t depth) {
+      for (int64_t k = 0; k < config_.n_blocks(); ++k)
+        if (config_.read_depth(k) == depth) std::tie(keys[k], values[k]) = block_kv(weights_, k, h, back_cos, back_sin);
+    };
+    project(0);
+    for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) {
+      h = base.layer(j, h, cache);
+      project(j + 1);
+    }
+  }
   DocumentKV out;
   out.n_tokens = n;
   // K after k_norm (stored so, never recomputed per decode step), V as is: [n_head_kv, n, head_dim]
@@ -478,6 +535,21 @@ COMB_INLINE DocumentKV Plugin::encode(const Decoder& base, const std::vector<int
     out.values.push_back(values[k][0].contiguous());
   }
   return out;
+}
+
+COMB_INLINE std::pair<at::Tensor, at::Tensor> Plugin::block_kv(const PluginWeights& w, int64_t k, const at::Tensor& states,
+                                                               const at::Tensor& back_cos, const at::Tensor& back_sin) const {
+  const auto& c = base_config_;
+  const c10::ScalarType dt = states.scalar_type();
+  auto W = [&](const at::Tensor& t) { return t.scalar_type() == dt ? t : t.to(dt); };
+  const int64_t n_docs = states.size(0), len = states.size(1);
+  at::Tensor s = config_.kv_norm ? rms_norm(states, W(w.kv_norm[k]), c.rms_eps) : states;
+  at::Tensor ke = at::linear(s, W(w.wk[k])).view({n_docs, len, c.n_head_kv, c.head_dim});
+  if (config_.qk_norm) ke = rms_norm(ke, W(w.cross[k].k_norm), c.rms_eps);
+  at::Tensor keys = ke.transpose(1, 2);
+  if (back_cos.defined()) keys = apply_rope(keys, back_cos.to(dt), back_sin.to(dt));
+  at::Tensor values = at::linear(s, W(w.wv[k])).view({n_docs, len, c.n_head_kv, c.head_dim}).transpose(1, 2);
+  return {keys, values};
 }
 
 COMB_INLINE std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::encode_batch(const Decoder& base,
@@ -512,16 +584,9 @@ COMB_INLINE std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::
     back_sin = -rope_sin_.index_select(0, back.reshape({-1})).view({n_docs, 1, len, c.head_dim});  // sin(-a) = -sin(a)
   }
   auto project = [&](int64_t depth) {
-    for (int64_t k = 0; k < p.n_blocks(); ++k) {
-      if (p.read_depth(k) != depth) continue;
-      at::Tensor s = pre > 0 ? h.narrow(1, pre, len) : h;  // the blocks read the document's tokens only
-      if (p.kv_norm) s = rms_norm(s, W(w.kv_norm[k]), c.rms_eps);
-      at::Tensor ke = at::linear(s, W(w.wk[k])).view({n_docs, len, c.n_head_kv, c.head_dim});
-      if (p.qk_norm) ke = rms_norm(ke, W(w.cross[k].k_norm), c.rms_eps);
-      keys[k] = ke.transpose(1, 2);
-      if (p.relative_positions) keys[k] = apply_rope(keys[k], back_cos, back_sin);
-      values[k] = at::linear(s, W(w.wv[k])).view({n_docs, len, c.n_head_kv, c.head_dim}).transpose(1, 2);
-    }
+    for (int64_t k = 0; k < p.n_blocks(); ++k)  // the blocks read the document's tokens only
+      if (p.read_depth(k) == depth)
+        std::tie(keys[k], values[k]) = block_kv(w, k, pre > 0 ? h.narrow(1, pre, len) : h, back_cos, back_sin);
   };
   project(0);
   for (int64_t j = 0; j < p.n_encoder_layers(); ++j) {
@@ -560,6 +625,22 @@ COMB_INLINE std::vector<JointKV> Plugin::joint_kv(const PluginWeights& w, const 
                  ks.size());
       std::vector<at::Tensor> rk(ks.begin() + d, ks.begin() + d + count), rv(vs.begin() + d, vs.begin() + d + count);
       d += count;
+      if (config_.consecutive_documents) {
+        // Each document's keys (at -n..-1) turned back by the tokens of the documents after it, so
+        // that the row's documents lie one after another and the last ends at -1. RoPE rotations
+        // compose; cos(-a) = cos(a), sin(-a) = -sin(a).
+        int64_t after = 0;
+        for (int64_t i = count - 1; i >= 0; --i) {
+          if (after > 0) {
+            COMB_CHECK(after < rope_cos_.size(0), "joint_kv: {} document tokens linked, beyond the context of {}",
+                       after, rope_cos_.size(0));
+            const int64_t hd = rk[i].size(-1);
+            rk[i] = apply_rope(rk[i], rope_cos_.select(0, after).to(rk[i].scalar_type()).view({1, 1, hd}),
+                               -rope_sin_.select(0, after).to(rk[i].scalar_type()).view({1, 1, hd}));
+          }
+          after += rk[i].size(1);
+        }
+      }
       row_keys.push_back(rk.empty() ? at::zeros({c.n_head_kv, 0, c.head_dim}, ks[0].options()) : at::cat(rk, 1));
       row_values.push_back(rv.empty() ? at::zeros({c.n_head_kv, 0, c.head_dim}, vs[0].options()) : at::cat(rv, 1));
       lens.push_back(row_keys.back().size(1));

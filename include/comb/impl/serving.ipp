@@ -94,7 +94,7 @@ struct ServeEngine::Sequence {
   int64_t length = 0;          // positions held in `blocks`
   int32_t next = -1;           // the token to feed at position `length`
   LinkedDocuments documents;   // comb
-  bool joined = false;         // comb, documents after the prefix: read documents.joined (rotated keys)
+  bool joined = false;         // comb, documents after the prefix or consecutive: read documents.joined (rotated keys)
   std::unique_ptr<Sampler> sampler;
   std::unique_ptr<StreamDecoder> stream;
   size_t emitted = 0;          // bytes of result.text handed to on_text
@@ -445,7 +445,7 @@ COMB_INLINE void ServeEngine::prefill_step(Sequence& s) {
   s.result.computed_tokens = f.computed;
   if (!f.documents.empty()) {
     s.documents = std::move(f.documents);
-    s.joined = s.documents.anchor > 0;
+    s.joined = s.documents.anchor > 0 || model_.plugin()->config().consecutive_documents;
     if (s.joined) {  // the rotated keys the decoding step reads, as float32
       for (auto& j : s.documents.joined->blocks) {
         j.keys = j.keys.to(at::kFloat).contiguous();

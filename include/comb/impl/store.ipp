@@ -25,16 +25,57 @@ namespace comb {
 
 COMB_INLINE int64_t DocumentKV::bytes() const {
   int64_t n = 0;
-  for (const auto& t : keys) n += t.numel() * t.element_size();
-  for (const auto& t : values) n += t.numel() * t.element_size();
+  for (const auto* list : {&keys, &values, &key_scales, &value_scales})
+    for (const auto& t : *list) n += t.numel() * t.element_size();
   return n;
+}
+
+COMB_INLINE c10::ScalarType DocumentKV::dtype() const {
+  COMB_CHECK(!keys.empty(), "a document cache with no blocks has no dtype");
+  return keys[0].scalar_type();
+}
+
+COMB_INLINE int64_t DocumentKV::storage_bytes(c10::ScalarType dtype, int64_t n_blocks, int64_t n_head_kv,
+                                              int64_t head_dim, int64_t n_tokens) {
+  const int64_t elements = 2 * n_blocks * n_head_kv * head_dim * n_tokens;
+  if (dtype != at::kChar) return elements * static_cast<int64_t>(c10::elementSize(dtype));
+  // int8 elements, a float32 scale per key channel and one per value row
+  return elements + 4 * n_blocks * n_head_kv * (head_dim + n_tokens);
 }
 
 COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype) const {
   DocumentKV out;
   out.n_tokens = n_tokens;
-  for (const auto& t : keys) out.keys.push_back(t.to(device, dtype).contiguous());
-  for (const auto& t : values) out.values.push_back(t.to(device, dtype).contiguous());
+  const bool from_int8 = quantized();
+  for (size_t b = 0; b < keys.size(); ++b) {
+    at::Tensor k = keys[b].to(device), v = values[b].to(device);
+    if (from_int8) {  // back to float32 first
+      k = k.to(at::kFloat) * key_scales.at(b).to(device);
+      v = v.to(at::kFloat) * value_scales.at(b).to(device);
+    }
+    if (dtype == at::kChar) {
+      if (from_int8) {  // already int8: the same codes, moved
+        out.keys.push_back(keys[b].to(device).contiguous());
+        out.values.push_back(values[b].to(device).contiguous());
+        out.key_scales.push_back(key_scales[b].to(device).contiguous());
+        out.value_scales.push_back(value_scales[b].to(device).contiguous());
+        continue;
+      }
+      k = k.to(at::kFloat);
+      v = v.to(at::kFloat);
+      // A channel or row of zeros gets scale 1 (its codes are 0 whatever the scale).
+      at::Tensor ks = k.abs().amax(1, /*keepdim=*/true) / 127.0, vs = v.abs().amax(2, /*keepdim=*/true) / 127.0;
+      ks = at::where(ks > 0, ks, at::ones_like(ks));
+      vs = at::where(vs > 0, vs, at::ones_like(vs));
+      out.keys.push_back((k / ks).round().clamp(-127, 127).to(at::kChar).contiguous());
+      out.values.push_back((v / vs).round().clamp(-127, 127).to(at::kChar).contiguous());
+      out.key_scales.push_back(ks.contiguous());
+      out.value_scales.push_back(vs.contiguous());
+      continue;
+    }
+    out.keys.push_back(k.to(dtype).contiguous());
+    out.values.push_back(v.to(dtype).contiguous());
+  }
   return out;
 }
 
@@ -73,7 +114,7 @@ COMB_INLINE constexpr char kMagic[8] = {'C', 'O', 'M', 'B', 'K', 'V', '\0', '\1'
 struct DiskHeader {
   char magic[8];
   uint32_t version;  // 1
-  uint32_t dtype;    // 0 float32, 1 bfloat16, 2 float16
+  uint32_t dtype;    // 0 float32, 1 bfloat16, 2 float16, 3 int8 (with float32 scales)
   uint32_t n_blocks, n_head_kv, head_dim, reserved;
   uint64_t n_tokens, payload_bytes, checksum;  // checksum: XXH3-64 of the payload
   uint64_t key_high, key_low;
@@ -85,10 +126,14 @@ COMB_INLINE uint32_t dtype_code(c10::ScalarType t) {
     case at::kFloat: return 0;
     case at::kBFloat16: return 1;
     case at::kHalf: return 2;
-    default: COMB_FAIL("cache storage dtype must be float32, bfloat16 or float16, found {}", c10::toString(t));
+    case at::kChar: return 3;
+    default:
+      COMB_FAIL("cache storage dtype must be float32, bfloat16, float16 or int8, found {}", c10::toString(t));
   }
 }
-COMB_INLINE c10::ScalarType code_dtype(uint32_t c) { return c == 0 ? at::kFloat : c == 1 ? at::kBFloat16 : at::kHalf; }
+COMB_INLINE c10::ScalarType code_dtype(uint32_t c) {
+  return c == 0 ? at::kFloat : c == 1 ? at::kBFloat16 : c == 2 ? at::kHalf : at::kChar;
+}
 
 COMB_INLINE std::string serialize(const CacheKey& key, const DocumentKV& kv) {
   DiskHeader h{};
@@ -102,11 +147,15 @@ COMB_INLINE std::string serialize(const CacheKey& key, const DocumentKV& kv) {
   h.key_high = key.high;
   h.key_low = key.low;
   std::string payload;
-  for (size_t b = 0; b < kv.keys.size(); ++b)
-    for (const at::Tensor* t : {&kv.keys[b], &kv.values[b]}) {
+  // Per block: K, V, then (int8) the key scales [n_head_kv, head_dim] and value scales [n_head_kv, n_tokens].
+  for (size_t b = 0; b < kv.keys.size(); ++b) {
+    std::vector<const at::Tensor*> parts{&kv.keys[b], &kv.values[b]};
+    if (kv.quantized()) parts.insert(parts.end(), {&kv.key_scales.at(b), &kv.value_scales.at(b)});
+    for (const at::Tensor* t : parts) {
       at::Tensor c = t->to(at::kCPU).contiguous();
       payload.append(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
     }
+  }
   h.payload_bytes = payload.size();
   h.checksum = XXH3_64bits(payload.data(), payload.size());
   return std::string(reinterpret_cast<const char*>(&h), sizeof(h)) + payload;
@@ -118,15 +167,19 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
   if (size < sizeof(DiskHeader)) return why = "shorter than its header", std::nullopt;
   DiskHeader h;
   std::memcpy(&h, data, sizeof(h));
-  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 2) return why = "bad magic or version", std::nullopt;
+  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 3) return why = "bad magic or version", std::nullopt;
   if (h.key_high != key.high || h.key_low != key.low) return why = "holds another key", std::nullopt;
   const c10::ScalarType dtype = code_dtype(h.dtype);
   // Sizes multiplied with overflow checks: a header whose product wraps around is refused here,
   // not trusted to size a tensor.
-  uint64_t block = 0, total = 0;
+  // block: one of K or V; scales: an int8 block's key and value scales (float32).
+  const bool int8 = dtype == at::kChar;
+  uint64_t block = 0, scales = 0, per_block = 0, total = 0;
   const bool wraps = __builtin_mul_overflow(uint64_t(h.n_head_kv) * h.head_dim, h.n_tokens, &block) ||
                      __builtin_mul_overflow(block, uint64_t(c10::elementSize(dtype)), &block) ||
-                     __builtin_mul_overflow(block, 2 * uint64_t(h.n_blocks), &total);
+                     __builtin_mul_overflow(uint64_t(h.n_head_kv), (uint64_t(h.head_dim) + h.n_tokens) * 4, &scales) ||
+                     __builtin_add_overflow(2 * block, int8 ? scales : 0, &per_block) ||
+                     __builtin_mul_overflow(per_block, uint64_t(h.n_blocks), &total);
   if (wraps || h.n_blocks == 0 || block == 0 || h.payload_bytes != total ||
       size != sizeof(DiskHeader) + h.payload_bytes)
     return why = "truncated or sizes inconsistent", std::nullopt;
@@ -136,11 +189,23 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
   kv.n_tokens = static_cast<int64_t>(h.n_tokens);
   std::vector<int64_t> shape{h.n_head_kv, static_cast<int64_t>(h.n_tokens), h.head_dim};
   for (uint32_t b = 0; b < h.n_blocks; ++b) {
+    const uint8_t* src = payload + b * per_block;
     at::Tensor k = at::empty(shape, dtype), v = at::empty(shape, dtype);
-    std::memcpy(k.data_ptr(), payload + (2 * b) * block, block);
-    std::memcpy(v.data_ptr(), payload + (2 * b + 1) * block, block);
+    std::memcpy(k.data_ptr(), src, block);
+    std::memcpy(v.data_ptr(), src + block, block);
     kv.keys.push_back(k);
     kv.values.push_back(v);
+    if (!int8) continue;
+    at::Tensor ks = at::empty({h.n_head_kv, 1, h.head_dim}, at::kFloat);
+    at::Tensor vs = at::empty({h.n_head_kv, static_cast<int64_t>(h.n_tokens), 1}, at::kFloat);
+    std::memcpy(ks.data_ptr(), src + 2 * block, ks.numel() * 4);
+    std::memcpy(vs.data_ptr(), src + 2 * block + ks.numel() * 4, vs.numel() * 4);
+    // Scales are checked like the rest: a scale that is not a finite positive number is refused.
+    if (!(ks > 0).all().item<bool>() || !(vs > 0).all().item<bool>() || !ks.isfinite().all().item<bool>() ||
+        !vs.isfinite().all().item<bool>())
+      return why = "an int8 scale is not a finite positive number", std::nullopt;
+    kv.key_scales.push_back(ks);
+    kv.value_scales.push_back(vs);
   }
   return kv;
 }
@@ -231,10 +296,9 @@ struct PICacheStore::Impl {
 
   // Bytes `kv` takes once converted to the storage dtype.
   int64_t storage_bytes(const DocumentKV& kv) const {
-    int64_t elements = 0;
-    for (const auto* list : {&kv.keys, &kv.values})
-      for (const auto& t : *list) elements += t.numel();
-    return elements * static_cast<int64_t>(c10::elementSize(options.dtype));
+    const at::Tensor& k = kv.keys.at(0);
+    return DocumentKV::storage_bytes(options.dtype, static_cast<int64_t>(kv.keys.size()), k.size(0), k.size(2),
+                                     k.size(1));
   }
   // Whether `tier` can hold `bytes` beside its pinned entries (evicting unpinned ones as needed).
   static bool fits(const MemoryTier& tier, int64_t bytes) {
@@ -519,7 +583,11 @@ COMB_INLINE LinkedDocuments Linker::link_batch(const std::vector<std::vector<std
   for (const auto& request : documents) {
     out.doc_counts.push_back(static_cast<int64_t>(request.size()));
     for (auto d : request) {
-      if (d->keys[0].device() != device_)  // e.g. a host-tier entry for a GPU decoder: one copy
+      // A host-tier entry for a GPU decoder: one copy; an int8 entry: read as float32 (the store
+      // keeps the int8 one).
+      if (d->quantized())
+        d = std::make_shared<const DocumentKV>(d->to(device_, at::kFloat));
+      else if (d->keys[0].device() != device_)
         d = std::make_shared<const DocumentKV>(d->to(device_, d->keys[0].scalar_type()));
       for (size_t b = 0; b < n_blocks; ++b) {
         out.keys[b].push_back(d->keys[b]);
