@@ -812,3 +812,46 @@ TEST_CASE("joint blocks with consecutive documents: at step 0, naive reuse's att
   plugin->save(path);
   CHECK(Plugin::load(path, model.decoder()).config().consecutive_documents);
 }
+
+TEST_CASE("documents encoded together equal each encoded alone; a request's order changes no cache", "[plugin]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  PluginInitOptions init;
+  init.reads = init.joint_attention = true;
+  init.encoder_prefix = {1, 2, 3};  // read before every document, from states computed once
+  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
+  REQUIRE(plugin->encoder_is_base());
+  model.set_plugin(plugin);
+  // Documents of several lengths (some batched together, some alone), one of them twice.
+  std::vector<std::vector<int32_t>> docs;
+  for (int64_t len : {5, 6, 6, 14, 3, 40}) docs.push_back(sample_documents(1, len, 50 + len + docs.size())[0]);
+  docs.push_back(docs[1]);
+  const KVCache states = plugin->encoder_prefix_states(model.decoder());
+  std::vector<DocumentKV> together = plugin->encode_many(model.decoder(), docs, &states);
+  REQUIRE(together.size() == docs.size());
+  for (size_t i = 0; i < docs.size(); ++i) {
+    // Alone, by the training path (the prefix read with the document, generic layers).
+    auto [k, v] = plugin->encode_batch(model.decoder(), plugin->weights(),
+                                       at::tensor(std::vector<int64_t>(docs[i].begin(), docs[i].end())).unsqueeze(0), {});
+    REQUIRE(together[i].n_tokens == static_cast<int64_t>(docs[i].size()));
+    for (int64_t b : {int64_t(0), plugin->config().n_blocks() - 1}) {
+      CHECK((together[i].keys[b] - k[b][0]).abs().max().item<double>() < 1e-4);
+      CHECK((together[i].values[b] - v[b][0]).abs().max().item<double>() < 1e-4);
+    }
+  }
+  // Through the model and a store: each document once, the same caches in any order.
+  PICacheStore store(StoreOptions{});
+  std::vector<bool> cached;
+  auto first = model.documents(docs, &store, "", &cached);
+  CHECK(store.stats().host.entries == 6);
+  CHECK(cached == std::vector<bool>{false, false, false, false, false, false, true});  // the repeat: not computed again
+  CHECK(first[6] == first[1]);
+  std::vector<std::vector<int32_t>> reversed(docs.rbegin(), docs.rend());
+  auto second = model.documents(reversed, nullptr);
+  for (size_t i = 0; i < docs.size(); ++i)
+    for (size_t b = 0; b < first[i]->keys.size(); ++b) {
+      CHECK(second[docs.size() - 1 - i]->keys[b].equal(first[i]->keys[b]));
+      CHECK(second[docs.size() - 1 - i]->values[b].equal(first[i]->values[b]));
+    }
+}

@@ -80,6 +80,11 @@ class Model {
   // else encoded now (and put into `store`, if given). `from_cache` tells which, if given.
   std::shared_ptr<const DocumentKV> document(const std::vector<int32_t>& tokens, PICacheStore* store = nullptr,
                                             const std::string& tenant = "", bool* from_cache = nullptr) const;
+  // Several documents, in order: those `store` lacks are encoded together (Plugin::encode_many)
+  // and put into it. `from_cache`, if given, receives which came from the store.
+  std::vector<std::shared_ptr<const DocumentKV>> documents(const std::vector<std::vector<int32_t>>& documents,
+                                                           PICacheStore* store = nullptr, const std::string& tenant = "",
+                                                           std::vector<bool>* from_cache = nullptr) const;
   // The store's key of that document's encoder K/V (tokens, plug-in and weights, tenant).
   CacheKey document_key(const std::vector<int32_t>& tokens, const std::string& tenant = "") const;
   // The decoder's forward with linked documents read by the cross blocks; without documents (or

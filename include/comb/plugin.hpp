@@ -179,6 +179,12 @@ class Plugin {
   // then costs its own tokens only, however long the prefix.
   DocumentKV encode(const Decoder& base, const std::vector<int32_t>& tokens,
                     const KVCache* prefix_states = nullptr) const;
+  // Several documents at once, in order: with encoder_is_base(), documents of similar lengths go
+  // through the base's layers as one padded batch (padding after each document's tokens, which a
+  // causal encoder never reads), so a request of many short documents makes few calls; else one
+  // encode() each.
+  std::vector<DocumentKV> encode_many(const Decoder& base, const std::vector<std::vector<int32_t>>& documents,
+                                      const KVCache* prefix_states = nullptr) const;
   // Whether encode() runs the base's own cached forward (encoder_from_base, causal, the base's embedding).
   bool encoder_is_base() const;
   // The encoder prefix through the encoder's layers: the same before every document, so a caller
@@ -217,6 +223,10 @@ class Plugin {
   // [n_docs, n_head_kv, len, head_dim] (k_norm, RoPE at back_cos/back_sin when defined), values alike.
   std::pair<at::Tensor, at::Tensor> block_kv(const PluginWeights& w, int64_t k, const at::Tensor& s,
                                              const at::Tensor& back_cos, const at::Tensor& back_sin) const;
+  void check_document(const std::vector<int32_t>& tokens) const;
+  // encoder_is_base(): documents [n_docs] through the base's cached forward as one padded batch.
+  std::vector<DocumentKV> encode_padded(const Decoder& base, const std::vector<const std::vector<int32_t>*>& documents,
+                                        const KVCache& prefix_states) const;
   PluginConfig config_;
   PluginWeights weights_;
   ModelConfig base_config_;

@@ -46,7 +46,7 @@ int cmd_generate(Args& args) {
     store_options.dtype = cache_dtype;
     store_options.remote_ttl_s = cache_ttl;
     store.emplace(store_options);
-    std::vector<std::shared_ptr<const comb::DocumentKV>> documents;
+    std::vector<std::vector<int32_t>> texts;
     int64_t n_tokens = 0;
     auto t0 = std::chrono::steady_clock::now();
     for (const auto& path : document_paths) {
@@ -54,8 +54,9 @@ int cmd_generate(Args& args) {
       auto tokens = model.tokenizer().encode(text, /*parse_special=*/false);
       if (tokens.empty()) throw Error("document '" + path + "' is empty");
       n_tokens += static_cast<int64_t>(tokens.size());
-      documents.push_back(model.document(tokens, &*store));
+      texts.push_back(std::move(tokens));
     }
+    std::vector<std::shared_ptr<const comb::DocumentKV>> documents = model.documents(texts, &*store);
     double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     auto stats = store->stats();
     const int64_t hits = stats.host.hits + stats.disk.hits + stats.remote.hits;

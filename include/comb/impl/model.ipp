@@ -162,6 +162,41 @@ COMB_INLINE std::shared_ptr<const DocumentKV> Model::document(const std::vector<
   return store->put(key, plugin_->encode(*decoder_, tokens, encoder_prefix_states()));
 }
 
+COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Model::documents(
+    const std::vector<std::vector<int32_t>>& documents, PICacheStore* store, const std::string& tenant,
+    std::vector<bool>* from_cache) const {
+  COMB_CHECK(plugin_, "documents need a plug-in: load one with Options::plugin (--plugin FILE)");
+  c10::InferenceMode guard;
+  std::vector<std::shared_ptr<const DocumentKV>> out(documents.size());
+  if (from_cache) from_cache->assign(documents.size(), false);
+  std::vector<std::vector<int32_t>> missing;  // each once, however often it is linked
+  std::vector<std::vector<size_t>> where;
+  for (size_t i = 0; i < documents.size(); ++i) {
+    if (store)
+      if (auto hit = store->get(document_key(documents[i], tenant))) {
+        out[i] = std::move(hit);
+        if (from_cache) (*from_cache)[i] = true;
+        continue;
+      }
+    auto same = std::find(missing.begin(), missing.end(), documents[i]);
+    if (same == missing.end()) {
+      missing.push_back(documents[i]);
+      where.push_back({i});
+    } else {  // linked again: computed once, for its first place
+      where[same - missing.begin()].push_back(i);
+      if (from_cache) (*from_cache)[i] = true;
+    }
+  }
+  if (missing.empty()) return out;
+  std::vector<DocumentKV> encoded = plugin_->encode_many(*decoder_, missing, encoder_prefix_states());
+  for (size_t j = 0; j < missing.size(); ++j) {
+    auto kv = store ? store->put(document_key(missing[j], tenant), encoded[j])
+                    : std::make_shared<const DocumentKV>(std::move(encoded[j]));
+    for (size_t i : where[j]) out[i] = kv;
+  }
+  return out;
+}
+
 COMB_INLINE at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, const LinkedDocuments* documents,
                           LogitsMode mode) const {
   if (!documents || documents->empty()) return decoder_->forward(tokens, cache, mode);

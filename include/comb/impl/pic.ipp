@@ -460,12 +460,11 @@ COMB_INLINE std::vector<int64_t> PicEngine::cacheblend_selection(const at::Tenso
 // the decoder computes the prompt without them (its instruction prefix from the prefix cache when
 // the plug-in reads documents only after it).
 COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<int32_t>&, PicPrefill& out) {
-  std::vector<std::shared_ptr<const DocumentKV>> docs;
-  for (const auto& d : r.documents) {
-    bool cached = false;
-    docs.push_back(model_.document(d, store_.get(), out.tenant, &cached));
-    (cached ? out.reused : out.computed) += static_cast<int64_t>(d.size());
-  }
+  // The documents the store lacks are encoded together, in one batched call where lengths allow.
+  std::vector<bool> cached;
+  std::vector<std::shared_ptr<const DocumentKV>> docs = model_.documents(r.documents, store_.get(), out.tenant, &cached);
+  for (size_t i = 0; i < r.documents.size(); ++i)
+    (cached[i] ? out.reused : out.computed) += static_cast<int64_t>(r.documents[i].size());
   out.documents = Linker(model_.decoder().device()).link(docs);
   if (!model_.plugin()->config().documents_after_prefix) return;  // the whole prompt pending
   // The instruction prefix reads no document: its K/V are the bare decoder's, so its whole

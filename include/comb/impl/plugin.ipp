@@ -482,57 +482,128 @@ COMB_INLINE KVCache Plugin::encoder_prefix_states(const Decoder& base) const {
   return cache;
 }
 
-COMB_INLINE DocumentKV Plugin::encode(const Decoder& base, const std::vector<int32_t>& tokens,
-                                      const KVCache* prefix_states) const {
-  const auto& c = base_config_;
+COMB_INLINE void Plugin::check_document(const std::vector<int32_t>& tokens) const {
   const int64_t n = static_cast<int64_t>(tokens.size());
   COMB_CHECK(n > 0, "a document is empty: the encoder needs at least one token");
   COMB_CHECK(n <= config_.max_document_tokens, "a document has {} tokens; the encoder takes at most {}", n,
              config_.max_document_tokens);
   for (int32_t id : tokens)
-    COMB_CHECK(id >= 0 && id < c.n_vocab, "document token {} is outside the vocabulary [0, {})", id, c.n_vocab);
-  at::Tensor ids = at::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), at::kLong).to(base.device());
-  std::vector<at::Tensor> keys(config_.n_blocks()), values(config_.n_blocks());
-  if (!encoder_is_base()) {
-    auto kv = encode_batch(base, weights_, ids.unsqueeze(0), {});
-    keys = std::move(kv.first), values = std::move(kv.second);
-  } else {
-    // The base's cached forward over the document, after the prefix's states: the same causal
-    // computation as encode_batch's, on the decoder's own (fused) path.
-    const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size());
-    KVCache cache = base.make_cache(1, pre + n);
-    if (pre > 0) {
-      std::optional<KVCache> own;
-      if (!prefix_states) prefix_states = &own.emplace(encoder_prefix_states(base));
-      COMB_CHECK(prefix_states->length() == pre, "encode: prefix states of {} positions, the encoder prefix has {}",
-                 prefix_states->length(), pre);
-      for (int64_t j = 0; j < config_.n_encoder_layers(); ++j)
-        cache.write(j, 0, prefix_states->keys(j).narrow(2, 0, pre), prefix_states->values(j).narrow(2, 0, pre));
-      cache.set_length(pre);
-    }
-    at::Tensor back_cos, back_sin;  // token j at position j - n
-    if (config_.relative_positions) {
-      at::Tensor back = n - at::arange(n, at::TensorOptions().dtype(at::kLong).device(rope_cos_.device()));
-      back_cos = rope_cos_.index_select(0, back).view({1, 1, n, c.head_dim});
-      back_sin = -rope_sin_.index_select(0, back).view({1, 1, n, c.head_dim});
-    }
-    at::Tensor h = base.embed(ids.unsqueeze(0));
-    auto project = [&](int64_t depth) {
-      for (int64_t k = 0; k < config_.n_blocks(); ++k)
-        if (config_.read_depth(k) == depth) std::tie(keys[k], values[k]) = block_kv(weights_, k, h, back_cos, back_sin);
-    };
-    project(0);
-    for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) {
-      h = base.layer(j, h, cache);
-      project(j + 1);
-    }
+    COMB_CHECK(id >= 0 && id < base_config_.n_vocab, "document token {} is outside the vocabulary [0, {})", id,
+               base_config_.n_vocab);
+}
+
+COMB_INLINE DocumentKV Plugin::encode(const Decoder& base, const std::vector<int32_t>& tokens,
+                                      const KVCache* prefix_states) const {
+  check_document(tokens);
+  if (encoder_is_base()) {
+    std::optional<KVCache> own;
+    if (!prefix_states) prefix_states = &own.emplace(encoder_prefix_states(base));
+    return std::move(encode_padded(base, {&tokens}, *prefix_states)[0]);
   }
+  at::Tensor ids = at::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), at::kLong).to(base.device());
+  auto [keys, values] = encode_batch(base, weights_, ids.unsqueeze(0), {});
   DocumentKV out;
-  out.n_tokens = n;
+  out.n_tokens = static_cast<int64_t>(tokens.size());
   // K after k_norm (stored so, never recomputed per decode step), V as is: [n_head_kv, n, head_dim]
   for (size_t k = 0; k < keys.size(); ++k) {
     out.keys.push_back(keys[k][0].contiguous());
     out.values.push_back(values[k][0].contiguous());
+  }
+  return out;
+}
+
+COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
+                                                        const std::vector<std::vector<int32_t>>& documents,
+                                                        const KVCache* prefix_states) const {
+  for (const auto& d : documents) check_document(d);
+  std::vector<DocumentKV> out(documents.size());
+  if (!encoder_is_base()) {
+    for (size_t i = 0; i < documents.size(); ++i) out[i] = encode(base, documents[i]);
+    return out;
+  }
+  std::optional<KVCache> own;
+  if (!prefix_states) prefix_states = &own.emplace(encoder_prefix_states(base));
+  // Shortest first; a batch grows while its padded tokens stay within 5/4 of its real ones and
+  // 4096 in all (the shortest documents pack densely, a long one goes alone).
+  std::vector<size_t> order(documents.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  // By length, then by tokens: the same documents make the same batches in any order given, so a
+  // document's cache does not depend on the order of the request that encoded it.
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return documents[a].size() != documents[b].size() ? documents[a].size() < documents[b].size()
+                                                       : documents[a] < documents[b];
+  });
+  size_t at = 0;
+  while (at < order.size()) {
+    size_t end = at + 1;
+    int64_t real = static_cast<int64_t>(documents[order[at]].size());
+    while (end < order.size()) {
+      const int64_t len = static_cast<int64_t>(documents[order[end]].size());  // the longest so far
+      const int64_t padded = len * static_cast<int64_t>(end + 1 - at);
+      if (padded > 4096 || 4 * padded > 5 * (real + len)) break;
+      real += len;
+      ++end;
+    }
+    std::vector<const std::vector<int32_t>*> batch;
+    for (size_t i = at; i < end; ++i) batch.push_back(&documents[order[i]]);
+    auto encoded = encode_padded(base, batch, *prefix_states);
+    for (size_t i = at; i < end; ++i) out[order[i]] = std::move(encoded[i - at]);
+    at = end;
+  }
+  return out;
+}
+
+COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
+                                                          const std::vector<const std::vector<int32_t>*>& documents,
+                                                          const KVCache& prefix_states) const {
+  const auto& c = base_config_;
+  const int64_t n_docs = static_cast<int64_t>(documents.size());
+  const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size());
+  COMB_CHECK(pre == 0 || prefix_states.length() == pre,
+             "encode: prefix states of {} positions, the encoder prefix has {}", prefix_states.length(), pre);
+  std::vector<int64_t> lens;
+  for (const auto* d : documents) lens.push_back(static_cast<int64_t>(d->size()));
+  const int64_t m = *std::max_element(lens.begin(), lens.end());
+  // Padding (token 0) after each document's tokens: causally, no real token reads it.
+  std::vector<int64_t> flat(n_docs * m, 0);
+  for (int64_t d = 0; d < n_docs; ++d) std::copy(documents[d]->begin(), documents[d]->end(), flat.begin() + d * m);
+  at::Tensor ids = at::tensor(flat, at::kLong).view({n_docs, m}).to(base.device());
+  // The base's cached forward over the documents, after the prefix's states: the same causal
+  // computation as encode_batch's, on the decoder's own (fused) path.
+  KVCache cache = base.make_cache(n_docs, pre + m);
+  if (pre > 0) {
+    for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) {
+      at::Tensor k = prefix_states.keys(j).narrow(2, 0, pre), v = prefix_states.values(j).narrow(2, 0, pre);
+      cache.write(j, 0, k.expand({n_docs, k.size(1), pre, k.size(3)}), v.expand({n_docs, v.size(1), pre, v.size(3)}));
+    }
+    cache.set_length(pre);
+  }
+  at::Tensor back_cos, back_sin;  // document d's token j at position j - len_d
+  if (config_.relative_positions) {
+    at::Tensor len_t = at::tensor(lens, at::kLong).to(rope_cos_.device()).unsqueeze(1);
+    at::Tensor back = (len_t - at::arange(m, len_t.options()).unsqueeze(0)).clamp_min(0);  // >= 1 for real tokens
+    back_cos = rope_cos_.index_select(0, back.reshape({-1})).view({n_docs, 1, m, c.head_dim});
+    back_sin = -rope_sin_.index_select(0, back.reshape({-1})).view({n_docs, 1, m, c.head_dim});
+  }
+  std::vector<at::Tensor> keys(config_.n_blocks()), values(config_.n_blocks());
+  at::Tensor h = base.embed(ids);
+  auto project = [&](int64_t depth) {
+    for (int64_t k = 0; k < config_.n_blocks(); ++k)
+      if (config_.read_depth(k) == depth) std::tie(keys[k], values[k]) = block_kv(weights_, k, h, back_cos, back_sin);
+  };
+  project(0);
+  for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) {
+    h = base.layer(j, h, cache);
+    project(j + 1);
+  }
+  std::vector<DocumentKV> out(n_docs);
+  for (int64_t d = 0; d < n_docs; ++d) {
+    out[d].n_tokens = lens[d];
+    // K after k_norm (stored so, never recomputed per decode step), V as is: [n_head_kv, n, head_dim]
+    for (size_t k = 0; k < keys.size(); ++k) {
+      out[d].keys.push_back(keys[k][d].narrow(1, 0, lens[d]).contiguous());
+      out[d].values.push_back(values[k][d].narrow(1, 0, lens[d]).contiguous());
+    }
   }
   return out;
 }
