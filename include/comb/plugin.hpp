@@ -224,6 +224,13 @@ class Plugin {
   std::pair<at::Tensor, at::Tensor> block_kv(const PluginWeights& w, int64_t k, const at::Tensor& s,
                                              const at::Tensor& back_cos, const at::Tensor& back_sin) const;
   void check_document(const std::vector<int32_t>& tokens) const;
+  // RoPE tables [n_docs, 1, len, head_dim] turning token j of document d (lens [n_docs]) to
+  // position j - len_d; padding (j >= len_d) is not turned.
+  std::pair<at::Tensor, at::Tensor> back_rope(const at::Tensor& lens, int64_t len) const;
+  // Per block K, V [n_docs, n_head_kv, len, head_dim] cut into one DocumentKV per document.
+  static std::vector<DocumentKV> split_documents(const std::vector<at::Tensor>& keys,
+                                                 const std::vector<at::Tensor>& values,
+                                                 const std::vector<int64_t>& lens);
   // encoder_is_base(): documents [n_docs] through the base's cached forward as one padded batch.
   std::vector<DocumentKV> encode_padded(const Decoder& base, const std::vector<const std::vector<int32_t>*>& documents,
                                         const KVCache& prefix_states) const;

@@ -6,20 +6,33 @@ namespace comb::cli {
 
 namespace {
 
+// The options of the generated kinds that take --split: --out, --items, --seed, --split, read and
+// checked; `own` reads the kind's own options before the set is closed (check_all_used).
+struct Generated {
+  std::string out_path;
+  int64_t n = 0;
+  uint64_t seed = 0;
+  std::string split;
+};
+Generated generated_options(Args& args, const std::function<void()>& own = {}) {
+  Generated g{args.str("out"), args.num<int64_t>("items", 1000), 0, ""};
+  g.seed = args.num<uint64_t>("seed", 0);
+  g.split = args.str("split", "train");
+  if (own) own();
+  args.check_all_used();
+  COMB_CHECK(g.split == "train" || g.split == "test", "--split expects train or test, found '{}'", g.split);
+  COMB_CHECK(!g.out_path.empty(), "make-data needs --out FILE");
+  COMB_CHECK(g.n > 0, "--items must be > 0, found {}", g.n);
+  return g;
+}
+
 // `comb make-data --kind codeword`: items whose answer is only in a document. Each has 1-3 notes "The
 // secret code word of <name> is <word>." for different people and asks for one person's word, so
 // the decoder cannot answer without reading (and picking) the right document. A quick check that a
 // plug-in learns to read: the bare decoder guesses, full prefill copies. --split test draws its
 // words from a quarter of the list that --split train never uses.
 int make_codeword(Args& args) {
-  const std::string out_path = args.str("out");
-  const int64_t n = args.num<int64_t>("items", 1000);
-  const uint64_t seed = args.num<uint64_t>("seed", 0);
-  const std::string split = args.str("split", "train");
-  args.check_all_used();
-  COMB_CHECK(split == "train" || split == "test", "--split expects train or test, found '{}'", split);
-  COMB_CHECK(!out_path.empty(), "make-data needs --out FILE");
-  COMB_CHECK(n > 0, "--items must be > 0, found {}", n);
+  const auto [out_path, n, seed, split] = generated_options(args);
   static const char* const names[] = {"Anna", "Ben",  "Clara", "David", "Emma", "Frank", "Grace",
                                       "Henry", "Iris", "Jack", "Kate", "Leo", "Mia", "Noah",
                                       "Olga", "Paul", "Rosa", "Sam", "Tina", "Victor"};
@@ -82,15 +95,8 @@ int make_codeword(Args& args) {
 // --split test draws first names, last names, cities, jobs and instruments from a quarter of each
 // list that --split train never uses, so no test person or answer was ever trained on.
 int make_records(Args& args) {
-  const std::string out_path = args.str("out");
-  const int64_t n = args.num<int64_t>("items", 1000);
-  const int64_t n_docs = args.num<int64_t>("docs", 8);
-  const uint64_t seed = args.num<uint64_t>("seed", 0);
-  const std::string split = args.str("split", "train");
-  args.check_all_used();
-  COMB_CHECK(split == "train" || split == "test", "--split expects train or test, found '{}'", split);
-  COMB_CHECK(!out_path.empty(), "make-data needs --out FILE");
-  COMB_CHECK(n > 0, "--items must be > 0, found {}", n);
+  int64_t n_docs = 8;
+  const auto [out_path, n, seed, split] = generated_options(args, [&] { n_docs = args.num<int64_t>("docs", 8); });
   COMB_CHECK(n_docs >= 2 && n_docs <= 16, "--docs must be 2 to 16 for records, found {}", n_docs);
   static const std::vector<std::string> firsts = {
       "Anna", "Ben", "Clara", "David", "Emma", "Felix", "Greta", "Hugo", "Ines", "Jonas", "Karin", "Lukas", "Maria",

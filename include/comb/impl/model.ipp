@@ -150,16 +150,10 @@ COMB_INLINE const KVCache* Model::encoder_prefix_states() const {
 
 COMB_INLINE std::shared_ptr<const DocumentKV> Model::document(const std::vector<int32_t>& tokens, PICacheStore* store,
                                                   const std::string& tenant, bool* from_cache) const {
-  COMB_CHECK(plugin_, "documents need a plug-in: load one with Options::plugin (--plugin FILE)");
-  c10::InferenceMode guard;
-  if (from_cache) *from_cache = false;
-  if (!store) return std::make_shared<const DocumentKV>(plugin_->encode(*decoder_, tokens, encoder_prefix_states()));
-  CacheKey key = document_key(tokens, tenant);
-  if (auto hit = store->get(key)) {
-    if (from_cache) *from_cache = true;
-    return hit;
-  }
-  return store->put(key, plugin_->encode(*decoder_, tokens, encoder_prefix_states()));
+  std::vector<bool> cached;
+  auto out = documents({tokens}, store, tenant, &cached);
+  if (from_cache) *from_cache = cached[0];
+  return out[0];
 }
 
 COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Model::documents(

@@ -39,9 +39,11 @@ COMB_INLINE std::string method_name(Method m) {
 
 COMB_INLINE c10::ScalarType parse_cache_dtype(const std::string& name) {
   if (name == "int8") return at::kChar;
-  if (name == "float32" || name == "fp32" || name == "bfloat16" || name == "bf16" || name == "float16" || name == "fp16")
+  try {
     return parse_dtype(name);
-  COMB_FAIL("unknown cache dtype '{}' (expected float32, bfloat16, float16 or int8)", name);
+  } catch (const Error&) {
+    COMB_FAIL("unknown cache dtype '{}' (expected float32, bfloat16, float16 or int8)", name);
+  }
 }
 
 COMB_INLINE std::string cache_dtype_name(c10::ScalarType dtype) {

@@ -502,25 +502,18 @@ COMB_INLINE DocumentKV Plugin::encode(const Decoder& base, const std::vector<int
   }
   at::Tensor ids = at::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), at::kLong).to(base.device());
   auto [keys, values] = encode_batch(base, weights_, ids.unsqueeze(0), {});
-  DocumentKV out;
-  out.n_tokens = static_cast<int64_t>(tokens.size());
-  // K after k_norm (stored so, never recomputed per decode step), V as is: [n_head_kv, n, head_dim]
-  for (size_t k = 0; k < keys.size(); ++k) {
-    out.keys.push_back(keys[k][0].contiguous());
-    out.values.push_back(values[k][0].contiguous());
-  }
-  return out;
+  return std::move(split_documents(keys, values, {static_cast<int64_t>(tokens.size())})[0]);
 }
 
 COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
                                                         const std::vector<std::vector<int32_t>>& documents,
                                                         const KVCache* prefix_states) const {
-  for (const auto& d : documents) check_document(d);
   std::vector<DocumentKV> out(documents.size());
-  if (!encoder_is_base()) {
+  if (!encoder_is_base()) {  // one at a time (encode() checks each)
     for (size_t i = 0; i < documents.size(); ++i) out[i] = encode(base, documents[i]);
     return out;
   }
+  for (const auto& d : documents) check_document(d);
   std::optional<KVCache> own;
   if (!prefix_states) prefix_states = &own.emplace(encoder_prefix_states(base));
   // Shortest first; a batch grows while its padded tokens stay within 5/4 of its real ones and
@@ -556,7 +549,6 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
 COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
                                                           const std::vector<const std::vector<int32_t>*>& documents,
                                                           const KVCache& prefix_states) const {
-  const auto& c = base_config_;
   const int64_t n_docs = static_cast<int64_t>(documents.size());
   const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size());
   COMB_CHECK(pre == 0 || prefix_states.length() == pre,
@@ -578,13 +570,9 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
     }
     cache.set_length(pre);
   }
-  at::Tensor back_cos, back_sin;  // document d's token j at position j - len_d
-  if (config_.relative_positions) {
-    at::Tensor len_t = at::tensor(lens, at::kLong).to(rope_cos_.device()).unsqueeze(1);
-    at::Tensor back = (len_t - at::arange(m, len_t.options()).unsqueeze(0)).clamp_min(0);  // >= 1 for real tokens
-    back_cos = rope_cos_.index_select(0, back.reshape({-1})).view({n_docs, 1, m, c.head_dim});
-    back_sin = -rope_sin_.index_select(0, back.reshape({-1})).view({n_docs, 1, m, c.head_dim});
-  }
+  at::Tensor back_cos, back_sin;
+  if (config_.relative_positions)
+    std::tie(back_cos, back_sin) = back_rope(at::tensor(lens, at::kLong).to(rope_cos_.device()), m);
   std::vector<at::Tensor> keys(config_.n_blocks()), values(config_.n_blocks());
   at::Tensor h = base.embed(ids);
   auto project = [&](int64_t depth) {
@@ -596,8 +584,22 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
     h = base.layer(j, h, cache);
     project(j + 1);
   }
-  std::vector<DocumentKV> out(n_docs);
-  for (int64_t d = 0; d < n_docs; ++d) {
+  return split_documents(keys, values, lens);
+}
+
+COMB_INLINE std::pair<at::Tensor, at::Tensor> Plugin::back_rope(const at::Tensor& lens, int64_t len) const {
+  const int64_t n_docs = lens.size(0), hd = base_config_.head_dim;
+  // len_d - j: >= 1 for real tokens, 0 (no turn) for padding
+  at::Tensor back = (lens.unsqueeze(1) - at::arange(len, lens.options()).unsqueeze(0)).clamp_min(0);
+  return {rope_cos_.index_select(0, back.reshape({-1})).view({n_docs, 1, len, hd}),
+          -rope_sin_.index_select(0, back.reshape({-1})).view({n_docs, 1, len, hd})};  // sin(-a) = -sin(a)
+}
+
+COMB_INLINE std::vector<DocumentKV> Plugin::split_documents(const std::vector<at::Tensor>& keys,
+                                                            const std::vector<at::Tensor>& values,
+                                                            const std::vector<int64_t>& lens) {
+  std::vector<DocumentKV> out(lens.size());
+  for (size_t d = 0; d < lens.size(); ++d) {
     out[d].n_tokens = lens[d];
     // K after k_norm (stored so, never recomputed per decode step), V as is: [n_head_kv, n, head_dim]
     for (size_t k = 0; k < keys.size(); ++k) {
@@ -646,14 +648,12 @@ COMB_INLINE std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::
   // Padding comes after a document's real tokens: causally it is never seen; both ways it is masked.
   at::Tensor enc_mask = real.defined() && !p.encoder_causal ? real.view({n_docs, 1, 1, total}) : at::Tensor();
   std::vector<at::Tensor> keys(p.n_blocks()), values(p.n_blocks());
-  at::Tensor back_cos, back_sin;  // [n_docs, 1, len, head_dim]: document d's token j at position j - len_d
-  if (p.relative_positions) {
-    at::Tensor lens = mask.defined() ? mask.sum(1, /*keepdim=*/true).to(at::kLong)
-                                     : at::full({n_docs, 1}, len, at::TensorOptions().dtype(at::kLong).device(tokens.device()));
-    at::Tensor back = (lens - at::arange(len, lens.options()).unsqueeze(0)).clamp_min(0);  // len_d - j (>= 1 for real tokens)
-    back_cos = rope_cos_.index_select(0, back.reshape({-1})).view({n_docs, 1, len, c.head_dim});
-    back_sin = -rope_sin_.index_select(0, back.reshape({-1})).view({n_docs, 1, len, c.head_dim});  // sin(-a) = -sin(a)
-  }
+  at::Tensor back_cos, back_sin;
+  if (p.relative_positions)
+    std::tie(back_cos, back_sin) =
+        back_rope(mask.defined() ? mask.sum(1).to(at::kLong)
+                                 : at::full({n_docs}, len, at::TensorOptions().dtype(at::kLong).device(tokens.device())),
+                  len);
   auto project = [&](int64_t depth) {
     for (int64_t k = 0; k < p.n_blocks(); ++k)  // the blocks read the document's tokens only
       if (p.read_depth(k) == depth)

@@ -49,18 +49,18 @@ COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype)
   const bool from_int8 = quantized();
   for (size_t b = 0; b < keys.size(); ++b) {
     at::Tensor k = keys[b].to(device), v = values[b].to(device);
+    if (from_int8 && dtype == at::kChar) {  // already int8: the same codes and scales, moved
+      out.keys.push_back(k.contiguous());
+      out.values.push_back(v.contiguous());
+      out.key_scales.push_back(key_scales.at(b).to(device).contiguous());
+      out.value_scales.push_back(value_scales.at(b).to(device).contiguous());
+      continue;
+    }
     if (from_int8) {  // back to float32 first
       k = k.to(at::kFloat) * key_scales.at(b).to(device);
       v = v.to(at::kFloat) * value_scales.at(b).to(device);
     }
     if (dtype == at::kChar) {
-      if (from_int8) {  // already int8: the same codes, moved
-        out.keys.push_back(keys[b].to(device).contiguous());
-        out.values.push_back(values[b].to(device).contiguous());
-        out.key_scales.push_back(key_scales[b].to(device).contiguous());
-        out.value_scales.push_back(value_scales[b].to(device).contiguous());
-        continue;
-      }
       k = k.to(at::kFloat);
       v = v.to(at::kFloat);
       // A channel or row of zeros gets scale 1 (its codes are 0 whatever the scale).
