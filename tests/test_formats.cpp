@@ -12,7 +12,9 @@
 #include <fstream>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
+#include "comb/detail/json.hpp"
 #include "helpers.hpp"
 
 using namespace comb;
@@ -358,6 +360,76 @@ TEST_CASE("a written file gets the mode the umask gives a new file", "[formats]"
   int leftovers = 0;
   for (const auto& e : fs::directory_iterator(dir)) leftovers += e.path().filename().string() != "m.safetensors";
   CHECK(leftovers == 0);
+}
+
+TEST_CASE("JSON nested past the bound is refused by every reader, naming the input and the field", "[formats][errors]") {
+  auto dir = temp_dir("json-deep");
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  // A data item: the file, the line and the field (the process used to die of a stack overflow).
+  write_bytes(dir + "/deep.jsonl", R"({"id":"a","question":"q","answers":["x"],"documents":[]})" "\n" +
+                                       std::string(R"({"id":"b","question":"q","answers":)") + deep +
+                                       R"(,"documents":[]})" "\n");
+  std::string e = error_of([&] { read_qa_items(dir + "/deep.jsonl"); });
+  CHECK_THAT(e, Catch::Contains("deep.jsonl' line 2") && Catch::Contains("nested deeper than 64 levels") &&
+                    Catch::Contains("field 'answers'"));
+  // Nesting up to the bound reads; one level more does not.
+  auto nested = [](int levels) { return std::string(levels, '[') + std::string(levels, ']'); };
+  CHECK(comb::detail::parse_json(nested(comb::detail::kMaxJsonDepth), "x").is_array());
+  CHECK_THAT(error_of([&] { comb::detail::parse_json(nested(comb::detail::kMaxJsonDepth + 1), "x"); }),
+             Catch::Contains("nested deeper than 64"));
+  // A safetensors header.
+  const std::string header = R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"__metadata__":)" +
+                             std::string(50000, '[') + std::string(50000, ']') + "}";
+  std::string bytes(8, '\0');
+  const uint64_t n = header.size();
+  std::memcpy(&bytes[0], &n, 8);
+  write_bytes(dir + "/deep.safetensors", bytes + header + std::string(4, '\0'));
+  CHECK_THAT(error_of([&] { SafetensorsFile(dir + "/deep.safetensors"); }),
+             Catch::Contains("deep.safetensors': safetensors header") && Catch::Contains("nested deeper") &&
+                 Catch::Contains("'__metadata__'"));
+  // A model directory's config.json.
+  fs::create_directories(dir + "/model");
+  save_safetensors(dir + "/model/model.safetensors", {{"model.norm.weight", at::ones({4})}});
+  write_bytes(dir + "/model/config.json", R"({"model_type":"llama","rope_scaling":)" + deep + "}");
+  CHECK_THAT(error_of([&] { Model::load(dir + "/model"); }),
+             Catch::Contains("config.json") && Catch::Contains("nested deeper") && Catch::Contains("'rope_scaling'"));
+  remove_dir(dir);
+}
+
+TEST_CASE("data files past their bounds are refused while streaming: a decompression bomb, a long line",
+          "[formats][errors]") {
+  auto dir = temp_dir("data-bomb");
+  // 64 MiB of one JSON line from about 64 KB of gzip (ratio about 1000): refused at the ratio bound,
+  // after reading 32 MiB, not after inflating it all.
+  {
+    gzFile f = gzopen((dir + "/bomb.jsonl.gz").c_str(), "wb9");
+    REQUIRE(f);
+    const std::string chunk(1 << 20, ' ');
+    gzwrite(f, R"({"id":"a","question":"q","answers":["x"],"documents":[],"pad":")", 63);
+    for (int i = 0; i < 64; ++i) gzwrite(f, chunk.data(), static_cast<unsigned>(chunk.size()));
+    gzwrite(f, "\"}\n", 3);
+    gzclose(f);
+  }
+  CHECK(fs::file_size(dir + "/bomb.jsonl.gz") < (1 << 20));
+  CHECK_THAT(error_of([&] { read_qa_items(dir + "/bomb.jsonl.gz"); }),
+             Catch::Contains("bomb.jsonl.gz") && Catch::Contains("decompression bomb") && Catch::Contains("max_ratio"));
+  // The same file read with a higher ratio bound stops at the line bound instead.
+  DataLimits limits;
+  limits.max_ratio = 1e9;
+  limits.max_line_bytes = 40 << 20;
+  CHECK_THAT(error_of([&] { read_qa_items(dir + "/bomb.jsonl.gz", 0, limits); }),
+             Catch::Contains("line 1: longer than 41943040 bytes") && Catch::Contains("max_line_bytes"));
+  // And a plain file past the total bound.
+  std::string lines;
+  for (int i = 0; i < 100; ++i)
+    lines += fmt::format(R"({{"id":"{}","question":"q","answers":["x"],"documents":[]}})" "\n", i);
+  write_bytes(dir + "/many.jsonl", lines);
+  limits = DataLimits{};
+  limits.max_total_bytes = 1000;
+  CHECK_THAT(error_of([&] { read_qa_items(dir + "/many.jsonl", 0, limits); }),
+             Catch::Contains("more than 1000 bytes of text") && Catch::Contains("max_total_bytes"));
+  CHECK(read_qa_items(dir + "/many.jsonl").size() == 100);  // within the default bounds
+  remove_dir(dir);
 }
 
 TEST_CASE("nq-multidoc and kv items are made from files in their public source layout", "[formats][data]") {

@@ -21,10 +21,20 @@ struct QaItem {
   int64_t gold_index = -1;  // the document holding the answer, or -1 when unknown
 };
 
+// Bounds on a data file, checked while it streams (before anything is held): every data reader
+// (read_qa_items, the make-data sources) refuses input past them with comb::Error naming the bound.
+struct DataLimits {
+  int64_t max_line_bytes = int64_t(64) << 20;    // one item (the largest shipped set's is 14 KB)
+  int64_t max_total_bytes = int64_t(4) << 30;    // the whole file, as text (after decompression)
+  double max_ratio = 100;                        // text bytes per compressed byte (gzip of JSON: 2-10) ...
+  int64_t ratio_after_bytes = int64_t(32) << 20; // ... checked once this much text was read
+};
+
 // Reads items `id, question, answers, documents[{title, text}]` (and `gold_index` when present),
 // one JSON object per line, gzip or plain; the first `limit` items when limit > 0. Throws
 // comb::Error naming the file and line of a malformed item.
-std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit = 0);
+// Nesting deeper than detail::kMaxJsonDepth and input past `limits` are refused the same way.
+std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit = 0, const DataLimits& limits = {});
 
 // Data sets made from public source files (docs/data.md).
 struct NqMultidocOptions {

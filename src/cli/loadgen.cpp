@@ -10,6 +10,7 @@
 #include <mutex>
 #include <thread>
 
+#include "comb/detail/json.hpp"
 #include "commands.hpp"
 
 namespace comb::cli {
@@ -48,7 +49,12 @@ Outcome one_request(const std::string& host, int port, const std::string& body) 
       std::string event = buffer.substr(0, end);
       buffer.erase(0, end + 2);
       if (event.rfind("data: ", 0) != 0 || event == "data: [DONE]") continue;
-      json j = json::parse(event.substr(6), nullptr, false);
+      json j;
+      try {  // a server's event that is not JSON, or nested past the bound, is skipped
+        j = comb::detail::parse_json(event.substr(6), "event", /*invalid_ok=*/true);
+      } catch (const comb::Error&) {
+        continue;
+      }
       if (j.is_discarded() || !j.is_object()) continue;
       try {  // another server's fields may be null or of other types: read what is there
         if (j.contains("usage") && j["usage"].is_object()) {
@@ -135,7 +141,7 @@ int cmd_loadgen(Args& args) {
     auto res = cli.Get("/v1/models");
     COMB_CHECK(res && res->status == 200, "no server answers on {}:{} (GET /v1/models: {})", host, port,
                res ? std::to_string(res->status) : httplib::to_string(res.error()));
-    json j = json::parse(res->body, nullptr, false);
+    json j = comb::detail::parse_json(res->body, "GET /v1/models", /*invalid_ok=*/true);
     COMB_CHECK(!j.is_discarded() && j.contains("data") && !j["data"].empty(), "GET /v1/models: no model in '{}'",
                res->body.substr(0, 200));
     model = j["data"][0].value("id", "");

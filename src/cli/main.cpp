@@ -198,6 +198,8 @@ serve options (with the model options above; docs/serving.md):
   --block-tokens N       tokens per K/V block (default 16)
   --prefill-chunk N      prompt tokens computed between two decoding steps (default 256)
   --max-documents N      documents per request (default 32)
+  --allowed-origins LIST origins (scheme://host:port, comma separated; * any) whose web pages may call
+                         the server; a request with another Origin header gets 403 (default: none)
   --default-max-tokens N when a request gives no max_tokens (default 256, within the context)
   --cache-mb N, --cache-dir DIR, --cache-url URL, --cache-ttl S, --cache-dtype T
                          the document store shared by all requests and methods (as for generate)

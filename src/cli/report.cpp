@@ -1,4 +1,5 @@
 // comb report: the summary of eval --out files, per data file and method.
+#include "comb/detail/json.hpp"
 #include "commands.hpp"
 
 namespace comb::cli {
@@ -57,7 +58,7 @@ int cmd_report(std::vector<std::string> args) {
     for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
       if (line.empty()) continue;
       const std::string where = fmt::format("{}:{}", path, line_no);
-      nlohmann::json r = nlohmann::json::parse(line, nullptr, false);
+      nlohmann::json r = comb::detail::parse_json(line, where, /*invalid_ok=*/true);
       COMB_CHECK(!r.is_discarded() && r.is_object(), "{}: not a JSON object", where);
       for (const char* key : {"method", "data", "index", "correct", "ttft_cold_ms", "ttft_warm_ms",
                               "computed_tokens_warm", "reused_tokens_warm", "cache_bytes_per_token"})

@@ -64,7 +64,26 @@ class Api {
 
   std::atomic<bool> draining{false};
 
-  void routes(httplib::Server& http) {
+  void routes(httplib::Server& http, int64_t max_body_bytes, std::vector<std::string> allowed_origins) {
+    // Before any body is read: a refused one is neither read nor waited for, and the connection
+    // closes after the answer (its unread body would otherwise be read as the next request).
+    http.set_pre_routing_handler([this, max_body_bytes, origins = std::move(allowed_origins)](
+                                     const httplib::Request& req, httplib::Response& res) {
+      auto header = [&](const char* name) -> std::optional<std::string> {
+        if (!req.has_header(name)) return std::nullopt;
+        return req.get_header_value(name);
+      };
+      try {
+        serve::check_request_head({req.method, header("Content-Length"), header("Content-Type"),
+                                   header("Transfer-Encoding"), header("Origin")},
+                                  max_body_bytes, origins);
+      } catch (const ApiError& e) {
+        reply_error(res, e);
+        res.set_header("Connection", "close");
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      return httplib::Server::HandlerResponse::Unhandled;
+    });
     http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
       if (draining) {
         res.status = 503;
@@ -568,6 +587,9 @@ int cmd_serve(Args& args) {
   if (name.empty()) name = std::filesystem::path(args.has("model") ? args.peek_all("model").back() : default_model()).stem().string();
   const int64_t default_max_tokens = args.num<int64_t>("default-max-tokens", 256);
   const std::string port_file = args.str("port-file");
+  std::vector<std::string> allowed_origins;
+  if (args.has("allowed-origins"))
+    allowed_origins = split_list(args.str("allowed-origins"));
   Model model = load_model(args, true);
   if (method.empty() && !model.plugin()) o.method = Method::naive;  // comb needs a plug-in
   args.check_all_used();
@@ -578,13 +600,14 @@ int cmd_serve(Args& args) {
   // A worker per admitted and queued request, and room for health checks and refusals beside them.
   const size_t workers = static_cast<size_t>(o.max_running + o.max_queued + 32);
   http.new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
-  http.set_payload_max_length(8u << 20);
+  const int64_t max_body_bytes = int64_t(8) << 20;
+  http.set_payload_max_length(static_cast<size_t>(max_body_bytes));
   http.set_read_timeout(10, 0);
   http.set_write_timeout(10, 0);
   http.set_keep_alive_max_count(1000);
   http.set_keep_alive_timeout(2);  // an idle connection gives its worker back soon
   http.set_tcp_nodelay(true);  // each streamed token leaves at once
-  api.routes(http);
+  api.routes(http, max_body_bytes, allowed_origins);
   const int bound = port == 0 ? http.bind_to_any_port(host) : (http.bind_to_port(host, port) ? port : -1);
   COMB_CHECK(bound > 0, "cannot listen on {}:{} (in use, or not an address of this machine)", host, port);
   if (!port_file.empty()) {

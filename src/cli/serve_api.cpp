@@ -1,8 +1,11 @@
 // Request bodies of `comb serve` parsed and checked (see serve_api.hpp).
 #include "serve_api.hpp"
 
+#include "comb/detail/json.hpp"
+
 #include <fmt/format.h>
 
+#include <cctype>
 #include <cmath>
 #include <limits>
 
@@ -65,15 +68,22 @@ bool bool_field(const json& v, const std::string& param) {
 json parse_object(const std::string& body) {
   json j;
   try {
-    j = json::parse(body);
-  } catch (const json::parse_error& e) {
-    // e.byte is where the parser stopped; the library's own text names the token it found.
-    throw ApiError(400, fmt::format("the body is not valid JSON (at byte {}): {}", e.byte, e.what()));
-  } catch (const json::exception& e) {  // a number beyond a double's range (2e5555), ...
-    throw ApiError(400, fmt::format("the body cannot be read as JSON: {}", e.what()));
+    j = comb::detail::parse_json(body, "the body");
+  } catch (const comb::Error& e) {  // syntax (the byte and the token found), depth, a number beyond a double's range
+    throw ApiError(400, e.what());
   }
   expect(j.is_object(), "", fmt::format("the body should be a JSON object, found {}", type_name(j)));
   return j;
+}
+
+// A field the endpoint does not take is refused by name (as OpenAI does), not ignored.
+void refuse_unknown_fields(const json& j, const std::vector<const char*>& known) {
+  for (const auto& [key, value] : j.items()) {
+    bool ok = false;
+    for (const char* k : known) ok = ok || key == k;
+    const std::string name = key.substr(0, 64);
+    expect(ok, name, fmt::format("'{}' is not a field this endpoint takes (it takes {})", name, fmt::join(known, ", ")));
+  }
 }
 
 // A message's content: a string, or OpenAI's list of parts of which only text parts are taken.
@@ -122,6 +132,18 @@ bool known_method(const std::string& name) {
 
 CompletionRequest parse_completion_request(const std::string& body, bool chat, const Limits& limits) {
   json j = parse_object(body);
+  // OpenAI's fields this server reads (those it does not implement are refused below unless given
+  // their neutral value), and comb's own: anything else is a 400 naming it, not silently ignored.
+  static const std::vector<const char*> common = {
+      "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
+      "stream_options", "n", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
+      "user", "method", "cache_salt", "ignore_eos", "documents"};
+  static const std::vector<const char*> chat_only = {"messages", "tools", "functions", "tool_choice",
+                                                      "parallel_tool_calls", "response_format"};
+  static const std::vector<const char*> completion_only = {"prompt", "echo", "suffix", "best_of"};
+  std::vector<const char*> known = common;
+  for (const char* k : chat ? chat_only : completion_only) known.push_back(k);
+  refuse_unknown_fields(j, known);
   CompletionRequest r;
   r.chat = chat;
   expect(j.contains("model"), "model", "'model' is required");
@@ -203,10 +225,32 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
   if (j.contains("best_of") && !j["best_of"].is_null())
     expect(integer_field(j["best_of"], "best_of", 1, 128) == 1, "best_of", "'best_of' above 1 is not supported");
   if (j.contains("logprobs") && !j["logprobs"].is_null()) {
+    // chat: true/false; completions: how many (0 to 5)
     const json& l = j["logprobs"];
-    expect(!(l.is_boolean() && l.get<bool>()) && !(l.is_number() && l.get<double>() != 0), "logprobs",
-           "'logprobs' is not supported");
+    if (chat) expect(!bool_field(l, "logprobs"), "logprobs", "'logprobs' is not supported");
+    else expect(integer_field(l, "logprobs", 0, 5) == 0, "logprobs", "'logprobs' is not supported");
   }
+  if (j.contains("top_logprobs") && !j["top_logprobs"].is_null())
+    expect(integer_field(j["top_logprobs"], "top_logprobs", 0, 20) == 0, "top_logprobs", "'top_logprobs' is not supported");
+  for (const char* key : {"frequency_penalty", "presence_penalty"})
+    if (j.contains(key) && !j[key].is_null())
+      expect(number_field(j[key], key, -2, 2) == 0, key, fmt::format("'{}' other than 0 is not supported", key));
+  if (j.contains("logit_bias") && !j["logit_bias"].is_null()) {
+    const json& b = j["logit_bias"];
+    expect(b.is_object(), "logit_bias", fmt::format("'logit_bias' should be an object, found {}", type_name(b)));
+    expect(b.empty(), "logit_bias", "'logit_bias' is not supported");
+  }
+  if (j.contains("response_format") && !j["response_format"].is_null()) {
+    const json& f = j["response_format"];
+    expect(f.is_object() && f.contains("type") && f["type"].is_string(), "response_format",
+           fmt::format("'response_format' should be an object with a 'type', found {}", type_name(f)));
+    expect(f["type"] == "text", "response_format", "'response_format' other than {\"type\": \"text\"} is not supported");
+  }
+  if (j.contains("user") && !j["user"].is_null()) string_field(j["user"], "user", 256);
+  if (j.contains("tool_choice") && !j["tool_choice"].is_null())
+    expect(j["tool_choice"] == "none" || j["tool_choice"] == "auto", "tool_choice", "'tool_choice' is not supported");
+  if (j.contains("parallel_tool_calls") && !j["parallel_tool_calls"].is_null())
+    bool_field(j["parallel_tool_calls"], "parallel_tool_calls");
   for (const char* key : {"tools", "functions"})
     if (j.contains(key) && !j[key].is_null() && !(j[key].is_array() && j[key].empty()))
       bad(key, fmt::format("'{}' is not supported by this model", key));
@@ -227,8 +271,13 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
       const std::string p = fmt::format("documents[{}]", i);
       expect(d[i].is_object(), p, fmt::format("'{}' should be an object, found {}", p, type_name(d[i])));
       DocumentRef ref;
+      for (const auto& [key, value] : d[i].items())
+        expect(key == "id" || key == "text" || key == "title", p + "." + key.substr(0, 64),
+               fmt::format("'{}' has a field '{}'; a document is {{\"id\"}} or {{\"text\", \"title\"}}", p,
+                           key.substr(0, 64)));
       if (d[i].contains("id")) {
         ref.id = string_field(d[i]["id"], p + ".id", 128);
+        expect(!ref.id.empty(), p + ".id", fmt::format("'{}.id' is empty", p));
         expect(!d[i].contains("text"), p, fmt::format("'{}' should have an 'id' or a 'text', not both", p));
       } else {
         expect(d[i].contains("text"), p + ".text", fmt::format("'{}' has neither 'id' nor 'text'", p));
@@ -244,6 +293,7 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
 
 DocumentUpload parse_document_upload(const std::string& body, const Limits& limits) {
   json j = parse_object(body);
+  refuse_unknown_fields(j, {"text", "title", "cache_salt", "method"});
   DocumentUpload d;
   expect(j.contains("text"), "text", "'text' is required");
   d.text = string_field(j["text"], "text", limits.max_document_bytes);
@@ -257,6 +307,40 @@ DocumentUpload parse_document_upload(const std::string& body, const Limits& limi
            fmt::format("'method' should be full, prefix, naive, cacheblend, epic or comb, found '{}'", d.method));
   }
   return d;
+}
+
+void check_request_head(const RequestHead& head, int64_t max_body_bytes, const std::vector<std::string>& allowed_origins) {
+  auto shown = [](const std::string& v) { return v.substr(0, 80); };
+  if (head.origin) {
+    bool ok = false;
+    for (const auto& o : allowed_origins) ok = ok || o == "*" || o == *head.origin;
+    if (!ok)
+      throw ApiError(403, fmt::format("requests from the web page of '{}' are refused: that origin is not in --allowed-origins",
+                                      shown(*head.origin)), "", "origin_not_allowed", "permission_error");
+  }
+  const bool takes_body = head.method == "POST" || head.method == "PUT" || head.method == "PATCH";
+  if (head.transfer_encoding)
+    throw ApiError(411, fmt::format("a body is taken with a Content-Length only, found Transfer-Encoding: {}",
+                                    shown(*head.transfer_encoding)));
+  if (!head.content_length) {
+    if (takes_body) throw ApiError(411, "a body needs a Content-Length");
+    return;
+  }
+  const std::string& n = *head.content_length;
+  const bool digits = !n.empty() && n.size() <= 18 && n.find_first_not_of("0123456789") == std::string::npos;
+  if (!digits)
+    throw ApiError(400, fmt::format("Content-Length should be a whole number of bytes, found '{}'", shown(n)));
+  const int64_t bytes = std::stoll(n);
+  if (bytes > max_body_bytes)
+    throw ApiError(413, fmt::format("the body has {} bytes; this server takes at most {}", bytes, max_body_bytes));
+  if (bytes == 0) return;
+  std::string type = head.content_type ? head.content_type->substr(0, head.content_type->find(';')) : "";
+  type.erase(0, type.find_first_not_of(" \t"));
+  type.erase(type.find_last_not_of(" \t") + 1);
+  for (auto& c : type) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (type != "application/json")
+    throw ApiError(415, fmt::format("a body should be application/json, found {}",
+                                    head.content_type ? "'" + shown(*head.content_type) + "'" : "no Content-Type"));
 }
 
 }  // namespace comb::serve

@@ -74,6 +74,18 @@ struct DocumentUpload {
 };
 DocumentUpload parse_document_upload(const std::string& body, const Limits& limits);
 
+// A request's line and headers, checked before its body is read (check_request_head), so that a
+// body the server would refuse is never read nor waited for.
+struct RequestHead {
+  std::string method;
+  std::optional<std::string> content_length, content_type, transfer_encoding, origin;
+};
+// Throws ApiError: 403 for an Origin not in `allowed_origins` (a web page's request; "*" allows
+// any); for a body: 411 without a Content-Length or with a Transfer-Encoding (chunked bodies are not
+// taken), 400 for a Content-Length that is not a whole number, 413 past `max_body_bytes`, 415 for a
+// Content-Type other than application/json (a form a web page can post without asking).
+void check_request_head(const RequestHead& head, int64_t max_body_bytes, const std::vector<std::string>& allowed_origins);
+
 // The caching methods a request may name.
 bool known_method(const std::string& name);
 

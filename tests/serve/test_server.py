@@ -263,12 +263,17 @@ def hostile_requests(model):
         "seed": [1.5, "x", 2**64, [], True],
         "stop": [5, [1], ["a"] * 5, [""], {}, True],
         "stream": ["yes", 1, [], {}],
-        "documents": ["all", 5, [5], [{}], [{"text": ""}], [{"text": 5}], [{"id": 7}], [{"id": "x", "text": "y"}]],
+        "documents": ["all", 5, [5], [{}], [{"text": ""}], [{"text": 5}], [{"id": 7}], [{"id": "x", "text": "y"}],
+                      [{"id": ""}], [{"text": "y", "url": "z"}]],
         "method": [5, "magic", [], ""],
         "cache_salt": [5, [], {}, "s" * 300],
         "n": [2, 0, "x", 1.5],
         "stream_options": ["x", 5, {"include_usage": "yes"}],
-        "logprobs": [True, 5],
+        "logprobs": [True, 5, "yes", []],
+        "top_k": [-5, 1, "x"],  # not a field of this API
+        "response_format": [5, "json", {"type": "json_object"}],
+        "frequency_penalty": [0.5, "x", 3],
+        "logit_bias": [{"1": 5}, 5],
     }
     while len(out) < 1000:
         kind = rng.randrange(4)
@@ -314,6 +319,74 @@ def test_hostile(s):
     print("statuses of 1,000 hostile requests:", statuses)
     check(not bad, f"1,000 hostile requests: every one a 4xx with an OpenAI-shaped error ({bad[:5]})")
     check(s.proc.poll() is None, "the server is still running")
+    text, _, _ = chat(s, "What is the capital of France?")
+    check(bool(text), "a valid request afterwards succeeds")
+
+
+def raw_request(s, head, body=b"", read_s=5):
+    """Sends raw bytes; returns (status, error message, seconds until the answer began)."""
+    with socket.create_connection(("127.0.0.1", s.port), timeout=read_s) as c:
+        t0 = time.time()
+        c.sendall(head)
+        if body:  # the server may answer at the headers and never read the body: sending may stall
+            c.settimeout(0.5)
+            try:
+                c.sendall(body)
+            except OSError:
+                pass
+            c.settimeout(read_s)
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data or len(data) < data.find(b"\r\n\r\n") + 4 + 10:
+                got = c.recv(65536)
+                if not got:
+                    break
+                data += got
+        except socket.timeout:
+            pass
+        took = time.time() - t0
+    if not data.startswith(b"HTTP/1.1 "):
+        return None, "", took
+    status = int(data[9:12])
+    text = data.split(b"\r\n\r\n", 1)[1] if b"\r\n\r\n" in data else b""
+    try:
+        message = json.loads(text[text.find(b"{"):].decode(errors="replace"))["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = text[:200].decode(errors="replace")
+    return status, message, took
+
+
+def test_request_heads(s):
+    """What the line and headers say is checked before the body is read or waited for."""
+    body = json.dumps({"model": s.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+
+    def post(headers, payload=b""):
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n"
+        return raw_request(s, head, payload)
+
+    length = b"Content-Length: %d" % len(body)
+    code, message, took = post([b"Content-Type: text/plain", length], body)
+    check(code == 415 and "application/json" in message, f"a text/plain POST (a web form) gets 415 ({code} {message})")
+    code, message, took = post([b"Content-Type: application/json", b"Origin: http://evil.example", length], body)
+    check(code == 403 and "evil.example" in message, f"a request from another origin gets 403 ({code} {message})")
+    code, message, took = post([b"Content-Type: application/json"])
+    check(code == 411 and took < 2, f"no Content-Length: 411 at once ({code} in {took:.2f} s)")
+    code, message, took = post([b"Content-Type: application/json", b"Content-Length: -5"])
+    check(code == 400 and took < 2, f"a negative Content-Length: 400 at once ({code} in {took:.2f} s: {message})")
+    code, message, took = post([b"Content-Type: application/json", b"Content-Length: 1000000000"])
+    check(code == 413 and took < 2, f"a 1 GB Content-Length: 413 before the body is sent ({code} in {took:.2f} s)")
+    # A 1 GB chunked body: refused at its headers, not buffered (the first megabyte is sent, the rest
+    # would follow); the server's memory does not grow by it.
+    rss = lambda: int(open(f"/proc/{s.proc.pid}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    before = rss()
+    chunk = b"%x\r\n" % (1 << 20) + b"[" * (1 << 20) + b"\r\n"
+    code, message, took = post([b"Content-Type: application/json", b"Transfer-Encoding: chunked"], chunk)
+    check(code == 411 and took < 2, f"a chunked body of 1 GB: 411 at its headers ({code} in {took:.2f} s: {message})")
+    check(rss() - before < 100 << 20, f"and the server's memory grew by {(rss() - before) >> 20} MiB (< 100)")
+    r = httpx.post(s.base + "/v1/chat/completions", json={"model": s.model, "messages": [{"role": "user", "content": "hi"}],
+                                                          "top_k": 5}, timeout=30)
+    check(r.status_code == 400 and "'top_k'" in r.json()["error"]["message"] and r.json()["error"]["param"] == "top_k",
+          f"a field the API does not have is named in a 400 ({r.status_code} {r.text[:160]})")
     text, _, _ = chat(s, "What is the capital of France?")
     check(bool(text), "a valid request afterwards succeeds")
 
@@ -433,7 +506,8 @@ def test_restart():
 def main():
     s = Server()
     try:
-        for test in (test_api, test_documents, test_concurrency, test_hostile, test_cancel_and_metrics):
+        for test in (test_api, test_documents, test_concurrency, test_hostile, test_request_heads,
+                     test_cancel_and_metrics):
             t0 = time.time()
             test(s)
             print(f"-- {test.__name__}: {time.time() - t0:.1f} s", flush=True)

@@ -27,8 +27,9 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-// Reads a whole file into a string; throws comb::Error naming the path when it cannot.
-std::string read_text_file(const std::string& path);
+// Reads a whole file into a string; throws comb::Error naming the path when it cannot, or when
+// the file holds more than `max_bytes` (checked before reading).
+std::string read_text_file(const std::string& path, int64_t max_bytes = int64_t(1) << 30);
 
 // Writes `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename.
 // The file is created with `mode` less the umask.

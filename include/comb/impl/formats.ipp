@@ -20,6 +20,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "comb/detail/json.hpp"
 #include "comb/error.hpp"
 #include "comb/gguf.hpp"
 #include "comb/log.hpp"
@@ -69,12 +70,21 @@ COMB_INLINE MappedFile::~MappedFile() {
   if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
 }
 
-COMB_INLINE std::string read_text_file(const std::string& path) {
+COMB_INLINE std::string read_text_file(const std::string& path, int64_t max_bytes) {
   std::ifstream in(path, std::ios::binary);
   COMB_CHECK(in.good(), "cannot open '{}': {}", path, std::strerror(errno));
-  std::ostringstream out;
-  out << in.rdbuf();
-  return out.str();
+  std::error_code ec;
+  const auto size = fs::file_size(path, ec);  // a pipe or device has none: read up to the bound
+  COMB_CHECK(ec || size <= static_cast<uintmax_t>(max_bytes), "'{}' holds {} bytes, more than the {} read whole", path,
+             size, max_bytes);
+  std::string out;
+  char chunk[1 << 16];
+  while (in.read(chunk, sizeof(chunk)) || in.gcount() > 0) {
+    out.append(chunk, static_cast<size_t>(in.gcount()));
+    COMB_CHECK(static_cast<int64_t>(out.size()) <= max_bytes, "'{}' holds more than the {} bytes read whole", path,
+               max_bytes);
+  }
+  return out;
 }
 
 namespace impl_formats {  // this file's own helpers
@@ -544,12 +554,8 @@ COMB_INLINE SafetensorsFile::SafetensorsFile(const std::string& path) : file_(st
   COMB_CHECK(n >= 2 && n <= size - 8 && n <= (uint64_t(100) << 20),
              "'{}': safetensors header length {} does not fit the file ({} bytes): truncated or not safetensors", path,
              n, size);
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(file_->data() + 8, file_->data() + 8 + n);
-  } catch (const nlohmann::json::exception& ex) {
-    COMB_FAIL("'{}': safetensors header is not valid JSON: {}", path, ex.what());
-  }
+  const nlohmann::json header = detail::parse_json(
+      std::string_view(reinterpret_cast<const char*>(file_->data()) + 8, n), fmt::format("'{}': safetensors header", path));
   COMB_CHECK(header.is_object(), "'{}': safetensors header should be a JSON object", path);
   const uint64_t data_start = 8 + n, data_size = size - data_start;
   for (auto& [name, value] : header.items()) {
@@ -635,12 +641,8 @@ COMB_INLINE at::Tensor SafetensorsFile::load(const std::string& name, c10::Scala
 }
 
 COMB_INLINE ShardedSafetensors::ShardedSafetensors(const std::string& index_path) : index_path_(index_path) {
-  nlohmann::json index;
-  try {
-    index = nlohmann::json::parse(detail::read_text_file(index_path));
-  } catch (const nlohmann::json::exception& ex) {
-    COMB_FAIL("'{}': not valid JSON: {}", index_path, ex.what());
-  }
+  const nlohmann::json index =
+      detail::parse_json(detail::read_text_file(index_path, detail::kMaxJsonFileBytes), fmt::format("'{}'", index_path));
   COMB_CHECK(index.contains("weight_map") && index["weight_map"].is_object(), "'{}': no \"weight_map\" object",
              index_path);
   fs::path dir = fs::path(index_path).parent_path();

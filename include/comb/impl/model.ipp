@@ -16,6 +16,7 @@
 
 #include "comb/cuda_backend.hpp"
 #include "comb/detail/mapped_file.hpp"
+#include "comb/detail/json.hpp"
 #include "comb/error.hpp"
 #include "comb/gguf.hpp"
 #include "comb/model.hpp"
@@ -73,8 +74,9 @@ COMB_INLINE Model Model::load(const std::string& path, const Options& options) {
   } else {
     fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
     std::string config_path = (dir / "config.json").string();
-    nlohmann::json j = nlohmann::json::parse(detail::read_text_file(config_path), nullptr, false);
-    COMB_CHECK(!j.is_discarded(), "'{}': not valid JSON", config_path);
+    nlohmann::json j = detail::parse_json(detail::read_text_file(config_path, detail::kMaxJsonFileBytes),
+                                          fmt::format("'{}'", config_path));
+    COMB_CHECK(j.is_object(), "'{}': expected a JSON object, found {}", config_path, j.type_name());
     if (j.value("model_type", "") == "combllama") {
       // The reference layout: the decoder under language_model.*, text_config its config, and
       // num_hidden_layers counting decoder layers plus cross blocks.

@@ -12,6 +12,7 @@
 #include <optional>
 #include <tuple>
 
+#include "comb/detail/json.hpp"
 #include "comb/error.hpp"
 #include "comb/ops.hpp"
 #include "comb/plugin.hpp"
@@ -444,8 +445,7 @@ COMB_INLINE Plugin Plugin::load(const std::string& path, const Decoder& base) {
   SafetensorsFile file(path);
   auto it = file.metadata().find("comb.plugin");
   COMB_CHECK(it != file.metadata().end(), "'{}' is not a comb plug-in file (no 'comb.plugin' metadata)", path);
-  nlohmann::json j = nlohmann::json::parse(it->second, nullptr, false);
-  COMB_CHECK(!j.is_discarded(), "'{}': 'comb.plugin' metadata is not valid JSON", path);
+  nlohmann::json j = detail::parse_json(it->second, fmt::format("'{}': 'comb.plugin' metadata", path));
   PluginConfig config = PluginConfig::from_json(j, path);
   std::string base_fp = base_fingerprint(base);
   COMB_CHECK(config.base_fingerprint.empty() || config.base_fingerprint == base_fp,

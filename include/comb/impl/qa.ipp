@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -14,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "comb/detail/json.hpp"
 #include "comb/error.hpp"
 #include "comb/qa.hpp"
 
@@ -26,13 +28,15 @@ COMB_INLINE const char* const kQaInstruction =
 namespace impl_qa {  // this file's own helpers
 // Calls fn(line number, object) for each non-blank line of a JSON Lines file (gzip or plain) until
 // fn returns false. A line that is not a JSON object, a damaged gzip stream and a JSON type error
-// in fn are errors naming the file and line.
-COMB_INLINE void each_json_line(const std::string& path, const std::function<bool(int64_t, const nlohmann::json&)>& fn) {
+// in fn are errors naming the file and line; so is input beyond DataLimits (a line too long, too
+// many bytes in all, a decompression bomb), refused while streaming, before it is held.
+COMB_INLINE void each_json_line(const std::string& path, const std::function<bool(int64_t, const nlohmann::json&)>& fn,
+                                const DataLimits& limits = {}) {
   gzFile f = gzopen(path.c_str(), "rb");
   COMB_CHECK(f, "cannot open data file '{}'", path);
   std::string line;
   char buffer[1 << 16];
-  int64_t number = 0;
+  int64_t number = 0, total = 0;
   // gzgets stops alike at the end of the file and at a damaged or cut-short gzip stream; only
   // gzerror tells them apart, so every read is checked (a truncated download must not read as a
   // shorter data set).
@@ -42,20 +46,37 @@ COMB_INLINE void each_json_line(const std::string& path, const std::function<boo
     COMB_CHECK(code == Z_OK || code == Z_STREAM_END, "'{}' is damaged or cut short ({} lines read whole): {}", path, number,
                message ? message : "read error");
   };
+  auto check_limits = [&](size_t got) {
+    total += static_cast<int64_t>(got);
+    COMB_CHECK(static_cast<int64_t>(line.size()) <= limits.max_line_bytes,
+               "'{}' line {}: longer than {} bytes (the longest item read; DataLimits::max_line_bytes)", path,
+               number + 1, limits.max_line_bytes);
+    COMB_CHECK(total <= limits.max_total_bytes, "'{}': more than {} bytes of text at line {} (DataLimits::max_total_bytes)",
+               path, limits.max_total_bytes, number + 1);
+    if (total > limits.ratio_after_bytes) {
+      const int64_t packed = std::max<int64_t>(1, static_cast<int64_t>(gzoffset(f)));
+      COMB_CHECK(static_cast<double>(total) <= limits.max_ratio * static_cast<double>(packed),
+                 "'{}': {} bytes of text from {} compressed bytes by line {}, more than {}x: refused as a decompression "
+                 "bomb (DataLimits::max_ratio)",
+                 path, total, packed, number + 1, limits.max_ratio);
+    }
+  };
   try {
     for (;;) {
       line.clear();
       bool got = false;
       while (gzgets(f, buffer, sizeof(buffer))) {
         got = true;
-        line += buffer;
+        const size_t n = std::strlen(buffer);
+        line.append(buffer, n);
+        check_limits(n);
         if (!line.empty() && line.back() == '\n') break;
       }
       check_stream();
       if (!got) break;
       ++number;
       if (line.find_first_not_of(" \t\r\n") == std::string::npos) continue;
-      nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      nlohmann::json j = detail::parse_json(line, fmt::format("'{}' line {}", path, number), /*invalid_ok=*/true);
       COMB_CHECK(!j.is_discarded() && j.is_object(), "'{}' line {}: not valid JSON (expected one object per line)", path,
                  number);
       if (!fn(number, j)) break;
@@ -74,12 +95,14 @@ COMB_INLINE void each_json_line(const std::string& path, const std::function<boo
 [[noreturn]] COMB_INLINE void refuse(const std::string& path, int64_t number, const std::string& field, const std::string& expected,
                          const nlohmann::json& found) {
   COMB_FAIL("'{}' line {}: '{}' must be {}, found {}", path, number, field, expected,
-            found.is_null() ? std::string("null") : std::string(found.type_name()) + " " + found.dump().substr(0, 60));
+            found.is_null()        ? std::string("null")
+            : found.is_structured() ? fmt::format("{} of {} entries", found.type_name(), found.size())
+                                    : std::string(found.type_name()) + " " + found.dump().substr(0, 60));
 }
 }  // namespace impl_qa
 using namespace impl_qa;
 
-COMB_INLINE std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit) {
+COMB_INLINE std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit, const DataLimits& limits) {
   std::vector<QaItem> items;
   static const nlohmann::json missing;  // what an absent document field is reported as
   each_json_line(path, [&](int64_t number, const nlohmann::json& j) {
@@ -130,7 +153,7 @@ COMB_INLINE std::vector<QaItem> read_qa_items(const std::string& path, int64_t l
     }
     items.push_back(std::move(item));
     return limit <= 0 || static_cast<int64_t>(items.size()) < limit;
-  });
+  }, limits);
   COMB_CHECK(!items.empty(), "'{}' holds no items", path);
   return items;
 }

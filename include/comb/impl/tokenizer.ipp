@@ -17,6 +17,7 @@
 
 #include "comb/chat_template.hpp"
 #include "comb/detail/mapped_file.hpp"
+#include "comb/detail/json.hpp"
 #include "comb/error.hpp"
 #include "comb/gguf.hpp"
 #include "comb/tokenizer.hpp"
@@ -471,12 +472,7 @@ COMB_INLINE Tokenizer Tokenizer::from_hf_json(const nlohmann::json& j, const std
 }
 
 COMB_INLINE Tokenizer Tokenizer::from_hf_file(const std::string& path) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(detail::read_text_file(path));
-  } catch (const nlohmann::json::exception& ex) {
-    COMB_FAIL("'{}': not valid JSON: {}", path, ex.what());
-  }
+  const nlohmann::json j = detail::parse_json(detail::read_text_file(path, detail::kMaxJsonFileBytes), fmt::format("'{}'", path));
   // A field of the wrong type or a missing one throws nlohmann's error, which names neither the
   // file nor the field: the file is named here.
   auto named = [](const std::string& file, auto&& read) {
@@ -493,7 +489,8 @@ COMB_INLINE Tokenizer Tokenizer::from_hf_file(const std::string& path) {
     return v.is_string() ? v.get<std::string>() : v.is_object() ? v.value("content", "") : std::string();
   };
   if (fs::exists(config)) {
-    nlohmann::json c = nlohmann::json::parse(detail::read_text_file(config.string()), nullptr, false);
+    nlohmann::json c = detail::parse_json(detail::read_text_file(config.string(), detail::kMaxJsonFileBytes),
+                                          fmt::format("'{}'", config.string()), /*invalid_ok=*/true);
     COMB_CHECK(!c.is_discarded() && c.is_object(), "'{}': not a JSON object", config.string());
     named(config.string(), [&] {
       if (c.contains("bos_token")) tok.impl_->bos = tok.find_token(token_text(c["bos_token"]));

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 #include <xxhash.h>
 
+#include "comb/detail/json.hpp"
 #include "comb/error.hpp"
 #include "comb/log.hpp"
 #include "comb/safetensors.hpp"
@@ -396,7 +397,7 @@ COMB_INLINE TeacherCache::TeacherCache(std::string path, std::string base_finger
   COMB_CHECK(in.good(), "cannot read the teacher file '{}'", path_);
   std::string line;
   std::getline(in, line);
-  nlohmann::json h = nlohmann::json::parse(line, nullptr, false);
+  nlohmann::json h = detail::parse_json(line, fmt::format("'{}' line 1", path_), /*invalid_ok=*/true);
   COMB_CHECK(!h.is_discarded() && h.is_object() && h.value("format", "") == "comb-teacher",
              "'{}' line 1: expected a comb-teacher header, found '{}'", path_, line.substr(0, 80));
   for (const char* field : {"base", "max_tokens", "top_k"})
@@ -410,7 +411,7 @@ COMB_INLINE TeacherCache::TeacherCache(std::string path, std::string base_finger
   for (size_t i = 0; i < lines.size(); ++i) {
     ++line_no;
     if (lines[i].empty()) continue;
-    nlohmann::json j = nlohmann::json::parse(lines[i], nullptr, false);
+    nlohmann::json j = detail::parse_json(lines[i], fmt::format("'{}' line {}", path_, line_no), /*invalid_ok=*/true);
     if (j.is_discarded() && i + 1 == lines.size()) {
       ++dropped;
       break;
