@@ -5,13 +5,20 @@
 #include <signal.h>
 #include <xxhash.h>
 
+#include <unistd.h>
+
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <ctime>
 #include <deque>
 #include <mutex>
 #include <thread>
 
+#include "comb/detail/json.hpp"
+#include "comb/detail/mapped_file.hpp"
 #include "comb/detail/utf8.hpp"
 #include "commands.hpp"
 #include "serve_api.hpp"
@@ -40,6 +47,102 @@ struct StoredDocument {
   std::vector<std::string> methods;  // whose caches were computed on upload
 };
 
+// The uploaded documents' registry kept beside the disk tier (--cache-dir), so that ids outlive a
+// restart as their caches do: a log of one JSON line per upload or delete, appended and flushed
+// before the request is answered, replayed and rewritten compact at start. A line cut short by a
+// kill is dropped; any other line that does not read is skipped with a warning.
+class Registry {
+ public:
+  Registry() = default;
+  explicit Registry(std::string dir) : path_(dir.empty() ? "" : dir + "/documents.jsonl") {}
+  bool enabled() const { return !path_.empty(); }
+  const std::string& path() const { return path_; }
+
+  // Replays the log into `docs` (ids with more than `max_tokens` tokens or ids outside the
+  // vocabulary are dropped) and rewrites it with one line per document.
+  void load(std::map<std::pair<std::string, std::string>, StoredDocument>& docs, int64_t n_vocab, int64_t max_tokens,
+            int64_t max_documents) {
+    if (!enabled() || !std::filesystem::exists(path_)) return;
+    std::ifstream in(path_);
+    COMB_CHECK(in.good(), "cannot read the document registry '{}'", path_);
+    std::string line;
+    int64_t number = 0, skipped = 0;
+    while (std::getline(in, line)) {
+      ++number;
+      if (line.empty()) continue;
+      try {
+        const json j = detail::parse_json(line, fmt::format("'{}' line {}", path_, number));
+        const std::pair<std::string, std::string> key{j.at("salt").get<std::string>(), j.at("id").get<std::string>()};
+        if (j.at("op") == "delete") {
+          docs.erase(key);
+          continue;
+        }
+        StoredDocument d;
+        d.salt = key.first;
+        d.id = key.second;
+        d.title = j.at("title").get<std::string>();
+        d.created = j.at("created").get<int64_t>();
+        d.methods = j.at("methods").get<std::vector<std::string>>();
+        d.tokens = j.at("tokens").get<std::vector<int32_t>>();
+        COMB_CHECK(!d.tokens.empty() && static_cast<int64_t>(d.tokens.size()) <= max_tokens, "{} tokens", d.tokens.size());
+        for (int32_t t : d.tokens) COMB_CHECK(t >= 0 && t < n_vocab, "token {} outside the vocabulary", t);
+        if (static_cast<int64_t>(docs.size()) < max_documents || docs.count(key)) docs[key] = std::move(d);
+      } catch (const std::exception& e) {
+        ++skipped;
+        if (in.peek() != EOF)  // the last line may have been cut short by a kill: not worth a warning
+          fmt::print(stderr, "[serve] warning: '{}' line {} skipped: {}\n", path_, number, std::string(e.what()).substr(0, 200));
+      }
+    }
+    in.close();
+    compact(docs);
+    fmt::print(stderr, "[serve] {} uploaded documents from {} ({} lines skipped)\n", docs.size(), path_, skipped);
+  }
+
+  // Appends and flushes one change (`docs` already holds it); false when the registry could not be
+  // written. A log grown past twice its compact size (and 16 MiB) is rewritten compact, so that
+  // the same upload repeated cannot grow it without bound.
+  using Docs = std::map<std::pair<std::string, std::string>, StoredDocument>;
+  bool put(const StoredDocument& d, const Docs& docs) { return append(line_of(d), docs); }
+  bool erase(const std::string& salt, const std::string& id, const Docs& docs) {
+    return append(dump({{"op", "delete"}, {"salt", salt}, {"id", id}}), docs);
+  }
+
+ private:
+  void compact(const Docs& docs) {
+    std::string text;
+    for (const auto& [key, d] : docs) text += line_of(d) + "\n";
+    detail::write_file_atomic(path_, text, 0600);
+    compact_bytes_ = static_cast<int64_t>(text.size());
+    appended_bytes_ = 0;
+  }
+  bool append(const std::string& line, const Docs& docs) {
+    if (!enabled()) return true;
+    appended_bytes_ += static_cast<int64_t>(line.size()) + 1;
+    if (appended_bytes_ > std::max<int64_t>(int64_t(16) << 20, 2 * compact_bytes_)) {
+      try {
+        compact(docs);
+        return true;
+      } catch (const Error&) {
+        return false;
+      }
+    }
+    return append_line(line);
+  }
+  int64_t compact_bytes_ = 0, appended_bytes_ = 0;
+  static std::string line_of(const StoredDocument& d) {
+    return dump({{"op", "put"}, {"salt", d.salt}, {"id", d.id}, {"title", d.title}, {"created", d.created},
+                 {"methods", d.methods}, {"tokens", d.tokens}});
+  }
+  bool append_line(const std::string& line) {
+    FILE* f = std::fopen(path_.c_str(), "a");
+    if (!f) return false;
+    const bool ok = std::fwrite(line.data(), 1, line.size(), f) == line.size() && std::fputc('\n', f) != EOF &&
+                    std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
+    return std::fclose(f) == 0 && ok;
+  }
+  std::string path_;
+};
+
 // Prometheus text: one metric's HELP/TYPE lines.
 void metric_head(std::string& out, const std::string& name, const char* type, const char* help) {
   out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
@@ -58,9 +161,12 @@ void histogram_text(std::string& out, const std::string& name, const char* help,
 class Api {
  public:
   Api(const Model& model, ServeEngine& engine, std::string name, serve::Limits limits, int64_t default_max_tokens,
-      bool log_requests)
+      bool log_requests, const std::string& cache_dir)
       : model_(model), engine_(engine), name_(std::move(name)), limits_(limits),
-        default_max_tokens_(default_max_tokens), log_(log_requests), started_(std::time(nullptr)) {}
+        default_max_tokens_(default_max_tokens), log_(log_requests), started_(std::time(nullptr)),
+        registry_(cache_dir) {
+    registry_.load(docs_, model.config().n_vocab, model.config().n_ctx, kMaxUploads);
+  }
 
   std::atomic<bool> draining{false};
 
@@ -134,6 +240,8 @@ class Api {
         const std::string id = req.matches[1].str();
         if (docs_.erase({req.get_param_value("cache_salt"), id}) == 0)
           throw ApiError(404, fmt::format("no document '{}'", id), "id");
+        if (!registry_.erase(req.get_param_value("cache_salt"), id, docs_))
+          fmt::print(stderr, "[serve] warning: cannot write the document registry '{}'\n", registry_.path());
         res.set_content(dump({{"id", id}, {"object", "document"}, {"deleted", true}}), "application/json");
       });
     });
@@ -240,6 +348,8 @@ class Api {
       if (std::find(d.methods.begin(), d.methods.end(), method_name(method)) == d.methods.end())
         d.methods.push_back(method_name(method));
       slot = d;
+      if (!registry_.put(d, docs_))
+        fmt::print(stderr, "[serve] warning: cannot write the document registry '{}'\n", registry_.path());
     }
     json j = document_json(d);
     j["cached"] = !computed;
@@ -536,6 +646,7 @@ class Api {
   int64_t started_;
   std::mutex docs_mutex_;
   std::map<std::pair<std::string, std::string>, StoredDocument> docs_;  // (salt, id)
+  Registry registry_;
   std::mutex counts_mutex_;
   std::map<std::pair<std::string, int>, uint64_t> counts_;
   std::chrono::steady_clock::time_point last_scrape_{};
@@ -564,6 +675,7 @@ int cmd_serve(Args& args) {
   o.pic.blend_ratio = args.num<double>("blend-ratio", o.pic.blend_ratio);
   o.pic.prefix_block = args.num<int64_t>("prefix-block", o.pic.prefix_block);
   o.cache_dir = args.str("cache-dir");
+  o.cache_disk_bytes = o.pic.cache_bytes;  // --cache-mb bounds every tier, the disk's included
   o.kv_bytes = args.num<int64_t>("kv-mb", 1024) << 20;
   o.block_tokens = args.num<int64_t>("block-tokens", 16);
   o.max_running = args.num<int64_t>("max-running", 16);
@@ -595,7 +707,7 @@ int cmd_serve(Args& args) {
   args.check_all_used();
 
   ServeEngine engine(model, o);
-  Api api(model, engine, name, limits, default_max_tokens, log_requests);
+  Api api(model, engine, name, limits, default_max_tokens, log_requests, o.cache_dir);
   httplib::Server http;
   // A worker per admitted and queued request, and room for health checks and refusals beside them.
   const size_t workers = static_cast<size_t>(o.max_running + o.max_queued + 32);

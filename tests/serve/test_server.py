@@ -489,18 +489,45 @@ def test_restart():
     """The document store's disk tier (--cache-dir) outlives the server."""
     cache = tempfile.mkdtemp(prefix="comb-serve-cache-")
     docs = [{"title": "Quarry", "text": "The quarry at Helm was closed in 1931 after the river flooded it."}]
+    upload = {"title": "Mill", "text": "The mill on the Aber river ground oats until 1958.", "cache_salt": "t1"}
     s = Server("--cache-dir", cache)
     try:
         _, _, first = chat(s, "When was the quarry closed?", docs)
+        kept = httpx.post(s.base + "/v1/documents", json=upload, timeout=120).json()["id"]
+        gone = httpx.post(s.base + "/v1/documents", json={**upload, "text": "A note that is deleted."}, timeout=120).json()["id"]
+        httpx.delete(s.base + f"/v1/documents/{gone}", params={"cache_salt": "t1"})
     finally:
         check(s.stop() == 0, "first server stopped")
     s = Server("--cache-dir", cache)
     try:
         _, _, second = chat(s, "When was the quarry closed?", docs)
+        listed = [d["id"] for d in httpx.get(s.base + "/v1/documents", params={"cache_salt": "t1"}).json()["data"]]
+        _, _, by_id = chat(s, "When did the mill stop?", [{"id": kept}], salt="t1")
     finally:
         s.stop()
     check(first.prompt_tokens_details.cached_tokens == 0 and second.prompt_tokens_details.cached_tokens > 0,
           f"after a restart the documents come from the disk tier ({second.prompt_tokens_details.cached_tokens} cached)")
+    check(listed == [kept], f"uploaded ids outlive the restart, deleted ones stay deleted ({listed}, kept {kept})")
+    check(by_id.prompt_tokens_details.cached_tokens > 0,
+          f"and a request by id reads its cache from disk ({by_id.prompt_tokens_details.cached_tokens} cached)")
+
+
+def test_disk_budget():
+    """--cache-mb bounds the disk tier: least recently used entries go, counted in /metrics."""
+    cache = tempfile.mkdtemp(prefix="comb-serve-budget-")
+    s = Server("--cache-dir", cache, "--cache-mb", "2", "--method", "naive")
+    try:
+        for i in range(6):
+            text = f"Entry {i}: the lighthouse keeper logged {i * 7 + 3} ships passing in the storm of that year."
+            r = httpx.post(s.base + "/v1/documents", json={"text": text, "method": "naive"}, timeout=120)
+            check(r.status_code == 200, f"upload {i} ({r.status_code})")
+        on_disk = sum(os.path.getsize(os.path.join(cache, f)) for f in os.listdir(cache) if f.endswith(".kv"))
+        evicted = [l for l in httpx.get(s.base + "/metrics").text.splitlines()
+                   if l.startswith('comb_cache_evictions_total{tier="disk"}')]
+    finally:
+        s.stop()
+    check(0 < on_disk <= 2 << 20, f"the disk tier holds {on_disk} bytes with --cache-mb 2")
+    check(evicted and float(evicted[0].split()[1]) > 0, f"and its evictions are counted ({evicted})")
 
 
 def main():
@@ -516,7 +543,7 @@ def main():
         check(code == 0, f"the server exits with 0 ({code})")
         if failures:
             print(s.logs()[-5000:])
-    for test in (test_overload, test_restart):
+    for test in (test_overload, test_restart, test_disk_budget):
         t0 = time.time()
         test()
         print(f"-- {test.__name__}: {time.time() - t0:.1f} s", flush=True)
