@@ -2,6 +2,7 @@
 // back to the pool, overload and cancellation, stop strings.
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <future>
 
 #include "helpers.hpp"
@@ -145,6 +146,65 @@ TEST_CASE("serving: joint layouts with consecutive documents answer as PicEngine
       CHECK(served[0].tokens == direct.tokens);
     }
   }
+}
+
+TEST_CASE("serving: a long document is computed in pieces, and other requests answer meanwhile", "[serving]") {
+  const Model& m = model_with_plugin();
+  std::string text;
+  for (int i = 0; i < 30; ++i) text += fmt::format("Line {}: the tide tables of the northern harbor were revised. ", i);
+  const std::vector<int32_t> long_doc = qa_document_tokens(m, {"Tides", text});
+  REQUIRE(long_doc.size() > 400);
+  // In pieces or whole, the same cache (naive: the decoder's K/V; comb: the encoder's, if the
+  // shipped plug-in takes a document this long, else a shorter one).
+  for (Method method : {Method::naive, Method::comb}) {
+    std::vector<int32_t> doc = long_doc;
+    const int64_t cap = method == Method::comb ? m.plugin()->config().max_document_tokens : 0;
+    if (cap > 0 && static_cast<int64_t>(doc.size()) > cap) doc.resize(static_cast<size_t>(cap));
+    PicEngine whole(m, method), pieces(m, method);
+    REQUIRE(whole.warm(doc, ""));
+    auto work = pieces.begin_document(doc, "");
+    REQUIRE(work);
+    int calls = 1;
+    while (!pieces.continue_document(*work, 37)) ++calls;
+    CHECK(calls == static_cast<int>((doc.size() + 36) / 37));
+    CHECK(pieces.begin_document(doc, "") == nullptr);  // stored: nothing left to compute
+    auto a = whole.store().get(whole.document_key(doc, "")), b = pieces.store().get(pieces.document_key(doc, ""));
+    REQUIRE(a);
+    REQUIRE(b);
+    REQUIRE(a->keys.size() == b->keys.size());
+    for (size_t l = 0; l < a->keys.size(); ++l) {
+      INFO(method_name(method) << " layer/block " << l);
+      CHECK(at::allclose(a->keys[l], b->keys[l], 1e-4, 1e-4));
+      CHECK(at::allclose(a->values[l], b->values[l], 1e-4, 1e-4));
+    }
+  }
+  // A request with the long document, then a short one: the short one is answered before the long
+  // one's first token (prompt pieces take turns; before, the oldest prompt went first, whole).
+  ServeOptions o;
+  o.prefill_chunk = 16;
+  ServeEngine engine(m, o);
+  ServeRequest slow;
+  slow.prompt = qa_request(m, {{"Tides", text}}, "What was revised?");
+  slow.method = Method::naive;
+  slow.max_tokens = 3;
+  ServeRequest quick = make(m, 3, Method::naive, 6);  // no documents
+  std::atomic<int> slow_pieces{0};
+  std::atomic<bool> quick_done_first{false};
+  Waiter a, b;
+  slow.on_text = [&](const std::string&) { ++slow_pieces; };
+  slow.on_done = [&](const ServeResult& r) { a.done.set_value(r); };
+  quick.on_done = [&](const ServeResult& r) {
+    quick_done_first = slow_pieces == 0;
+    b.done.set_value(r);
+  };
+  engine.submit(std::move(slow));
+  engine.submit(std::move(quick));
+  const ServeResult rb = b.done.get_future().get(), ra = a.done.get_future().get();
+  CHECK(ra.finish_reason != "error");
+  CHECK(rb.finish_reason != "error");
+  CHECK(!rb.tokens.empty());
+  CHECK(quick_done_first);
+  CHECK(ra.computed_tokens >= static_cast<int64_t>(long_doc.size()));  // its document was computed, in pieces
 }
 
 TEST_CASE("serving: cancellation frees blocks, overload is refused, stop strings cut", "[serving]") {

@@ -80,6 +80,8 @@ class Model {
   // else encoded now (and put into `store`, if given). `from_cache` tells which, if given.
   std::shared_ptr<const DocumentKV> document(const std::vector<int32_t>& tokens, PICacheStore* store = nullptr,
                                             const std::string& tenant = "", bool* from_cache = nullptr) const;
+  // The plug-in's encoder prefix states, computed once (nullptr unless Plugin::encoder_is_base()).
+  const KVCache* encoder_prefix_states() const;
   // Several documents, in order: those `store` lacks are encoded together (Plugin::encode_many)
   // and put into it. `from_cache`, if given, receives which came from the store.
   std::vector<std::shared_ptr<const DocumentKV>> documents(const std::vector<std::vector<int32_t>>& documents,
@@ -113,7 +115,6 @@ class Model {
     std::optional<KVCache> states;
   };
   std::shared_ptr<EncoderPrefix> encoder_prefix_ = std::make_shared<EncoderPrefix>();
-  const KVCache* encoder_prefix_states() const;
   std::shared_ptr<Tokenizer> tokenizer_;
   std::shared_ptr<ChatTemplate> chat_template_;
 };

@@ -107,6 +107,15 @@ struct PicPrefill {
   int64_t pending() const { return n_prompt - cache.length(); }
 };
 
+// A document's cache being computed a piece at a time (PicEngine::begin_document).
+struct DocumentWork {
+  std::vector<int32_t> tokens;
+  CacheKey key;
+  int64_t done = 0;                                    // tokens computed so far
+  std::optional<KVCache> cache;                        // the decoder's (or the encoder's) K/V so far
+  std::vector<std::vector<at::Tensor>> keys, values;   // comb: per block, the pieces' K/V
+};
+
 class PicEngine {
  public:
   PicEngine(const Model& model, Method method, PicOptions options = {});
@@ -131,6 +140,13 @@ class PicEngine {
   // One document's cache for this method (encoder K/V for comb, decoder K/V for naive, EPIC and
   // CacheBlend; none for full and prefix): found in the store, or computed now and stored (true).
   bool warm(const std::vector<int32_t>& document, const std::string& tenant);
+  // warm() a piece at a time, so that a server runs other work between the pieces and a long
+  // document never holds it: begin_document() is nullptr when there is nothing to compute (the
+  // store has the cache, or the method keeps none); each continue_document() computes at most
+  // `max_tokens` more of it and is true once the cache is computed and stored. A comb encoder
+  // other than the base's own layers computes the whole document in its first piece.
+  std::unique_ptr<DocumentWork> begin_document(const std::vector<int32_t>& document, const std::string& tenant);
+  bool continue_document(DocumentWork& work, int64_t max_tokens);
   // The store's key of that cache.
   CacheKey document_key(const std::vector<int32_t>& document, const std::string& tenant) const;
   Method method() const { return method_; }

@@ -185,6 +185,16 @@ class Plugin {
   // encode() each.
   std::vector<DocumentKV> encode_many(const Decoder& base, const std::vector<std::vector<int32_t>>& documents,
                                       const KVCache* prefix_states = nullptr) const;
+  // One document encoded a piece at a time (a server runs the pieces between decoding steps), with
+  // encoder_is_base(): begin_encoding() checks the document and returns the encoder's cache holding
+  // the prefix states; encode_piece() encodes tokens [begin, end) after tokens [0, begin) (their
+  // states in `cache`) and appends their K/V per block to `keys`, `values`; the pieces joined
+  // (finish_encoding) are encode()'s entry, up to the rounding of other matrix shapes.
+  KVCache begin_encoding(const Decoder& base, const std::vector<int32_t>& tokens, const KVCache& prefix_states) const;
+  void encode_piece(const Decoder& base, const std::vector<int32_t>& tokens, int64_t begin, int64_t end, KVCache& cache,
+                    std::vector<std::vector<at::Tensor>>& keys, std::vector<std::vector<at::Tensor>>& values) const;
+  static DocumentKV finish_encoding(const std::vector<std::vector<at::Tensor>>& keys,
+                                    const std::vector<std::vector<at::Tensor>>& values, int64_t n_tokens);
   // Whether encode() runs the base's own cached forward (encoder_from_base, causal, the base's embedding).
   bool encoder_is_base() const;
   // The encoder prefix through the encoder's layers: the same before every document, so a caller

@@ -279,6 +279,53 @@ COMB_INLINE bool PicEngine::warm(const std::vector<int32_t>& document, const std
   }
 }
 
+COMB_INLINE std::unique_ptr<DocumentWork> PicEngine::begin_document(const std::vector<int32_t>& document,
+                                                                    const std::string& tenant) {
+  COMB_CHECK(!document.empty(), "an empty document has no cache");
+  if (method_ == Method::full || method_ == Method::prefix) return nullptr;
+  auto work = std::make_unique<DocumentWork>();
+  work->key = document_key(document, tenant);
+  if (store_->get(work->key)) return nullptr;
+  work->tokens = document;
+  return work;
+}
+
+COMB_INLINE bool PicEngine::continue_document(DocumentWork& w, int64_t max_tokens) {
+  c10::InferenceMode guard;
+  const int64_t n = static_cast<int64_t>(w.tokens.size());
+  COMB_CHECK(w.done < n, "continue_document: the document is complete");
+  const int64_t from = w.done, to = std::min(n, from + std::max<int64_t>(max_tokens, 1));
+  const Decoder& dec = model_.decoder();
+  if (method_ == Method::comb) {
+    const Plugin& plugin = *model_.plugin();
+    if (!plugin.encoder_is_base()) {  // not resumable: the whole document now
+      w.done = n;
+      return store_->put(w.key, plugin.encode(dec, w.tokens)) != nullptr;
+    }
+    if (!w.cache) w.cache.emplace(plugin.begin_encoding(dec, w.tokens, *model_.encoder_prefix_states()));
+    plugin.encode_piece(dec, w.tokens, from, to, *w.cache, w.keys, w.values);
+    w.done = to;
+    if (to < n) return false;
+    store_->put(w.key, Plugin::finish_encoding(w.keys, w.values, n));
+  } else {
+    if (!w.cache) w.cache.emplace(dec.make_cache(1, n));
+    dec.forward(ids_of(w.tokens, from, to), *w.cache);
+    w.done = to;
+    if (to < n) return false;
+    DocumentKV kv;
+    kv.n_tokens = n;
+    for (int64_t l = 0; l < w.cache->n_layers(); ++l) {
+      kv.keys.push_back(w.cache->keys(l)[0].narrow(1, 0, n));
+      kv.values.push_back(w.cache->values(l)[0].narrow(1, 0, n));
+    }
+    store_->put(w.key, kv);
+  }
+  w.cache.reset();
+  w.keys.clear();
+  w.values.clear();
+  return true;
+}
+
 // Fills the cache with the prefix and every document reused as is (naive), each document's keys
 // rotated from positions [0, len) to where it stands. spans: where each document landed.
 COMB_INLINE void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, std::vector<DocSpan>& spans) {

@@ -587,6 +587,70 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
   return split_documents(keys, values, lens);
 }
 
+COMB_INLINE KVCache Plugin::begin_encoding(const Decoder& base, const std::vector<int32_t>& tokens,
+                                           const KVCache& prefix_states) const {
+  COMB_CHECK(encoder_is_base(), "encoding in pieces needs the base's own causal layers as the encoder");
+  check_document(tokens);
+  const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size());
+  COMB_CHECK(pre == 0 || prefix_states.length() == pre,
+             "encode: prefix states of {} positions, the encoder prefix has {}", prefix_states.length(), pre);
+  KVCache cache = base.make_cache(1, pre + static_cast<int64_t>(tokens.size()));
+  if (pre > 0) {
+    for (int64_t j = 0; j < config_.n_encoder_layers(); ++j)
+      cache.write(j, 0, prefix_states.keys(j).narrow(2, 0, pre), prefix_states.values(j).narrow(2, 0, pre));
+    cache.set_length(pre);
+  }
+  return cache;
+}
+
+COMB_INLINE void Plugin::encode_piece(const Decoder& base, const std::vector<int32_t>& tokens, int64_t begin, int64_t end,
+                                      KVCache& cache, std::vector<std::vector<at::Tensor>>& keys,
+                                      std::vector<std::vector<at::Tensor>>& values) const {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  COMB_CHECK(0 <= begin && begin < end && end <= n, "encode_piece: tokens [{}, {}) of a document of {}", begin, end, n);
+  COMB_CHECK(cache.length() == static_cast<int64_t>(config_.encoder_prefix.size()) + begin,
+             "encode_piece: the cache holds {} positions, the piece starts after {}", cache.length(),
+             config_.encoder_prefix.size() + begin);
+  keys.resize(config_.n_blocks());
+  values.resize(config_.n_blocks());
+  at::Tensor back_cos, back_sin;
+  if (config_.relative_positions) {
+    std::tie(back_cos, back_sin) = back_rope(at::tensor(std::vector<int64_t>{n}, at::kLong).to(rope_cos_.device()), n);
+    back_cos = back_cos.narrow(2, begin, end - begin);
+    back_sin = back_sin.narrow(2, begin, end - begin);
+  }
+  at::Tensor ids =
+      at::tensor(std::vector<int64_t>(tokens.begin() + begin, tokens.begin() + end), at::kLong).to(base.device());
+  at::Tensor h = base.embed(ids.unsqueeze(0));
+  auto project = [&](int64_t depth) {
+    for (int64_t k = 0; k < config_.n_blocks(); ++k)
+      if (config_.read_depth(k) == depth) {
+        auto [kk, vv] = block_kv(weights_, k, h, back_cos, back_sin);
+        keys[k].push_back(kk[0]);
+        values[k].push_back(vv[0]);
+      }
+  };
+  project(0);
+  for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) {
+    h = base.layer(j, h, cache);
+    project(j + 1);
+  }
+  cache.advance(end - begin);
+}
+
+COMB_INLINE DocumentKV Plugin::finish_encoding(const std::vector<std::vector<at::Tensor>>& keys,
+                                               const std::vector<std::vector<at::Tensor>>& values, int64_t n_tokens) {
+  DocumentKV out;
+  out.n_tokens = n_tokens;
+  for (size_t k = 0; k < keys.size(); ++k) {
+    out.keys.push_back(at::cat(keys[k], 1).contiguous());
+    out.values.push_back(at::cat(values[k], 1).contiguous());
+    COMB_CHECK(out.keys.back().size(1) == n_tokens, "finish_encoding: block {} holds {} of {} tokens", k,
+               out.keys.back().size(1), n_tokens);
+  }
+  return out;
+}
+
 COMB_INLINE std::pair<at::Tensor, at::Tensor> Plugin::back_rope(const at::Tensor& lens, int64_t len) const {
   const int64_t n_docs = lens.size(0), hd = base_config_.head_dim;
   // len_d - j: >= 1 for real tokens, 0 (no turn) for padding

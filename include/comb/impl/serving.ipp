@@ -88,6 +88,7 @@ struct ServeEngine::Sequence {
   // Prompt
   size_t docs_warmed = 0;
   int64_t warm_computed = 0;   // document tokens computed by warming, before start()
+  std::unique_ptr<DocumentWork> document_work;  // the document being computed, a piece per turn
   std::unique_ptr<PicPrefill> prefill;
   std::vector<CacheKey> pinned;
   // Decoding
@@ -382,9 +383,13 @@ COMB_INLINE void ServeEngine::loop() {
         finish(*first, "error", e.what());
       }
       std::lock_guard<std::mutex> lock(mutex_);
-      if (!prefilling_.empty() && prefilling_.front().get() == first && (first->done || first->next >= 0)) {
-        if (!first->done) running_.push_back(std::move(prefilling_.front()));
-        prefilling_.erase(prefilling_.begin());
+      if (!prefilling_.empty() && prefilling_.front().get() == first) {
+        if (first->done || first->next >= 0) {
+          if (!first->done) running_.push_back(std::move(prefilling_.front()));
+          prefilling_.erase(prefilling_.begin());
+        } else {  // its next piece waits for one of each other prompt's: a long one holds none of them
+          std::rotate(prefilling_.begin(), prefilling_.begin() + 1, prefilling_.end());
+        }
       }
       stats_.prefix_bytes = prefix_->bytes();
       stats_.prefix_blocks = prefix_->n_blocks();
@@ -410,9 +415,11 @@ COMB_INLINE void ServeEngine::loop() {
   }
 }
 
-// One piece of a request's prompt: one document's cache (from the store or computed), then the
-// method's start(), then `prefill_chunk` tokens at a time; when complete, its K/V move into its
-// blocks and its first token is sampled.
+// One piece of a request's prompt: one document's cache found in the store, or `prefill_chunk` of
+// its tokens computed (a long document takes several turns, so it never holds the decoding of
+// others, and a request cancelled meanwhile stops between two pieces), then the method's start(),
+// then `prefill_chunk` tokens at a time; when complete, its K/V move into its blocks and its first
+// token is sampled.
 COMB_INLINE void ServeEngine::prefill_step(Sequence& s) {
   const PicRequest& p = s.request.prompt;
   PicEngine& e = engine(s.method);
@@ -422,8 +429,14 @@ COMB_INLINE void ServeEngine::prefill_step(Sequence& s) {
     if (per_document && s.docs_warmed < p.documents.size()) {
       // One document's cache, pinned in memory so that start() finds it (and, for comb, every
       // decoding step after it).
-      const auto& d = p.documents[s.docs_warmed++];
-      if (e.warm(d, tenant)) s.warm_computed += static_cast<int64_t>(d.size());
+      const auto& d = p.documents[s.docs_warmed];
+      if (!s.document_work) s.document_work = e.begin_document(d, tenant);
+      if (s.document_work) {
+        if (!e.continue_document(*s.document_work, options_.prefill_chunk)) return;
+        s.document_work.reset();
+        s.warm_computed += static_cast<int64_t>(d.size());
+      }
+      ++s.docs_warmed;
       pin(s, e.document_key(d, tenant));
       return;
     }
