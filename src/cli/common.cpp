@@ -38,7 +38,7 @@ void check_numbers(const Args& args) {
   for (const char* o : {"accumulate", "batch", "block-tokens", "cache-mb", "cache-ttl", "cached", "check-layer",
                         "decode-tokens", "default-max-tokens", "docs", "document-tokens", "drain-timeout", "encoder-layers", "epic-k",
                         "items", "kv-mb", "limit", "log-every", "max-docs", "max-document-tokens", "max-documents",
-                        "max-new-tokens", "max-queued", "max-running", "max-tokens", "max-tokens-in-flight", "min-docs",
+                        "max-new-tokens", "max-queued", "max-connections", "max-connections-per-client", "max-running", "max-tokens", "max-tokens-in-flight", "min-docs",
                         "min-documents", "offset", "pairs-per-document", "place", "port", "prefill-chunk",
                         "prefix-block", "save-every", "steps", "teacher-tokens", "teacher-top-k", "tokenize", "top-k",
                         "warm", "warmup"})
@@ -48,7 +48,7 @@ void check_numbers(const Args& args) {
     probe.num<int>(o, 0);
   probe.num<int>("log-requests", 0);
   for (const char* o : {"blend-ratio", "clip", "gate-lr-scale", "kl-weight", "kv-share", "lr", "min-lr-ratio",
-                        "needle-share", "duration", "open-gate", "open-gates", "weight-decay"})
+                        "needle-share", "duration", "request-timeout", "open-gate", "open-gates", "weight-decay"})
     probe.num<double>(o, 0);
   probe.num<float>("temperature", 0), probe.num<float>("top-p", 0);
   probe.num<uint64_t>("seed", 0);

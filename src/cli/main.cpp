@@ -198,6 +198,10 @@ serve options (with the model options above; docs/serving.md):
   --block-tokens N       tokens per K/V block (default 16)
   --prefill-chunk N      prompt tokens computed between two decoding steps (default 256)
   --max-documents N      documents per request (default 32)
+  --max-connections N    connections served at once; more are answered 503 and closed (default 256)
+  --max-connections-per-client N  from one address; more are answered 429 and closed (default 128)
+  --request-timeout S    a request's line, headers and body must arrive within S seconds of its
+                         first byte, else 408 and the connection closes (default 10)
   --allowed-origins LIST origins (scheme://host:port, comma separated; * any) whose web pages may call
                          the server; a request with another Origin header gets 403 (default: none)
   --default-max-tokens N when a request gives no max_tokens (default 256, within the context)

@@ -22,6 +22,7 @@
 #include "comb/detail/utf8.hpp"
 #include "commands.hpp"
 #include "serve_api.hpp"
+#include "serve_http.hpp"
 
 namespace comb::cli {
 
@@ -169,6 +170,7 @@ class Api {
   }
 
   std::atomic<bool> draining{false};
+  std::function<GuardedServer::Counts()> connections;  // the HTTP server's, for /metrics
 
   void routes(httplib::Server& http, int64_t max_body_bytes, std::vector<std::string> allowed_origins) {
     // Before any body is read: a refused one is neither read nor waited for, and the connection
@@ -633,6 +635,16 @@ class Api {
     for (auto& [t, st] : tiers) out += fmt::format("comb_cache_evictions_total{{tier=\"{}\"}} {}\n", t, st->evictions);
     gauge("comb_prefix_cache_bytes", "Bytes of the prefix cache", s.prefix_bytes);
     gauge("comb_prefix_cache_blocks", "Blocks of the prefix cache", s.prefix_blocks);
+    if (connections) {
+      const GuardedServer::Counts c = connections();
+      gauge("comb_http_connections_open", "Connections being served", static_cast<double>(c.open));
+      metric_head(out, "comb_http_refused_total", "counter", "Connections and requests refused before routing, by reason");
+      for (auto [reason, n] : {std::pair<const char*, int64_t>{"max_connections", c.refused_busy},
+                               {"max_per_client", c.refused_client},
+                               {"request_timeout", c.timed_out},
+                               {"request_too_large", c.too_large}})
+        out += fmt::format("comb_http_refused_total{{reason=\"{}\"}} {}\n", reason, n);
+    }
     return out;
   }
 
@@ -699,6 +711,16 @@ int cmd_serve(Args& args) {
   if (name.empty()) name = std::filesystem::path(args.has("model") ? args.peek_all("model").back() : default_model()).stem().string();
   const int64_t default_max_tokens = args.num<int64_t>("default-max-tokens", 256);
   const std::string port_file = args.str("port-file");
+  ConnectionLimits connection_limits;
+  connection_limits.max_connections = args.num<int64_t>("max-connections", connection_limits.max_connections);
+  connection_limits.max_per_client = args.num<int64_t>("max-connections-per-client", connection_limits.max_per_client);
+  connection_limits.request_timeout_s = args.num<double>("request-timeout", connection_limits.request_timeout_s);
+  COMB_CHECK(connection_limits.max_connections >= 1 && connection_limits.max_connections <= 16384,
+             "--max-connections should be 1 to 16384, found {}", connection_limits.max_connections);
+  COMB_CHECK(connection_limits.max_per_client >= 1, "--max-connections-per-client should be at least 1, found {}",
+             connection_limits.max_per_client);
+  COMB_CHECK(connection_limits.request_timeout_s > 0 && connection_limits.request_timeout_s <= 3600,
+             "--request-timeout should be above 0 and at most 3600 seconds, found {}", connection_limits.request_timeout_s);
   std::vector<std::string> allowed_origins;
   if (args.has("allowed-origins"))
     allowed_origins = split_list(args.str("allowed-origins"));
@@ -708,16 +730,10 @@ int cmd_serve(Args& args) {
 
   ServeEngine engine(model, o);
   Api api(model, engine, name, limits, default_max_tokens, log_requests, o.cache_dir);
-  httplib::Server http;
-  // A worker per admitted and queued request, and room for health checks and refusals beside them.
-  const size_t workers = static_cast<size_t>(o.max_running + o.max_queued + 32);
-  http.new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
+  GuardedServer http(connection_limits);
+  api.connections = [&http] { return http.counts(); };
   const int64_t max_body_bytes = int64_t(8) << 20;
   http.set_payload_max_length(static_cast<size_t>(max_body_bytes));
-  http.set_read_timeout(10, 0);
-  http.set_write_timeout(10, 0);
-  http.set_keep_alive_max_count(1000);
-  http.set_keep_alive_timeout(2);  // an idle connection gives its worker back soon
   http.set_tcp_nodelay(true);  // each streamed token leaves at once
   api.routes(http, max_body_bytes, allowed_origins);
   const int bound = port == 0 ? http.bind_to_any_port(host) : (http.bind_to_port(host, port) ? port : -1);

@@ -383,12 +383,86 @@ def test_request_heads(s):
     code, message, took = post([b"Content-Type: application/json", b"Transfer-Encoding: chunked"], chunk)
     check(code == 411 and took < 2, f"a chunked body of 1 GB: 411 at its headers ({code} in {took:.2f} s: {message})")
     check(rss() - before < 100 << 20, f"and the server's memory grew by {(rss() - before) >> 20} MiB (< 100)")
+    # Three requests pipelined in one write: three answers, in order.
+    with socket.create_connection(("127.0.0.1", s.port), timeout=5) as c:
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+                  b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        data = b""
+        while True:
+            got = c.recv(65536)
+            if not got:
+                break
+            data += got
+    statuses = [int(data[i + 9:i + 12]) for i in range(len(data)) if data.startswith(b"HTTP/1.1 ", i)]
+    check(statuses == [200, 200, 200] and data.find(b'"object":"list"') > data.find(b"HTTP/1.1 200", 1),
+          f"pipelined requests are answered in order ({statuses})")
     r = httpx.post(s.base + "/v1/chat/completions", json={"model": s.model, "messages": [{"role": "user", "content": "hi"}],
                                                           "top_k": 5}, timeout=30)
     check(r.status_code == 400 and "'top_k'" in r.json()["error"]["message"] and r.json()["error"]["param"] == "top_k",
           f"a field the API does not have is named in a 400 ({r.status_code} {r.text[:160]})")
     text, _, _ = chat(s, "What is the capital of France?")
     check(bool(text), "a valid request afterwards succeeds")
+
+
+def test_slow_clients(s):
+    """200 connections that send their headers a line at a time: the ones over the per-address
+    limit are refused at once, the rest cut off at the request deadline; another client is served
+    meanwhile."""
+    conns, refused = [], 0
+    for _ in range(200):
+        c = socket.create_connection(("127.0.0.1", s.port), timeout=5)
+        c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        conns.append(c)
+    time.sleep(0.5)
+    t0 = time.time()
+    with socket.create_connection(("127.0.0.1", s.port), timeout=5, source_address=("127.0.0.2", 0)) as h:
+        h.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = h.recv(4096)
+    took = time.time() - t0
+    check(answer.startswith(b"HTTP/1.1 200") and took < 1,
+          f"/health from another address answers in {took:.2f} s while 200 connections dribble headers")
+    open_ = []
+    for c in conns:  # the refusals came at once: whatever has not answered by now is held
+        c.setblocking(False)
+        try:
+            data = c.recv(4096)
+            if data.startswith(b"HTTP/1.1 429"):
+                refused += 1
+            c.close()
+        except BlockingIOError:
+            c.setblocking(True)
+            open_.append(c)
+    # (the test's own keep-alive connections from this address count too)
+    check(refused + len(open_) == 200 and refused >= 72 and len(open_) <= 128,
+          f"over the 128 connections one address may hold: {refused} refused at once with 429, {len(open_)} held")
+    # The held ones keep sending a header line a second: cut off by the 10 s request deadline.
+    t0, answered = time.time(), 0
+    while open_ and time.time() - t0 < 14:
+        for c in list(open_):
+            try:
+                c.sendall(b"X-Slow: 1\r\n")
+                c.setblocking(False)
+                data = c.recv(4096)
+                answered += data.startswith(b"HTTP/1.1 4")
+                open_.remove(c)
+                c.close()
+            except BlockingIOError:
+                c.setblocking(True)
+            except OSError:
+                open_.remove(c)
+                c.close()
+        time.sleep(1)
+    took = time.time() - t0
+    check(not open_ and took < 13,
+          f"every slow connection ends at the request deadline ({took:.1f} s, {answered} with a 4xx, {len(open_)} left)")
+    for c in open_:
+        c.close()
+    text, _, _ = chat(s, "What is the capital of France?")
+    check(bool(text), "a valid request afterwards succeeds")
+    m = {l.split()[0]: float(l.split()[1]) for l in httpx.get(s.base + "/metrics").text.splitlines()
+         if l.startswith("comb_http_refused_total")}
+    check(m.get('comb_http_refused_total{reason="max_per_client"}') == refused and
+          m.get('comb_http_refused_total{reason="request_timeout"}', 0) >= 1, f"the refusals are counted in /metrics ({m})")
 
 
 def test_cancel_and_metrics(s):
@@ -534,7 +608,7 @@ def main():
     s = Server()
     try:
         for test in (test_api, test_documents, test_concurrency, test_hostile, test_request_heads,
-                     test_cancel_and_metrics):
+                     test_slow_clients, test_cancel_and_metrics):
             t0 = time.time()
             test(s)
             print(f"-- {test.__name__}: {time.time() - t0:.1f} s", flush=True)
