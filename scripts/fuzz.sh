@@ -38,8 +38,14 @@ export ASAN_OPTIONS="detect_odr_violation=0:allocator_may_return_null=1:detect_c
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
 stamp=$(mktemp)
 log=$fuzz_build/fuzz-$target.log
+# The JSON readers get a dictionary of structure, keys and deep nesting (tests/fuzz/json.dict).
+dict=()
+case $target in
+  safetensors|safetensors_index|tokenizer_json|tokenizer_config|qa|plugin|serve_request)
+    dict=(-dict="$root/tests/fuzz/json.dict") ;;
+esac
 set +e
-"$fuzz_build/tests/fuzz/fuzz_$target" "$corpus" "$seeds/$target" -max_total_time="$seconds" -timeout=10 \
+"$fuzz_build/tests/fuzz/fuzz_$target" "$corpus" "$seeds/$target" "${dict[@]}" -max_total_time="$seconds" -timeout=10 \
     -rss_limit_mb=4096 -max_len=1048576 -artifact_prefix="$findings/" -print_final_stats=1 >"$log" 2>&1
 rc=$?
 set -e

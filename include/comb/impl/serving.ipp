@@ -271,9 +271,13 @@ COMB_INLINE void ServeEngine::run(const std::function<void()>& job) {
 
 COMB_INLINE bool ServeEngine::warm_document(const std::vector<int32_t>& tokens, Method method, const std::string& tenant) {
   if (method == Method::comb) COMB_CHECK(model_.plugin(), "method comb needs a plug-in, and this server has none");
-  bool computed = false;
-  run([&] { computed = engine(method).warm(tokens, tenant); });
-  return computed;
+  // A piece per job: the scheduler runs the others' prefill and decoding between two pieces.
+  std::unique_ptr<DocumentWork> work;
+  run([&] { work = engine(method).begin_document(tokens, tenant); });
+  if (!work) return false;
+  for (bool complete = false; !complete;)
+    run([&] { complete = engine(method).continue_document(*work, options_.prefill_chunk); });
+  return true;
 }
 
 COMB_INLINE ServeStats ServeEngine::stats() const {
