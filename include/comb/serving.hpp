@@ -176,6 +176,7 @@ class ServeEngine {
   std::mutex join_mutex_;
   std::condition_variable wake_, job_done_;
   std::deque<std::unique_ptr<Sequence>> queue_;
+  std::atomic<int64_t> uploads_{0};  // warm_document calls in progress
   std::vector<std::unique_ptr<Sequence>> prefilling_, running_;
   std::deque<std::function<void()>> jobs_;
   std::vector<Id> cancels_;

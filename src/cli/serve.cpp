@@ -119,17 +119,23 @@ class Registry {
   bool append(const std::string& line, const Docs& docs) {
     if (!enabled()) return true;
     appended_bytes_ += static_cast<int64_t>(line.size()) + 1;
-    if (appended_bytes_ > std::max<int64_t>(int64_t(16) << 20, 2 * compact_bytes_)) {
+    // After a failed append (a line perhaps written in part) the file is rewritten whole, so that
+    // the next line does not join that fragment.
+    if (broken_ || appended_bytes_ > std::max<int64_t>(int64_t(16) << 20, 2 * compact_bytes_)) {
       try {
         compact(docs);
+        broken_ = false;
         return true;
       } catch (const Error&) {
+        broken_ = true;
         return false;
       }
     }
-    return append_line(line);
+    broken_ = !append_line(line);
+    return !broken_;
   }
   int64_t compact_bytes_ = 0, appended_bytes_ = 0;
+  bool broken_ = false;
   static std::string line_of(const StoredDocument& d) {
     return dump({{"op", "put"}, {"salt", d.salt}, {"id", d.id}, {"title", d.title}, {"created", d.created},
                  {"methods", d.methods}, {"tokens", d.tokens}});
@@ -188,6 +194,7 @@ class Api {
       } catch (const ApiError& e) {
         reply_error(res, e);
         res.set_header("Connection", "close");
+        GuardedServer::close_after_response();  // its body, unread, must not be read as a request
         return httplib::Server::HandlerResponse::Handled;
       }
       return httplib::Server::HandlerResponse::Unhandled;
@@ -248,7 +255,13 @@ class Api {
       });
     });
     http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
-      if (!res.body.empty()) return;  // a handler's own error
+      if (!res.body.empty()) return;  // a handler's own error (its body was read whole)
+      // httplib's own refusals (a malformed head, a body it could not read) leave the stream
+      // where it stopped: the connection closes after them, and says so.
+      if (res.status == 400 || res.status == 413 || res.status == 414 || res.status == 431) {
+        GuardedServer::close_after_response();
+        res.set_header("Connection", "close");
+      }
       std::string message = fmt::format("{} {}: HTTP {}", req.method, req.path.substr(0, 200), res.status);
       if (res.status == 404) message = fmt::format("no route {} {}", req.method, req.path.substr(0, 200));
       if (res.status == 413) message = "the body is larger than this server takes";
@@ -345,6 +358,9 @@ class Api {
     const bool computed = engine_.warm_document(d.tokens, method, u.cache_salt);
     {
       std::lock_guard<std::mutex> lock(docs_mutex_);
+      if (static_cast<int64_t>(docs_.size()) >= kMaxUploads && !docs_.count({d.salt, d.id}))
+        throw ApiError(400, fmt::format("the server holds {} uploaded documents (the limit): delete some first",
+                                        docs_.size()), "", "too_many_documents");
       auto& slot = docs_[{d.salt, d.id}];  // the same document again keeps the methods it was cached for
       d.methods = std::move(slot.methods);
       if (std::find(d.methods.begin(), d.methods.end(), method_name(method)) == d.methods.end())

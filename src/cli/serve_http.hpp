@@ -45,7 +45,15 @@ class GuardedServer : public httplib::Server {
     // worker, so the refusals must always find one.
     const size_t threads = static_cast<size_t>(limits_.max_connections) + 8;
     new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    // What the responses advertise (Keep-Alive: timeout, max) is what the loop below does.
+    set_keep_alive_timeout(static_cast<time_t>(limits_.keep_alive_timeout_s));
+    set_keep_alive_max_count(static_cast<size_t>(limits_.keep_alive_max));
   }
+
+  // Called by a handler that answers without reading the request's body (a refusal at the
+  // headers): the connection closes after this response, so the unread body is never read as a
+  // request of its own.
+  static void close_after_response() { close_flag() = true; }
 
   struct Counts {
     int64_t open = 0, refused_busy = 0, refused_client = 0, timed_out = 0, too_large = 0;
@@ -57,6 +65,11 @@ class GuardedServer : public httplib::Server {
 
  private:
   using clock = std::chrono::steady_clock;
+  static bool& close_flag() {
+    static thread_local bool flag = false;
+    return flag;
+  }
+  static constexpr int64_t kMaxHeadBytes = 64 << 10;  // request line and headers
 
   // The connection's socket as httplib's Stream: reads buffered (and kept across the requests of
   // the connection), failing once the current request's deadline or byte bound is passed.
@@ -65,7 +78,9 @@ class GuardedServer : public httplib::Server {
     ConnectionStream(int fd, const ConnectionLimits& limits) : fd_(fd), limits_(limits) {}
     void begin_request() {
       deadline_ = clock::now() + std::chrono::microseconds(static_cast<int64_t>(limits_.request_timeout_s * 1e6));
-      read_ = written_ = 0;
+      read_ = written_ = head_bytes_ = 0;
+      head_match_ = 0;
+      in_head_ = true;
       timed_out_ = too_large_ = false;
     }
     bool buffered() const { return pos_ < end_; }
@@ -83,6 +98,7 @@ class GuardedServer : public httplib::Server {
       return ::recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT) > 0;
     }
     ssize_t read(char* ptr, size_t size) override {
+      if (timed_out_ || too_large_) return -1;
       if (!buffered()) {
         if (read_ >= limits_.max_request_bytes) {
           too_large_ = true;
@@ -100,12 +116,34 @@ class GuardedServer : public httplib::Server {
         end_ = static_cast<size_t>(n);
         read_ += n;
       }
-      const size_t n = std::min(size, end_ - pos_);
+      size_t n = std::min(size, end_ - pos_);
+      if (in_head_) {  // the head ends at the first blank line; it may take kMaxHeadBytes at most
+        for (size_t i = 0; i < n; ++i) {
+          const char c = buffer_[pos_ + i];
+          head_match_ = (c == "\r\n\r\n"[head_match_]) ? head_match_ + 1 : (c == '\r' ? 1 : 0);
+          if (head_match_ == 4) {
+            in_head_ = false;
+            n = i + 1;  // hand over the head only; the body is read on the next call
+            break;
+          }
+        }
+        head_bytes_ += static_cast<int64_t>(n);
+        if (head_bytes_ > kMaxHeadBytes) {
+          too_large_ = true;
+          return -1;
+        }
+      }
       std::memcpy(ptr, buffer_ + pos_, n);
       pos_ += n;
       return static_cast<ssize_t>(n);
     }
+    // Once the request timed out or grew too large, httplib's own answer (a 400) is dropped: the
+    // connection answers 408 or 413 (raw_write) and closes.
     ssize_t write(const char* ptr, size_t size) override {
+      if (timed_out_ || too_large_) return static_cast<ssize_t>(size);
+      return raw_write(ptr, size);
+    }
+    ssize_t raw_write(const char* ptr, size_t size) {
       size_t done = 0;
       while (done < size) {
         if (poll_for(POLLOUT, ms(limits_.write_timeout_s)) <= 0) return -1;
@@ -122,7 +160,7 @@ class GuardedServer : public httplib::Server {
     socket_t socket() const override { return fd_; }
 
    private:
-    static int ms(double seconds) { return static_cast<int>(std::max(0.0, seconds) * 1000); }
+    static int ms(double seconds) { return static_cast<int>(std::min(std::max(0.0, seconds), 1e6) * 1000); }
     int remaining_ms() const {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - clock::now()).count();
       return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left, 1 << 30)));
@@ -162,8 +200,9 @@ class GuardedServer : public httplib::Server {
     char buffer_[4096];
     size_t pos_ = 0, end_ = 0;
     clock::time_point deadline_ = clock::time_point::max();
-    int64_t read_ = 0, written_ = 0;
-    bool timed_out_ = false, too_large_ = false;
+    int64_t read_ = 0, written_ = 0, head_bytes_ = 0;
+    int head_match_ = 0;
+    bool in_head_ = true, timed_out_ = false, too_large_ = false;
   };
 
   // A short answer written straight to the socket (status, OpenAI-shaped error), then closed.
@@ -175,8 +214,26 @@ class GuardedServer : public httplib::Server {
                              "\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " +
                              std::to_string(body.size()) + (status == 429 || status == 503 ? "\r\nRetry-After: 1" : "") +
                              "\r\n\r\n";
-    strm.write(head.data(), head.size());
-    strm.write(body.data(), body.size());
+    strm.raw_write(head.data(), head.size());
+    strm.raw_write(body.data(), body.size());
+  }
+
+  // Closes without a reset: a socket closed with unread input sends RST, which may destroy the
+  // answer before the client reads it. Our side is shut first, then what the client still sends
+  // is read and dropped for a moment (bounded), then the socket closes.
+  static void close_gently(int sock) {
+    ::shutdown(sock, SHUT_WR);
+    char sink[16384];
+    const auto until = clock::now() + std::chrono::milliseconds(200);
+    int64_t drained = 0;
+    while (clock::now() < until && drained < (1 << 20)) {
+      pollfd p{sock, POLLIN, 0};
+      if (::poll(&p, 1, 50) <= 0) break;
+      const ssize_t n = ::recv(sock, sink, sizeof(sink), MSG_DONTWAIT);
+      if (n <= 0) break;
+      drained += n;
+    }
+    ::close(sock);
   }
 
   bool process_and_close_socket(socket_t sock) override {
@@ -184,10 +241,11 @@ class GuardedServer : public httplib::Server {
     std::string ip;
     int port = 0;
     strm.get_remote_ip_and_port(ip, port);
-    bool admitted = false;
+    bool admitted = false, busy = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (counts_.open >= limits_.max_connections) {
+        busy = true;
         ++counts_.refused_busy;
       } else if (per_client_[ip] >= limits_.max_per_client) {
         ++counts_.refused_client;
@@ -200,7 +258,6 @@ class GuardedServer : public httplib::Server {
     }
     bool ok = false;
     if (!admitted) {
-      const bool busy = counts().open >= limits_.max_connections;
       if (busy)
         refuse(strm, 503, "Service Unavailable",
                fmt::format("the server has {} connections open (--max-connections); try again", limits_.max_connections),
@@ -215,12 +272,14 @@ class GuardedServer : public httplib::Server {
         if (!strm.wait_readable(limits_.keep_alive_timeout_s) || svr_sock_ == INVALID_SOCKET) break;
         strm.begin_request();
         bool closed = false;
+        close_flag() = false;
         ok = process_request(strm, left == 1, closed, nullptr);
+        if (close_flag()) closed = true;
         if (strm.timed_out() || strm.too_large()) {
           std::lock_guard<std::mutex> lock(mutex_);
           ++(strm.timed_out() ? counts_.timed_out : counts_.too_large);
         }
-        if ((strm.timed_out() || strm.too_large()) && strm.written() == 0) {
+        if (strm.timed_out() || strm.too_large()) {
           if (strm.timed_out())
             refuse(strm, 408, "Request Timeout",
                    fmt::format("the request did not arrive whole within {:g} s (--request-timeout)",
@@ -233,8 +292,7 @@ class GuardedServer : public httplib::Server {
         if (!ok || closed || strm.timed_out() || strm.too_large()) break;
       }
     }
-    ::shutdown(sock, SHUT_RDWR);
-    ::close(sock);
+    close_gently(sock);
     if (admitted) {
       std::lock_guard<std::mutex> lock(mutex_);
       --counts_.open;

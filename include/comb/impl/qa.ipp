@@ -65,9 +65,11 @@ COMB_INLINE void each_json_line(const std::string& path, const std::function<boo
     for (;;) {
       line.clear();
       bool got = false;
-      while (gzgets(f, buffer, sizeof(buffer))) {
+      for (z_off_t before = gztell(f); gzgets(f, buffer, sizeof(buffer)); before = gztell(f)) {
         got = true;
         const size_t n = std::strlen(buffer);
+        // gzgets stops at a newline or a full buffer, never at a NUL: bytes read past strlen are NULs
+        COMB_CHECK(static_cast<z_off_t>(n) == gztell(f) - before, "'{}' line {}: a NUL byte: not text", path, number + 1);
         line.append(buffer, n);
         check_limits(n);
         if (!line.empty() && line.back() == '\n') break;

@@ -271,7 +271,18 @@ COMB_INLINE void ServeEngine::run(const std::function<void()>& job) {
 
 COMB_INLINE bool ServeEngine::warm_document(const std::vector<int32_t>& tokens, Method method, const std::string& tenant) {
   if (method == Method::comb) COMB_CHECK(model_.plugin(), "method comb needs a plug-in, and this server has none");
-  // A piece per job: the scheduler runs the others' prefill and decoding between two pieces.
+  // A piece per job: the scheduler runs the others' prefill and decoding between two pieces. Each
+  // upload being computed holds its document's K/V so far outside the block pool: at most
+  // max_running of them at once (more are Overloaded, a 429).
+  struct Slot {
+    std::atomic<int64_t>& n;
+    ~Slot() { --n; }
+  };
+  if (++uploads_ > options_.max_running) {
+    --uploads_;
+    throw Overloaded(fmt::format("{} documents are being computed for uploads (the limit): try again", options_.max_running));
+  }
+  Slot slot{uploads_};
   std::unique_ptr<DocumentWork> work;
   run([&] { work = engine(method).begin_document(tokens, tenant); });
   if (!work) return false;
