@@ -649,6 +649,8 @@ class Api {
     for (auto& [t, st] : tiers) out += fmt::format("comb_cache_entries{{tier=\"{}\"}} {}\n", t, st->entries);
     metric_head(out, "comb_cache_evictions_total", "counter", "Documents evicted by tier");
     for (auto& [t, st] : tiers) out += fmt::format("comb_cache_evictions_total{{tier=\"{}\"}} {}\n", t, st->evictions);
+    counter("comb_cache_corrupt_total", "Disk or Redis entries that failed their checks (dropped, recomputed)",
+            s.store.corrupt);
     gauge("comb_prefix_cache_bytes", "Bytes of the prefix cache", s.prefix_bytes);
     gauge("comb_prefix_cache_blocks", "Blocks of the prefix cache", s.prefix_blocks);
     if (connections) {
