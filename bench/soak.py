@@ -129,7 +129,10 @@ def chat(server, model, salt, question, docs, stream=False, leave_after=None):
     st, body = http(server, "POST", "/v1/chat/completions", b, leave_after=leave_after)
     if st != 200 or stream:
         return st, None
-    return st, json.loads(body)["choices"][0]["message"]["content"]
+    try:
+        return st, json.loads(body)["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise RuntimeError(f"status 200 with a body that is not a completion: {body[:160]!r}")
 
 
 def main():
@@ -187,6 +190,10 @@ def main():
                     ok = True
             except OSError:
                 ok = False
+            except RuntimeError as e:
+                ok = False
+                with lock:
+                    failures.append(str(e))
             with lock:
                 stats["requests"] += 1
                 if ok:
