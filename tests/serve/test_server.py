@@ -323,6 +323,18 @@ def test_hostile(s):
     check(bool(text), "a valid request afterwards succeeds")
 
 
+def exchange(s, data, timeout=5):
+    """Sends raw bytes on a new connection; returns all the server sends until it closes."""
+    with socket.create_connection(("127.0.0.1", s.port), timeout=timeout) as c:
+        c.sendall(data)
+        out = b""
+        while True:
+            got = c.recv(65536)
+            if not got:
+                return out
+            out += got
+
+
 def raw_request(s, head, body=b"", read_s=5):
     """Sends raw bytes; returns (status, error message, seconds until the answer began)."""
     with socket.create_connection(("127.0.0.1", s.port), timeout=read_s) as c:
@@ -386,27 +398,13 @@ def test_request_heads(s):
     # A refused body is never read as a request of its own: a form post (text/plain) whose body is a
     # request gets the 415 alone, and the connection closes.
     hidden = b"DELETE /v1/documents/doc-x HTTP/1.1\r\nHost: x\r\n\r\n"
-    with socket.create_connection(("127.0.0.1", s.port), timeout=5) as c:
-        c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(hidden) + hidden)
-        data = b""
-        while True:
-            got = c.recv(65536)
-            if not got:
-                break
-            data += got
+    data = exchange(s, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+                       b"Content-Length: %d\r\n\r\n" % len(hidden) + hidden)
     check(data.count(b"HTTP/1.1 ") == 1 and data.startswith(b"HTTP/1.1 415"),
           f"the body of a refused request is not run as a request ({data.count(b'HTTP/1.1 ')} answers)")
     # Three requests pipelined in one write: three answers, in order.
-    with socket.create_connection(("127.0.0.1", s.port), timeout=5) as c:
-        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
-                  b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        data = b""
-        while True:
-            got = c.recv(65536)
-            if not got:
-                break
-            data += got
+    data = exchange(s, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+                       b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     statuses = [int(data[i + 9:i + 12]) for i in range(len(data)) if data.startswith(b"HTTP/1.1 ", i)]
     check(statuses == [200, 200, 200] and data.find(b'"object":"list"') > data.find(b"HTTP/1.1 200", 1),
           f"pipelined requests are answered in order ({statuses})")
