@@ -293,6 +293,23 @@ TEST_CASE("teacher answers: the decoder's own full-context answer, kept in a fil
     CHECK(t.top_logprobs[j][0] <= 0);
   }
 
+  // Several examples at once (one forward per answer token over all of them, no cache): the
+  // answers and top-k of one example at a time, up to rounding.
+  std::vector<TrainExample> several = {e};
+  for (int i = 0; i < 3; ++i) several.push_back(data.sample(rng));
+  std::vector<TeacherAnswer> together = teacher_answers(model, several, 12, 5);
+  REQUIRE(together.size() == several.size());
+  for (size_t i = 0; i < several.size(); ++i) {
+    TeacherAnswer alone = i == 0 ? t : teacher_answer(model, several[i], 12, 5);
+    CHECK(together[i].answer == alone.answer);
+    REQUIRE(together[i].top_ids.size() == alone.answer.size());
+    for (size_t j = 0; j < alone.answer.size(); ++j) {
+      CHECK(together[i].top_ids[j][0] == alone.top_ids[j][0]);
+      CHECK(together[i].top_logprobs[j][0] == Approx(alone.top_logprobs[j][0]).margin(1e-3));
+    }
+  }
+  CHECK(teacher_answers(model, {}, 12, 5).empty());
+
   // The file: written, read back, refused for other settings, a cut-short last line dropped.
   const std::string path = dir + "/teacher.jsonl";
   const std::string base = base_fingerprint(model.decoder());
@@ -354,6 +371,22 @@ TEST_CASE("teacher answers: the decoder's own full-context answer, kept in a fil
   // Without the reading check the swapped column is nan.
   CHECK(header.substr(header.rfind(',') + 1) == "ce_swapped");
   CHECK(row.substr(row.rfind(',') + 1) == "nan");
+
+  // The same run with the batch's answers computed together (teacher_answers): a fresh file gets
+  // the same two answers, and a second run reuses them.
+  o.teacher_batched = 1;
+  o.teacher_file = dir + "/batched-teacher.jsonl";
+  o.dir = dir + "/run-batched";
+  Plugin p3 = Plugin::fresh(model.decoder(), init);
+  TrainResult r3 = train_plugin(model, p3, data, o);
+  CHECK(r3.teacher_computed == 2);
+  CHECK(r3.teacher_reused == 0);
+  o.dir = dir + "/run-batched-again";
+  Plugin p4 = Plugin::fresh(model.decoder(), init);
+  TrainResult r4 = train_plugin(model, p4, data, o);
+  CHECK(r4.teacher_computed == 0);
+  CHECK(r4.teacher_reused == 2);
+  o.teacher_batched = -1;
   o.dir = dir + "/run2";
   Plugin p2 = Plugin::fresh(model.decoder(), init);
   TrainResult r2 = train_plugin(model, p2, data, o);

@@ -101,6 +101,12 @@ struct TeacherAnswer {
 // Greedy decoding of `model`'s base decoder (the plug-in off) on the full-context prompt, at most
 // max_tokens, then one forward over prompt + answer for the top-k log-probabilities.
 TeacherAnswer teacher_answer(const Model& model, const TrainExample& example, int64_t max_tokens, int64_t top_k);
+// The same for several examples at once: each answer token is one forward over every unfinished
+// prompt (no cache: on a GPU a wide forward costs about what a narrow one does, where one token at
+// a time is bound by launching kernels), then one forward for all the top-k. Rounding and greedy
+// ties aside, the answers of teacher_answer; the CPU is faster with teacher_answer.
+std::vector<TeacherAnswer> teacher_answers(const Model& model, const std::vector<TrainExample>& examples,
+                                           int64_t max_tokens, int64_t top_k);
 
 // Teacher answers computed once and kept in a JSON Lines file (docs/formats.md, "Teacher file"),
 // so that resumed runs and sweeps over the same examples reuse them. The first line names the
@@ -158,6 +164,9 @@ struct TrainOptions {
   std::string teacher_file;      // teacher answers kept across runs ("": <dir>/teacher.jsonl)
   int64_t teacher_tokens = 24;   // most tokens of a teacher answer
   int64_t teacher_top_k = 16;    // log-probabilities kept per answer position
+  // Teacher answers a micro-batch lacks are computed together (teacher_answers): 1 yes, 0 one at a
+  // time (teacher_answer), -1 yes on a GPU, one at a time on the CPU.
+  int teacher_batched = -1;
   uint64_t seed = 0;
   std::string dir;               // checkpoint.safetensors, optimizer.safetensors, loss.csv
   int64_t save_every = 200;      // steps between checkpoints (and at the end)

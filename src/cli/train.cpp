@@ -45,6 +45,11 @@ int cmd_train(Args& args, Model& model) {
   o.teacher_file = args.str("teacher");
   o.teacher_tokens = args.num<int64_t>("teacher-tokens", o.teacher_tokens);
   o.teacher_top_k = args.num<int64_t>("teacher-top-k", o.teacher_top_k);
+  if (args.has("teacher-batched")) {
+    const std::string b = args.str("teacher-batched");
+    COMB_CHECK(b == "0" || b == "1" || b == "auto", "--teacher-batched expects 0, 1 or auto, found '{}'", b);
+    o.teacher_batched = b == "auto" ? -1 : b == "1";
+  }
   COMB_CHECK(o.teacher_tokens >= 1 && o.teacher_top_k >= 1,
              "--teacher-tokens and --teacher-top-k must be >= 1, found {} and {}", o.teacher_tokens, o.teacher_top_k);
   o.open_gates = args.num<double>("open-gates", o.open_gates);

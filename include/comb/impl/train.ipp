@@ -364,6 +364,83 @@ COMB_INLINE TeacherAnswer teacher_answer(const Model& model, const TrainExample&
   return t;
 }
 
+COMB_INLINE std::vector<TeacherAnswer> teacher_answers(const Model& model, const std::vector<TrainExample>& examples,
+                                                      int64_t max_tokens, int64_t top_k) {
+  COMB_CHECK(max_tokens >= 1 && top_k >= 1, "teacher answers need max tokens >= 1 and top-k >= 1 (found {}, {})",
+             max_tokens, top_k);
+  c10::AutoGradMode no_grad(false);
+  const Decoder& base = model.decoder();
+  const auto device = base.device();
+  // The stops of Model::generate; an answer that stopped ends with the end of turn (else end of
+  // text), as teacher_answer writes it.
+  std::vector<int64_t> stops;
+  std::optional<int32_t> ending;
+  if (auto eos = model.tokenizer().eos_id()) stops.push_back(*eos), ending = *eos;
+  if (auto eot = model.tokenizer().find_token(model.chat_template().end_of_turn())) stops.push_back(*eot), ending = *eot;
+  const size_t n = examples.size();
+  std::vector<std::vector<int32_t>> seqs(n);
+  std::vector<TeacherAnswer> out(n);
+  std::vector<size_t> open;
+  for (size_t i = 0; i < n; ++i) {
+    seqs[i] = full_prompt(examples[i]);
+    COMB_CHECK(static_cast<int64_t>(seqs[i].size()) + max_tokens <= base.config().n_ctx,
+               "a teacher prompt of {} tokens and {} answer tokens exceed the context ({})", seqs[i].size(), max_tokens,
+               base.config().n_ctx);
+    open.push_back(i);
+  }
+  for (int64_t step = 0; step < max_tokens && !open.empty(); ++step) {
+    int64_t width = 1;
+    for (size_t i : open) width = std::max<int64_t>(width, seqs[i].size());
+    std::vector<int64_t> tokens(open.size() * width, 0), rows;
+    for (size_t b = 0; b < open.size(); ++b) {
+      const auto& s = seqs[open[b]];
+      std::copy(s.begin(), s.end(), tokens.begin() + b * width);  // padding after: causal, never read
+      rows.push_back(b * width + static_cast<int64_t>(s.size()) - 1);
+    }
+    at::Tensor t = at::from_blob(tokens.data(), {static_cast<int64_t>(open.size()), width}, at::kLong).clone().to(device);
+    at::Tensor r = at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).clone().to(device);
+    at::Tensor next = head_logits(base, decoder_hidden(base, t, nullptr), r).argmax(-1).to(at::kCPU);
+    const int64_t* nx = next.data_ptr<int64_t>();
+    std::vector<size_t> still;
+    for (size_t b = 0; b < open.size(); ++b) {
+      const size_t i = open[b];
+      const int32_t token = static_cast<int32_t>(nx[b]);
+      if (std::find(stops.begin(), stops.end(), nx[b]) != stops.end()) {
+        if (ending) out[i].answer.push_back(*ending);
+        continue;
+      }
+      out[i].answer.push_back(token);
+      seqs[i].push_back(token);
+      if (static_cast<int64_t>(out[i].answer.size()) < max_tokens) still.push_back(i);
+    }
+    open = std::move(still);
+  }
+  // The top-k at every answer token, all examples in one teacher-forced forward.
+  std::vector<TrainExample> with;
+  std::vector<size_t> which;
+  for (size_t i = 0; i < n; ++i)
+    if (!out[i].answer.empty()) {
+      with.push_back(examples[i]);
+      with.back().answer = out[i].answer;
+      which.push_back(i);
+    }
+  if (with.empty()) return out;
+  at::Tensor lp = at::log_softmax(full_context_logits(base, with, device), -1);
+  const int64_t k = std::min<int64_t>(top_k, lp.size(-1));
+  auto [values, ids] = lp.topk(k, -1);
+  values = values.to(at::kCPU, at::kFloat).contiguous();
+  ids = ids.to(at::kCPU, at::kInt).contiguous();
+  const float* v = values.data_ptr<float>();
+  const int32_t* id = ids.data_ptr<int32_t>();
+  int64_t row = 0;
+  for (size_t i : which)
+    for (size_t j = 0; j < out[i].answer.size(); ++j, ++row) {
+      out[i].top_ids.emplace_back(id + row * k, id + (row + 1) * k);
+      out[i].top_logprobs.emplace_back(v + row * k, v + (row + 1) * k);
+    }
+  return out;
+}
+
 COMB_INLINE std::string TeacherCache::key(const TrainExample& e) {
   XXH3_state_t* st = XXH3_createState();
   XXH3_128bits_reset(st);
@@ -615,6 +692,7 @@ COMB_INLINE TrainResult train_plugin(const Model& model, Plugin& plugin, const T
   };
 
   std::unique_ptr<TeacherCache> teacher;
+  const bool batched_teacher = o.teacher_batched < 0 ? !device.is_cpu() : o.teacher_batched > 0;
   if (o.targets == "teacher") {
     const std::string path = o.teacher_file.empty() ? (fs::path(o.dir) / "teacher.jsonl").string() : o.teacher_file;
     teacher = std::make_unique<TeacherCache>(path, base_fingerprint(base), o.teacher_tokens, o.teacher_top_k);
@@ -641,6 +719,23 @@ COMB_INLINE TrainResult train_plugin(const Model& model, Plugin& plugin, const T
         // Each example's target becomes the decoder's own answer (computed once, then from the file);
         // an example the decoder answers with nothing at all teaches nothing and is left out.
         std::vector<TrainExample> kept;
+        if (batched_teacher) {  // the answers the file lacks, computed together first
+          std::vector<TrainExample> missing;
+          std::vector<std::string> keys;
+          for (const auto& e : examples) {
+            std::string key = TeacherCache::key(e);
+            if (!teacher->find(key) && std::find(keys.begin(), keys.end(), key) == keys.end()) {
+              missing.push_back(e);
+              keys.push_back(std::move(key));
+            }
+          }
+          if (!missing.empty()) {
+            std::vector<TeacherAnswer> got = teacher_answers(model, missing, o.teacher_tokens, o.teacher_top_k);
+            for (size_t i = 0; i < got.size(); ++i) teacher->add(keys[i], std::move(got[i]));
+            result.teacher_computed += static_cast<int64_t>(got.size());
+            result.teacher_reused -= static_cast<int64_t>(got.size());  // found below, computed here
+          }
+        }
         for (auto& e : examples) {
           const std::string key = TeacherCache::key(e);
           const TeacherAnswer* t = teacher->find(key);
