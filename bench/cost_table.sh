@@ -6,8 +6,9 @@
 #
 #   bench/cost_table.sh DATA N OUTDIR [VARIANT...]
 #
-# A variant is a method (full, prefix, naive, epic, cacheblend, comb) or a method and a cache dtype
-# (comb:int8, comb:bfloat16, naive:int8, ...). Default: full naive comb comb:int8.
+# A variant is a method (full, prefix, naive, epic, cacheblend, comb; its cache dtype auto: the
+# decoder's K/V as computed, a plug-in's documents in the dtype it declares) or a method and a
+# cache dtype (comb:float32, comb:bfloat16, naive:int8, ...). Default: full naive comb comb:float32.
 # Environment: THREADS (default 2), EVAL_ARGS (more comb eval options, e.g. "--plugin FILE"),
 # COMB_BUILD_DIR. Per-item files: OUTDIR/<variant>.jsonl; a variant whose file has N lines is
 # not run again.
@@ -18,12 +19,12 @@ comb="${COMB_BUILD_DIR:-$root/build}/comb"
 data=$1 n=$2 outdir=$3
 shift 3
 variants=("$@")
-[ ${#variants[@]} -gt 0 ] || variants=(full naive comb comb:int8)
+[ ${#variants[@]} -gt 0 ] || variants=(full naive comb comb:float32)
 [ -f "$data" ] || { echo "$0: no data file '$data'" >&2; exit 1; }
 [ -x "$comb" ] || { echo "$0: no comb binary at '$comb' (run scripts/build.sh)" >&2; exit 1; }
 mkdir -p "$outdir"
 for v in "${variants[@]}"; do
-  method=${v%%:*} dtype=float32
+  method=${v%%:*} dtype=auto
   [ "$v" != "$method" ] && dtype=${v#*:}
   file="$outdir/${v/:/.}.jsonl"
   if [ -f "$file" ] && [ "$(wc -l < "$file")" -ge "$n" ]; then

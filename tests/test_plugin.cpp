@@ -46,16 +46,24 @@ at::Tensor logits_with(const Model& model, const at::Tensor& ids, const LinkedDo
 
 // Calls f(linked, k) with `docs` linked in each of their orders (k: 0, 1, ...); returns how many.
 int for_each_order(const std::vector<std::shared_ptr<const DocumentKV>>& docs, const Linker& linker,
-                   const std::function<void(const LinkedDocuments&, int)>& f) {
+                   const std::function<void(const LinkedDocuments&, int)>& f, int64_t anchor = 0) {
   std::vector<size_t> order(docs.size());
   std::iota(order.begin(), order.end(), 0);
   int k = 0;
   do {
     std::vector<std::shared_ptr<const DocumentKV>> permuted;
     for (size_t i : order) permuted.push_back(docs[i]);
-    f(linker.link(permuted), k++);
+    LinkedDocuments linked = linker.link(permuted);
+    linked.anchor = anchor;
+    f(linked, k++);
   } while (std::next_permutation(order.begin(), order.end()));
   return k;
+}
+
+// Where a QA prompt's documents end for `model`'s plug-in: after the instruction prefix when it
+// reads them there (documents_after_prefix), else before the prompt.
+int64_t qa_anchor(const Model& model) {
+  return model.plugin()->config().documents_after_prefix ? static_cast<int64_t>(qa_prefix(model).size()) : 0;
 }
 
 at::Tensor prompt_ids(int64_t n, uint64_t seed = 5) {
@@ -87,7 +95,7 @@ TEST_CASE("documents off: the model with a plug-in is bit-identical to the bare 
 }
 
 // The trained plug-in the repository ships for the default model, as comb eval, qa and the demo use it.
-TEST_CASE("the shipped plug-in: off is the bare decoder bit for bit, any document order gives the same answer",
+TEST_CASE("the shipped plug-in: off is the bare decoder bit for bit; in any document order it answers from them",
           "[plugin][shipped]") {
   c10::InferenceMode guard;
   const std::string path = env_or("COMB_SHIPPED_PLUGIN", "examples/plugins/smollm2-135m-instruct.comb.safetensors");
@@ -101,10 +109,12 @@ TEST_CASE("the shipped plug-in: off is the bare decoder bit for bit, any documen
   // Documents off: no linked documents, or an empty link, is the bare decoder.
   check_off_is_bare(with, bare);
   GenerateOptions greedy;
-  greedy.max_tokens = 24;
+  greedy.max_tokens = 40;
 
-  // Three documents of examples/documents in each of their 6 orders: the same greedy answer, which
-  // is not the bare decoder's.
+  // Three documents of examples/documents in each of their 6 orders, each cache computed once: the
+  // answer holds the summit's height in every order. A plug-in whose documents all end where the
+  // prompt begins (not consecutive_documents) gives the same answer in every order; one whose
+  // documents lie in a row in the order linked reads them as a prompt would, order and all.
   const std::string dir = env_or("COMB_EXAMPLES", "examples") + "/documents/";
   std::vector<std::shared_ptr<const DocumentKV>> docs;
   for (const char* name : {"eiffel-tower", "mount-everest", "mariana-trench"}) {
@@ -115,21 +125,24 @@ TEST_CASE("the shipped plug-in: off is the bare decoder bit for bit, any documen
   const auto suffix = qa_suffix(with, "How high is the summit of Mount Everest above sea level?");
   prompt.insert(prompt.end(), suffix.begin(), suffix.end());
   Linker linker(c10::kCPU);
+  const bool order_free = !with.plugin()->config().consecutive_documents;
   std::vector<int32_t> first;
   at::Tensor first_logits;
   double worst = 0;
   const int orders = for_each_order(docs, linker, [&](const LinkedDocuments& linked, int k) {
     auto answer = with.generate(prompt, greedy, &linked).tokens;
+    const std::string text = with.tokenizer().decode(answer);
+    INFO("order " << k << ": " << text);
+    CHECK((text.find("8,849") != std::string::npos || text.find("8849") != std::string::npos));
     at::Tensor logits = logits_with(with, ids_tensor(prompt), &linked);
     if (k == 0) {
       first = answer, first_logits = logits;
-      INFO("answer: " << with.tokenizer().decode(answer));
       CHECK_FALSE(answer == bare.generate(prompt, greedy).tokens);  // the documents change the answer
-    } else {
+    } else if (order_free) {
       CHECK(answer == first);
       worst = std::max(worst, (logits - first_logits).abs().max().item<double>());
     }
-  });
+  }, qa_anchor(with));
   CHECK(orders == 6);
   INFO("worst |logit diff| over orders " << worst);
   CHECK(worst <= 1e-3);
@@ -167,6 +180,7 @@ TEST_CASE("the shipped plug-in: off is the bare decoder bit for bit, any documen
     const auto question = qa_suffix(with, "What is the secret code word of " + item.who + "?");
     ask.insert(ask.end(), question.begin(), question.end());
     LinkedDocuments linked = linker.link(notes);
+    linked.anchor = qa_anchor(with);
     read += answer_correct(with.tokenizer().decode(with.generate(ask, brief, &linked).tokens), {word});
     guessed += answer_correct(bare.tokenizer().decode(bare.generate(ask, brief).tokens), {word});
   }
@@ -204,6 +218,37 @@ TEST_CASE("document order does not matter (random plug-in, open gates)", "[plugi
   CHECK(permutations == 24);
   INFO("worst |diff| over permutations " << worst);
   CHECK(worst <= 1e-5);
+}
+
+TEST_CASE("a plug-in's cache dtype: its documents kept so under a store of dtype auto", "[plugin][store]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  auto plugin = random_plugin(model.decoder());
+  const std::string before = plugin->fingerprint();
+  plugin->set_cache_dtype("int8");
+  CHECK(plugin->fingerprint() != before);  // caches kept otherwise are never mixed up
+  CHECK(PluginConfig::from_json(plugin->config().to_json(), "test").cache_dtype == "int8");
+  CHECK_THROWS_WITH(plugin->set_cache_dtype("int4"), Catch::Contains("float32, bfloat16, float16 or int8, found 'int4'"));
+  nlohmann::json bad = plugin->config().to_json();
+  bad["cache_dtype"] = 8;
+  CHECK_THROWS_WITH(PluginConfig::from_json(bad, "x.safetensors"), Catch::Contains("x.safetensors: plug-in config 'cache_dtype'"));
+  model.set_plugin(plugin);
+  auto tokens = sample_documents(2, 20, 4);
+  // No store, a store of dtype auto: int8 (what a cache would hand a later request); a store
+  // given float32 keeps float32.
+  CHECK(model.documents(tokens)[0]->quantized());
+  PICacheStore auto_store{StoreOptions{}};
+  auto kept = model.documents(tokens, &auto_store);
+  CHECK(kept[1]->quantized());
+  std::vector<bool> from_cache;
+  auto again = model.documents(tokens, &auto_store, "", &from_cache);
+  CHECK(from_cache == std::vector<bool>{true, true});
+  CHECK(again[0].get() == kept[0].get());
+  StoreOptions f32;
+  f32.dtype = at::kFloat;
+  PICacheStore float_store(f32);
+  CHECK(model.documents(tokens, &float_store)[0]->keys[0].scalar_type() == at::kFloat);
+  CHECK_FALSE(model.documents(tokens, &float_store)[0]->quantized());
 }
 
 TEST_CASE("linked caches from every tier equal fresh encodings", "[plugin][store]") {

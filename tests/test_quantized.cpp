@@ -180,8 +180,13 @@ TEST_CASE("the shipped plug-in on a quantized decoder: off is the bare decoder, 
   PICacheStore store(StoreOptions{});
   auto linked = Linker(with.decoder().device()).link({with.document(doc, &store)});
   g.max_tokens = 20;
-  auto answer = with.generate(with.chat_prompt("What is the code word for the blue door? Answer with the word only."),
-                              g, &linked);
+  // The question asked as comb qa asks it; a plug-in that reads documents after the instruction
+  // prefix has them end there.
+  std::vector<int32_t> ask = qa_prefix(with);
+  if (with.plugin()->config().documents_after_prefix) linked.anchor = static_cast<int64_t>(ask.size());
+  const auto question = qa_suffix(with, "What is the code word for the blue door? Answer with the word only.");
+  ask.insert(ask.end(), question.begin(), question.end());
+  auto answer = with.generate(ask, g, &linked);
   INFO("answer: " << answer.text);
   CHECK(answer.text.find("arzipan") != std::string::npos);
 }

@@ -160,7 +160,9 @@ TEST_CASE("serving: a long document is computed in pieces, and other requests an
     std::vector<int32_t> doc = long_doc;
     const int64_t cap = method == Method::comb ? m.plugin()->config().max_document_tokens : 0;
     if (cap > 0 && static_cast<int64_t>(doc.size()) > cap) doc.resize(static_cast<size_t>(cap));
-    PicEngine whole(m, method), pieces(m, method);
+    PicOptions f32;  // the computation compared as computed (a plug-in's int8 cache would round it)
+    f32.cache_dtype = at::kFloat;
+    PicEngine whole(m, method, f32), pieces(m, method, f32);
     REQUIRE(whole.warm(doc, ""));
     auto work = pieces.begin_document(doc, "");
     REQUIRE(work);

@@ -28,6 +28,7 @@ DocumentKV entry(float tag, int64_t len = 8) {
   }
   return kv;
 }
+DocumentKV random_entry(int64_t len, uint64_t seed);
 CacheKey key_of(int i) { return PICacheStore::key({i, i + 1, i + 2}, "plugin-a"); }
 bool holds(const std::shared_ptr<const DocumentKV>& kv, float tag) {
   return kv && kv->keys[1].eq(tag).all().item<bool>() && kv->values[0].eq(-tag).all().item<bool>();
@@ -185,6 +186,27 @@ TEST_CASE("pins hold through replacements and full tiers; entries come in the st
       CHECK(kv->values[1].scalar_type() == at::kFloat);
       CHECK(holds(kv, 1.5));
     }
+  }
+  SECTION("dtype auto (the default) keeps each entry in the dtype it came in, on disk and back") {
+    REQUIRE(options.dtype == c10::ScalarType::Undefined);
+    options.disk_bytes = 1 << 20;
+    options.disk_dir = temp_dir("auto");
+    {
+      PICacheStore store(options);
+      CHECK(store.put(key_of(1), entry(1.5))->keys[0].scalar_type() == at::kFloat);
+      CHECK(store.put(key_of(2), entry(2.5).to(at::kCPU, at::kBFloat16))->keys[0].scalar_type() == at::kBFloat16);
+      const DocumentKV q = random_entry(40, 3).to(at::kCPU, at::kChar);
+      auto stored = store.put(key_of(3), q);
+      CHECK(stored->quantized());
+      CHECK(store.stats().host.bytes == kEntryBytes + kEntryBytes / 2 + q.bytes());  // each at its own size
+    }
+    options.host_bytes = 0;  // from disk: the same dtypes
+    PICacheStore reader(options);
+    CHECK(reader.get(key_of(1))->keys[0].scalar_type() == at::kFloat);
+    CHECK(holds(reader.get(key_of(1)), 1.5));
+    CHECK(reader.get(key_of(2))->keys[0].scalar_type() == at::kBFloat16);
+    CHECK(holds(reader.get(key_of(2)), 2.5));
+    CHECK(reader.get(key_of(3))->quantized());
   }
   SECTION("a disk header whose sizes wrap around is a corrupt entry, not a crash") {
     options.host_bytes = 0;

@@ -87,6 +87,11 @@ class Model {
   std::vector<std::shared_ptr<const DocumentKV>> documents(const std::vector<std::vector<int32_t>>& documents,
                                                            PICacheStore* store = nullptr, const std::string& tenant = "",
                                                            std::vector<bool>* from_cache = nullptr) const;
+  // Encoder K/V as a document cache keeps them: in the plug-in's cache dtype
+  // (PluginConfig::cache_dtype) when `store` is absent or keeps each entry as it comes
+  // (StoreOptions::dtype Undefined, "auto"), else unchanged (the store converts). A request that
+  // computes a document reads what a later request will read from the cache.
+  DocumentKV cached_form(DocumentKV kv, const PICacheStore* store) const;
   // The store's key of that document's encoder K/V (tokens, plug-in and weights, tenant).
   CacheKey document_key(const std::vector<int32_t>& tokens, const std::string& tenant = "") const;
   // The decoder's forward with linked documents read by the cross blocks; without documents (or

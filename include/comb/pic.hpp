@@ -37,8 +37,10 @@ struct PicOptions {
   int64_t epic_k = 8;           // epic: leading tokens recomputed per document
   int64_t prefix_block = 16;    // prefix: tokens per cached block
   int64_t cache_bytes = int64_t(4) << 30;  // budget of the document store / prefix cache
-  // Storage dtype of cached document K/V (every tier): float32, bfloat16, float16 or int8.
-  c10::ScalarType cache_dtype = c10::kFloat;
+  // Storage dtype of cached document K/V (every tier): float32, bfloat16, float16 or int8; or
+  // Undefined ("auto", the default): each entry as computed (the decoder's dtype), a plug-in's
+  // documents in its own cache dtype (PluginConfig::cache_dtype: int8 for the shipped one).
+  c10::ScalarType cache_dtype = c10::ScalarType::Undefined;
   std::string tenant;           // salt of the store's keys
   // The document store's remote tier, shared with other processes (StoreOptions::remote_url):
   // "redis://HOST[:PORT][/DB]", or "" for none. clear() forgets the local tiers, not this one.

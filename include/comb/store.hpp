@@ -26,7 +26,9 @@ struct StoreOptions {
   int64_t host_bytes = int64_t(1) << 30;  // host-memory tier budget (0: no host tier)
   int64_t disk_bytes = 0;              // disk tier budget (0: no disk tier)
   std::string disk_dir;                // the disk tier's directory; entries survive restarts
-  c10::ScalarType dtype = c10::kFloat; // storage dtype of K/V: float32, bfloat16 or float16
+  // Storage dtype of K/V: float32, bfloat16, float16 or int8 (kChar: keys scaled per channel,
+  // values per token); Undefined ("auto", the default): each entry in the dtype it is put in.
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
   c10::Device device = c10::kCPU;      // the device tier's device
   // The remote tier, shared by replicas: a Redis server, "redis://[:PASSWORD@]HOST[:PORT][/DB]"
   // ("": none). Looked up after the disk tier; a hit is promoted into the local tiers. Entries are

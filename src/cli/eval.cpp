@@ -28,7 +28,7 @@ int cmd_eval(Args& args, Model& model) {
   options.epic_k = args.num<int64_t>("epic-k", options.epic_k);
   options.prefix_block = args.num<int64_t>("prefix-block", options.prefix_block);
   options.cache_url = args.str("cache-url");
-  options.cache_dtype = parse_cache_dtype(args.str("cache-dtype", "float32"));
+  options.cache_dtype = parse_cache_dtype(args.str("cache-dtype", "auto"));
   options.cache_ttl_s = args.num<int64_t>("cache-ttl", 0);
   const int64_t limit = args.num<int64_t>("limit", 0);
   const int64_t offset = args.num<int64_t>("offset", 0);

@@ -14,7 +14,7 @@ int cmd_generate(Args& args) {
   int64_t cache_mb = args.num<int64_t>("cache-mb", 1024);
   std::string cache_url = args.str("cache-url");
   int64_t cache_ttl = args.num<int64_t>("cache-ttl", 0);
-  const c10::ScalarType cache_dtype = parse_cache_dtype(args.str("cache-dtype", "float32"));
+  const c10::ScalarType cache_dtype = parse_cache_dtype(args.str("cache-dtype", "auto"));
   comb::GenerateOptions options;
   options.max_tokens = args.num<int64_t>("max-tokens", 128);
   options.sampling.temperature = args.num<float>("temperature", 0.0f);
@@ -64,6 +64,16 @@ int cmd_generate(Args& args) {
                documents.size(), n_tokens, hits, documents.size() - hits, ms,
                cache_url.empty() ? "" : fmt::format(" ({} from Redis)", stats.remote.hits));
     linked = comb::Linker(model.decoder().device()).link(documents);
+    if (model.plugin()->config().documents_after_prefix) {
+      // The plug-in reads documents placed between the instruction prefix and the question, as
+      // comb qa and serve place them: the prompt becomes that question.
+      COMB_CHECK(!raw, "--raw: this plug-in reads documents after the instruction prefix of a question; give the "
+                 "prompt without --raw");
+      ids = comb::qa_prefix(model);
+      linked.anchor = static_cast<int64_t>(ids.size());
+      const auto q = comb::qa_suffix(model, prompt);
+      ids.insert(ids.end(), q.begin(), q.end());
+    }
   }
   comb::GenerationResult r = model.generate(ids, options, linked.empty() ? nullptr : &linked);
   if (json) {

@@ -10,6 +10,8 @@ commands:
   qa            answer a question over documents with each caching method: answers, TTFT
   plugin init   write a fresh plug-in for a model
   plugin memory bytes per cached document token, COMB against the decoder's KV cache
+  plugin convert
+                a plug-in written again: weights in another dtype, the cache dtype it declares
   eval          one method on a multi-document QA file: accuracy, TTFT cold and warm
   report [--markdown] [--first N] [--data FILE]... FILE...
                 the summary of eval --out files (chunks of runs): per data and method, a JSON
@@ -53,20 +55,30 @@ generate options:
   --plugin FILE       a plug-in-only file to apply; with the default model, eval, qa and generate
                       --document use the shipped one (examples/plugins/, COMB_PLUGIN overrides;
                       --plugin none: the bare decoder)
-  --document FILE     a document for the encoder; repeat for several, in any order
+  --document FILE     a document for the encoder; repeat for several, in any order (with a plug-in
+                      that reads documents after the instruction prefix, as the shipped one does,
+                      the prompt is asked as a question about them, as comb qa asks it)
   --cache-dir DIR     keep document caches on disk in DIR (survives restarts)
   --cache-mb N        cache budget per tier in MiB (default 1024)
   --cache-url URL     share document caches through Redis (redis://HOST[:PORT][/DB]): looked up after
                       the local tiers, written in the background; also for qa and eval
   --cache-ttl S       expiry of the entries written to Redis, in seconds (default 0: none)
-  --cache-dtype T     storage of cached document K/V in every tier: float32 (default), bfloat16,
-                      float16, int8 (keys scaled per channel, values per token); also for qa, eval
-                      and serve
+  --cache-dtype T     storage of cached document K/V in every tier: auto (default: the decoder's
+                      K/V as computed, a plug-in's documents in the dtype it declares, int8 for the
+                      shipped one), float32, bfloat16, float16, int8 (keys scaled per channel,
+                      values per token); also for qa, eval and serve
 
 plugin memory options:
   --plugin FILE       the plug-in to measure (default: the shipped one for the default model)
   --encoder-layers N  measure a fresh plug-in of N encoder layers instead
   --document-tokens N the document encoded for the figures (default 128 tokens)
+
+plugin convert options:
+  --plugin FILE       the plug-in to read
+  --out FILE          where to write it
+  --save-dtype T      its weights: bfloat16 (default), float32, float16
+  --cache-dtype T     the dtype its document caches are kept in under --cache-dtype auto:
+                      float32, bfloat16, float16, int8 (default: as it was)
 
 plugin init options:
   --out FILE          where to write the plug-in (safetensors)
@@ -139,6 +151,9 @@ train options:
                       with --kl-weight, KL over its stored top-k log-probabilities)
   --teacher FILE      teacher answers kept across runs (default DIR/teacher.jsonl)
   --teacher-tokens N (24)  --teacher-top-k N (16)
+  --teacher-batched auto|0|1  compute a batch's missing teacher answers together, one forward per
+                      answer token over all of them (auto, the default: on a GPU; the CPU is faster
+                      one example at a time)
   --encoder-layers N  for a fresh plug-in (default 4); --plugin FILE continues from a plug-in
   --cross-layers LIST for a fresh plug-in: the decoder layers its cross blocks run before
   --init first|spread|reads|joint fresh plug-in: copies of the first decoder layers, cross blocks

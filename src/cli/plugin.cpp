@@ -37,8 +37,8 @@ int cmd_plugin_memory(Args& args) {
                                                                    : ", joint, documents after the prefix")
                                         : (p.consecutive_documents ? ", joint, documents in a row" : ", joint"));
   fmt::print("bytes per cached token of a {}-token document (int8: scales included), against the decoder's "
-             "float32 K/V ({:.0f} bytes/token)\n\n",
-             n_doc, decoder_fp32);
+             "float32 K/V ({:.0f} bytes/token); kept by default (--cache-dtype auto) in {}\n\n",
+             n_doc, decoder_fp32, p.cache_dtype.empty() ? "float32" : p.cache_dtype);
   fmt::print("| cache dtype | decoder KV bytes/token | COMB bytes/token | vs decoder KV, same dtype | "
              "vs decoder KV, float32 |\n|---|---:|---:|---:|---:|\n");
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kChar}) {
@@ -52,13 +52,38 @@ int cmd_plugin_memory(Args& args) {
   return 0;
 }
 
+// A plug-in written again: its weights in --save-dtype, its declared cache dtype set.
+int cmd_plugin_convert(Args& args) {
+  const std::string in = args.str("plugin"), out = args.str("out");
+  COMB_CHECK(!in.empty() && !out.empty(), "plugin convert needs --plugin FILE and --out FILE");
+  COMB_CHECK(!std::filesystem::exists(out) || !std::filesystem::equivalent(in, out), "plugin convert: --out '{}' is the input; name another file",
+             out);
+  const c10::ScalarType save = parse_dtype(args.str("save-dtype", "bfloat16"));
+  const bool set_cache = args.has("cache-dtype");
+  const std::string cache = args.str("cache-dtype");
+  comb::Model model = load_model(args);
+  args.check_all_used();
+  COMB_CHECK(model.plugin(), "plugin convert: no plug-in loaded from '{}'", in);
+  comb::Plugin plugin = *model.plugin();
+  if (set_cache) plugin.set_cache_dtype(cache);
+  plugin.save(out, save);
+  fmt::print(stderr, "[comb] wrote {} ({} weights, documents cached in {} by default)\n", out, c10::toString(save),
+             plugin.config().cache_dtype.empty() ? "float32" : plugin.config().cache_dtype);
+  return 0;
+}
+
 int cmd_plugin(int argc, char** argv) {
   if (argc >= 3 && std::string(argv[2]) == "memory") {
     Args args(argc, argv, 3, {});
     return cmd_plugin_memory(args);
   }
+  if (argc >= 3 && std::string(argv[2]) == "convert") {
+    Args args(argc, argv, 3, {});
+    return cmd_plugin_convert(args);
+  }
   if (argc < 3 || std::string(argv[2]) != "init")
-    throw Error("usage: comb plugin init --out FILE [options] | comb plugin memory [--plugin FILE | --encoder-layers N]");
+    throw Error("usage: comb plugin init --out FILE [options] | comb plugin memory [--plugin FILE | --encoder-layers N] "
+                "| comb plugin convert --plugin FILE --out FILE [--save-dtype T] [--cache-dtype T]");
   Args args(argc, argv, 3, {"random-init"});
   std::string out = args.str("out");
   if (out.empty()) throw Error("plugin init needs --out FILE");

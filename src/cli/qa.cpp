@@ -29,7 +29,7 @@ int cmd_qa(Args& args, Model& model) {
   gen.max_tokens = args.num<int64_t>("max-new-tokens", 48);
   PicOptions options;
   options.cache_url = args.str("cache-url");
-  options.cache_dtype = parse_cache_dtype(args.str("cache-dtype", "float32"));
+  options.cache_dtype = parse_cache_dtype(args.str("cache-dtype", "auto"));
   options.cache_ttl_s = args.num<int64_t>("cache-ttl", 0);
   args.check_all_used();
 

@@ -423,6 +423,11 @@ class Api {
         ids.erase(ids.begin());
         if (ids.empty()) throw ApiError(400, "'prompt' is empty", "prompt");
       }
+      if (docs && model_.plugin() && model_.plugin()->config().documents_after_prefix) {
+        // The served plug-in reads documents after the QA instruction (its encoder states assume
+        // it): the documents follow that instruction for every method, then the prompt.
+        r.prompt.prefix = qa_prefix(model_);
+      }
       r.prompt.suffix = std::move(ids);
     }
     int64_t decoder = static_cast<int64_t>(r.prompt.prefix.size() + r.prompt.suffix.size());
@@ -699,7 +704,7 @@ int cmd_serve(Args& args) {
   if (!method.empty()) o.method = parse_method(method);  // checked before the model loads
   o.pic.cache_bytes = args.num<int64_t>("cache-mb", 1024) << 20;
   o.pic.cache_url = args.str("cache-url");
-  o.pic.cache_dtype = parse_cache_dtype(args.str("cache-dtype", "float32"));
+  o.pic.cache_dtype = parse_cache_dtype(args.str("cache-dtype", "auto"));
   o.pic.cache_ttl_s = args.num<int64_t>("cache-ttl", 0);
   o.pic.epic_k = args.num<int64_t>("epic-k", o.pic.epic_k);
   o.pic.blend_ratio = args.num<double>("blend-ratio", o.pic.blend_ratio);

@@ -186,11 +186,21 @@ COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Model::documents(
   if (missing.empty()) return out;
   std::vector<DocumentKV> encoded = plugin_->encode_many(*decoder_, missing, encoder_prefix_states());
   for (size_t j = 0; j < missing.size(); ++j) {
-    auto kv = store ? store->put(document_key(missing[j], tenant), encoded[j])
-                    : std::make_shared<const DocumentKV>(std::move(encoded[j]));
+    DocumentKV kept = cached_form(std::move(encoded[j]), store);
+    auto kv = store ? store->put(document_key(missing[j], tenant), kept)
+                    : std::make_shared<const DocumentKV>(std::move(kept));
     for (size_t i : where[j]) out[i] = kv;
   }
   return out;
+}
+
+COMB_INLINE DocumentKV Model::cached_form(DocumentKV kv, const PICacheStore* store) const {
+  if (!plugin_ || plugin_->config().cache_dtype.empty()) return kv;
+  if (store && store->options().dtype != c10::ScalarType::Undefined) return kv;
+  const std::string& name = plugin_->config().cache_dtype;  // checked when the plug-in loaded
+  const c10::ScalarType want = name == "int8" ? at::kChar : name == "bfloat16" ? at::kBFloat16 : at::kHalf;
+  if (kv.keys.empty() || kv.keys[0].scalar_type() == want) return kv;
+  return kv.to(kv.keys[0].device(), want);
 }
 
 COMB_INLINE at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, const LinkedDocuments* documents,
@@ -203,6 +213,10 @@ COMB_INLINE at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, 
   COMB_CHECK(static_cast<int64_t>(documents->keys.size()) == plugin_->config().n_blocks(),
              "linked documents have {} blocks, the plug-in {}", documents->keys.size(),
              plugin_->config().n_blocks());
+  COMB_CHECK(!plugin_->config().documents_after_prefix || documents->anchor > 0,
+             "this plug-in reads its documents after the instruction prefix: set LinkedDocuments::anchor to the "
+             "prefix's length (qa_prefix(model).size(), as PicEngine and comb generate do); with anchor 0 every "
+             "prompt token would read them, which it was not trained for");
   if (plugin_->config().joint_attention) {  // the blocks join their layers' attention
     auto& joined = *documents->joined;
     std::vector<JointKV> joint;

@@ -38,11 +38,12 @@ COMB_INLINE std::string method_name(Method m) {
 }
 
 COMB_INLINE c10::ScalarType parse_cache_dtype(const std::string& name) {
+  if (name == "auto") return c10::ScalarType::Undefined;
   if (name == "int8") return at::kChar;
   try {
     return parse_dtype(name);
   } catch (const Error&) {
-    COMB_FAIL("unknown cache dtype '{}' (expected float32, bfloat16, float16 or int8)", name);
+    COMB_FAIL("unknown cache dtype '{}' (expected auto, float32, bfloat16, float16 or int8)", name);
   }
 }
 
@@ -52,6 +53,7 @@ COMB_INLINE std::string cache_dtype_name(c10::ScalarType dtype) {
     case at::kBFloat16: return "bfloat16";
     case at::kHalf: return "float16";
     case at::kChar: return "int8";
+    case c10::ScalarType::Undefined: return "auto";
     default: return c10::toString(dtype);
   }
 }
@@ -224,14 +226,21 @@ COMB_INLINE double PicEngine::cache_bytes_per_token() const {
   const auto& c = model_.config();
   // Per token of a document of `typical` tokens (int8 keys' scales are per document).
   constexpr int64_t typical = 128;
-  auto per_token = [&](int64_t blocks) {
-    return double(DocumentKV::storage_bytes(options_.cache_dtype, blocks, c.n_head_kv, c.head_dim, typical)) / typical;
+  // "auto": each entry as computed (the decoder's dtype), a plug-in's documents in its cache dtype.
+  auto per_token = [&](int64_t blocks, c10::ScalarType as_computed) {
+    const c10::ScalarType dtype =
+        options_.cache_dtype == c10::ScalarType::Undefined ? as_computed : options_.cache_dtype;
+    return double(DocumentKV::storage_bytes(dtype, blocks, c.n_head_kv, c.head_dim, typical)) / typical;
   };
+  const c10::ScalarType decoder_dtype = model_.decoder().dtype();
   switch (method_) {
     case Method::full: return 0;
-    case Method::comb: return per_token(model_.plugin()->config().n_blocks());
+    case Method::comb: {
+      const std::string& d = model_.plugin()->config().cache_dtype;
+      return per_token(model_.plugin()->config().n_blocks(), d.empty() ? decoder_dtype : parse_cache_dtype(d));
+    }
     case Method::prefix: return 2.0 * c.n_layer * c.kv_dim() * c10::elementSize(model_.decoder().dtype());
-    default: return per_token(c.n_layer);
+    default: return per_token(c.n_layer, decoder_dtype);
   }
 }
 
@@ -300,13 +309,13 @@ COMB_INLINE bool PicEngine::continue_document(DocumentWork& w, int64_t max_token
     const Plugin& plugin = *model_.plugin();
     if (!plugin.encoder_is_base()) {  // not resumable: the whole document now
       w.done = n;
-      return store_->put(w.key, plugin.encode(dec, w.tokens)) != nullptr;
+      return store_->put(w.key, model_.cached_form(plugin.encode(dec, w.tokens), store_.get())) != nullptr;
     }
     if (!w.cache) w.cache.emplace(plugin.begin_encoding(dec, w.tokens, *model_.encoder_prefix_states()));
     plugin.encode_piece(dec, w.tokens, from, to, *w.cache, w.keys, w.values);
     w.done = to;
     if (to < n) return false;
-    store_->put(w.key, Plugin::finish_encoding(w.keys, w.values, n));
+    store_->put(w.key, model_.cached_form(Plugin::finish_encoding(w.keys, w.values, n), store_.get()));
   } else {
     if (!w.cache) w.cache.emplace(dec.make_cache(1, n));
     dec.forward(ids_of(w.tokens, from, to), *w.cache);

@@ -42,6 +42,7 @@ COMB_INLINE nlohmann::json PluginConfig::to_json() const {
   if (joint_attention) j["joint_attention"] = true;
   if (documents_after_prefix) j["documents_after_prefix"] = true;
   if (consecutive_documents) j["consecutive_documents"] = true;
+  if (!cache_dtype.empty()) j["cache_dtype"] = cache_dtype;
   return j;
 }
 
@@ -84,6 +85,13 @@ COMB_INLINE PluginConfig PluginConfig::from_json(const nlohmann::json& j, const 
   c.joint_attention = flag("joint_attention", false);
   c.documents_after_prefix = flag("documents_after_prefix", false);
   c.consecutive_documents = flag("consecutive_documents", false);
+  if (j.contains("cache_dtype")) {
+    const auto& v = j["cache_dtype"];
+    COMB_CHECK(v.is_string() && (v == "float32" || v == "bfloat16" || v == "float16" || v == "int8"),
+               "{}: plug-in config 'cache_dtype' should be float32, bfloat16, float16 or int8, found {}", where,
+               v.dump());
+    c.cache_dtype = v == "float32" ? "" : v.get<std::string>();
+  }
   return c;
 }
 
@@ -183,6 +191,13 @@ COMB_INLINE Plugin::Plugin(PluginConfig config, PluginWeights weights, const Dec
     // The base's layers, shared (not copied, not saved): the file names the base by fingerprint.
     weights_.encoder.assign(base.weights().layers.begin(), base.weights().layers.begin() + config_.n_encoder_layers());
   }
+  refresh_fingerprint();
+}
+
+COMB_INLINE void Plugin::set_cache_dtype(const std::string& dtype) {
+  COMB_CHECK(dtype.empty() || dtype == "float32" || dtype == "bfloat16" || dtype == "float16" || dtype == "int8",
+             "a plug-in's cache dtype is float32, bfloat16, float16 or int8, found '{}'", dtype);
+  config_.cache_dtype = dtype == "float32" ? "" : dtype;
   refresh_fingerprint();
 }
 

@@ -274,8 +274,8 @@ struct PICacheStore::Impl {
       // ones is neither copied to its device nor allowed to evict anything.
       const int64_t bytes = storage_bytes(*kv);
       if (!fits(tier, bytes)) continue;
-      if (kv->keys[0].device() != tier.device || kv->keys[0].scalar_type() != options.dtype)
-        kv = std::make_shared<const DocumentKV>(kv->to(tier.device, options.dtype));
+      if (kv->keys[0].device() != tier.device || kv->keys[0].scalar_type() != dtype_for(*kv))
+        kv = std::make_shared<const DocumentKV>(kv->to(tier.device, dtype_for(*kv)));
       std::vector<std::pair<CacheKey, std::shared_ptr<const DocumentKV>>> evicted;
       while (tier.stats.bytes + bytes > tier.budget) {  // ends: the unpinned bytes cover the excess
         auto victim = tier.lru.rbegin();
@@ -294,10 +294,14 @@ struct PICacheStore::Impl {
     return kv;
   }
 
+  // The dtype `kv` is stored in: the store's, or with the store's dtype "auto" (Undefined) its own.
+  c10::ScalarType dtype_for(const DocumentKV& kv) const {
+    return options.dtype == c10::ScalarType::Undefined ? kv.keys.at(0).scalar_type() : options.dtype;
+  }
   // Bytes `kv` takes once converted to the storage dtype.
   int64_t storage_bytes(const DocumentKV& kv) const {
     const at::Tensor& k = kv.keys.at(0);
-    return DocumentKV::storage_bytes(options.dtype, static_cast<int64_t>(kv.keys.size()), k.size(0), k.size(2),
+    return DocumentKV::storage_bytes(dtype_for(kv), static_cast<int64_t>(kv.keys.size()), k.size(0), k.size(2),
                                      k.size(1));
   }
   // Whether `tier` can hold `bytes` beside its pinned entries (evicting unpinned ones as needed).
@@ -373,7 +377,7 @@ struct PICacheStore::Impl {
 };
 
 COMB_INLINE PICacheStore::PICacheStore(StoreOptions options) : impl_(std::make_unique<Impl>()) {
-  dtype_code(options.dtype);  // validates
+  if (options.dtype != c10::ScalarType::Undefined) dtype_code(options.dtype);  // validates (Undefined: auto)
   COMB_CHECK(options.device_bytes >= 0 && options.host_bytes >= 0 && options.disk_bytes >= 0,
              "cache budgets must be >= 0 (device {}, host {}, disk {})", options.device_bytes, options.host_bytes,
              options.disk_bytes);
@@ -440,7 +444,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& 
   // Another caller may have stored it while this one read: theirs stands.
   for (auto& tier : impl_->memory)
     if (auto it = tier.slots.find(key); it != tier.slots.end()) return it->second.kv;
-  if (kv->keys[0].scalar_type() != impl_->options.dtype) *kv = kv->to(at::kCPU, impl_->options.dtype);
+  if (kv->keys[0].scalar_type() != impl_->dtype_for(*kv)) *kv = kv->to(at::kCPU, impl_->dtype_for(*kv));
   auto entry = std::make_shared<const DocumentKV>(std::move(*kv));
   impl_->disk_write(key, *entry);
   return impl_->insert(0, key, entry);
@@ -457,7 +461,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::Impl::get_local(cons
     std::shared_ptr<const DocumentKV> kv = it->second.kv;
     if (t > 0 && !it->second.pinned && fits(memory[0], it->second.bytes)) {  // promote to the fastest tier
       // The copy first: if it throws (device memory), the entry stays where it was.
-      auto moved = std::make_shared<const DocumentKV>(kv->to(memory[0].device, options.dtype));
+      auto moved = std::make_shared<const DocumentKV>(kv->to(memory[0].device, dtype_for(*kv)));
       memory[t].erase(key);
       return insert(0, key, moved);
     }
@@ -480,7 +484,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::Impl::get_local(cons
         disk_lru.push_front(key);
         it->second.first = disk_lru.begin();
         // A file written by a store of another storage dtype is converted, like every entry.
-        if (kv->keys[0].scalar_type() != options.dtype) *kv = kv->to(at::kCPU, options.dtype);
+        if (kv->keys[0].scalar_type() != dtype_for(*kv)) *kv = kv->to(at::kCPU, dtype_for(*kv));
         return insert(0, key, std::make_shared<const DocumentKV>(std::move(*kv)));
       }
       ++corrupt;
@@ -506,7 +510,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& 
   auto top = std::find_if(impl_->memory.begin(), impl_->memory.end(),
                           [&](const MemoryTier& t) { return Impl::fits(t, bytes); });
   c10::Device where = top == impl_->memory.end() ? c10::Device(c10::kCPU) : top->device;
-  auto entry = std::make_shared<const DocumentKV>(kv.to(where, impl_->options.dtype));
+  auto entry = std::make_shared<const DocumentKV>(kv.to(where, impl_->dtype_for(kv)));
   impl_->disk_write(key, *entry);
   auto stored = impl_->insert(0, key, entry);
   if (pinned)
