@@ -333,6 +333,28 @@ COMB_INLINE std::vector<int32_t> full_prompt(const TrainExample& e) {
 }  // namespace impl_train
 using namespace impl_train;
 
+namespace impl_train {  // this file's own helpers
+// The top-k log-probabilities of the decoder at every answer token of `with` (answers set), in one
+// teacher-forced forward, into answers[i] (one per example, in order).
+COMB_INLINE void add_top_k(const Decoder& base, const std::vector<TrainExample>& with, int64_t top_k,
+                           const std::vector<TeacherAnswer*>& answers) {
+  at::Tensor lp = at::log_softmax(full_context_logits(base, with, base.device()), -1);
+  const int64_t k = std::min<int64_t>(top_k, lp.size(-1));
+  auto [values, ids] = lp.topk(k, -1);
+  values = values.to(at::kCPU, at::kFloat).contiguous();
+  ids = ids.to(at::kCPU, at::kInt).contiguous();
+  const float* v = values.data_ptr<float>();
+  const int32_t* id = ids.data_ptr<int32_t>();
+  int64_t row = 0;
+  for (size_t i = 0; i < with.size(); ++i)
+    for (size_t j = 0; j < with[i].answer.size(); ++j, ++row) {
+      answers[i]->top_ids.emplace_back(id + row * k, id + (row + 1) * k);
+      answers[i]->top_logprobs.emplace_back(v + row * k, v + (row + 1) * k);
+    }
+}
+}  // namespace impl_train
+using namespace impl_train;
+
 COMB_INLINE TeacherAnswer teacher_answer(const Model& model, const TrainExample& example, int64_t max_tokens, int64_t top_k) {
   COMB_CHECK(max_tokens >= 1 && top_k >= 1, "a teacher answer needs max tokens >= 1 and top-k >= 1 (found {}, {})",
              max_tokens, top_k);
@@ -350,17 +372,7 @@ COMB_INLINE TeacherAnswer teacher_answer(const Model& model, const TrainExample&
   if (t.answer.empty()) return t;  // the decoder ended at once and has no end-of-turn token
   TrainExample with = example;
   with.answer = t.answer;
-  at::Tensor lp = at::log_softmax(full_context_logits(model.decoder(), {with}, model.decoder().device()), -1);
-  const int64_t k = std::min<int64_t>(top_k, lp.size(-1));
-  auto [values, ids] = lp.topk(k, -1);
-  values = values.to(at::kCPU, at::kFloat).contiguous();
-  ids = ids.to(at::kCPU, at::kInt).contiguous();
-  const float* v = values.data_ptr<float>();
-  const int32_t* id = ids.data_ptr<int32_t>();
-  for (int64_t j = 0; j < values.size(0); ++j) {
-    t.top_ids.emplace_back(id + j * k, id + (j + 1) * k);
-    t.top_logprobs.emplace_back(v + j * k, v + (j + 1) * k);
-  }
+  add_top_k(model.decoder(), {with}, top_k, {&t});
   return t;
 }
 
@@ -425,19 +437,9 @@ COMB_INLINE std::vector<TeacherAnswer> teacher_answers(const Model& model, const
       which.push_back(i);
     }
   if (with.empty()) return out;
-  at::Tensor lp = at::log_softmax(full_context_logits(base, with, device), -1);
-  const int64_t k = std::min<int64_t>(top_k, lp.size(-1));
-  auto [values, ids] = lp.topk(k, -1);
-  values = values.to(at::kCPU, at::kFloat).contiguous();
-  ids = ids.to(at::kCPU, at::kInt).contiguous();
-  const float* v = values.data_ptr<float>();
-  const int32_t* id = ids.data_ptr<int32_t>();
-  int64_t row = 0;
-  for (size_t i : which)
-    for (size_t j = 0; j < out[i].answer.size(); ++j, ++row) {
-      out[i].top_ids.emplace_back(id + row * k, id + (row + 1) * k);
-      out[i].top_logprobs.emplace_back(v + row * k, v + (row + 1) * k);
-    }
+  std::vector<TeacherAnswer*> answers;
+  for (size_t i : which) answers.push_back(&out[i]);
+  add_top_k(base, with, top_k, answers);
   return out;
 }
 
