@@ -20,6 +20,7 @@
 #include "comb/error.hpp"
 #include "comb/gguf.hpp"
 #include "comb/model.hpp"
+#include "comb/pic.hpp"  // parse_cache_dtype
 #include "comb/plugin.hpp"
 #include "comb/safetensors.hpp"
 #include "comb/weights.hpp"
@@ -197,8 +198,7 @@ COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Model::documents(
 COMB_INLINE DocumentKV Model::cached_form(DocumentKV kv, const PICacheStore* store) const {
   if (!plugin_ || plugin_->config().cache_dtype.empty()) return kv;
   if (store && store->options().dtype != c10::ScalarType::Undefined) return kv;
-  const std::string& name = plugin_->config().cache_dtype;  // checked when the plug-in loaded
-  const c10::ScalarType want = name == "int8" ? at::kChar : name == "bfloat16" ? at::kBFloat16 : at::kHalf;
+  const c10::ScalarType want = parse_cache_dtype(plugin_->config().cache_dtype);  // checked when it loaded
   if (kv.keys.empty() || kv.keys[0].scalar_type() == want) return kv;
   return kv.to(kv.keys[0].device(), want);
 }

@@ -46,6 +46,15 @@ COMB_INLINE nlohmann::json PluginConfig::to_json() const {
   return j;
 }
 
+namespace impl_plugin {  // this file's own helpers
+// What PluginConfig::cache_dtype may be set from: "float32" (kept as "", the dtype as computed),
+// "bfloat16", "float16", "int8".
+COMB_INLINE bool is_cache_dtype_name(const std::string& name) {
+  return name == "float32" || name == "bfloat16" || name == "float16" || name == "int8";
+}
+}  // namespace impl_plugin
+using namespace impl_plugin;
+
 COMB_INLINE PluginConfig PluginConfig::from_json(const nlohmann::json& j, const std::string& where) {
   PluginConfig c;
   COMB_CHECK(j.is_object(), "{}: plug-in config should be a JSON object", where);
@@ -87,7 +96,7 @@ COMB_INLINE PluginConfig PluginConfig::from_json(const nlohmann::json& j, const 
   c.consecutive_documents = flag("consecutive_documents", false);
   if (j.contains("cache_dtype")) {
     const auto& v = j["cache_dtype"];
-    COMB_CHECK(v.is_string() && (v == "float32" || v == "bfloat16" || v == "float16" || v == "int8"),
+    COMB_CHECK(v.is_string() && is_cache_dtype_name(v.get<std::string>()),
                "{}: plug-in config 'cache_dtype' should be float32, bfloat16, float16 or int8, found {}", where,
                v.dump());
     c.cache_dtype = v == "float32" ? "" : v.get<std::string>();
@@ -195,7 +204,7 @@ COMB_INLINE Plugin::Plugin(PluginConfig config, PluginWeights weights, const Dec
 }
 
 COMB_INLINE void Plugin::set_cache_dtype(const std::string& dtype) {
-  COMB_CHECK(dtype.empty() || dtype == "float32" || dtype == "bfloat16" || dtype == "float16" || dtype == "int8",
+  COMB_CHECK(dtype.empty() || is_cache_dtype_name(dtype),
              "a plug-in's cache dtype is float32, bfloat16, float16 or int8, found '{}'", dtype);
   config_.cache_dtype = dtype == "float32" ? "" : dtype;
   refresh_fingerprint();
