@@ -1,6 +1,7 @@
 // The COMB plug-in: identity when off or fresh, order invariance, caches equal fresh encodings,
 // checkpoints, the custom op, and bad input.
 #include <catch2/catch.hpp>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <algorithm>
 #include <filesystem>
@@ -646,6 +647,112 @@ TEST_CASE("joint_attention is one softmax over the joined keys and the causal co
   wrong.keys = at::zeros({batch, n_kv + 1, m, d});
   CHECK_THROWS_WITH(joint_attention(q.detach(), keys.detach(), values, start, wrong),
                     Catch::Contains("joint attention: keys"));
+}
+
+TEST_CASE("without gradients on CPU, joint attention and joined keys take direct paths with the same results",
+          "[ops][plugin]") {
+  // joint_attention: the context and the documents attended apart and merged by their log-sum-exp,
+  // against the written-out softmax (taken while gradients are recorded).
+  auto gen = at::detail::createCPUGenerator(13);
+  const int64_t n_head = 6, n_kv = 2, d = 16, m = 9;
+  for (int64_t start : {0, 4})
+    for (int64_t n : {1, 5})
+      for (int64_t anchor : {int64_t(0), start + 2, start + n + 1}) {
+        INFO("start " << start << ", n " << n << ", anchor " << anchor);
+        at::Tensor q = at::randn({1, n_head, n, d}, gen);
+        at::Tensor keys = at::randn({1, n_kv, start + n, d}, gen), values = at::randn({1, n_kv, start + n, d}, gen);
+        JointKV joint;
+        joint.keys = at::randn({1, n_kv, m, d}, gen);
+        joint.values = at::randn({1, n_kv, m, d}, gen);
+        joint.bias = at::randn({n_head}, gen);
+        joint.anchor = anchor;
+        at::Tensor written, direct, merged;
+        {
+          at::AutoGradMode on(true);
+          written = joint_attention(q, keys, values, start, joint);
+        }
+        {
+          at::NoGradGuard off;
+          direct = joint_attention(q, keys, values, start, joint);
+          merged = joint_attention_merged(q, keys, values, start, joint);
+        }
+        CHECK((written - merged).abs().max().item<double>() < 1e-5);
+        CHECK(direct.equal(merged));  // the path taken without gradients
+      }
+
+  // joint_kv: each key rotated once into place (float32 and int8 entries) against the tensor ops,
+  // with consecutive documents after an anchor and a batch of rows of different lengths.
+  at::NoGradGuard off;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  PluginInitOptions init;
+  init.reads = init.joint_attention = init.consecutive_documents = init.documents_after_prefix = true;
+  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
+  model.set_plugin(plugin);
+  auto tokens = sample_documents(3, 10, 47);
+  tokens[1].resize(6);
+  auto docs = documents_of(model, tokens);
+  std::vector<std::shared_ptr<const DocumentKV>> int8;
+  for (const auto& doc : docs) int8.push_back(std::make_shared<const DocumentKV>(doc->to(at::kCPU, at::kChar)));
+  const int64_t anchor = 7;
+  auto general = [&](const LinkedDocuments& l) {
+    at::AutoGradMode on(true);
+    return plugin->joint_kv(plugin->weights(), l.keys, l.values, l.doc_counts, anchor);
+  };
+  auto same = [](const std::vector<JointKV>& a, const std::vector<JointKV>& b) {
+    REQUIRE(a.size() == b.size());
+    double worst = 0;
+    for (size_t k = 0; k < a.size(); ++k) {
+      REQUIRE(a[k].keys.sizes() == b[k].keys.sizes());
+      CHECK(a[k].valid.defined() == b[k].valid.defined());
+      if (a[k].valid.defined()) CHECK(a[k].valid.equal(b[k].valid));
+      CHECK(a[k].anchor == b[k].anchor);
+      worst = std::max({worst, (a[k].keys - b[k].keys).abs().max().item<double>(),
+                        (a[k].values - b[k].values).abs().max().item<double>()});
+    }
+    return worst;
+  };
+  for (const auto& batch : std::vector<std::vector<std::vector<size_t>>>{{{0, 1, 2}}, {{2}, {1, 0}}}) {
+    std::vector<std::vector<std::shared_ptr<const DocumentKV>>> as_float, as_int8;
+    for (const auto& row : batch) {
+      as_float.emplace_back();
+      as_int8.emplace_back();
+      for (size_t i : row) {
+        as_float.back().push_back(docs[i]);
+        as_int8.back().push_back(int8[i]);
+      }
+    }
+    INFO("rows " << batch.size());
+    LinkedDocuments f = Linker(c10::kCPU).link_batch(as_float);
+    auto direct = plugin->joint_kv_direct(plugin->weights(), f.keys, f.values, f.doc_counts, anchor, {}, {});
+    REQUIRE(direct.has_value());  // the path joint_kv takes here
+    CHECK(same(*direct, general(f)) < 1e-5);
+    CHECK(same(plugin->joint_kv(plugin->weights(), f.keys, f.values, f.doc_counts, anchor), *direct) == 0);
+    // int8 linked as stored and placed from it, against the same entries read as float32 first.
+    LinkedDocuments kept = Linker(c10::kCPU, true).link_batch(as_int8);
+    REQUIRE(kept.keys[0][0].scalar_type() == at::kChar);
+    LinkedDocuments read = Linker(c10::kCPU).link_batch(as_int8);
+    REQUIRE(read.keys[0][0].scalar_type() == at::kFloat);
+    auto direct8 = plugin->joint_kv_direct(plugin->weights(), kept.keys, kept.values, kept.doc_counts, anchor,
+                                           kept.key_scales, kept.value_scales);
+    REQUIRE(direct8.has_value());
+    CHECK(same(*direct8, general(read)) < 1e-5);
+    // With gradients recorded, int8 entries are dequantized for the general path.
+    at::AutoGradMode on(true);
+    CHECK(same(plugin->joint_kv(plugin->weights(), kept.keys, kept.values, kept.doc_counts, anchor,
+                                kept.key_scales, kept.value_scales),
+               general(read)) < 1e-5);
+  }
+  // A plug-in without joint blocks refuses documents linked int8.
+  PluginInitOptions cross;  // a fresh plug-in of cross blocks
+  cross.cross_layers = init.cross_layers;
+  Model other = Model::load(oracle_dir() + "/tiny-llama");
+  other.set_plugin(std::make_shared<Plugin>(Plugin::fresh(other.decoder(), cross)));
+  std::vector<std::shared_ptr<const DocumentKV>> other_int8;
+  for (const auto& doc : documents_of(other, tokens))
+    other_int8.push_back(std::make_shared<const DocumentKV>(doc->to(at::kCPU, at::kChar)));
+  LinkedDocuments kept = Linker(c10::kCPU, true).link(other_int8);
+  CHECK_THROWS_WITH(logits_with(other, prompt_ids(5), &kept), Catch::Contains("Linker(device)"));
 }
 
 TEST_CASE("joint blocks at every layer read one document exactly as the decoder reads it in context", "[plugin]") {

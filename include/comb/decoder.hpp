@@ -73,8 +73,13 @@ struct JointKV {
 // Grouped-query attention of q [batch, n_head, n, head_dim] (RoPE applied) over `joint`'s keys and
 // its own context keys, values [batch, n_head_kv, start + n, head_dim], query j seeing context keys
 // [0, start + j]: one softmax over both, differentiable in every input.
+// Without gradients on CPU (float32, no padded joined keys) it runs joint_attention_merged.
 at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
                            const JointKV& joint);
+// The same softmax for inference: the context and the joined keys attended apart by the fused CPU
+// kernel and merged by their log-sum-exp (exact up to rounding). CPU float32, joint.valid undefined.
+at::Tensor joint_attention_merged(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                                  const JointKV& joint);
 // One Llama layer over x [batch, n, n_embd] at positions 0..n-1 without a cache: RMSNorm, RoPE
 // (cos, sin [n, head_dim]), grouped-query attention (causal, or bidirectional under `mask`
 // [batch, 1, 1, n] bool, true = attend; undefined: every key), SwiGLU. The encoder's layers and

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -227,9 +228,21 @@ class Plugin {
   // [block][document] (see Linker), the documents of each batch row joined and the rows padded to
   // the longest. `anchor` (documents_after_prefix): the keys move from ending before position 0
   // to ending before position `anchor`, and prompt positions before it do not read them.
+  // Documents linked int8 (Linker with keep_int8) come with their scales [block][document]
+  // (undefined for a document of another dtype); empty: none.
   std::vector<JointKV> joint_kv(const PluginWeights& w, const std::vector<std::vector<at::Tensor>>& keys,
                                 const std::vector<std::vector<at::Tensor>>& values,
-                                const std::vector<int64_t>& doc_counts, int64_t anchor = 0) const;
+                                const std::vector<int64_t>& doc_counts, int64_t anchor = 0,
+                                const std::vector<std::vector<at::Tensor>>& key_scales = {},
+                                const std::vector<std::vector<at::Tensor>>& value_scales = {}) const;
+  // The path joint_kv takes without gradients on CPU (float32 or int8 entries): each key rotated
+  // once, straight into place. nullopt where it does not apply (joint_kv's tensor ops then run).
+  std::optional<std::vector<JointKV>> joint_kv_direct(const PluginWeights& w,
+                                                      const std::vector<std::vector<at::Tensor>>& keys,
+                                                      const std::vector<std::vector<at::Tensor>>& values,
+                                                      const std::vector<int64_t>& doc_counts, int64_t anchor,
+                                                      const std::vector<std::vector<at::Tensor>>& key_scales,
+                                                      const std::vector<std::vector<at::Tensor>>& value_scales) const;
   // Names and tensors of the plug-in, in the reference checkpoint's naming.
   std::vector<std::pair<std::string, at::Tensor>> named_tensors() const;
   void refresh_fingerprint();

@@ -95,6 +95,10 @@ struct LinkedDocuments {
   std::vector<std::vector<at::Tensor>> keys;    // [block][document]: [n_head_kv, len, head_dim]
   std::vector<std::vector<at::Tensor>> values;  // [block][document]
   std::vector<int64_t> doc_counts;              // [batch]: documents of each request
+  // Linker with keep_int8: int8 entries are linked as stored, their scales here [block][document]
+  // (undefined for a document of another dtype); only joint-attention plug-ins read them so.
+  // Empty otherwise (every linked K/V is float).
+  std::vector<std::vector<at::Tensor>> key_scales, value_scales;
   std::vector<std::shared_ptr<const DocumentKV>> held;  // keeps every linked entry alive
   // A plug-in with documents_after_prefix: the prompt position the documents end at (the length
   // of the instruction prefix); positions before it do not read them. 0: every position does.
@@ -113,7 +117,9 @@ struct LinkedDocuments {
 
 class Linker {
  public:
-  explicit Linker(c10::Device device) : device_(device) {}
+  // keep_int8: int8 entries on `device` linked as stored, with their scales (a joint-attention
+  // plug-in reads them so, dequantizing while it places them); otherwise read as float32.
+  explicit Linker(c10::Device device, bool keep_int8 = false) : device_(device), keep_int8_(keep_int8) {}
   // One request's documents, in the order given.
   LinkedDocuments link(const std::vector<std::shared_ptr<const DocumentKV>>& documents) const;
   // A batch of requests, each with its own documents.
@@ -121,6 +127,7 @@ class Linker {
 
  private:
   c10::Device device_;
+  bool keep_int8_ = false;
 };
 
 }  // namespace comb

@@ -63,7 +63,7 @@ int cmd_generate(Args& args) {
     fmt::print(stderr, "[comb] {} documents, {} tokens: {} from the cache, {} encoded, in {:.1f} ms{}\n",
                documents.size(), n_tokens, hits, documents.size() - hits, ms,
                cache_url.empty() ? "" : fmt::format(" ({} from Redis)", stats.remote.hits));
-    linked = comb::Linker(model.decoder().device()).link(documents);
+    linked = comb::Linker(model.decoder().device(), model.plugin()->config().joint_attention).link(documents);
     if (model.plugin()->config().documents_after_prefix) {
       // The plug-in reads documents placed between the instruction prefix and the question, as
       // comb qa and serve place them: the prompt becomes that question.

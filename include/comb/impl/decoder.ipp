@@ -4,6 +4,7 @@
 #pragma once
 #include "comb/detail/inline.hpp"
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
@@ -146,6 +147,35 @@ COMB_INLINE at::Tensor swiglu_mlp(const at::Tensor& x, const LayerWeights& l) {
   return project(l, Proj::down, at::silu(parts[0]) * parts[1]);
 }
 
+namespace impl_decoder {
+COMB_INLINE std::pair<at::Tensor, at::Tensor> attend_after_cache_lse(const at::Tensor& q, const at::Tensor& keys,
+                                                          const at::Tensor& values, int64_t start);
+}  // namespace impl_decoder
+
+// NOTE: the written-out joint_attention scores the queries against a copy of every joined and
+// cached key with a full mask in each layer (on nq's 1,200 document tokens, most of a warm
+// request's attention time); here the fused kernel attends to each part without a mask.
+COMB_INLINE at::Tensor joint_attention_merged(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                  int64_t start, const JointKV& joint) {
+  const int64_t batch = q.size(0), n_head = q.size(1), n = q.size(2), head_dim = q.size(3);
+  const int64_t n_kv = keys.size(1), m = joint.keys.size(2), groups = n_head / n_kv;
+  COMB_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && !joint.valid.defined(),
+             "joint_attention_merged: CPU float32 queries and joined keys without padding");
+  auto [own, own_lse] = impl_decoder::attend_after_cache_lse(q, keys, values, start);
+  if (m == 0 || joint.anchor >= start + n) return own;  // no row reads the documents
+  // The query heads that share a KV head are folded into its rows: row g * n + i of KV head h is
+  // query head h * groups + g at position i, so [batch, n_kv, groups, n] reads as [batch, n_head, n].
+  auto [docs, docs_lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+      q.reshape({batch, n_kv, groups * n, head_dim}), joint.keys, joint.values);
+  docs = docs.reshape({batch, n_head, n, head_dim});
+  docs_lse = docs_lse.reshape({batch, n_head, n});
+  if (joint.bias.defined()) docs_lse = docs_lse + joint.bias.to(at::kFloat).view({1, n_head, 1});
+  if (joint.anchor > start)  // positions before the anchor (the instruction prefix) read no document
+    docs_lse = docs_lse.masked_fill((at::arange(start, start + n, at::kLong) < joint.anchor).view({1, 1, n}), -INFINITY);
+  at::Tensor lse = at::logaddexp(own_lse, docs_lse);
+  return own * (own_lse - lse).exp().unsqueeze(-1) + docs * (docs_lse - lse).exp().unsqueeze(-1);
+}
+
 COMB_INLINE at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
                            const JointKV& joint) {
   const int64_t batch = q.size(0), n_head = q.size(1), n = q.size(2), head_dim = q.size(3);
@@ -155,6 +185,9 @@ COMB_INLINE at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& ke
                  joint.keys.size(3) == head_dim && joint.values.sizes() == joint.keys.sizes(),
              "joint attention: keys [{}] and values [{}] should be [{}, {}, m, {}]", fmt::join(joint.keys.sizes(), ", "),
              fmt::join(joint.values.sizes(), ", "), batch, n_kv, head_dim);
+  if (!at::GradMode::is_enabled() && q.device().is_cpu() && q.scalar_type() == at::kFloat &&
+      keys.scalar_type() == at::kFloat && joint.keys.scalar_type() == at::kFloat && !joint.valid.defined())
+    return joint_attention_merged(q, keys, values, start, joint);
   const auto dt = q.scalar_type();
   const auto opts = q.options();
   // One float mask: the joined keys' bias (or -inf where not valid), then the causal mask of the
@@ -211,13 +244,30 @@ namespace impl_decoder {  // this file's own helpers
 // Attention of n new queries q [batch, n_head, n, head_dim] that follow `start` cached positions:
 // query j sees keys [0, start + j] of keys, values [batch, n_head_kv, start + n, head_dim] (grouped).
 COMB_INLINE at::Tensor attend_after_cache(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start) {
-  const int64_t n = q.size(2), groups = q.size(1) / keys.size(1);
+  const int64_t n = q.size(2);
   COMB_CHECK(keys.size(2) == start + n, "attention after a cache: {} keys for {} cached and {} new positions",
              keys.size(2), start, n);
   if (!q.device().is_cpu() || start == 0) {
     std::optional<at::Tensor> mask;
     if (start > 0) mask = visible_keys(at::arange(start, start + n, at::TensorOptions().device(q.device())), start + n);
     return at::scaled_dot_product_attention(q, keys, values, mask, 0.0, start == 0 && n > 1, std::nullopt, true);
+  }
+  return attend_after_cache_lse(q, keys, values, start).first;
+}
+
+// attend_after_cache on CPU with each row's log-sum-exp of scores [batch, n_head, n] (float32),
+// so that another part of the softmax can be merged in (joint_attention's documents).
+COMB_INLINE std::pair<at::Tensor, at::Tensor> attend_after_cache_lse(const at::Tensor& q, const at::Tensor& keys,
+                                                          const at::Tensor& values, int64_t start) {
+  const int64_t n = q.size(2), groups = q.size(1) / keys.size(1);
+  if (start == 0) {
+    at::Tensor k = keys, v = values;
+    if (groups > 1) {
+      k = k.repeat_interleave(groups, 1);
+      v = v.repeat_interleave(groups, 1);
+    }
+    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, true);
+    return {out, lse};
   }
   // NOTE: one masked call would score every query against every key (the CPU kernel skips no
   // masked block): 61.6 against 36.8 ms a layer for 1,227 rows after 60 (docs/benchmarks.md).
@@ -238,8 +288,9 @@ COMB_INLINE at::Tensor attend_after_cache(const at::Tensor& q, const at::Tensor&
   }
   auto [new_out, new_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, true);
   at::Tensor lse = at::logaddexp(old_lse, new_lse);
-  return (old_out * (old_lse - lse).exp().unsqueeze(-1) + new_out * (new_lse - lse).exp().unsqueeze(-1))
-      .to(q.scalar_type());
+  return {(old_out * (old_lse - lse).exp().unsqueeze(-1) + new_out * (new_lse - lse).exp().unsqueeze(-1))
+              .to(q.scalar_type()),
+          lse};
 }
 
 // Rows q [1, n_head, m, head_dim] at `pos` (int64 [m], on q's device): row j sees keys [0, pos[j]]

@@ -224,7 +224,7 @@ COMB_INLINE at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, 
       std::lock_guard<std::mutex> lock(joined.mutex);
       if (joined.plugin != plugin_->fingerprint() || joined.anchor != documents->anchor) {
         joined.blocks = plugin_->joint_kv(plugin_->weights(), documents->keys, documents->values, documents->doc_counts,
-                                          documents->anchor);
+                                          documents->anchor, documents->key_scales, documents->value_scales);
         joined.plugin = plugin_->fingerprint();
         joined.anchor = documents->anchor;
       }
@@ -236,6 +236,9 @@ COMB_INLINE at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, 
     });
   }
   COMB_CHECK(documents->anchor == 0, "documents anchored after a prefix need a plug-in with documents_after_prefix");
+  COMB_CHECK(documents->key_scales.empty(),
+             "documents linked int8 (Linker with keep_int8) are read by joint-attention plug-ins only; link them "
+             "with Linker(device) for this plug-in");
   const int64_t start = cache.length();  // the prompt position of the first new token
   return decoder_->forward(tokens, cache, mode, [&](int64_t layer, const at::Tensor& x) {
     int64_t k = plugin_->block_before(layer);

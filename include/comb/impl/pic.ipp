@@ -523,7 +523,8 @@ COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<
   std::vector<std::shared_ptr<const DocumentKV>> docs = model_.documents(r.documents, store_.get(), out.tenant, &cached);
   for (size_t i = 0; i < r.documents.size(); ++i)
     (cached[i] ? out.reused : out.computed) += static_cast<int64_t>(r.documents[i].size());
-  out.documents = Linker(model_.decoder().device()).link(docs);
+  // A joint-attention plug-in places int8 documents straight from their int8 form.
+  out.documents = Linker(model_.decoder().device(), model_.plugin()->config().joint_attention).link(docs);
   if (!model_.plugin()->config().documents_after_prefix) return;  // the whole prompt pending
   // The instruction prefix reads no document: its K/V are the bare decoder's, so its whole
   // blocks come from the prefix cache and a warm request computes the question alone.

@@ -584,18 +584,27 @@ COMB_INLINE LinkedDocuments Linker::link_batch(const std::vector<std::vector<std
     }
   out.keys.resize(n_blocks);
   out.values.resize(n_blocks);
+  if (keep_int8_) {
+    out.key_scales.resize(n_blocks);
+    out.value_scales.resize(n_blocks);
+  }
   for (const auto& request : documents) {
     out.doc_counts.push_back(static_cast<int64_t>(request.size()));
     for (auto d : request) {
       // A host-tier entry for a GPU decoder: one copy; an int8 entry: read as float32 (the store
-      // keeps the int8 one).
-      if (d->quantized())
+      // keeps the int8 one), or linked as it is (keep_int8).
+      const bool as_stored = keep_int8_ && d->quantized() && d->keys[0].device() == device_;
+      if (d->quantized() && !as_stored)
         d = std::make_shared<const DocumentKV>(d->to(device_, at::kFloat));
       else if (d->keys[0].device() != device_)
         d = std::make_shared<const DocumentKV>(d->to(device_, d->keys[0].scalar_type()));
       for (size_t b = 0; b < n_blocks; ++b) {
         out.keys[b].push_back(d->keys[b]);
         out.values[b].push_back(d->values[b]);
+        if (keep_int8_) {
+          out.key_scales[b].push_back(as_stored ? d->key_scales.at(b) : at::Tensor());
+          out.value_scales[b].push_back(as_stored ? d->value_scales.at(b) : at::Tensor());
+        }
       }
       out.held.push_back(std::move(d));
     }
