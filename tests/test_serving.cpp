@@ -122,30 +122,37 @@ TEST_CASE("serving: a request's greedy answer is PicEngine::generate's", "[servi
   }
 }
 
-TEST_CASE("serving: joint layouts with consecutive documents answer as PicEngine::generate", "[serving]") {
-  for (bool after_prefix : {false, true}) {
-    Model m = Model::load(test::model_path());
-    PluginInitOptions init;
-    init.reads = init.joint_attention = init.consecutive_documents = true;
-    init.documents_after_prefix = after_prefix;
-    for (int64_t l = 0; l < m.config().n_layer; ++l) init.cross_layers.push_back(l);
-    init.probes = qa_probe_prompts(m);
-    init.encoder_prefix = {init.probes[0][0]};
-    m.set_plugin(std::make_shared<Plugin>(Plugin::fresh(m.decoder(), init)));
-    ServeEngine engine(m, {});
-    for (int i : {0, 1}) {
-      ServeRequest r = make(m, i, Method::comb, 8);
-      PicRequest prompt = r.prompt;
-      auto served = run_all(engine, {r}, false);
-      PicEngine pic(m, Method::comb);
-      GenerateOptions g;
-      g.max_tokens = 8;
-      GenerationResult direct = pic.generate(prompt, g);
-      INFO("after prefix " << after_prefix << ", request " << i << ": served '" << served[0].text << "', direct '"
-                           << direct.text << "'");
-      CHECK(served[0].tokens == direct.tokens);
+TEST_CASE("serving: joint layouts answer as PicEngine::generate, with float32 and int8 document caches",
+          "[serving]") {
+  // Consecutive documents (before or after the prefix: the decoding step reads the joined keys) and
+  // the shared layout (it reads each linked document; int8 ones are dequantized for it).
+  for (int layout : {0, 1, 2})
+    for (c10::ScalarType dtype : {c10::ScalarType::Undefined, at::kChar}) {
+      Model m = Model::load(test::model_path());
+      PluginInitOptions init;
+      init.reads = init.joint_attention = true;
+      init.consecutive_documents = layout < 2;
+      init.documents_after_prefix = layout == 1;
+      for (int64_t l = 0; l < m.config().n_layer; ++l) init.cross_layers.push_back(l);
+      init.probes = qa_probe_prompts(m);
+      init.encoder_prefix = {init.probes[0][0]};
+      m.set_plugin(std::make_shared<Plugin>(Plugin::fresh(m.decoder(), init)));
+      ServeOptions options;
+      options.pic.cache_dtype = dtype;
+      ServeEngine engine(m, options);
+      for (int i : {0, 1}) {
+        ServeRequest r = make(m, i, Method::comb, 8);
+        PicRequest prompt = r.prompt;
+        auto served = run_all(engine, {r}, false);
+        PicEngine pic(m, Method::comb, options.pic);
+        GenerateOptions g;
+        g.max_tokens = 8;
+        GenerationResult direct = pic.generate(prompt, g);
+        INFO("layout " << layout << ", cache dtype " << c10::toString(dtype) << ", request " << i << ": served '"
+                       << served[0].text << "', direct '" << direct.text << "'");
+        CHECK(served[0].tokens == direct.tokens);
+      }
     }
-  }
 }
 
 TEST_CASE("serving: a long document is computed in pieces, and other requests answer meanwhile", "[serving]") {
