@@ -144,7 +144,8 @@ class Decoder {
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
   at::Tensor attention(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint = nullptr) const;
   at::Tensor feed_forward(int64_t i, const at::Tensor& x) const;
-  at::Tensor layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) const;
+  // `joint`: read through joint_attention_merged (no gradients, float32, no padded joined keys).
+  at::Tensor layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint = nullptr) const;
   at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w) const;
   at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w) const;
 

@@ -422,7 +422,7 @@ COMB_INLINE at::Tensor Decoder::linear_cpu(const at::Tensor& x, const at::Tensor
   return out;
 }
 
-COMB_INLINE at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache) const {
+COMB_INLINE at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
   const auto& c = config_;
   const auto& w = weights_.layers[i];
   const int64_t batch = x.size(0), n = x.size(1), rows = batch * n, start = cache.length();
@@ -454,7 +454,12 @@ COMB_INLINE at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCach
     });
   }
   at::Tensor attn;
-  if (few) {
+  if (joint) {  // the documents' keys beside the context's
+    at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
+    attn = joint_attention_merged(q.transpose(1, 2), keys, values, start, *joint)
+               .transpose(1, 2)
+               .reshape({batch, n, c.q_dim()});
+  } else if (few) {
     RECORD_FUNCTION("comb::attention", std::vector<c10::IValue>());
     attn = at::empty({batch, n, c.q_dim()}, x.options());
     at::parallel_for(0, batch * c.n_head, 1, [&](int64_t b, int64_t e) {
@@ -485,7 +490,11 @@ COMB_INLINE at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCach
 // ---- Generic path -----------------------------------------------------------------------------
 
 COMB_INLINE at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
-  if (cpu_kernels() && !joint) return layer_cpu(i, x, cache);
+  // A layer that reads documents takes the fused path too where joint_attention_merged applies.
+  if (cpu_kernels() && (!joint || (!at::GradMode::is_enabled() && !joint->valid.defined() &&
+                                   joint->keys.device().is_cpu() && joint->keys.scalar_type() == at::kFloat &&
+                                   joint->values.scalar_type() == at::kFloat)))
+    return layer_cpu(i, x, cache, joint);
   at::Tensor h = x + attention(i, rms_norm(x, weights_.layers[i].attn_norm), cache, joint);
   return h + feed_forward(i, rms_norm(h, weights_.layers[i].ffn_norm));
 }
