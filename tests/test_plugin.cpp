@@ -755,6 +755,94 @@ TEST_CASE("without gradients on CPU, joint attention and joined keys take direct
   CHECK_THROWS_WITH(logits_with(other, prompt_ids(5), &kept), Catch::Contains("Linker(device)"));
 }
 
+TEST_CASE("a cold request's documents and prompt in one pass: encoding first, then the prompt, up to rounding; "
+          "a warm request reads what it stored",
+          "[plugin][store]") {
+  c10::InferenceMode guard;
+  for (const std::string dtype : {"", "int8"}) {
+    INFO("plug-in cache dtype '" << dtype << "'");
+    Model model = Model::load(oracle_dir() + "/tiny-llama");
+    PluginInitOptions init;
+    init.reads = init.joint_attention = init.consecutive_documents = init.documents_after_prefix = true;
+    for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+    init.encoder_prefix = {1, 2};
+    auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
+    auto gen = at::detail::createCPUGenerator(17);
+    for (auto& b : plugin->mutable_weights().cross) b.doc_bias.add_(at::randn(b.doc_bias.sizes(), gen));
+    if (!dtype.empty()) plugin->set_cache_dtype(dtype);
+    plugin->refresh_fingerprint();
+    model.set_plugin(plugin);
+    REQUIRE(plugin->encodes_alongside(model.decoder()));
+
+    auto tokens = sample_documents(4, 11, 53);
+    tokens[1].resize(5);
+    tokens[3] = tokens[0];  // linked twice: encoded once
+    const int64_t anchor = 6;
+    at::Tensor ids = prompt_ids(14);
+    at::Tensor prefix = ids.narrow(1, 0, anchor), rest = ids.narrow(1, anchor, ids.size(1) - anchor);
+    auto run = [&](PICacheStore& store, std::vector<bool>& cached, LinkedDocuments& linked, KVCache& cache) {
+      cache = model.decoder().make_cache(1, ids.size(1) + 1);
+      model.decoder().forward(prefix, cache);  // the instruction, as the prefix cache gives it
+      return model.documents_and_prompt(tokens, &store, "", &cached, rest, cache, anchor, linked);
+    };
+    // In one pass.
+    PICacheStore together{StoreOptions{}};
+    std::vector<bool> cached;
+    LinkedDocuments linked;
+    KVCache cache = model.decoder().make_cache(1, 1);
+    at::Tensor once = run(together, cached, linked, cache);
+    REQUIRE(once.defined());
+    CHECK(cached == std::vector<bool>{false, false, false, true});
+    CHECK(cache.length() == ids.size(1));
+    CHECK(linked.anchor == anchor);
+    CHECK(linked.keys[0][0].scalar_type() == (dtype.empty() ? at::kFloat : at::kChar));
+    // Encoding first (Model::documents), then the prompt reading them.
+    PICacheStore apart_store{StoreOptions{}};
+    auto docs = model.documents(tokens, &apart_store);
+    LinkedDocuments apart = Linker(c10::kCPU, true).link(docs);
+    apart.anchor = anchor;
+    KVCache apart_cache = model.decoder().make_cache(1, ids.size(1) + 1);
+    model.decoder().forward(prefix, apart_cache);
+    at::Tensor twice = model.forward(rest, apart_cache, &apart);
+    CHECK((once - twice).abs().max().item<double>() < 1e-4);
+    // The caches stored: the same up to rounding (int8: one step of a code at most).
+    for (size_t i = 0; i < 3; ++i) {
+      auto a = together.get(model.document_key(tokens[i])), b = apart_store.get(model.document_key(tokens[i]));
+      REQUIRE(a);
+      REQUIRE(b);
+      DocumentKV af = a->to(c10::kCPU, at::kFloat), bf = b->to(c10::kCPU, at::kFloat);
+      for (size_t k : {size_t(0), af.keys.size() - 1}) {
+        const double step = dtype.empty() ? 0.0 : a->key_scales[k].max().item<double>();
+        CHECK((af.keys[k] - bf.keys[k]).abs().max().item<double>() <= 1e-4 + 1.01 * step);
+      }
+    }
+    // The next decoding step reads the joined keys the pass built.
+    at::Tensor next = at::full({1, 1}, 7, at::kLong);
+    at::Tensor step_once = model.forward(next, cache, &linked), step_apart = model.forward(next, apart_cache, &apart);
+    CHECK((step_once - step_apart).abs().max().item<double>() < 1e-4);
+    // Warm: nothing to encode, so nothing computed here; the prompt then reads the stored entries,
+    // which are what the pass read.
+    std::vector<bool> warm_cached;
+    LinkedDocuments warm;
+    KVCache warm_cache = model.decoder().make_cache(1, 1);
+    CHECK_FALSE(run(together, warm_cached, warm, warm_cache).defined());
+    CHECK(warm_cached == std::vector<bool>{true, true, true, true});
+    CHECK(warm_cache.length() == anchor);
+    at::Tensor warm_logits = model.forward(rest, warm_cache, &warm);
+    CHECK((warm_logits - once).abs().max().item<double>() < 1e-5);
+    // One document cached, the others new: the pass reads the cached one as stored.
+    PICacheStore mixed{StoreOptions{}};
+    model.documents({tokens[1]}, &mixed);
+    std::vector<bool> mixed_cached;
+    LinkedDocuments mixed_linked;
+    KVCache mixed_cache = model.decoder().make_cache(1, 1);
+    at::Tensor part = run(mixed, mixed_cached, mixed_linked, mixed_cache);
+    REQUIRE(part.defined());
+    CHECK(mixed_cached == std::vector<bool>{false, true, false, true});
+    CHECK((part - twice).abs().max().item<double>() < 1e-4);
+  }
+}
+
 TEST_CASE("joint blocks at every layer read one document exactly as the decoder reads it in context", "[plugin]") {
   c10::InferenceMode guard;
   Model model = Model::load(oracle_dir() + "/tiny-llama");

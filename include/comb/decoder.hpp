@@ -101,6 +101,19 @@ class Decoder {
   void set_cpu_kernels(bool on) { cpu_kernels_ = on; }
   bool cpu_kernels() const { return cpu_kernels_ && device_.is_cpu() && dtype_ == c10::kFloat; }
 
+  // One input of layer_parts(): x [batch, n, n_embd] after the positions `cache` holds (it writes
+  // its K/V there; the caller advances the cache after the last layer), reading `joint` if given.
+  struct LayerPart {
+    at::Tensor x;
+    KVCache* cache = nullptr;
+    const JointKV* joint = nullptr;
+  };
+  // Layer i over several inputs with one read of its weights: all their rows go through each
+  // projection and the MLP together, each attends over its own cache (and joined keys). The fused
+  // CPU path only (cpu_kernels()); the joined keys as joint_attention_merged takes them. A cold
+  // request's documents (through the encoder, the base's own layers) and its prompt use it.
+  std::vector<at::Tensor> layer_parts(int64_t i, const std::vector<LayerPart>& parts) const;
+
   // Runs on the hidden state [batch, n, n_embd] before decoder layer `layer` (the plug-in's
   // cross blocks); returns the state the layer reads.
   using LayerHook = std::function<at::Tensor(int64_t layer, const at::Tensor& x)>;

@@ -87,6 +87,17 @@ class Model {
   std::vector<std::shared_ptr<const DocumentKV>> documents(const std::vector<std::vector<int32_t>>& documents,
                                                            PICacheStore* store = nullptr, const std::string& tenant = "",
                                                            std::vector<bool>* from_cache = nullptr) const;
+  // A request's documents and its prompt: documents() and, where the plug-in allows
+  // (Plugin::encodes_alongside) and a document is to be encoded, the prompt's `tokens` after
+  // `cache` computed in the same pass (Plugin::encode_alongside: each layer's weights read once for
+  // the documents and the prompt). `linked` receives the documents linked as PicEngine links them
+  // (`anchor` set, the joined keys built where the pass computed them). Returns forward()'s logits
+  // when the prompt was computed (`cache` advanced), else an undefined tensor and the prompt is left
+  // to compute (forward() with `linked`). What is stored, and read, is what documents() stores.
+  at::Tensor documents_and_prompt(const std::vector<std::vector<int32_t>>& documents, PICacheStore* store,
+                                  const std::string& tenant, std::vector<bool>* from_cache, const at::Tensor& tokens,
+                                  KVCache& cache, int64_t anchor, LinkedDocuments& linked,
+                                  LogitsMode mode = LogitsMode::last) const;
   // Encoder K/V as a document cache keeps them: in the plug-in's cache dtype
   // (PluginConfig::cache_dtype) when `store` is absent or keeps each entry as it comes
   // (StoreOptions::dtype Undefined, "auto"), else unchanged (the store converts). A request that

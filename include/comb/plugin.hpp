@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -205,6 +206,23 @@ class Plugin {
                                     const std::vector<std::vector<at::Tensor>>& values, int64_t n_tokens);
   // Whether encode() runs the base's own cached forward (encoder_from_base, causal, the base's embedding).
   bool encoder_is_base() const;
+  // A cold request's new documents and its prompt computed together (Model::documents_and_prompt):
+  // true where that applies (joint blocks that read depths at or before their layer, an encoder of
+  // the base's own layers, the base's fused CPU path, no gradients).
+  bool encodes_alongside(const Decoder& base) const;
+  // Block k's K/V of each document (float, [n_head_kv, len, head_dim], in the order given) ->
+  // what the prompt's layer reads beside its context.
+  using JoinBlock = std::function<const JointKV*(int64_t block, std::vector<at::Tensor> keys,
+                                                 std::vector<at::Tensor> values)>;
+  // encode_many's encoding of `documents` (the same batches) and the decoder's forward of `tokens`
+  // after `cache`, layer by layer in one Decoder::layer_parts call each, so that each layer's
+  // weights are read once for both: before the prompt's layer L, `join` receives the documents'
+  // K/V of the block at L (computed by then) and returns the joined keys that layer reads. Returns
+  // the prompt's last hidden state [batch, n, n_embd]; `cache` is advanced. Needs
+  // encodes_alongside().
+  at::Tensor encode_alongside(const Decoder& base, const std::vector<std::vector<int32_t>>& documents,
+                              const KVCache& prefix_states, const at::Tensor& tokens, KVCache& cache,
+                              const JoinBlock& join) const;
   // The encoder prefix through the encoder's layers: the same before every document, so a caller
   // that encodes many (Model::document) computes it once. Needs encoder_is_base().
   KVCache encoder_prefix_states(const Decoder& base) const;
@@ -242,7 +260,8 @@ class Plugin {
                                                       const std::vector<std::vector<at::Tensor>>& values,
                                                       const std::vector<int64_t>& doc_counts, int64_t anchor,
                                                       const std::vector<std::vector<at::Tensor>>& key_scales,
-                                                      const std::vector<std::vector<at::Tensor>>& value_scales) const;
+                                                      const std::vector<std::vector<at::Tensor>>& value_scales,
+                                                      int64_t first_block = 0) const;  // keys[0] is this block's
   // Names and tensors of the plug-in, in the reference checkpoint's naming.
   std::vector<std::pair<std::string, at::Tensor>> named_tensors() const;
   void refresh_fingerprint();

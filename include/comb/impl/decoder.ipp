@@ -423,78 +423,112 @@ COMB_INLINE at::Tensor Decoder::linear_cpu(const at::Tensor& x, const at::Tensor
 }
 
 COMB_INLINE at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
+  std::vector<LayerPart> parts{{x, &cache, joint}};
+  return std::move(layer_parts(i, parts)[0]);
+}
+
+COMB_INLINE std::vector<at::Tensor> Decoder::layer_parts(int64_t i, const std::vector<LayerPart>& parts) const {
   const auto& c = config_;
   const auto& w = weights_.layers[i];
-  const int64_t batch = x.size(0), n = x.size(1), rows = batch * n, start = cache.length();
-  COMB_CHECK(start + n <= cache.capacity(), "KV cache full: {} positions held, {} more asked, capacity {}", start, n,
-             cache.capacity());
-  // Few rows (decode): fused kernels throughout. Many rows (prefill): oneDNN GEMMs (packed at load) and SDPA (after
-  // cached rows: attend_after_cache), fused RoPE.
+  COMB_CHECK(cpu_kernels(), "layer_parts: the fused CPU path (a float32 decoder on the CPU with cpu_kernels on)");
+  COMB_CHECK(!parts.empty(), "layer_parts: no input");
+  std::vector<int64_t> row_counts;
+  int64_t rows = 0;
+  for (const auto& p : parts) {
+    COMB_CHECK(p.x.dim() == 3 && p.x.size(2) == c.n_embd && p.cache && p.x.size(0) == p.cache->batch(),
+               "layer_parts: an input of shape [{}] for a cache of batch {}", fmt::join(p.x.sizes(), ", "),
+               p.cache ? p.cache->batch() : 0);
+    COMB_CHECK(p.cache->length() + p.x.size(1) <= p.cache->capacity(),
+               "KV cache full: {} positions held, {} more asked, capacity {}", p.cache->length(), p.x.size(1),
+               p.cache->capacity());
+    row_counts.push_back(p.x.size(0) * p.x.size(1));
+    rows += row_counts.back();
+  }
+  // Every part's rows through each matrix at once (one read of the layer's weights); attention
+  // apart, each part over its own cache. Few rows (decode): fused kernels throughout. Many rows
+  // (prefill): oneDNN GEMMs (packed at load) and SDPA (after cached rows: attend_after_cache),
+  // fused RoPE.
   const bool few = rows <= kFusedMaxRows;
   auto norm = [&](const at::Tensor& t, const at::Tensor& weight) {
     return few ? rms_norm_cpu(t, weight) : at::rms_norm(t, {c.n_embd}, weight, c.rms_eps);
   };
-  auto linear = [&](const at::Tensor& t, const at::Tensor& weight, int slot) {
+  auto linear = [&](const at::Tensor& t, const at::Tensor& weight, int slot) {  // t [rows, in]
     if (w.quantized) return project(w, static_cast<Proj>(slot), t);
     if (few) return linear_cpu(t, weight);
     if (onednn_.empty()) return at::linear(t, weight);
-    at::Tensor flat = t.reshape({rows, t.size(-1)}).contiguous();
-    return at::mkldnn_linear(flat.to_mkldnn(), onednn_[i][slot]).to_dense().view({batch, n, weight.size(0)});
+    return at::mkldnn_linear(t.contiguous().to_mkldnn(), onednn_[i][slot]).to_dense();
   };
-  at::Tensor qkv = linear(norm(x, w.attn_norm), w.wqkv, 0).contiguous();  // [batch, n, q_dim + 2 kv_dim]
-  at::Tensor q = at::empty({batch, n, c.n_head, c.head_dim}, x.options());
-  detail::cpu::AttentionShape shape{n, start, c.n_head, c.n_head_kv, c.head_dim, cache.capacity()};
-  float* k_cache = cache.keys(i).data_ptr<float>();
-  float* v_cache = cache.values(i).data_ptr<float>();
-  {
-    RECORD_FUNCTION("comb::rope_and_store_kv", std::vector<c10::IValue>());
-    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-      detail::cpu::rope_and_store(qkv.data_ptr<float>(), rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(),
-                                  shape, q.data_ptr<float>(), k_cache, v_cache, b, e);
-    });
+  std::vector<at::Tensor> flat;
+  for (size_t j = 0; j < parts.size(); ++j) flat.push_back(parts[j].x.reshape({row_counts[j], c.n_embd}));
+  at::Tensor x = flat.size() == 1 ? flat[0] : at::cat(flat, 0);  // [rows, n_embd]
+  at::Tensor qkv = linear(norm(x, w.attn_norm), w.wqkv, 0).contiguous();  // [rows, q_dim + 2 kv_dim]
+  std::vector<at::Tensor> attn_parts;
+  int64_t offset = 0;
+  for (size_t j = 0; j < parts.size(); ++j) {
+    const LayerPart& part = parts[j];
+    KVCache& cache = *part.cache;
+    const int64_t batch = part.x.size(0), n = part.x.size(1), start = cache.length(), part_rows = row_counts[j];
+    at::Tensor part_qkv = qkv.narrow(0, offset, part_rows);
+    offset += part_rows;
+    at::Tensor q = at::empty({batch, n, c.n_head, c.head_dim}, x.options());
+    detail::cpu::AttentionShape shape{n, start, c.n_head, c.n_head_kv, c.head_dim, cache.capacity()};
+    float* k_cache = cache.keys(i).data_ptr<float>();
+    float* v_cache = cache.values(i).data_ptr<float>();
+    {
+      RECORD_FUNCTION("comb::rope_and_store_kv", std::vector<c10::IValue>());
+      at::parallel_for(0, part_rows, 16, [&](int64_t b, int64_t e) {
+        detail::cpu::rope_and_store(part_qkv.data_ptr<float>(), rope_cos_.data_ptr<float>(),
+                                    rope_sin_.data_ptr<float>(), shape, q.data_ptr<float>(), k_cache, v_cache, b, e);
+      });
+    }
+    at::Tensor attn;
+    if (part.joint) {  // the documents' keys beside the context's
+      at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
+      attn = joint_attention_merged(q.transpose(1, 2), keys, values, start, *part.joint).transpose(1, 2);
+    } else if (few) {
+      RECORD_FUNCTION("comb::attention", std::vector<c10::IValue>());
+      attn = at::empty({batch, n, c.q_dim()}, x.options());
+      at::parallel_for(0, batch * c.n_head, 1, [&](int64_t b, int64_t e) {
+        std::vector<float> scratch(start + n);
+        detail::cpu::attention_rows(q.data_ptr<float>(), k_cache, v_cache, shape, attn.data_ptr<float>(),
+                                    scratch.data(), b, e);
+      });
+    } else {
+      at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
+      attn = attend_after_cache(q.transpose(1, 2), keys, values, start).transpose(1, 2);
+    }
+    attn_parts.push_back(attn.reshape({part_rows, c.q_dim()}));
   }
-  at::Tensor attn;
-  if (joint) {  // the documents' keys beside the context's
-    at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
-    attn = joint_attention_merged(q.transpose(1, 2), keys, values, start, *joint)
-               .transpose(1, 2)
-               .reshape({batch, n, c.q_dim()});
-  } else if (few) {
-    RECORD_FUNCTION("comb::attention", std::vector<c10::IValue>());
-    attn = at::empty({batch, n, c.q_dim()}, x.options());
-    at::parallel_for(0, batch * c.n_head, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> scratch(start + n);
-      detail::cpu::attention_rows(q.data_ptr<float>(), k_cache, v_cache, shape, attn.data_ptr<float>(),
-                                  scratch.data(), b, e);
-    });
-  } else {
-    at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
-    attn = attend_after_cache(q.transpose(1, 2), keys, values, start)
-               .transpose(1, 2)
-               .reshape({batch, n, c.q_dim()});
-  }
+  at::Tensor attn = attn_parts.size() == 1 ? attn_parts[0] : at::cat(attn_parts, 0);
   at::Tensor h = x + linear(attn, w.wo, 1);
-  at::Tensor gate_up = linear(norm(h, w.ffn_norm), w.w_gate_up, 2);  // [batch, n, 2 n_ff]
+  at::Tensor gate_up = linear(norm(h, w.ffn_norm), w.w_gate_up, 2);  // [rows, 2 n_ff]
   at::Tensor act;
   if (few) {
     RECORD_FUNCTION("comb::silu_mul", std::vector<c10::IValue>());
-    act = at::empty({batch, n, c.n_ff}, x.options());
+    act = at::empty({rows, c.n_ff}, x.options());
     detail::cpu::silu_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), c.n_ff, 0, rows);
   } else {
-    auto parts = gate_up.chunk(2, -1);
-    act = at::silu(parts[0]).mul_(parts[1]);
+    auto halves = gate_up.chunk(2, -1);
+    act = at::silu(halves[0]).mul_(halves[1]);
   }
-  return h.add_(linear(act, w.w_down, 3));
+  h.add_(linear(act, w.w_down, 3));
+  std::vector<at::Tensor> out;
+  offset = 0;
+  for (size_t j = 0; j < parts.size(); ++j) {
+    out.push_back(h.narrow(0, offset, row_counts[j]).view({parts[j].x.size(0), parts[j].x.size(1), c.n_embd}));
+    offset += row_counts[j];
+  }
+  return out;
 }
 
 // ---- Generic path -----------------------------------------------------------------------------
 
 COMB_INLINE at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
-  // A layer that reads documents takes the fused path too where joint_attention_merged applies.
-  if (cpu_kernels() && (!joint || (!at::GradMode::is_enabled() && !joint->valid.defined() &&
-                                   joint->keys.device().is_cpu() && joint->keys.scalar_type() == at::kFloat &&
-                                   joint->values.scalar_type() == at::kFloat)))
-    return layer_cpu(i, x, cache, joint);
+  // NOTE: a layer that reads documents alone takes the generic path (with joint_attention_merged
+  // for its attention): for a warm request's question (about 17 rows) it measured a few ms faster
+  // than layer_cpu's, whose GEMMs pay off on many rows (a cold request's documents and prompt
+  // together, layer_parts).
+  if (cpu_kernels() && !joint) return layer_cpu(i, x, cache);
   at::Tensor h = x + attention(i, rms_norm(x, weights_.layers[i].attn_norm), cache, joint);
   return h + feed_forward(i, rms_norm(h, weights_.layers[i].ffn_norm));
 }

@@ -195,6 +195,120 @@ COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Model::documents(
   return out;
 }
 
+COMB_INLINE at::Tensor Model::documents_and_prompt(const std::vector<std::vector<int32_t>>& documents,
+                                                  PICacheStore* store, const std::string& tenant,
+                                                  std::vector<bool>* from_cache, const at::Tensor& tokens,
+                                                  KVCache& cache, int64_t anchor, LinkedDocuments& linked,
+                                                  LogitsMode mode) const {
+  COMB_CHECK(plugin_, "documents need a plug-in: load one with Options::plugin (--plugin FILE)");
+  c10::InferenceMode guard;
+  const Plugin& plugin = *plugin_;
+  const bool joint = plugin.config().joint_attention;
+  auto link = [&](const std::vector<std::shared_ptr<const DocumentKV>>& entries) {
+    linked = Linker(decoder_->device(), joint).link(entries);
+    linked.anchor = anchor;
+  };
+  if (!plugin.encodes_alongside(*decoder_) || tokens.size(0) != 1 || documents.empty()) {
+    link(this->documents(documents, store, tenant, from_cache));
+    return at::Tensor();
+  }
+  COMB_CHECK(!plugin.config().documents_after_prefix || anchor > 0,
+             "this plug-in reads its documents after the instruction prefix: anchor them at the prefix's length");
+  // The store's entries; each document to encode once, however often it is linked.
+  std::vector<std::shared_ptr<const DocumentKV>> entries(documents.size());
+  if (from_cache) from_cache->assign(documents.size(), false);
+  std::vector<std::vector<int32_t>> missing;
+  std::vector<int64_t> source(documents.size(), -1);  // position -> index in missing (-1: from the store)
+  for (size_t i = 0; i < documents.size(); ++i) {
+    if (store)
+      if (auto hit = store->get(document_key(documents[i], tenant))) {
+        entries[i] = std::move(hit);
+        if (from_cache) (*from_cache)[i] = true;
+        continue;
+      }
+    auto same = std::find(missing.begin(), missing.end(), documents[i]);
+    if (same != missing.end() && from_cache) (*from_cache)[i] = true;
+    if (same == missing.end()) missing.push_back(documents[i]);
+    source[i] = std::find(missing.begin(), missing.end(), documents[i]) - missing.begin();
+  }
+  if (missing.empty()) {
+    link(entries);
+    return at::Tensor();
+  }
+  // What the store will keep (and a later request read): its own dtype, else the plug-in's.
+  c10::ScalarType keep = c10::ScalarType::Undefined;
+  if (store && store->options().dtype != c10::ScalarType::Undefined)
+    keep = store->options().dtype;
+  else if (!plugin.config().cache_dtype.empty())
+    keep = parse_cache_dtype(plugin.config().cache_dtype);
+  const int64_t n_blocks = plugin.config().n_blocks();
+  std::vector<DocumentKV> fresh(missing.size());
+  for (size_t j = 0; j < missing.size(); ++j) {
+    fresh[j].n_tokens = static_cast<int64_t>(missing[j].size());
+    fresh[j].keys.resize(n_blocks);
+    fresh[j].values.resize(n_blocks);
+  }
+  std::vector<JointKV> joined(n_blocks);
+  auto join = [&](int64_t k, std::vector<at::Tensor> keys, std::vector<at::Tensor> values) -> const JointKV* {
+    // The new documents' block-k K/V as they will be kept...
+    for (size_t j = 0; j < missing.size(); ++j) {
+      DocumentKV one;
+      one.n_tokens = fresh[j].n_tokens;
+      one.keys = {keys[j]};
+      one.values = {values[j]};
+      one = one.to(decoder_->device(), keep == c10::ScalarType::Undefined ? keys[j].scalar_type() : keep);
+      fresh[j].keys[k] = one.keys[0];
+      fresh[j].values[k] = one.values[0];
+      if (one.quantized()) {
+        fresh[j].key_scales.resize(n_blocks);
+        fresh[j].value_scales.resize(n_blocks);
+        fresh[j].key_scales[k] = one.key_scales[0];
+        fresh[j].value_scales[k] = one.value_scales[0];
+      }
+    }
+    // ...and every linked document's, in the request's order, read as a later request reads them.
+    std::vector<std::vector<at::Tensor>> ks(1), vs(1), kss(1), vss(1);
+    for (size_t i = 0; i < documents.size(); ++i) {
+      const DocumentKV& d = source[i] < 0 ? *entries[i] : fresh[source[i]];
+      at::Tensor key = d.keys[k], value = d.values[k], key_scale, value_scale;
+      if (d.quantized() && key.device() == decoder_->device()) {
+        key_scale = d.key_scales[k];
+        value_scale = d.value_scales[k];
+      } else if (d.quantized()) {
+        key = key.to(decoder_->device(), at::kFloat) * d.key_scales[k].to(decoder_->device());
+        value = value.to(decoder_->device(), at::kFloat) * d.value_scales[k].to(decoder_->device());
+      } else {
+        key = key.to(decoder_->device(), at::kFloat).contiguous();
+        value = value.to(decoder_->device(), at::kFloat).contiguous();
+      }
+      ks[0].push_back(key);
+      vs[0].push_back(value);
+      kss[0].push_back(key_scale);
+      vss[0].push_back(value_scale);
+    }
+    auto one = plugin.joint_kv_direct(plugin.weights(), ks, vs, {static_cast<int64_t>(documents.size())}, anchor, kss,
+                                      vss, k);
+    COMB_CHECK(one.has_value(), "documents_and_prompt: block {}'s documents could not be joined", k);
+    joined[k] = std::move((*one)[0]);
+    return &joined[k];
+  };
+  at::Tensor hidden = plugin.encode_alongside(*decoder_, missing, *encoder_prefix_states(), tokens, cache, join);
+  for (size_t j = 0; j < missing.size(); ++j) {
+    auto kv = store ? store->put(document_key(missing[j], tenant), fresh[j])
+                    : std::make_shared<const DocumentKV>(std::move(fresh[j]));
+    for (size_t i = 0; i < documents.size(); ++i)
+      if (source[i] == static_cast<int64_t>(j)) entries[i] = kv;
+  }
+  link(entries);
+  {
+    std::lock_guard<std::mutex> lock(linked.joined->mutex);  // decoding steps read these
+    linked.joined->blocks = std::move(joined);
+    linked.joined->plugin = plugin.fingerprint();
+    linked.joined->anchor = anchor;
+  }
+  return decoder_->logits(hidden, mode);
+}
+
 COMB_INLINE DocumentKV Model::cached_form(DocumentKV kv, const PICacheStore* store) const {
   if (!plugin_ || plugin_->config().cache_dtype.empty()) return kv;
   if (store && store->options().dtype != c10::ScalarType::Undefined) return kv;

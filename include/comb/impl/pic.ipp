@@ -518,24 +518,34 @@ COMB_INLINE std::vector<int64_t> PicEngine::cacheblend_selection(const at::Tenso
 // the decoder computes the prompt without them (its instruction prefix from the prefix cache when
 // the plug-in reads documents only after it).
 COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<int32_t>&, PicPrefill& out) {
-  // The documents the store lacks are encoded together, in one batched call where lengths allow.
+  const Plugin& plugin = *model_.plugin();
+  int64_t anchor = 0;
+  if (plugin.config().documents_after_prefix) {
+    // The instruction prefix reads no document: its K/V are the bare decoder's, so its whole
+    // blocks come from the prefix cache and a warm request computes the question alone.
+    const int64_t p = static_cast<int64_t>(r.prefix.size());
+    anchor = p;
+    HeldBlocks held{*prefix_, prefix_->acquire(r.prefix, out.tenant)};
+    const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
+    prefix_->fill(held.blocks, out.cache);
+    out.cache.set_length(m);
+    out.prefix_insert = p;  // the prefix is the first p of the decoder's tokens
+    out.reused += m;
+  }
+  // The documents from the store or encoded (together, in batches where lengths allow); when some
+  // are encoded and the plug-in allows, the prompt is computed in the same pass (each layer's
+  // weights read once for both), else left pending.
   std::vector<bool> cached;
-  std::vector<std::shared_ptr<const DocumentKV>> docs = model_.documents(r.documents, store_.get(), out.tenant, &cached);
+  const int64_t from = out.cache.length();
+  at::Tensor logits = model_.documents_and_prompt(r.documents, store_.get(), out.tenant, &cached,
+                                                  ids_of(out.tokens, from, out.n_prompt), out.cache, anchor,
+                                                  out.documents);
   for (size_t i = 0; i < r.documents.size(); ++i)
     (cached[i] ? out.reused : out.computed) += static_cast<int64_t>(r.documents[i].size());
-  // A joint-attention plug-in places int8 documents straight from their int8 form.
-  out.documents = Linker(model_.decoder().device(), model_.plugin()->config().joint_attention).link(docs);
-  if (!model_.plugin()->config().documents_after_prefix) return;  // the whole prompt pending
-  // The instruction prefix reads no document: its K/V are the bare decoder's, so its whole
-  // blocks come from the prefix cache and a warm request computes the question alone.
-  const int64_t p = static_cast<int64_t>(r.prefix.size());
-  out.documents.anchor = p;
-  HeldBlocks held{*prefix_, prefix_->acquire(r.prefix, out.tenant)};
-  const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
-  prefix_->fill(held.blocks, out.cache);
-  out.cache.set_length(m);
-  out.prefix_insert = p;  // the prefix is the first p of the decoder's tokens
-  out.reused += m;
+  if (!logits.defined()) return;  // the prompt pending
+  out.computed += out.n_prompt - from;
+  out.logits = logits[0][-1];
+  if (out.prefix_insert > 0) prefix_->insert(out.tokens, out.prefix_insert, out.cache, out.tenant);
 }
 
 COMB_INLINE GenerationResult PicEngine::generate(const PicRequest& request, const GenerateOptions& options, PicCounts* counts) {

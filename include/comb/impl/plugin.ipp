@@ -614,6 +614,107 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
   return split_documents(keys, values, lens);
 }
 
+COMB_INLINE bool Plugin::encodes_alongside(const Decoder& base) const {
+  if (!config_.joint_attention || !encoder_is_base() || !base.cpu_kernels() || at::GradMode::is_enabled())
+    return false;
+  for (int64_t k = 0; k < config_.n_blocks(); ++k)  // a block's states exist by its layer
+    if (config_.read_depth(k) > config_.cross_layers.at(k)) return false;
+  return true;
+}
+
+COMB_INLINE at::Tensor Plugin::encode_alongside(const Decoder& base, const std::vector<std::vector<int32_t>>& documents,
+                                                const KVCache& prefix_states, const at::Tensor& tokens, KVCache& cache,
+                                                const JoinBlock& join) const {
+  COMB_CHECK(encodes_alongside(base), "encode_alongside: needs joint blocks that read depths at or before their layer, "
+             "an encoder of the base's own layers and the fused CPU path, without gradients");
+  COMB_CHECK(!documents.empty(), "encode_alongside: no document");
+  COMB_CHECK(tokens.dim() == 2 && tokens.size(0) == cache.batch() && tokens.size(1) > 0 &&
+                 cache.length() + tokens.size(1) <= cache.capacity(),
+             "encode_alongside: tokens [{}] after {} of a cache of capacity {}", fmt::join(tokens.sizes(), ", "),
+             cache.length(), cache.capacity());
+  for (const auto& d : documents) check_document(d);
+  const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size()), n_enc = config_.n_encoder_layers();
+  COMB_CHECK(pre == 0 || prefix_states.length() == pre,
+             "encode: prefix states of {} positions, the encoder prefix has {}", prefix_states.length(), pre);
+  // The documents in encode_many's batches (by length, then tokens; padded within 5/4).
+  struct Batch {
+    std::vector<size_t> docs;
+    std::vector<int64_t> lens;
+    at::Tensor h, back_cos, back_sin;
+    std::optional<KVCache> cache;
+    std::vector<at::Tensor> keys, values;  // per block: [n_docs, n_head_kv, m, head_dim]
+  };
+  std::vector<size_t> order(documents.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return documents[a].size() != documents[b].size() ? documents[a].size() < documents[b].size()
+                                                       : documents[a] < documents[b];
+  });
+  std::vector<Batch> batches;
+  for (size_t at = 0; at < order.size();) {
+    size_t end = at + 1;
+    int64_t real = static_cast<int64_t>(documents[order[at]].size());
+    while (end < order.size()) {
+      const int64_t len = static_cast<int64_t>(documents[order[end]].size());
+      const int64_t padded = len * static_cast<int64_t>(end + 1 - at);
+      if (padded > 4096 || 4 * padded > 5 * (real + len)) break;
+      real += len;
+      ++end;
+    }
+    Batch b;
+    b.docs.assign(order.begin() + at, order.begin() + end);
+    for (size_t i : b.docs) b.lens.push_back(static_cast<int64_t>(documents[i].size()));
+    const int64_t n_docs = static_cast<int64_t>(b.docs.size()), m = *std::max_element(b.lens.begin(), b.lens.end());
+    std::vector<int64_t> flat(n_docs * m, 0);  // padding after each document: causally never read
+    for (int64_t d = 0; d < n_docs; ++d)
+      std::copy(documents[b.docs[d]].begin(), documents[b.docs[d]].end(), flat.begin() + d * m);
+    b.h = base.embed(at::tensor(flat, at::kLong).view({n_docs, m}).to(base.device()));
+    b.cache.emplace(base.make_cache(n_docs, pre + m));
+    if (pre > 0) {
+      for (int64_t j = 0; j < n_enc; ++j) {
+        at::Tensor k = prefix_states.keys(j).narrow(2, 0, pre), v = prefix_states.values(j).narrow(2, 0, pre);
+        b.cache->write(j, 0, k.expand({n_docs, k.size(1), pre, k.size(3)}), v.expand({n_docs, v.size(1), pre, v.size(3)}));
+      }
+      b.cache->set_length(pre);
+    }
+    if (config_.relative_positions)
+      std::tie(b.back_cos, b.back_sin) = back_rope(at::tensor(b.lens, at::kLong).to(rope_cos_.device()), m);
+    b.keys.resize(config_.n_blocks());
+    b.values.resize(config_.n_blocks());
+    batches.push_back(std::move(b));
+    at = end;
+  }
+  at::Tensor x = base.embed(tokens);
+  for (int64_t layer = 0; layer < base.config().n_layer; ++layer) {
+    // The blocks that read this depth (the documents' states after `layer` encoder layers).
+    if (layer <= n_enc)
+      for (int64_t k = 0; k < config_.n_blocks(); ++k)
+        if (config_.read_depth(k) == layer)
+          for (auto& b : batches) std::tie(b.keys[k], b.values[k]) = block_kv(weights_, k, b.h, b.back_cos, b.back_sin);
+    const JointKV* joint = nullptr;
+    if (const int64_t k = block_before(layer); k >= 0) {
+      std::vector<at::Tensor> keys(documents.size()), values(documents.size());
+      for (const auto& b : batches)
+        for (size_t d = 0; d < b.docs.size(); ++d) {
+          keys[b.docs[d]] = b.keys[k][d].narrow(1, 0, b.lens[d]);
+          values[b.docs[d]] = b.values[k][d].narrow(1, 0, b.lens[d]);
+        }
+      for (auto& b : batches) b.keys[k] = b.values[k] = at::Tensor();  // handed over
+      joint = join(k, std::move(keys), std::move(values));
+    }
+    std::vector<Decoder::LayerPart> parts;
+    if (layer < n_enc)
+      for (auto& b : batches) parts.push_back({b.h, &*b.cache, nullptr});
+    parts.push_back({x, &cache, joint});
+    std::vector<at::Tensor> out = base.layer_parts(layer, parts);
+    x = out.back();
+    if (layer < n_enc)
+      for (size_t j = 0; j < batches.size(); ++j) batches[j].h = out[j];
+  }
+  cache.advance(tokens.size(1));
+  return x;
+}
+
 COMB_INLINE KVCache Plugin::begin_encoding(const Decoder& base, const std::vector<int32_t>& tokens,
                                            const KVCache& prefix_states) const {
   COMB_CHECK(encoder_is_base(), "encoding in pieces needs the base's own causal layers as the encoder");
@@ -856,7 +957,8 @@ COMB_INLINE std::optional<std::vector<JointKV>> Plugin::joint_kv_direct(const Pl
                                                           const std::vector<std::vector<at::Tensor>>& values,
                                                           const std::vector<int64_t>& doc_counts, int64_t anchor,
                                                           const std::vector<std::vector<at::Tensor>>& key_scales,
-                                                          const std::vector<std::vector<at::Tensor>>& value_scales) const {
+                                                          const std::vector<std::vector<at::Tensor>>& value_scales,
+                                                          int64_t first_block) const {
   // NOTE: joint_kv's tensor ops rotate each document's keys twice (back by the documents after it,
   // then forward by the anchor) and copy them through cat, pad and stack: 27 ms of a 120 ms warm
   // request on nq's ten documents (28 blocks). Here each key row is rotated once, by the composed
@@ -864,6 +966,9 @@ COMB_INLINE std::optional<std::vector<JointKV>> Plugin::joint_kv_direct(const Pl
   // are stored (dequantized in the same pass). Inference on CPU float32 only (training needs
   // joint_kv's gradients).
   if (at::GradMode::is_enabled() || keys.empty()) return std::nullopt;
+  COMB_CHECK(first_block >= 0 && first_block + static_cast<int64_t>(keys.size()) <= config_.n_blocks(),
+             "joint_kv: blocks [{}, {}) of a plug-in of {}", first_block, first_block + keys.size(),
+             config_.n_blocks());
   const int64_t n_kv = base_config_.n_head_kv, hd = base_config_.head_dim;
   const bool scaled = !key_scales.empty();
   if (scaled && (key_scales.size() != keys.size() || value_scales.size() != keys.size())) return std::nullopt;
@@ -934,7 +1039,7 @@ COMB_INLINE std::optional<std::vector<JointKV>> Plugin::joint_kv_direct(const Pl
       out[k].valid = at::arange(m, at::kLong).unsqueeze(0) < at::tensor(lens, at::kLong).unsqueeze(1);
     }
     out[k].anchor = anchor;
-    out[k].bias = w.cross.at(k).doc_bias;
+    out[k].bias = w.cross.at(first_block + k).doc_bias;
   }
   at::parallel_for(0, static_cast<int64_t>(keys.size() * places.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
