@@ -293,6 +293,28 @@ TEST_CASE("int8 entries: keys scaled per channel, values per row; kept through d
   DocumentKV zq = zeros.to(at::kCPU, at::kChar);
   CHECK(zq.value_scales[0].eq(1).all().item<bool>());
   CHECK(zq.to(at::kCPU, at::kFloat).values[0].eq(0).all().item<bool>());
+  // The one-pass CPU quantizer gives exactly the codes and scales of the tensor ops: amax / 127
+  // (1 for a zero channel or row), round half to even, clamp.
+  for (const DocumentKV* entry : std::vector<const DocumentKV*>{&kv, &zeros})
+    for (size_t b = 0; b < 3; ++b) {
+      at::Tensor ks = entry->keys[b].abs().amax(1, true) / 127.0, vs = entry->values[b].abs().amax(2, true) / 127.0;
+      ks = at::where(ks > 0, ks, at::ones_like(ks));
+      vs = at::where(vs > 0, vs, at::ones_like(vs));
+      const DocumentKV got = entry->to(at::kCPU, at::kChar);
+      CHECK(got.key_scales[b].equal(ks));
+      CHECK(got.value_scales[b].equal(vs));
+      CHECK(got.keys[b].equal((entry->keys[b] / ks).round().clamp(-127, 127).to(at::kChar)));
+      CHECK(got.values[b].equal((entry->values[b] / vs).round().clamp(-127, 127).to(at::kChar)));
+    }
+  // Ties round to even, as the tensor ops do: 0.5 and 2.5 steps become 0 and 2.
+  DocumentKV ties = kv;
+  ties.keys[0] = at::zeros_like(kv.keys[0]);
+  ties.keys[0].select(1, 0).fill_(127.0f);  // channel scales 1
+  ties.keys[0].select(1, 1).fill_(0.5f);
+  ties.keys[0].select(1, 2).fill_(2.5f);
+  const DocumentKV tq = ties.to(at::kCPU, at::kChar);
+  CHECK(tq.keys[0].select(1, 1).eq(0).all().item<bool>());
+  CHECK(tq.keys[0].select(1, 2).eq(2).all().item<bool>());
 
   SECTION("a store of int8 holds int8 in memory and on disk, and a float32 store reads it back") {
     StoreOptions options;

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <xxhash.h>
 
+#include <array>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <list>
@@ -43,6 +45,46 @@ COMB_INLINE int64_t DocumentKV::storage_bytes(c10::ScalarType dtype, int64_t n_b
   return elements + 4 * n_blocks * n_head_kv * (head_dim + n_tokens);
 }
 
+namespace impl_store {
+// NOTE: the tensor-op quantization below runs about ten ops per K and per V of every block; a cold
+// request converts each new document's 28 blocks one at a time, so on short documents the ops'
+// overhead outweighs the work. One pass each here, with the same arithmetic (float32 division by
+// amax / 127, round half to even, clamp), so the codes and scales are those of the tensor ops.
+COMB_INLINE std::array<at::Tensor, 4> quantize_int8_cpu(const at::Tensor& k, const at::Tensor& v) {
+  const int64_t heads = k.size(0), n = k.size(1), d = k.size(2);
+  at::Tensor kq = at::empty({heads, n, d}, at::kChar), vq = at::empty({heads, n, d}, at::kChar);
+  at::Tensor ks = at::empty({heads, 1, d}, at::kFloat), vs = at::empty({heads, n, 1}, at::kFloat);
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  int8_t* kqp = kq.data_ptr<int8_t>();
+  int8_t* vqp = vq.data_ptr<int8_t>();
+  float* ksp = ks.data_ptr<float>();
+  float* vsp = vs.data_ptr<float>();
+  auto code = [](float x, float scale) {
+    const float q = std::nearbyint(x / scale);
+    return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+  };
+  for (int64_t h = 0; h < heads; ++h) {
+    float* scale = ksp + h * d;  // keys: a scale per channel over the tokens
+    std::fill(scale, scale + d, 0.0f);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t j = 0; j < d; ++j) scale[j] = std::max(scale[j], std::fabs(kp[(h * n + t) * d + j]));
+    for (int64_t j = 0; j < d; ++j) scale[j] = scale[j] / 127.0f > 0 ? scale[j] / 127.0f : 1.0f;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* krow = kp + (h * n + t) * d;
+      const float* vrow = vp + (h * n + t) * d;
+      for (int64_t j = 0; j < d; ++j) kqp[(h * n + t) * d + j] = code(krow[j], scale[j]);
+      float m = 0.0f;  // values: a scale per token
+      for (int64_t j = 0; j < d; ++j) m = std::max(m, std::fabs(vrow[j]));
+      const float vscale = m / 127.0f > 0 ? m / 127.0f : 1.0f;
+      vsp[h * n + t] = vscale;
+      for (int64_t j = 0; j < d; ++j) vqp[(h * n + t) * d + j] = code(vrow[j], vscale);
+    }
+  }
+  return {kq, ks, vq, vs};
+}
+}  // namespace impl_store
+
 COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype) const {
   DocumentKV out;
   out.n_tokens = n_tokens;
@@ -59,6 +101,15 @@ COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype)
     if (from_int8) {  // back to float32 first
       k = k.to(at::kFloat) * key_scales.at(b).to(device);
       v = v.to(at::kFloat) * value_scales.at(b).to(device);
+    }
+    if (dtype == at::kChar && k.device().is_cpu() && k.scalar_type() == at::kFloat && k.dim() == 3 &&
+        v.sizes() == k.sizes() && v.scalar_type() == at::kFloat) {
+      auto [kq, ks, vq, vs] = impl_store::quantize_int8_cpu(k.contiguous(), v.contiguous());
+      out.keys.push_back(kq);
+      out.values.push_back(vq);
+      out.key_scales.push_back(ks);
+      out.value_scales.push_back(vs);
+      continue;
     }
     if (dtype == at::kChar) {
       k = k.to(at::kFloat);
