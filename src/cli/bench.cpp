@@ -42,8 +42,77 @@ void leave(const at::RecordFunction&, at::ObserverContext*) {
 }
 }  // namespace op_profile
 
+namespace {
+// --pic-data: caching methods' TTFT on the same QA items in one process, the methods alternated
+// item by item (each item cold, then warm `repeat` times, a method after the other), so that a
+// drift of the machine falls on all of them alike; the ratio against the first method is taken
+// per item, then its median. Separate processes (bench/cost_table.sh) differ by 10% from load.
+int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, const std::string& method_list,
+              int repeat, bool json) {
+  std::vector<comb::Method> methods;
+  for (const auto& name : split_list(method_list)) methods.push_back(comb::parse_method(name));
+  if (methods.size() < 2) throw Error("--pic-methods: expected two methods or more, comma separated, found '" + method_list + "'");
+  auto items = comb::read_qa_items(data, n_items);
+  if (items.empty()) throw Error("--pic-data: no item in '" + data + "'");
+  std::vector<std::unique_ptr<comb::PicEngine>> engines;
+  for (auto m : methods) engines.push_back(std::make_unique<comb::PicEngine>(model, m));
+  comb::GenerateOptions first;
+  first.max_tokens = 1;
+  const size_t k = methods.size();
+  std::vector<std::vector<double>> cold(k), warm(k), cold_ratio(k), warm_ratio(k);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const comb::PicRequest request = comb::qa_request(model, items[i].documents, items[i].question);
+    std::vector<double> c(k), w(k);
+    for (size_t m = 0; m < k; ++m) {
+      engines[m]->clear();
+      c[m] = engines[m]->generate(request, first).ttft_ms;
+    }
+    std::vector<std::vector<double>> ws(k);
+    for (int r = 0; r < repeat; ++r)
+      for (size_t m = 0; m < k; ++m) ws[m].push_back(engines[m]->generate(request, first).ttft_ms);
+    for (size_t m = 0; m < k; ++m) {
+      w[m] = median(ws[m]);
+      cold[m].push_back(c[m]);
+      warm[m].push_back(w[m]);
+      cold_ratio[m].push_back(c[m] / c[0]);
+      warm_ratio[m].push_back(w[m] / w[0]);
+    }
+    fmt::print(stderr, "[bench] item {}/{}\r", i + 1, items.size());
+  }
+  fmt::print(stderr, "\n");
+  for (size_t m = 0; m < k; ++m) {
+    const std::string name = comb::method_name(methods[m]);
+    if (json) {
+      std::cout << nlohmann::json{{"bench", "pic"}, {"method", name}, {"items", items.size()},
+                                  {"ttft_cold_ms_p50", median(cold[m])}, {"ttft_warm_ms_p50", median(warm[m])},
+                                  {"cold_ratio_p50", median(cold_ratio[m])}, {"warm_ratio_p50", median(warm_ratio[m])},
+                                  {"against", comb::method_name(methods[0])}}
+                       .dump()
+                << std::endl;
+    } else {
+      fmt::print("{:<10} {} items  cold p50 {:>8.1f} ms  warm p50 {:>7.1f} ms  per item against {}: cold {:.3f}, warm {:.3f}\n",
+                 name, items.size(), median(cold[m]), median(warm[m]), comb::method_name(methods[0]),
+                 median(cold_ratio[m]), median(warm_ratio[m]));
+    }
+  }
+  return 0;
+}
+}  // namespace
+
 int cmd_bench(Args& args) {
-  comb::Model model = load_model(args);
+  const std::string pic_data = args.str("pic-data");
+  comb::Model model = load_model(args, /*shipped_plugin=*/!pic_data.empty());
+  if (!pic_data.empty()) {
+    const int64_t items = args.num<int64_t>("pic-items", 20);
+    if (items <= 0) throw Error("--pic-items: expected a number of items > 0, found " + std::to_string(items));
+    const std::string list = args.str("pic-methods", "naive,comb");
+    const int repeat = std::max(1, args.num<int>("repeat", 3));
+    const bool json = args.has("json");
+    args.str("json");
+    args.check_all_used();
+    c10::InferenceMode guard;
+    return bench_pic(model, pic_data, items, list, repeat, json);
+  }
   std::string lengths = args.str("prompt-tokens", "128,512,2048");
   int64_t n_decode = args.num<int64_t>("decode-tokens", 64);
   int64_t cached = args.num<int64_t>("cached", 0);

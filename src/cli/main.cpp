@@ -197,6 +197,12 @@ bench options:
   --profile 0|1          also profile --decode-tokens decode steps: time per step by operation (its own
                          time, without the operations it calls), and the time outside every operation
                          (the decoder's own C++ between them) (default 0)
+  --pic-data FILE        instead: caching methods' TTFT on QA items (data format) in one process,
+                         the methods alternated item by item: each item cold, then warm --repeat
+                         times; p50s and the per-item ratio against the first method
+  --pic-items N          items of --pic-data (default 20)
+  --pic-methods LIST     methods, comma separated (default naive,comb; comb uses the shipped plug-in
+                         unless --plugin names another)
   --json                 one JSON object per figure
 
 serve options (with the model options above; docs/serving.md):
