@@ -122,6 +122,17 @@ class Model {
   void save(const std::string& dir) const;
 
  private:
+  // The store's entries of a request's documents (nullptr where it has none) and the documents to
+  // encode, each once however often it is linked: source[i] is document i's index in `missing`,
+  // -1 for an entry from the store. `from_cache` as documents() gives it.
+  struct Lookup {
+    std::vector<std::shared_ptr<const DocumentKV>> entries;
+    std::vector<std::vector<int32_t>> missing;
+    std::vector<int64_t> source;
+  };
+  Lookup look_up(const std::vector<std::vector<int32_t>>& documents, PICacheStore* store, const std::string& tenant,
+                 std::vector<bool>* from_cache) const;
+
   std::shared_ptr<Decoder> decoder_;
   std::shared_ptr<const Plugin> plugin_;
   // The plug-in's encoder prefix through its layers (Plugin::encoder_prefix_states): computed for

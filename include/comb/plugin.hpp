@@ -280,6 +280,9 @@ class Plugin {
   static std::vector<DocumentKV> split_documents(const std::vector<at::Tensor>& keys,
                                                  const std::vector<at::Tensor>& values,
                                                  const std::vector<int64_t>& lens);
+  // encode_many's batches: indices of `documents`, by length then tokens (so the same documents
+  // make the same batches in any order), padded tokens within 5/4 of the real ones and 4096.
+  static std::vector<std::vector<size_t>> encoding_batches(const std::vector<std::vector<int32_t>>& documents);
   // encoder_is_base(): documents [n_docs] through the base's cached forward as one padded batch.
   std::vector<DocumentKV> encode_padded(const Decoder& base, const std::vector<const std::vector<int32_t>*>& documents,
                                         const KVCache& prefix_states) const;

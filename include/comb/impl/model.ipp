@@ -159,40 +159,46 @@ COMB_INLINE std::shared_ptr<const DocumentKV> Model::document(const std::vector<
   return out[0];
 }
 
+COMB_INLINE Model::Lookup Model::look_up(const std::vector<std::vector<int32_t>>& documents, PICacheStore* store,
+                                         const std::string& tenant, std::vector<bool>* from_cache) const {
+  Lookup l;
+  l.entries.resize(documents.size());
+  l.source.assign(documents.size(), -1);
+  if (from_cache) from_cache->assign(documents.size(), false);
+  for (size_t i = 0; i < documents.size(); ++i) {
+    if (store)
+      if (auto hit = store->get(document_key(documents[i], tenant))) {
+        l.entries[i] = std::move(hit);
+        if (from_cache) (*from_cache)[i] = true;
+        continue;
+      }
+    auto same = std::find(l.missing.begin(), l.missing.end(), documents[i]);
+    if (same == l.missing.end()) {
+      same = l.missing.insert(l.missing.end(), documents[i]);
+    } else if (from_cache) {  // linked again: computed once, for its first place
+      (*from_cache)[i] = true;
+    }
+    l.source[i] = same - l.missing.begin();
+  }
+  return l;
+}
+
 COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Model::documents(
     const std::vector<std::vector<int32_t>>& documents, PICacheStore* store, const std::string& tenant,
     std::vector<bool>* from_cache) const {
   COMB_CHECK(plugin_, "documents need a plug-in: load one with Options::plugin (--plugin FILE)");
   c10::InferenceMode guard;
-  std::vector<std::shared_ptr<const DocumentKV>> out(documents.size());
-  if (from_cache) from_cache->assign(documents.size(), false);
-  std::vector<std::vector<int32_t>> missing;  // each once, however often it is linked
-  std::vector<std::vector<size_t>> where;
-  for (size_t i = 0; i < documents.size(); ++i) {
-    if (store)
-      if (auto hit = store->get(document_key(documents[i], tenant))) {
-        out[i] = std::move(hit);
-        if (from_cache) (*from_cache)[i] = true;
-        continue;
-      }
-    auto same = std::find(missing.begin(), missing.end(), documents[i]);
-    if (same == missing.end()) {
-      missing.push_back(documents[i]);
-      where.push_back({i});
-    } else {  // linked again: computed once, for its first place
-      where[same - missing.begin()].push_back(i);
-      if (from_cache) (*from_cache)[i] = true;
-    }
-  }
-  if (missing.empty()) return out;
-  std::vector<DocumentKV> encoded = plugin_->encode_many(*decoder_, missing, encoder_prefix_states());
-  for (size_t j = 0; j < missing.size(); ++j) {
+  Lookup l = look_up(documents, store, tenant, from_cache);
+  if (l.missing.empty()) return l.entries;
+  std::vector<DocumentKV> encoded = plugin_->encode_many(*decoder_, l.missing, encoder_prefix_states());
+  for (size_t j = 0; j < l.missing.size(); ++j) {
     DocumentKV kept = cached_form(std::move(encoded[j]), store);
-    auto kv = store ? store->put(document_key(missing[j], tenant), kept)
+    auto kv = store ? store->put(document_key(l.missing[j], tenant), kept)
                     : std::make_shared<const DocumentKV>(std::move(kept));
-    for (size_t i : where[j]) out[i] = kv;
+    for (size_t i = 0; i < documents.size(); ++i)
+      if (l.source[i] == static_cast<int64_t>(j)) l.entries[i] = kv;
   }
-  return out;
+  return l.entries;
 }
 
 COMB_INLINE at::Tensor Model::documents_and_prompt(const std::vector<std::vector<int32_t>>& documents,
@@ -215,22 +221,10 @@ COMB_INLINE at::Tensor Model::documents_and_prompt(const std::vector<std::vector
   COMB_CHECK(!plugin.config().documents_after_prefix || anchor > 0,
              "this plug-in reads its documents after the instruction prefix: anchor them at the prefix's length");
   // The store's entries; each document to encode once, however often it is linked.
-  std::vector<std::shared_ptr<const DocumentKV>> entries(documents.size());
-  if (from_cache) from_cache->assign(documents.size(), false);
-  std::vector<std::vector<int32_t>> missing;
-  std::vector<int64_t> source(documents.size(), -1);  // position -> index in missing (-1: from the store)
-  for (size_t i = 0; i < documents.size(); ++i) {
-    if (store)
-      if (auto hit = store->get(document_key(documents[i], tenant))) {
-        entries[i] = std::move(hit);
-        if (from_cache) (*from_cache)[i] = true;
-        continue;
-      }
-    auto same = std::find(missing.begin(), missing.end(), documents[i]);
-    if (same != missing.end() && from_cache) (*from_cache)[i] = true;
-    if (same == missing.end()) missing.push_back(documents[i]);
-    source[i] = std::find(missing.begin(), missing.end(), documents[i]) - missing.begin();
-  }
+  Lookup l = look_up(documents, store, tenant, from_cache);
+  std::vector<std::shared_ptr<const DocumentKV>>& entries = l.entries;
+  const std::vector<std::vector<int32_t>>& missing = l.missing;
+  const std::vector<int64_t>& source = l.source;
   if (missing.empty()) {
     link(entries);
     return at::Tensor();

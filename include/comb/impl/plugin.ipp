@@ -543,6 +543,16 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
   for (const auto& d : documents) check_document(d);
   std::optional<KVCache> own;
   if (!prefix_states) prefix_states = &own.emplace(encoder_prefix_states(base));
+  for (const auto& indices : encoding_batches(documents)) {
+    std::vector<const std::vector<int32_t>*> batch;
+    for (size_t i : indices) batch.push_back(&documents[i]);
+    auto encoded = encode_padded(base, batch, *prefix_states);
+    for (size_t i = 0; i < indices.size(); ++i) out[indices[i]] = std::move(encoded[i]);
+  }
+  return out;
+}
+
+COMB_INLINE std::vector<std::vector<size_t>> Plugin::encoding_batches(const std::vector<std::vector<int32_t>>& documents) {
   // Shortest first; a batch grows while its padded tokens stay within 5/4 of its real ones and
   // 4096 in all (the shortest documents pack densely, a long one goes alone).
   std::vector<size_t> order(documents.size());
@@ -553,6 +563,7 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
     return documents[a].size() != documents[b].size() ? documents[a].size() < documents[b].size()
                                                        : documents[a] < documents[b];
   });
+  std::vector<std::vector<size_t>> batches;
   size_t at = 0;
   while (at < order.size()) {
     size_t end = at + 1;
@@ -564,13 +575,10 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
       real += len;
       ++end;
     }
-    std::vector<const std::vector<int32_t>*> batch;
-    for (size_t i = at; i < end; ++i) batch.push_back(&documents[order[i]]);
-    auto encoded = encode_padded(base, batch, *prefix_states);
-    for (size_t i = at; i < end; ++i) out[order[i]] = std::move(encoded[i - at]);
+    batches.emplace_back(order.begin() + at, order.begin() + end);
     at = end;
   }
-  return out;
+  return batches;
 }
 
 COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
@@ -636,7 +644,7 @@ COMB_INLINE at::Tensor Plugin::encode_alongside(const Decoder& base, const std::
   const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size()), n_enc = config_.n_encoder_layers();
   COMB_CHECK(pre == 0 || prefix_states.length() == pre,
              "encode: prefix states of {} positions, the encoder prefix has {}", prefix_states.length(), pre);
-  // The documents in encode_many's batches (by length, then tokens; padded within 5/4).
+  // The documents in encode_many's batches.
   struct Batch {
     std::vector<size_t> docs;
     std::vector<int64_t> lens;
@@ -644,25 +652,10 @@ COMB_INLINE at::Tensor Plugin::encode_alongside(const Decoder& base, const std::
     std::optional<KVCache> cache;
     std::vector<at::Tensor> keys, values;  // per block: [n_docs, n_head_kv, m, head_dim]
   };
-  std::vector<size_t> order(documents.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return documents[a].size() != documents[b].size() ? documents[a].size() < documents[b].size()
-                                                       : documents[a] < documents[b];
-  });
   std::vector<Batch> batches;
-  for (size_t at = 0; at < order.size();) {
-    size_t end = at + 1;
-    int64_t real = static_cast<int64_t>(documents[order[at]].size());
-    while (end < order.size()) {
-      const int64_t len = static_cast<int64_t>(documents[order[end]].size());
-      const int64_t padded = len * static_cast<int64_t>(end + 1 - at);
-      if (padded > 4096 || 4 * padded > 5 * (real + len)) break;
-      real += len;
-      ++end;
-    }
+  for (auto& indices : encoding_batches(documents)) {
     Batch b;
-    b.docs.assign(order.begin() + at, order.begin() + end);
+    b.docs = std::move(indices);
     for (size_t i : b.docs) b.lens.push_back(static_cast<int64_t>(documents[i].size()));
     const int64_t n_docs = static_cast<int64_t>(b.docs.size()), m = *std::max_element(b.lens.begin(), b.lens.end());
     std::vector<int64_t> flat(n_docs * m, 0);  // padding after each document: causally never read
@@ -682,7 +675,6 @@ COMB_INLINE at::Tensor Plugin::encode_alongside(const Decoder& base, const std::
     b.keys.resize(config_.n_blocks());
     b.values.resize(config_.n_blocks());
     batches.push_back(std::move(b));
-    at = end;
   }
   at::Tensor x = base.embed(tokens);
   for (int64_t layer = 0; layer < base.config().n_layer; ++layer) {
