@@ -80,6 +80,9 @@ at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& keys, const at
 // kernel and merged by their log-sum-exp (exact up to rounding). CPU float32, joint.valid undefined.
 at::Tensor joint_attention_merged(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
                                   const JointKV& joint);
+// Whether joint_attention_merged takes these joined keys (no gradients recorded, CPU float32 keys
+// and values, no padding); the queries and context must be CPU float32 too.
+bool merged_attention_applies(const JointKV& joint);
 // One Llama layer over x [batch, n, n_embd] at positions 0..n-1 without a cache: RMSNorm, RoPE
 // (cos, sin [n, head_dim]), grouped-query attention (causal, or bidirectional under `mask`
 // [batch, 1, 1, n] bool, true = attend; undefined: every key), SwiGLU. The encoder's layers and

@@ -283,6 +283,16 @@ class Plugin {
   // encode_many's batches: indices of `documents`, by length then tokens (so the same documents
   // make the same batches in any order), padded tokens within 5/4 of the real ones and 4096.
   static std::vector<std::vector<size_t>> encoding_batches(const std::vector<std::vector<int32_t>>& documents);
+  // One padded batch of documents ready for the base's cached forward: their lengths, embeddings
+  // [n_docs, m, n_embd] (padding after each document), a cache holding the encoder prefix's
+  // states, and (relative_positions) the turns back that end each document at -1.
+  struct PaddedBatch {
+    std::vector<int64_t> lens;
+    at::Tensor h, back_cos, back_sin;
+    KVCache cache;
+  };
+  PaddedBatch padded_batch(const Decoder& base, const std::vector<const std::vector<int32_t>*>& documents,
+                           const KVCache& prefix_states) const;
   // encoder_is_base(): documents [n_docs] through the base's cached forward as one padded batch.
   std::vector<DocumentKV> encode_padded(const Decoder& base, const std::vector<const std::vector<int32_t>*>& documents,
                                         const KVCache& prefix_states) const;

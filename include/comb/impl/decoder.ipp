@@ -152,6 +152,11 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> attend_after_cache_lse(const at::T
                                                           const at::Tensor& values, int64_t start);
 }  // namespace impl_decoder
 
+COMB_INLINE bool merged_attention_applies(const JointKV& joint) {
+  return !at::GradMode::is_enabled() && !joint.valid.defined() && joint.keys.device().is_cpu() &&
+         joint.keys.scalar_type() == at::kFloat && joint.values.scalar_type() == at::kFloat;
+}
+
 // NOTE: the written-out joint_attention scores the queries against a copy of every joined and
 // cached key with a full mask in each layer (on nq's 1,200 document tokens, most of a warm
 // request's attention time); here the fused kernel attends to each part without a mask.
@@ -185,8 +190,8 @@ COMB_INLINE at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& ke
                  joint.keys.size(3) == head_dim && joint.values.sizes() == joint.keys.sizes(),
              "joint attention: keys [{}] and values [{}] should be [{}, {}, m, {}]", fmt::join(joint.keys.sizes(), ", "),
              fmt::join(joint.values.sizes(), ", "), batch, n_kv, head_dim);
-  if (!at::GradMode::is_enabled() && q.device().is_cpu() && q.scalar_type() == at::kFloat &&
-      keys.scalar_type() == at::kFloat && joint.keys.scalar_type() == at::kFloat && !joint.valid.defined())
+  if (q.device().is_cpu() && q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+      merged_attention_applies(joint))
     return joint_attention_merged(q, keys, values, start, joint);
   const auto dt = q.scalar_type();
   const auto opts = q.options();
@@ -528,10 +533,7 @@ COMB_INLINE at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& c
   // applies (no gradients, float32 joined keys without padding). On the generic path (BLAS GEMMs),
   // a warm request's question was 8% faster or 9% slower than naive reuse's from one process to the
   // next (`comb bench --pic-data`, code words); on the fused path, as naive reuse, it is steady.
-  if (cpu_kernels() && (!joint || (!at::GradMode::is_enabled() && !joint->valid.defined() &&
-                                   joint->keys.device().is_cpu() && joint->keys.scalar_type() == at::kFloat &&
-                                   joint->values.scalar_type() == at::kFloat)))
-    return layer_cpu(i, x, cache, joint);
+  if (cpu_kernels() && (!joint || merged_attention_applies(*joint))) return layer_cpu(i, x, cache, joint);
   at::Tensor h = x + attention(i, rms_norm(x, weights_.layers[i].attn_norm), cache, joint);
   return h + feed_forward(i, rms_norm(h, weights_.layers[i].ffn_norm));
 }

@@ -581,9 +581,9 @@ COMB_INLINE std::vector<std::vector<size_t>> Plugin::encoding_batches(const std:
   return batches;
 }
 
-COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
-                                                          const std::vector<const std::vector<int32_t>*>& documents,
-                                                          const KVCache& prefix_states) const {
+COMB_INLINE Plugin::PaddedBatch Plugin::padded_batch(const Decoder& base,
+                                                     const std::vector<const std::vector<int32_t>*>& documents,
+                                                     const KVCache& prefix_states) const {
   const int64_t n_docs = static_cast<int64_t>(documents.size());
   const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size());
   COMB_CHECK(pre == 0 || prefix_states.length() == pre,
@@ -608,18 +608,25 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
   at::Tensor back_cos, back_sin;
   if (config_.relative_positions)
     std::tie(back_cos, back_sin) = back_rope(at::tensor(lens, at::kLong).to(rope_cos_.device()), m);
-  std::vector<at::Tensor> keys(config_.n_blocks()), values(config_.n_blocks());
   at::Tensor h = base.embed(ids);
+  return PaddedBatch{std::move(lens), h, back_cos, back_sin, std::move(cache)};
+}
+
+COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
+                                                          const std::vector<const std::vector<int32_t>*>& documents,
+                                                          const KVCache& prefix_states) const {
+  PaddedBatch b = padded_batch(base, documents, prefix_states);
+  std::vector<at::Tensor> keys(config_.n_blocks()), values(config_.n_blocks());
   auto project = [&](int64_t depth) {
     for (int64_t k = 0; k < config_.n_blocks(); ++k)
-      if (config_.read_depth(k) == depth) std::tie(keys[k], values[k]) = block_kv(weights_, k, h, back_cos, back_sin);
+      if (config_.read_depth(k) == depth) std::tie(keys[k], values[k]) = block_kv(weights_, k, b.h, b.back_cos, b.back_sin);
   };
   project(0);
   for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) {
-    h = base.layer(j, h, cache);
+    b.h = base.layer(j, b.h, b.cache);
     project(j + 1);
   }
-  return split_documents(keys, values, lens);
+  return split_documents(keys, values, b.lens);
 }
 
 COMB_INLINE bool Plugin::encodes_alongside(const Decoder& base) const {
@@ -641,40 +648,19 @@ COMB_INLINE at::Tensor Plugin::encode_alongside(const Decoder& base, const std::
              "encode_alongside: tokens [{}] after {} of a cache of capacity {}", fmt::join(tokens.sizes(), ", "),
              cache.length(), cache.capacity());
   for (const auto& d : documents) check_document(d);
-  const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size()), n_enc = config_.n_encoder_layers();
-  COMB_CHECK(pre == 0 || prefix_states.length() == pre,
-             "encode: prefix states of {} positions, the encoder prefix has {}", prefix_states.length(), pre);
-  // The documents in encode_many's batches.
+  const int64_t n_enc = config_.n_encoder_layers();
+  // The documents in encode_many's batches, each with its blocks' K/V once computed.
   struct Batch {
     std::vector<size_t> docs;
-    std::vector<int64_t> lens;
-    at::Tensor h, back_cos, back_sin;
-    std::optional<KVCache> cache;
+    PaddedBatch p;
     std::vector<at::Tensor> keys, values;  // per block: [n_docs, n_head_kv, m, head_dim]
   };
   std::vector<Batch> batches;
   for (auto& indices : encoding_batches(documents)) {
-    Batch b;
-    b.docs = std::move(indices);
-    for (size_t i : b.docs) b.lens.push_back(static_cast<int64_t>(documents[i].size()));
-    const int64_t n_docs = static_cast<int64_t>(b.docs.size()), m = *std::max_element(b.lens.begin(), b.lens.end());
-    std::vector<int64_t> flat(n_docs * m, 0);  // padding after each document: causally never read
-    for (int64_t d = 0; d < n_docs; ++d)
-      std::copy(documents[b.docs[d]].begin(), documents[b.docs[d]].end(), flat.begin() + d * m);
-    b.h = base.embed(at::tensor(flat, at::kLong).view({n_docs, m}).to(base.device()));
-    b.cache.emplace(base.make_cache(n_docs, pre + m));
-    if (pre > 0) {
-      for (int64_t j = 0; j < n_enc; ++j) {
-        at::Tensor k = prefix_states.keys(j).narrow(2, 0, pre), v = prefix_states.values(j).narrow(2, 0, pre);
-        b.cache->write(j, 0, k.expand({n_docs, k.size(1), pre, k.size(3)}), v.expand({n_docs, v.size(1), pre, v.size(3)}));
-      }
-      b.cache->set_length(pre);
-    }
-    if (config_.relative_positions)
-      std::tie(b.back_cos, b.back_sin) = back_rope(at::tensor(b.lens, at::kLong).to(rope_cos_.device()), m);
-    b.keys.resize(config_.n_blocks());
-    b.values.resize(config_.n_blocks());
-    batches.push_back(std::move(b));
+    std::vector<const std::vector<int32_t>*> batch;
+    for (size_t i : indices) batch.push_back(&documents[i]);
+    batches.push_back(Batch{std::move(indices), padded_batch(base, batch, prefix_states),
+                            std::vector<at::Tensor>(config_.n_blocks()), std::vector<at::Tensor>(config_.n_blocks())});
   }
   at::Tensor x = base.embed(tokens);
   for (int64_t layer = 0; layer < base.config().n_layer; ++layer) {
@@ -682,26 +668,27 @@ COMB_INLINE at::Tensor Plugin::encode_alongside(const Decoder& base, const std::
     if (layer <= n_enc)
       for (int64_t k = 0; k < config_.n_blocks(); ++k)
         if (config_.read_depth(k) == layer)
-          for (auto& b : batches) std::tie(b.keys[k], b.values[k]) = block_kv(weights_, k, b.h, b.back_cos, b.back_sin);
+          for (auto& b : batches)
+            std::tie(b.keys[k], b.values[k]) = block_kv(weights_, k, b.p.h, b.p.back_cos, b.p.back_sin);
     const JointKV* joint = nullptr;
     if (const int64_t k = block_before(layer); k >= 0) {
       std::vector<at::Tensor> keys(documents.size()), values(documents.size());
       for (const auto& b : batches)
         for (size_t d = 0; d < b.docs.size(); ++d) {
-          keys[b.docs[d]] = b.keys[k][d].narrow(1, 0, b.lens[d]);
-          values[b.docs[d]] = b.values[k][d].narrow(1, 0, b.lens[d]);
+          keys[b.docs[d]] = b.keys[k][d].narrow(1, 0, b.p.lens[d]);
+          values[b.docs[d]] = b.values[k][d].narrow(1, 0, b.p.lens[d]);
         }
       for (auto& b : batches) b.keys[k] = b.values[k] = at::Tensor();  // handed over
       joint = join(k, std::move(keys), std::move(values));
     }
     std::vector<Decoder::LayerPart> parts;
     if (layer < n_enc)
-      for (auto& b : batches) parts.push_back({b.h, &*b.cache, nullptr});
+      for (auto& b : batches) parts.push_back({b.p.h, &b.p.cache, nullptr});
     parts.push_back({x, &cache, joint});
     std::vector<at::Tensor> out = base.layer_parts(layer, parts);
     x = out.back();
     if (layer < n_enc)
-      for (size_t j = 0; j < batches.size(); ++j) batches[j].h = out[j];
+      for (size_t j = 0; j < batches.size(); ++j) batches[j].p.h = out[j];
   }
   cache.advance(tokens.size(1));
   return x;
