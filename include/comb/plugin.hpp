@@ -109,6 +109,13 @@ struct DocumentKV {
                                int64_t n_tokens);
 };
 
+// Documents linked int8 as stored (Linker with keep_int8): keys and values [block][document], the
+// scales beside them (undefined for a document of another dtype; empty: none). Each int8 one is
+// read as float32 in place (q * scale), as DocumentKV::to does.
+void dequantize_linked(std::vector<std::vector<at::Tensor>>& keys, std::vector<std::vector<at::Tensor>>& values,
+                       const std::vector<std::vector<at::Tensor>>& key_scales,
+                       const std::vector<std::vector<at::Tensor>>& value_scales);
+
 struct PluginInitOptions {
   // `reads`: a plug-in that reads its documents before any training. The encoder is the base's own
   // first layers, causal (each document's states are the decoder's states of that document alone);

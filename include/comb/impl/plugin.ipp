@@ -860,18 +860,7 @@ COMB_INLINE std::vector<JointKV> Plugin::joint_kv(const PluginWeights& w, const 
     return std::move(*direct);
   // int8 entries linked as they are: read as float32 here.
   std::vector<std::vector<at::Tensor>> keys = keys_in, values = values_in;
-  COMB_CHECK(key_scales.size() == value_scales.size() && (key_scales.empty() || key_scales.size() == keys.size()),
-             "joint_kv: scales for {} and {} blocks, K/V for {}", key_scales.size(), value_scales.size(), keys.size());
-  for (size_t k = 0; k < key_scales.size(); ++k) {
-    COMB_CHECK(key_scales[k].size() == keys[k].size() && value_scales[k].size() == keys[k].size(),
-               "joint_kv: block {} has {} documents but {} and {} scales", k, keys[k].size(), key_scales[k].size(),
-               value_scales[k].size());
-    for (size_t d = 0; d < keys[k].size(); ++d)
-      if (key_scales[k][d].defined()) {
-        keys[k][d] = keys[k][d].to(at::kFloat) * key_scales[k][d];
-        values[k][d] = values[k][d].to(at::kFloat) * value_scales[k][d];
-      }
-  }
+  dequantize_linked(keys, values, key_scales, value_scales);
   std::vector<JointKV> out;
   for (size_t k = 0; k < keys.size(); ++k) {
     const auto& ks = keys[k];

@@ -482,17 +482,13 @@ COMB_INLINE void ServeEngine::prefill_step(Sequence& s) {
     } else {
       s.documents.joined = std::make_shared<LinkedDocuments::Joined>();  // its copy is not read by decoding
       LinkedDocuments& l = s.documents;
-      for (size_t b = 0; b < l.keys.size(); ++b)
-        for (size_t d = 0; d < l.keys[b].size(); ++d) {
-          const bool int8 = !l.key_scales.empty() && l.key_scales[b][d].defined();  // linked as stored
-          l.keys[b][d] = (int8 ? l.keys[b][d].to(at::kFloat) * l.key_scales[b][d] : l.keys[b][d].to(at::kFloat))
-                             .contiguous();
-          l.values[b][d] =
-              (int8 ? l.values[b][d].to(at::kFloat) * l.value_scales[b][d] : l.values[b][d].to(at::kFloat))
-                  .contiguous();
-        }
+      dequantize_linked(l.keys, l.values, l.key_scales, l.value_scales);  // int8 ones linked as stored
       l.key_scales.clear();
       l.value_scales.clear();
+      for (auto& block : l.keys)
+        for (auto& t : block) t = t.to(at::kFloat).contiguous();
+      for (auto& block : l.values)
+        for (auto& t : block) t = t.to(at::kFloat).contiguous();
     }
   }
   at::Tensor logits = f.logits;

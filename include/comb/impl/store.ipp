@@ -85,6 +85,27 @@ COMB_INLINE std::array<at::Tensor, 4> quantize_int8_cpu(const at::Tensor& k, con
 }
 }  // namespace impl_store
 
+COMB_INLINE void dequantize_linked(std::vector<std::vector<at::Tensor>>& keys,
+                                   std::vector<std::vector<at::Tensor>>& values,
+                                   const std::vector<std::vector<at::Tensor>>& key_scales,
+                                   const std::vector<std::vector<at::Tensor>>& value_scales) {
+  COMB_CHECK(key_scales.size() == value_scales.size() && (key_scales.empty() || key_scales.size() == keys.size()) &&
+                 values.size() == keys.size(),
+             "linked documents: scales for {} and {} blocks, K/V for {} and {}", key_scales.size(), value_scales.size(),
+             keys.size(), values.size());
+  for (size_t b = 0; b < key_scales.size(); ++b) {
+    COMB_CHECK(key_scales[b].size() == keys[b].size() && value_scales[b].size() == keys[b].size() &&
+                   values[b].size() == keys[b].size(),
+               "linked documents: block {} has {} documents but {} and {} scales", b, keys[b].size(),
+               key_scales[b].size(), value_scales[b].size());
+    for (size_t d = 0; d < keys[b].size(); ++d)
+      if (key_scales[b][d].defined()) {
+        keys[b][d] = keys[b][d].to(at::kFloat) * key_scales[b][d];
+        values[b][d] = values[b][d].to(at::kFloat) * value_scales[b][d];
+      }
+  }
+}
+
 COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype) const {
   DocumentKV out;
   out.n_tokens = n_tokens;
