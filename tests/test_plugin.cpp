@@ -692,6 +692,21 @@ TEST_CASE("without gradients on CPU, joint attention and joined keys take direct
   auto tokens = sample_documents(3, 10, 47);
   tokens[1].resize(6);
   auto docs = documents_of(model, tokens);
+  {
+    // Each block's K/V of the documents written in one pass (documents_kv), against block_kv's
+    // tensor ops, taken while gradients are recorded; documents of 10 and 6 tokens padded together.
+    at::AutoGradMode on(true);
+    std::vector<DocumentKV> ops = plugin->encode_many(model.decoder(), {tokens[0], tokens[1], tokens[2]},
+                                                      model.encoder_prefix_states());
+    for (size_t i = 0; i < ops.size(); ++i)
+      for (int64_t k = 0; k < plugin->config().n_blocks(); ++k) {
+        INFO("document " << i << ", block " << k);
+        REQUIRE(ops[i].keys[k].sizes() == docs[i]->keys[k].sizes());
+        CHECK(docs[i]->keys[k].is_contiguous());
+        CHECK((ops[i].keys[k] - docs[i]->keys[k]).abs().max().item<double>() < 1e-4);
+        CHECK((ops[i].values[k] - docs[i]->values[k]).abs().max().item<double>() < 1e-4);
+      }
+  }
   std::vector<std::shared_ptr<const DocumentKV>> int8;
   for (const auto& doc : docs) int8.push_back(std::make_shared<const DocumentKV>(doc->to(at::kCPU, at::kChar)));
   const int64_t anchor = 7;
@@ -994,6 +1009,39 @@ TEST_CASE("joint blocks with the documents after the prefix: the prefix reads no
   CHECK((warm.logits - cold.logits).abs().max().item<double>() < 1e-4);
   PicPrefill fresh = PicEngine(model, Method::comb, o).prefill(r, 1);
   CHECK((warm.logits - fresh.logits).abs().max().item<double>() < 1e-5);
+
+  // A prompt that starts with the plug-in's encoder prefix: on a cold request those tokens' K/V
+  // come from the states the model holds for the encoder (through every decoder layer), with the
+  // logits of the prompt computed in full.
+  init.documents_after_prefix = true;
+  init.encoder_prefix.assign(r.prefix.begin(), r.prefix.begin() + 10);
+  Model held = Model::load(oracle_dir() + "/tiny-llama");
+  held.set_plugin(std::make_shared<Plugin>(Plugin::fresh(held.decoder(), init)));
+  const KVCache* states = held.encoder_prefix_states();
+  REQUIRE(states);
+  KVCache own = held.decoder().make_cache(1, 10);
+  held.decoder().forward(at::tensor(init.encoder_prefix, at::kLong).unsqueeze(0), own);
+  for (int64_t l = 0; l < held.config().n_layer; ++l) {  // every layer, not the encoder's alone
+    INFO("layer " << l);
+    CHECK((states->keys(l).narrow(2, 0, 10) - own.keys(l).narrow(2, 0, 10)).abs().max().item<double>() < 1e-5);
+    CHECK((states->values(l).narrow(2, 0, 10) - own.values(l).narrow(2, 0, 10)).abs().max().item<double>() < 1e-5);
+  }
+  PicPrefill seeded = PicEngine(held, Method::comb, o).prefill(r, 1);
+  CHECK(seeded.reused == 10);
+  CHECK(seeded.computed == 10 + 5 + doc_tokens);
+  KVCache full_prompt = held.decoder().make_cache(1, 25 + doc_tokens);
+  held.decoder().forward(at::tensor(std::vector<int64_t>(r.prefix.begin(), r.prefix.end()), at::kLong).unsqueeze(0),
+                         full_prompt);
+  LinkedDocuments unused;
+  at::Tensor computed = held.documents_and_prompt(r.documents, nullptr, "", nullptr,
+                                                  at::tensor(std::vector<int64_t>(r.suffix.begin(), r.suffix.end()),
+                                                             at::kLong).unsqueeze(0),
+                                                  full_prompt, 20, unused);
+  REQUIRE(computed.defined());
+  CHECK((seeded.logits - computed[0][-1]).abs().max().item<double>() < 1e-4);
+  // One token different: nothing taken.
+  r.prefix[3] = r.prefix[3] == 1 ? 2 : 1;
+  CHECK(PicEngine(held, Method::comb, o).prefill(r, 1).reused == 0);
 }
 
 TEST_CASE("joint blocks with consecutive documents: at step 0, naive reuse's attention; the order linked counts",

@@ -80,7 +80,10 @@ class Model {
   // else encoded now (and put into `store`, if given). `from_cache` tells which, if given.
   std::shared_ptr<const DocumentKV> document(const std::vector<int32_t>& tokens, PICacheStore* store = nullptr,
                                             const std::string& tenant = "", bool* from_cache = nullptr) const;
-  // The plug-in's encoder prefix states, computed once (nullptr unless Plugin::encoder_is_base()).
+  // The plug-in's encoder prefix states, computed once through all of the decoder's layers (the
+  // encoder reads its own first layers; a prompt that starts with the same tokens, as the QA
+  // instruction does, takes the rest instead of computing them). nullptr unless
+  // Plugin::encoder_is_base().
   const KVCache* encoder_prefix_states() const;
   // Several documents, in order: those `store` lacks are encoded together (Plugin::encode_many)
   // and put into it. `from_cache`, if given, receives which came from the store.
@@ -135,8 +138,9 @@ class Model {
 
   std::shared_ptr<Decoder> decoder_;
   std::shared_ptr<const Plugin> plugin_;
-  // The plug-in's encoder prefix through its layers (Plugin::encoder_prefix_states): computed for
-  // the first document and read by every later one; renewed with the plug-in.
+  // The plug-in's encoder prefix through the decoder's layers (Plugin::encoder_prefix_states):
+  // computed for the first document or prompt that needs it and read by every later one; renewed
+  // with the plug-in.
   struct EncoderPrefix {
     std::once_flag once;
     std::optional<KVCache> states;

@@ -231,8 +231,10 @@ class Plugin {
                               const KVCache& prefix_states, const at::Tensor& tokens, KVCache& cache,
                               const JoinBlock& join) const;
   // The encoder prefix through the encoder's layers: the same before every document, so a caller
-  // that encodes many (Model::document) computes it once. Needs encoder_is_base().
-  KVCache encoder_prefix_states(const Decoder& base) const;
+  // that encodes many (Model::document) computes it once. Needs encoder_is_base(). `layers`: how
+  // many of the base's layers (-1: the encoder's; all of them give the decoder's own K/V of those
+  // tokens, which a prompt that starts with them can take instead of computing them).
+  KVCache encoder_prefix_states(const Decoder& base, int64_t layers = -1) const;
   // Cross block `k` on x [batch, n, n_embd], reading linked keys/values (see Linker).
   // `start`: the prompt position of x's first row (with relative_positions).
   at::Tensor cross_block(int64_t k, const at::Tensor& x, const std::vector<at::Tensor>& keys,
@@ -279,6 +281,15 @@ class Plugin {
   // [n_docs, n_head_kv, len, head_dim] (k_norm, RoPE at back_cos/back_sin when defined), values alike.
   std::pair<at::Tensor, at::Tensor> block_kv(const PluginWeights& w, int64_t k, const at::Tensor& s,
                                              const at::Tensor& back_cos, const at::Tensor& back_sin) const;
+  // block_kv cut per document: keys and values [n_head_kv, lens[d], head_dim] of document d,
+  // contiguous (as the store keeps them). Without gradients on the CPU (float32, kv_norm, no
+  // k_norm): one pass that normalises the real rows only, two GEMMs, and writes each document's
+  // keys turned back by RoPE and its values in place; otherwise block_kv's tensors cut and copied.
+  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> documents_kv(const PluginWeights& w, int64_t k,
+                                                                           const at::Tensor& s,
+                                                                           const std::vector<int64_t>& lens,
+                                                                           const at::Tensor& back_cos,
+                                                                           const at::Tensor& back_sin) const;
   void check_document(const std::vector<int32_t>& tokens) const;
   // RoPE tables [n_docs, 1, len, head_dim] turning token j of document d (lens [n_docs]) to
   // position j - len_d; padding (j >= len_d) is not turned.

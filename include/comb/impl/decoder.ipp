@@ -162,23 +162,31 @@ COMB_INLINE bool merged_attention_applies(const JointKV& joint) {
 // request's attention time); here the fused kernel attends to each part without a mask.
 COMB_INLINE at::Tensor joint_attention_merged(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                   int64_t start, const JointKV& joint) {
+  RECORD_FUNCTION("comb::joint_attention_merged", std::vector<c10::IValue>());
   const int64_t batch = q.size(0), n_head = q.size(1), n = q.size(2), head_dim = q.size(3);
   const int64_t n_kv = keys.size(1), m = joint.keys.size(2), groups = n_head / n_kv;
   COMB_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && !joint.valid.defined(),
              "joint_attention_merged: CPU float32 queries and joined keys without padding");
   auto [own, own_lse] = impl_decoder::attend_after_cache_lse(q, keys, values, start);
   if (m == 0 || joint.anchor >= start + n) return own;  // no row reads the documents
-  // The query heads that share a KV head are folded into its rows: row g * n + i of KV head h is
-  // query head h * groups + g at position i, so [batch, n_kv, groups, n] reads as [batch, n_head, n].
+  // Positions before the anchor (the instruction prefix, computed in the same call on a cold
+  // request) read no document: only rows [first, n) attend to them.
+  const int64_t first = std::max<int64_t>(0, joint.anchor - start), rows = n - first;
+  const at::Tensor qd = first > 0 ? q.narrow(2, first, rows) : q;
+  // The query heads that share a KV head are folded into its rows: row g * rows + i of KV head h
+  // is query head h * groups + g at row i, so [batch, n_kv, groups, rows] reads as [batch, n_head, rows].
   auto [docs, docs_lse] = at::_scaled_dot_product_flash_attention_for_cpu(
-      q.reshape({batch, n_kv, groups * n, head_dim}), joint.keys, joint.values);
-  docs = docs.reshape({batch, n_head, n, head_dim});
-  docs_lse = docs_lse.reshape({batch, n_head, n});
+      qd.reshape({batch, n_kv, groups * rows, head_dim}), joint.keys, joint.values);
+  docs = docs.reshape({batch, n_head, rows, head_dim});
+  docs_lse = docs_lse.reshape({batch, n_head, rows});
   if (joint.bias.defined()) docs_lse = docs_lse + joint.bias.to(at::kFloat).view({1, n_head, 1});
-  if (joint.anchor > start)  // positions before the anchor (the instruction prefix) read no document
-    docs_lse = docs_lse.masked_fill((at::arange(start, start + n, at::kLong) < joint.anchor).view({1, 1, n}), -INFINITY);
-  at::Tensor lse = at::logaddexp(own_lse, docs_lse);
-  return own * (own_lse - lse).exp().unsqueeze(-1) + docs * (docs_lse - lse).exp().unsqueeze(-1);
+  const at::Tensor own_part = first > 0 ? own.narrow(2, first, rows) : own;
+  const at::Tensor own_part_lse = first > 0 ? own_lse.narrow(2, first, rows) : own_lse;
+  at::Tensor lse = at::logaddexp(own_part_lse, docs_lse);
+  at::Tensor merged = own_part * (own_part_lse - lse).exp().unsqueeze(-1) + docs * (docs_lse - lse).exp().unsqueeze(-1);
+  if (first == 0) return merged;
+  own.narrow(2, first, rows).copy_(merged);
+  return own;
 }
 
 COMB_INLINE at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
@@ -433,6 +441,7 @@ COMB_INLINE at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCach
 }
 
 COMB_INLINE std::vector<at::Tensor> Decoder::layer_parts(int64_t i, const std::vector<LayerPart>& parts) const {
+  RECORD_FUNCTION("comb::layer_parts", std::vector<c10::IValue>());
   const auto& c = config_;
   const auto& w = weights_.layers[i];
   COMB_CHECK(cpu_kernels(), "layer_parts: the fused CPU path (a float32 decoder on the CPU with cpu_kernels on)");

@@ -4,6 +4,7 @@
 #pragma once
 #include "comb/detail/inline.hpp"
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
@@ -147,7 +148,7 @@ COMB_INLINE CacheKey Model::document_key(const std::vector<int32_t>& tokens, con
 COMB_INLINE const KVCache* Model::encoder_prefix_states() const {
   if (!plugin_ || !plugin_->encoder_is_base()) return nullptr;
   EncoderPrefix& e = *encoder_prefix_;
-  std::call_once(e.once, [&] { e.states.emplace(plugin_->encoder_prefix_states(*decoder_)); });
+  std::call_once(e.once, [&] { e.states.emplace(plugin_->encoder_prefix_states(*decoder_, config().n_layer)); });
   return &*e.states;
 }
 
@@ -244,6 +245,7 @@ COMB_INLINE at::Tensor Model::documents_and_prompt(const std::vector<std::vector
   }
   std::vector<JointKV> joined(n_blocks);
   auto join = [&](int64_t k, std::vector<at::Tensor> keys, std::vector<at::Tensor> values) -> const JointKV* {
+    RECORD_FUNCTION("comb::join", std::vector<c10::IValue>());
     // The new documents' block-k K/V as they will be kept...
     for (size_t j = 0; j < missing.size(); ++j) {
       DocumentKV one;

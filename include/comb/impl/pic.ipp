@@ -531,6 +531,18 @@ COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<
     out.cache.set_length(m);
     out.prefix_insert = p;  // the prefix is the first p of the decoder's tokens
     out.reused += m;
+    // Past the prefix cache's blocks, a prompt that starts with the plug-in's encoder prefix (the
+    // QA instruction) takes those tokens' K/V from the states the model holds for the encoder,
+    // which run through every layer of the decoder: the same computation, done once per model.
+    const auto& instruction = plugin.config().encoder_prefix;
+    const int64_t pre = static_cast<int64_t>(instruction.size());
+    if (const KVCache* states = model_.encoder_prefix_states();
+        states && m < pre && pre <= p && std::equal(instruction.begin(), instruction.end(), r.prefix.begin())) {
+      for (int64_t layer = 0; layer < model_.config().n_layer; ++layer)
+        out.cache.write(layer, m, states->keys(layer).narrow(2, m, pre - m), states->values(layer).narrow(2, m, pre - m));
+      out.cache.set_length(pre);
+      out.reused += pre - m;
+    }
   }
   // The documents from the store or encoded (together, in batches where lengths allow); when some
   // are encoded and the plug-in allows, the prompt is computed in the same pass (each layer's

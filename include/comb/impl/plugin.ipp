@@ -4,6 +4,7 @@
 #pragma once
 #include "comb/detail/inline.hpp"
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
@@ -498,13 +499,17 @@ COMB_INLINE bool Plugin::encoder_is_base() const {
   return config_.encoder_from_base && config_.encoder_causal && !weights_.tok_embd.defined();
 }
 
-COMB_INLINE KVCache Plugin::encoder_prefix_states(const Decoder& base) const {
+COMB_INLINE KVCache Plugin::encoder_prefix_states(const Decoder& base, int64_t layers) const {
   COMB_CHECK(encoder_is_base(), "encoder_prefix_states: the encoder is not the base's own causal layers");
+  if (layers < 0) layers = config_.n_encoder_layers();
+  COMB_CHECK(layers >= config_.n_encoder_layers() && layers <= base.config().n_layer,
+             "encoder_prefix_states: {} layers, expected {} (the encoder's) to {} (the base's)", layers,
+             config_.n_encoder_layers(), base.config().n_layer);
   const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size());
   KVCache cache = base.make_cache(1, std::max<int64_t>(pre, 1));
   if (pre == 0) return cache;
   at::Tensor h = base.embed(at::tensor(config_.encoder_prefix, at::kLong).to(base.device()).unsqueeze(0));
-  for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) h = base.layer(j, h, cache);
+  for (int64_t j = 0; j < layers; ++j) h = base.layer(j, h, cache);
   cache.advance(pre);
   return cache;
 }
@@ -584,6 +589,7 @@ COMB_INLINE std::vector<std::vector<size_t>> Plugin::encoding_batches(const std:
 COMB_INLINE Plugin::PaddedBatch Plugin::padded_batch(const Decoder& base,
                                                      const std::vector<const std::vector<int32_t>*>& documents,
                                                      const KVCache& prefix_states) const {
+  RECORD_FUNCTION("comb::padded_batch", std::vector<c10::IValue>());
   const int64_t n_docs = static_cast<int64_t>(documents.size());
   const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size());
   COMB_CHECK(pre == 0 || prefix_states.length() == pre,
@@ -616,17 +622,28 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
                                                           const std::vector<const std::vector<int32_t>*>& documents,
                                                           const KVCache& prefix_states) const {
   PaddedBatch b = padded_batch(base, documents, prefix_states);
-  std::vector<at::Tensor> keys(config_.n_blocks()), values(config_.n_blocks());
+  std::vector<DocumentKV> out(documents.size());
+  for (size_t d = 0; d < out.size(); ++d) {
+    out[d].n_tokens = b.lens[d];
+    out[d].keys.resize(config_.n_blocks());
+    out[d].values.resize(config_.n_blocks());
+  }
   auto project = [&](int64_t depth) {
     for (int64_t k = 0; k < config_.n_blocks(); ++k)
-      if (config_.read_depth(k) == depth) std::tie(keys[k], values[k]) = block_kv(weights_, k, b.h, b.back_cos, b.back_sin);
+      if (config_.read_depth(k) == depth) {
+        auto [keys, values] = documents_kv(weights_, k, b.h, b.lens, b.back_cos, b.back_sin);
+        for (size_t d = 0; d < out.size(); ++d) {
+          out[d].keys[k] = std::move(keys[d]);
+          out[d].values[k] = std::move(values[d]);
+        }
+      }
   };
   project(0);
   for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) {
     b.h = base.layer(j, b.h, b.cache);
     project(j + 1);
   }
-  return split_documents(keys, values, b.lens);
+  return out;
 }
 
 COMB_INLINE bool Plugin::encodes_alongside(const Decoder& base) const {
@@ -653,14 +670,15 @@ COMB_INLINE at::Tensor Plugin::encode_alongside(const Decoder& base, const std::
   struct Batch {
     std::vector<size_t> docs;
     PaddedBatch p;
-    std::vector<at::Tensor> keys, values;  // per block: [n_docs, n_head_kv, m, head_dim]
+    std::vector<std::vector<at::Tensor>> keys, values;  // per block, per document: [n_head_kv, len, head_dim]
   };
   std::vector<Batch> batches;
   for (auto& indices : encoding_batches(documents)) {
     std::vector<const std::vector<int32_t>*> batch;
     for (size_t i : indices) batch.push_back(&documents[i]);
     batches.push_back(Batch{std::move(indices), padded_batch(base, batch, prefix_states),
-                            std::vector<at::Tensor>(config_.n_blocks()), std::vector<at::Tensor>(config_.n_blocks())});
+                            std::vector<std::vector<at::Tensor>>(config_.n_blocks()),
+                            std::vector<std::vector<at::Tensor>>(config_.n_blocks())});
   }
   at::Tensor x = base.embed(tokens);
   for (int64_t layer = 0; layer < base.config().n_layer; ++layer) {
@@ -669,16 +687,15 @@ COMB_INLINE at::Tensor Plugin::encode_alongside(const Decoder& base, const std::
       for (int64_t k = 0; k < config_.n_blocks(); ++k)
         if (config_.read_depth(k) == layer)
           for (auto& b : batches)
-            std::tie(b.keys[k], b.values[k]) = block_kv(weights_, k, b.p.h, b.p.back_cos, b.p.back_sin);
+            std::tie(b.keys[k], b.values[k]) = documents_kv(weights_, k, b.p.h, b.p.lens, b.p.back_cos, b.p.back_sin);
     const JointKV* joint = nullptr;
     if (const int64_t k = block_before(layer); k >= 0) {
       std::vector<at::Tensor> keys(documents.size()), values(documents.size());
       for (const auto& b : batches)
         for (size_t d = 0; d < b.docs.size(); ++d) {
-          keys[b.docs[d]] = b.keys[k][d].narrow(1, 0, b.p.lens[d]);
-          values[b.docs[d]] = b.values[k][d].narrow(1, 0, b.p.lens[d]);
+          keys[b.docs[d]] = std::move(b.keys[k][d]);  // handed over
+          values[b.docs[d]] = std::move(b.values[k][d]);
         }
-      for (auto& b : batches) b.keys[k] = b.values[k] = at::Tensor();  // handed over
       joint = join(k, std::move(keys), std::move(values));
     }
     std::vector<Decoder::LayerPart> parts;
@@ -732,9 +749,9 @@ COMB_INLINE void Plugin::encode_piece(const Decoder& base, const std::vector<int
   auto project = [&](int64_t depth) {
     for (int64_t k = 0; k < config_.n_blocks(); ++k)
       if (config_.read_depth(k) == depth) {
-        auto [kk, vv] = block_kv(weights_, k, h, back_cos, back_sin);
-        keys[k].push_back(kk[0]);
-        values[k].push_back(vv[0]);
+        auto [kk, vv] = documents_kv(weights_, k, h, {end - begin}, back_cos, back_sin);
+        keys[k].push_back(std::move(kk[0]));
+        values[k].push_back(std::move(vv[0]));
       }
   };
   project(0);
@@ -783,6 +800,7 @@ COMB_INLINE std::vector<DocumentKV> Plugin::split_documents(const std::vector<at
 
 COMB_INLINE std::pair<at::Tensor, at::Tensor> Plugin::block_kv(const PluginWeights& w, int64_t k, const at::Tensor& states,
                                                                const at::Tensor& back_cos, const at::Tensor& back_sin) const {
+  RECORD_FUNCTION("comb::block_kv", std::vector<c10::IValue>());
   const auto& c = base_config_;
   const c10::ScalarType dt = states.scalar_type();
   auto W = [&](const at::Tensor& t) { return t.scalar_type() == dt ? t : t.to(dt); };
@@ -793,6 +811,72 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> Plugin::block_kv(const PluginWeigh
   at::Tensor keys = ke.transpose(1, 2);
   if (back_cos.defined()) keys = apply_rope(keys, back_cos.to(dt), back_sin.to(dt));
   at::Tensor values = at::linear(s, W(w.wv[k])).view({n_docs, len, c.n_head_kv, c.head_dim}).transpose(1, 2);
+  return {keys, values};
+}
+
+COMB_INLINE std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::documents_kv(
+    const PluginWeights& w, int64_t k, const at::Tensor& s, const std::vector<int64_t>& lens, const at::Tensor& back_cos,
+    const at::Tensor& back_sin) const {
+  const auto& c = base_config_;
+  const int64_t n_docs = s.size(0), m = s.size(1), n_kv = c.n_head_kv, hd = c.head_dim, kv_dim = n_kv * hd;
+  COMB_CHECK(static_cast<int64_t>(lens.size()) == n_docs, "documents_kv: {} lengths for {} documents", lens.size(),
+             n_docs);
+  for (int64_t len : lens) COMB_CHECK(0 < len && len <= m, "documents_kv: a document of {} tokens in rows of {}", len, m);
+  std::vector<at::Tensor> keys(n_docs), values(n_docs);
+  auto is_f32 = [](const at::Tensor& t) { return t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat; };
+  const bool direct = !at::GradMode::is_enabled() && is_f32(s) && config_.kv_norm && !config_.qk_norm &&
+                      is_f32(w.kv_norm[k]) && is_f32(w.wk[k]) && is_f32(w.wv[k]) &&
+                      (!back_cos.defined() || (is_f32(back_cos) && is_f32(back_sin)));
+  if (!direct) {
+    auto [kk, vv] = block_kv(w, k, s, back_cos, back_sin);
+    for (int64_t d = 0; d < n_docs; ++d) {
+      keys[d] = kk[d].narrow(1, 0, lens[d]).contiguous();
+      values[d] = vv[d].narrow(1, 0, lens[d]).contiguous();
+    }
+    return {keys, values};
+  }
+  // NOTE: block_kv's ATen steps (norm, two projections over the padded rows, five temporaries of
+  // the rotation, then a copy per document) cost more than the GEMMs on a few short documents,
+  // 28 times in a cold request.
+  const int64_t e = c.n_embd;
+  std::vector<int64_t> first(n_docs + 1, 0);  // document d's rows [first[d], first[d + 1]) of the real ones
+  for (int64_t d = 0; d < n_docs; ++d) first[d + 1] = first[d] + lens[d];
+  const int64_t rows = first[n_docs];
+  const at::Tensor x = s.contiguous();
+  at::Tensor normed = at::empty({rows, e}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* np = normed.data_ptr<float>();
+  const float* weight = w.kv_norm[k].contiguous().data_ptr<float>();
+  for (int64_t d = 0; d < n_docs; ++d)
+    detail::cpu::rms_norm_rows(xp + d * m * e, weight, np + first[d] * e, e, static_cast<float>(c.rms_eps), 0, lens[d]);
+  const at::Tensor kp = at::linear(normed, w.wk[k]), vp = at::linear(normed, w.wv[k]);  // [rows, kv_dim]
+  at::Tensor cos_t, sin_t;
+  if (back_cos.defined()) {
+    cos_t = back_cos.contiguous();
+    sin_t = back_sin.contiguous();
+  }
+  for (int64_t d = 0; d < n_docs; ++d) {
+    const int64_t len = lens[d];
+    keys[d] = at::empty({n_kv, len, hd}, x.options());
+    values[d] = at::empty({n_kv, len, hd}, x.options());
+  }
+  at::parallel_for(0, n_docs * n_kv, 1, [&](int64_t b, int64_t end) {
+    for (int64_t item = b; item < end; ++item) {
+      const int64_t d = item / n_kv, h = item % n_kv, len = lens[d];
+      const float* ksrc = kp.data_ptr<float>() + first[d] * kv_dim + h * hd;
+      const float* vsrc = vp.data_ptr<float>() + first[d] * kv_dim + h * hd;
+      float* kdst = keys[d].data_ptr<float>() + h * len * hd;
+      float* vdst = values[d].data_ptr<float>() + h * len * hd;
+      for (int64_t t = 0; t < len; ++t) {
+        if (cos_t.defined())
+          detail::cpu::rotate_rows(ksrc + t * kv_dim, kv_dim, cos_t.data_ptr<float>() + (d * m + t) * hd,
+                                   sin_t.data_ptr<float>() + (d * m + t) * hd, hd, 1, kdst + t * hd, hd);
+        else
+          std::copy(ksrc + t * kv_dim, ksrc + t * kv_dim + hd, kdst + t * hd);
+        std::copy(vsrc + t * kv_dim, vsrc + t * kv_dim + hd, vdst + t * hd);
+      }
+    }
+  });
   return {keys, values};
 }
 
@@ -927,6 +1011,7 @@ COMB_INLINE std::optional<std::vector<JointKV>> Plugin::joint_kv_direct(const Pl
                                                           const std::vector<std::vector<at::Tensor>>& key_scales,
                                                           const std::vector<std::vector<at::Tensor>>& value_scales,
                                                           int64_t first_block) const {
+  RECORD_FUNCTION("comb::joint_kv_direct", std::vector<c10::IValue>());
   // NOTE: joint_kv's tensor ops rotate each document's keys twice (back by the documents after it,
   // then forward by the anchor) and copy them through cat, pad and stack: 27 ms of a 120 ms warm
   // request on nq's ten documents (28 blocks). Here each key row is rotated once, by the composed
