@@ -169,9 +169,12 @@ def test_documents(s):
     _, _, ua = chat(s, "How many sacks?", salted, salt="tenant-a")
     _, _, ua2 = chat(s, "How many sacks?", salted, salt="tenant-a")
     _, _, ub = chat(s, "How many sacks?", salted, salt="tenant-b")
-    check(ua.prompt_tokens_details.cached_tokens == 0 and ua2.prompt_tokens_details.cached_tokens > 0,
+    # A cold request may count cached tokens of no tenant's (a COMB plug-in's instruction, held by
+    # the model for its encoder): tenant B gets exactly what a cold request gets.
+    check(ua2.prompt_tokens_details.cached_tokens > ua.prompt_tokens_details.cached_tokens,
           "tenant A: cold, then its own documents from cache")
-    check(ub.prompt_tokens_details.cached_tokens == 0, "tenant B does not get tenant A's cached documents")
+    check(ub.prompt_tokens_details.cached_tokens == ua.prompt_tokens_details.cached_tokens,
+          "tenant B does not get tenant A's cached documents")
     d = httpx.delete(s.base + f"/v1/documents/{up['id']}")
     check(d.status_code == 200 and d.json()["deleted"] is True, "DELETE /v1/documents/{id}")
     check(httpx.get(s.base + f"/v1/documents/{up['id']}").status_code == 404, "then it is gone")
@@ -611,8 +614,9 @@ def test_restart():
         _, _, by_id = chat(s, "When did the mill stop?", [{"id": kept}], salt="t1")
     finally:
         s.stop()
-    check(first.prompt_tokens_details.cached_tokens == 0 and second.prompt_tokens_details.cached_tokens > 0,
-          f"after a restart the documents come from the disk tier ({second.prompt_tokens_details.cached_tokens} cached)")
+    check(second.prompt_tokens_details.cached_tokens > first.prompt_tokens_details.cached_tokens,
+          f"after a restart the documents come from the disk tier ({first.prompt_tokens_details.cached_tokens}, then "
+          f"{second.prompt_tokens_details.cached_tokens} cached)")
     check(listed == [kept], f"uploaded ids outlive the restart, deleted ones stay deleted ({listed}, kept {kept})")
     check(by_id.prompt_tokens_details.cached_tokens > 0,
           f"and a request by id reads its cache from disk ({by_id.prompt_tokens_details.cached_tokens} cached)")
