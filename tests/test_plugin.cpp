@@ -758,6 +758,30 @@ TEST_CASE("without gradients on CPU, joint attention and joined keys take direct
                                 kept.key_scales, kept.value_scales),
                general(read)) < 1e-5);
   }
+  // int8 entries with float32 key scales per channel (as comb wrote them before float16 scales) are
+  // placed as they are read; the default ones above have float16 scales, per channel on the
+  // 10-token documents and per row on the 6-token one (head_dim 16).
+  std::vector<std::shared_ptr<const DocumentKV>> per_channel;
+  for (const auto& doc : docs) {
+    DocumentKV old = doc->to(at::kCPU, at::kChar);
+    for (size_t k = 0; k < old.keys.size(); ++k) {
+      old.key_scales[k] = doc->keys[k].abs().amax(1, true) / 127.0;
+      old.keys[k] = (doc->keys[k] / old.key_scales[k]).round().clamp(-127, 127).to(at::kChar);
+    }
+    per_channel.push_back(std::make_shared<const DocumentKV>(std::move(old)));
+  }
+  {
+    LinkedDocuments kept = Linker(c10::kCPU, true).link(per_channel);
+    REQUIRE(kept.key_scales[0][0].sizes() == at::IntArrayRef({2, 1, 16}));
+    REQUIRE(kept.key_scales[0][0].scalar_type() == at::kFloat);
+    REQUIRE(int8[1]->key_scales[0].sizes() == at::IntArrayRef({2, 6, 1}));
+    REQUIRE(int8[0]->key_scales[0].scalar_type() == at::kHalf);
+    LinkedDocuments read = Linker(c10::kCPU).link(per_channel);
+    auto direct8 = plugin->joint_kv_direct(plugin->weights(), kept.keys, kept.values, kept.doc_counts, anchor,
+                                           kept.key_scales, kept.value_scales);
+    REQUIRE(direct8.has_value());
+    CHECK(same(*direct8, general(read)) < 1e-5);
+  }
   // A plug-in without joint blocks refuses documents linked int8.
   PluginInitOptions cross;  // a fresh plug-in of cross blocks
   cross.cross_layers = init.cross_layers;

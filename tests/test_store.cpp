@@ -256,19 +256,22 @@ double relative_error(const DocumentKV& q, const DocumentKV& kv) {
 }
 }  // namespace
 
-TEST_CASE("int8 entries: keys scaled per channel, values per row; kept through disk, sizes counted", "[store]") {
+TEST_CASE("int8 entries: keys scaled per channel (per row when short), values per row; kept through disk, sizes counted",
+          "[store]") {
   const DocumentKV kv = random_entry(40, 7);
   const DocumentKV q = kv.to(at::kCPU, at::kChar);
   REQUIRE(q.quantized());
   CHECK(q.dtype() == at::kChar);
   CHECK(q.keys[0].scalar_type() == at::kChar);
   CHECK(q.key_scales[0].sizes() == at::IntArrayRef({2, 1, 16}));
+  CHECK(q.key_scales[0].scalar_type() == at::kHalf);
+  CHECK(q.value_scales[0].scalar_type() == at::kHalf);
   CHECK(q.value_scales[0].sizes() == at::IntArrayRef({2, 40, 1}));
   // Every element within half a step of its scale: |x - q s| <= s / 2.
   DocumentKV back = q.to(at::kCPU, at::kFloat);
   for (size_t b = 0; b < 3; ++b) {
-    CHECK(((back.keys[b] - kv.keys[b]).abs() <= q.key_scales[b] * 0.5001).all().item<bool>());
-    CHECK(((back.values[b] - kv.values[b]).abs() <= q.value_scales[b] * 0.5001).all().item<bool>());
+    CHECK(((back.keys[b] - kv.keys[b]).abs() <= q.key_scales[b].to(at::kFloat) * 0.5001).all().item<bool>());
+    CHECK(((back.values[b] - kv.values[b]).abs() <= q.value_scales[b].to(at::kFloat) * 0.5001).all().item<bool>());
   }
   CHECK(relative_error(q, kv) < 0.01);
   // Per channel keeps the small key channels: with one scale per row they would lose most of their
@@ -281,10 +284,20 @@ TEST_CASE("int8 entries: keys scaled per channel, values per row; kept through d
   at::Tensor k_row = (kv.keys[0] / row_scale).round() * row_scale;
   at::Tensor kr = k_row.index({at::indexing::Slice(), at::indexing::Slice(), small});
   CHECK((kq - k).abs().mean().item<double>() < 0.25 * (kr - k).abs().mean().item<double>());
-  // Bytes: one per element, a float32 scale per key channel and per value row.
-  const int64_t expected = 3 * (2 * 2 * 40 * 16 + 4 * 2 * 16 + 4 * 2 * 40);
+  // Bytes: one per element, a float16 scale per key channel and per value row.
+  const int64_t expected = 3 * (2 * 2 * 40 * 16 + 2 * 2 * 16 + 2 * 2 * 40);
   CHECK(q.bytes() == expected);
   CHECK(DocumentKV::storage_bytes(at::kChar, 3, 2, 16, 40) == expected);
+  CHECK(DocumentKV::storage_bytes(at::kFloat, 3, 2, 16, 40) == 3 * 2 * 2 * 40 * 16 * 4);
+  // Under head_dim / 2 tokens, keys are scaled per row: per-channel scales would cost more a
+  // token than the row's (here 16 scales for 4 rows).
+  const DocumentKV short_kv = random_entry(4, 8);
+  const DocumentKV short_q = short_kv.to(at::kCPU, at::kChar);
+  CHECK(short_q.key_scales[0].sizes() == at::IntArrayRef({2, 4, 1}));
+  CHECK(short_q.bytes() == 3 * (2 * 2 * 4 * 16 + 2 * 2 * 4 + 2 * 2 * 4));
+  CHECK(DocumentKV::storage_bytes(at::kChar, 3, 2, 16, 4) == short_q.bytes());
+  CHECK(DocumentKV::keys_per_channel(8, 16));
+  CHECK_FALSE(DocumentKV::keys_per_channel(7, 16));
   CHECK(DocumentKV::storage_bytes(at::kFloat, 3, 2, 16, 40) == 3 * 2 * 2 * 40 * 16 * 4);
   // int8 again is the same codes; zeros stay zeros (scale 1, no division by zero).
   CHECK(q.to(at::kCPU, at::kChar).keys[1].equal(q.keys[1]));
@@ -293,19 +306,25 @@ TEST_CASE("int8 entries: keys scaled per channel, values per row; kept through d
   DocumentKV zq = zeros.to(at::kCPU, at::kChar);
   CHECK(zq.value_scales[0].eq(1).all().item<bool>());
   CHECK(zq.to(at::kCPU, at::kFloat).values[0].eq(0).all().item<bool>());
-  // The one-pass CPU quantizer gives exactly the codes and scales of the tensor ops: amax / 127
-  // (1 for a zero channel or row), round half to even, clamp.
-  for (const DocumentKV* entry : std::vector<const DocumentKV*>{&kv, &zeros})
+  // The one-pass CPU quantizer gives exactly the codes and scales of the tensor ops: float16 scales
+  // of amax / 127 (1 for a zero channel or row, at least 2^-14), round half to even, clamp.
+  DocumentKV tiny = kv;
+  tiny.keys[2] = kv.keys[2] * 1e-6;  // scales under float16's smallest normal
+  for (const DocumentKV* entry : std::vector<const DocumentKV*>{&kv, &zeros, &short_kv, &tiny})
     for (size_t b = 0; b < 3; ++b) {
-      at::Tensor ks = entry->keys[b].abs().amax(1, true) / 127.0, vs = entry->values[b].abs().amax(2, true) / 127.0;
-      ks = at::where(ks > 0, ks, at::ones_like(ks));
-      vs = at::where(vs > 0, vs, at::ones_like(vs));
+      const int dim = entry->n_tokens >= 8 ? 1 : 2;
+      auto scales = [](const at::Tensor& amax) {
+        at::Tensor s = amax / 127.0;
+        return at::where(s > 0, s.clamp_min(6.103515625e-05), at::ones_like(s)).to(at::kHalf).to(at::kFloat);
+      };
+      at::Tensor ks = scales(entry->keys[b].abs().amax(dim, true)), vs = scales(entry->values[b].abs().amax(2, true));
       const DocumentKV got = entry->to(at::kCPU, at::kChar);
-      CHECK(got.key_scales[b].equal(ks));
-      CHECK(got.value_scales[b].equal(vs));
+      CHECK(got.key_scales[b].to(at::kFloat).equal(ks));
+      CHECK(got.value_scales[b].to(at::kFloat).equal(vs));
       CHECK(got.keys[b].equal((entry->keys[b] / ks).round().clamp(-127, 127).to(at::kChar)));
       CHECK(got.values[b].equal((entry->values[b] / vs).round().clamp(-127, 127).to(at::kChar)));
     }
+  CHECK(tiny.to(at::kCPU, at::kChar).key_scales[2].gt(0).all().item<bool>());
   // Ties round to even, as the tensor ops do: 0.5 and 2.5 steps become 0 and 2.
   DocumentKV ties = kv;
   ties.keys[0] = at::zeros_like(kv.keys[0]);
@@ -313,6 +332,7 @@ TEST_CASE("int8 entries: keys scaled per channel, values per row; kept through d
   ties.keys[0].select(1, 1).fill_(0.5f);
   ties.keys[0].select(1, 2).fill_(2.5f);
   const DocumentKV tq = ties.to(at::kCPU, at::kChar);
+  CHECK(tq.key_scales[0].eq(1).all().item<bool>());
   CHECK(tq.keys[0].select(1, 1).eq(0).all().item<bool>());
   CHECK(tq.keys[0].select(1, 2).eq(2).all().item<bool>());
 
@@ -343,6 +363,37 @@ TEST_CASE("int8 entries: keys scaled per channel, values per row; kept through d
         CHECK(hit->value_scales[b].equal(q.value_scales[b]));
       }
     }
+    // An entry with float32 scales (dtype 3, as comb wrote int8 before) is read back with its
+    // scales as they were; a short one's per-row keys too.
+    DocumentKV old = q;
+    for (size_t b = 0; b < 3; ++b) {
+      old.key_scales[b] = kv.keys[b].abs().amax(1, true) / 127.0;
+      old.keys[b] = (kv.keys[b] / old.key_scales[b]).round().clamp(-127, 127).to(at::kChar);
+      old.value_scales[b] = kv.values[b].abs().amax(2, true) / 127.0;
+      old.values[b] = (kv.values[b] / old.value_scales[b]).round().clamp(-127, 127).to(at::kChar);
+    }
+    options.host_bytes = 1 << 20;
+    {
+      PICacheStore writer(options);
+      writer.put(key_of(2), old);
+      writer.put(key_of(3), short_q);
+    }
+    options.host_bytes = 0;
+    {
+      PICacheStore reader(options);
+      auto hit = reader.get(key_of(2));
+      REQUIRE(hit);
+      CHECK(hit->key_scales[1].sizes() == at::IntArrayRef({2, 1, 16}));
+      CHECK(hit->key_scales[1].scalar_type() == at::kFloat);
+      CHECK(hit->key_scales[1].equal(old.key_scales[1]));
+      CHECK(hit->keys[1].equal(old.keys[1]));
+      CHECK(hit->value_scales[1].equal(old.value_scales[1]));
+      auto short_hit = reader.get(key_of(3));
+      REQUIRE(short_hit);
+      CHECK(short_hit->key_scales[0].equal(short_q.key_scales[0]));
+      CHECK(short_hit->keys[2].equal(short_q.keys[2]));
+      CHECK(short_hit->value_scales[2].equal(short_q.value_scales[2]));
+    }
     options.dtype = at::kFloat;
     options.host_bytes = 1 << 20;
     PICacheStore reader(options);
@@ -351,6 +402,9 @@ TEST_CASE("int8 entries: keys scaled per channel, values per row; kept through d
     CHECK_FALSE(hit->quantized());
     CHECK(hit->keys[0].scalar_type() == at::kFloat);
     CHECK(hit->keys[2].equal(back.keys[2]));
+    auto old_hit = reader.get(key_of(2));
+    REQUIRE(old_hit);
+    CHECK((old_hit->keys[0] - old.keys[0].to(at::kFloat) * old.key_scales[0]).abs().max().item<double>() == 0);
   }
   SECTION("an int8 file whose scale is not a positive number is a corrupt entry") {
     StoreOptions options;

@@ -91,9 +91,12 @@ struct PluginWeights {
 };
 
 // One document's encoder output: per cross block, K (after k_norm) and V.
-// Stored as float32, bfloat16, float16 or int8. int8 (symmetric, round to nearest) keeps a float32
-// scale per key channel over the document's tokens ([n_head_kv, 1, head_dim]: keys have outlier
-// channels) and one per value row ([n_head_kv, n_tokens, 1]); the element is q * scale.
+// Stored as float32, bfloat16, float16 or int8. int8 (symmetric, round to nearest) keeps float16
+// scales: one per value row ([n_head_kv, n_tokens, 1]) and, for keys, one per channel over the
+// document's tokens ([n_head_kv, 1, head_dim]: keys have outlier channels) or, for documents of
+// fewer than head_dim / 2 tokens, one per row (where per-channel scales would cost more than the
+// codes' savings); the element is q * scale. Entries written with float32 scales per key channel
+// (disk dtype 3) are still read as they are.
 struct DocumentKV {
   std::vector<at::Tensor> keys;    // per block: [n_head_kv, n_tokens, head_dim]
   std::vector<at::Tensor> values;  // per block: [n_head_kv, n_tokens, head_dim]
@@ -104,6 +107,8 @@ struct DocumentKV {
   int64_t bytes() const;           // scales included
   // A copy on `device` in `dtype` (kChar: quantized to int8; from int8: dequantized).
   DocumentKV to(c10::Device device, c10::ScalarType dtype) const;
+  // Whether int8 keys of a document of `n_tokens` are scaled per channel (else per row).
+  static bool keys_per_channel(int64_t n_tokens, int64_t head_dim);
   // Bytes a document of `n_tokens` takes in `dtype` with `n_blocks` blocks of [n_head_kv, head_dim].
   static int64_t storage_bytes(c10::ScalarType dtype, int64_t n_blocks, int64_t n_head_kv, int64_t head_dim,
                                int64_t n_tokens);

@@ -65,8 +65,9 @@ generate options:
   --cache-ttl S       expiry of the entries written to Redis, in seconds (default 0: none)
   --cache-dtype T     storage of cached document K/V in every tier: auto (default: the decoder's
                       K/V as computed, a plug-in's documents in the dtype it declares, int8 for the
-                      shipped one), float32, bfloat16, float16, int8 (keys scaled per channel,
-                      values per token); also for qa, eval and serve
+                      shipped one), float32, bfloat16, float16, int8 (float16 scales: keys per
+                      channel, per row on documents under head_dim/2 tokens; values per
+                      row); also for qa, eval and serve
 
 plugin memory options:
   --plugin FILE       the plug-in to measure (default: the shipped one for the default model)

@@ -224,7 +224,7 @@ COMB_INLINE void PicEngine::clear() {
 
 COMB_INLINE double PicEngine::cache_bytes_per_token() const {
   const auto& c = model_.config();
-  // Per token of a document of `typical` tokens (int8 keys' scales are per document).
+  // Per token of a document of `typical` tokens (int8: scales included; keys' per channel are per document).
   constexpr int64_t typical = 128;
   // "auto": each entry as computed (the decoder's dtype), a plug-in's documents in its cache dtype.
   auto per_token = [&](int64_t blocks, c10::ScalarType as_computed) {

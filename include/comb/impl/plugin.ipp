@@ -1029,6 +1029,9 @@ COMB_INLINE std::optional<std::vector<JointKV>> Plugin::joint_kv_direct(const Pl
     return t.defined() && t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() &&
            t.sizes() == c10::IntArrayRef(sizes);
   };
+  auto scale = [&](const at::Tensor& t, std::initializer_list<int64_t> sizes) {  // float16 or float32
+    return is(t, at::kHalf, sizes) || is(t, at::kFloat, sizes);
+  };
   for (size_t k = 0; k < keys.size(); ++k) {
     if (keys[k].empty() || keys[k].size() != keys[0].size() || values[k].size() != keys[k].size()) return std::nullopt;
     if (scaled && (key_scales[k].size() != keys[k].size() || value_scales[k].size() != keys[k].size()))
@@ -1038,8 +1041,8 @@ COMB_INLINE std::optional<std::vector<JointKV>> Plugin::joint_kv_direct(const Pl
       const bool int8 = scaled && key_scales[k][d].defined();
       const c10::ScalarType dt = int8 ? at::kChar : at::kFloat;
       if (!is(keys[k][d], dt, {n_kv, len, hd}) || !is(values[k][d], dt, {n_kv, len, hd}) ||
-          (int8 && (!is(key_scales[k][d], at::kFloat, {n_kv, 1, hd}) ||
-                    !is(value_scales[k][d], at::kFloat, {n_kv, len, 1}))))
+          (int8 && (!(scale(key_scales[k][d], {n_kv, len, 1}) || scale(key_scales[k][d], {n_kv, 1, hd})) ||
+                    !scale(value_scales[k][d], {n_kv, len, 1}))))
         return std::nullopt;  // the general path says what is wrong, or handles it
     }
   }
@@ -1105,20 +1108,44 @@ COMB_INLINE std::optional<std::vector<JointKV>> Plugin::joint_kv_direct(const Pl
       float* vd = out[k].values.data_ptr<float>() + (p.row * n_kv * m + p.offset) * hd;
       const float* cs = turns[i].data();
       const float* sn = cs + hd;
-      if (scaled && key_scales[k][p.doc].defined()) {  // int8: a scale per key channel, one per value row
-        const float* kscale = key_scales[k][p.doc].data_ptr<float>();
-        const float* vscale = value_scales[k][p.doc].data_ptr<float>();
+      if (scaled && key_scales[k][p.doc].defined()) {  // int8: a scale per value row; per key
+        // channel over the document's tokens, or per key row (short documents)
+        const at::Tensor& kst = key_scales[k][p.doc];
+        const at::Tensor& vst = value_scales[k][p.doc];
+        std::vector<float> scales(kst.numel() + vst.numel());  // float16 or float32, read as float
+        auto read = [](const at::Tensor& t, float* out) {
+          if (t.scalar_type() == at::kHalf) {
+            const at::Half* x = t.data_ptr<at::Half>();
+            for (int64_t i = 0; i < t.numel(); ++i) out[i] = static_cast<float>(x[i]);
+          } else {
+            std::copy(t.data_ptr<float>(), t.data_ptr<float>() + t.numel(), out);
+          }
+        };
+        read(kst, scales.data());
+        read(vst, scales.data() + kst.numel());
+        const float* kscale = scales.data();
+        const float* vscale = scales.data() + kst.numel();
+        const bool key_rows = kst.size(2) == 1;
         const int8_t* kq = ks.data_ptr<int8_t>();
         const int8_t* vq = vs.data_ptr<int8_t>();
         for (int64_t h = 0; h < n_kv; ++h)
           for (int64_t t = 0; t < len; ++t) {
             const int8_t* x = kq + (h * len + t) * hd;
-            const float* sc = kscale + h * hd;
             float* y = kd + (h * m + t) * hd;
-            for (int64_t j = 0; j < half; ++j) {
-              const float a = x[j] * sc[j], b = x[j + half] * sc[j + half];
-              y[j] = a * cs[j] - b * sn[j];
-              y[j + half] = b * cs[j + half] + a * sn[j + half];
+            if (key_rows) {
+              const float sc = kscale[h * len + t];
+              for (int64_t j = 0; j < half; ++j) {
+                const float a = x[j] * sc, b = x[j + half] * sc;
+                y[j] = a * cs[j] - b * sn[j];
+                y[j + half] = b * cs[j + half] + a * sn[j + half];
+              }
+            } else {
+              const float* sc = kscale + h * hd;
+              for (int64_t j = 0; j < half; ++j) {
+                const float a = x[j] * sc[j], b = x[j + half] * sc[j + half];
+                y[j] = a * cs[j] - b * sn[j];
+                y[j + half] = b * cs[j + half] + a * sn[j + half];
+              }
             }
             const int8_t* xv = vq + (h * len + t) * hd;
             const float vsc = vscale[h * len + t];

@@ -37,49 +37,72 @@ COMB_INLINE c10::ScalarType DocumentKV::dtype() const {
   return keys[0].scalar_type();
 }
 
+COMB_INLINE bool DocumentKV::keys_per_channel(int64_t n_tokens, int64_t head_dim) {
+  return 2 * n_tokens >= head_dim;
+}
+
 COMB_INLINE int64_t DocumentKV::storage_bytes(c10::ScalarType dtype, int64_t n_blocks, int64_t n_head_kv,
                                               int64_t head_dim, int64_t n_tokens) {
   const int64_t elements = 2 * n_blocks * n_head_kv * head_dim * n_tokens;
   if (dtype != at::kChar) return elements * static_cast<int64_t>(c10::elementSize(dtype));
-  // int8 elements, a float32 scale per key channel and one per value row
-  return elements + 4 * n_blocks * n_head_kv * (head_dim + n_tokens);
+  // int8 elements and float16 scales: one per value row (one head, one token); keys one per
+  // channel over the document's tokens, or per row for documents under head_dim / 2 tokens.
+  const int64_t key_scales = keys_per_channel(n_tokens, head_dim) ? head_dim : n_tokens;
+  return elements + 2 * n_blocks * n_head_kv * (key_scales + n_tokens);
 }
 
 namespace impl_store {
+// A scale from the largest magnitude it covers: amax / 127 (1 where all are 0), at least 2^-14 (the
+// smallest normal float16), kept in float16; the codes are computed with that float16 value.
+COMB_INLINE at::Half int8_scale(float amax) {
+  const float s = amax / 127.0f;
+  return at::Half(s > 0 ? std::max(s, 6.103515625e-05f) : 1.0f);
+}
+
 // NOTE: the tensor-op quantization below runs about ten ops per K and per V of every block; a cold
 // request converts each new document's 28 blocks one at a time, so on short documents the ops'
-// overhead outweighs the work. One pass each here, with the same arithmetic (float32 division by
-// amax / 127, round half to even, clamp), so the codes and scales are those of the tensor ops.
+// overhead outweighs the work. One pass each here, with the same arithmetic (the float16 scale,
+// float32 division by it, round half to even, clamp), so the codes and scales are those of the
+// tensor ops.
 COMB_INLINE std::array<at::Tensor, 4> quantize_int8_cpu(const at::Tensor& k, const at::Tensor& v) {
   const int64_t heads = k.size(0), n = k.size(1), d = k.size(2);
+  const bool per_channel = DocumentKV::keys_per_channel(n, d);
   at::Tensor kq = at::empty({heads, n, d}, at::kChar), vq = at::empty({heads, n, d}, at::kChar);
-  at::Tensor ks = at::empty({heads, 1, d}, at::kFloat), vs = at::empty({heads, n, 1}, at::kFloat);
+  at::Tensor ks = per_channel ? at::empty({heads, 1, d}, at::kHalf) : at::empty({heads, n, 1}, at::kHalf);
+  at::Tensor vs = at::empty({heads, n, 1}, at::kHalf);
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   int8_t* kqp = kq.data_ptr<int8_t>();
   int8_t* vqp = vq.data_ptr<int8_t>();
-  float* ksp = ks.data_ptr<float>();
-  float* vsp = vs.data_ptr<float>();
+  at::Half* ksp = ks.data_ptr<at::Half>();
+  at::Half* vsp = vs.data_ptr<at::Half>();
   auto code = [](float x, float scale) {
     const float q = std::nearbyint(x / scale);
     return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
   };
-  for (int64_t h = 0; h < heads; ++h) {
-    float* scale = ksp + h * d;  // keys: a scale per channel over the tokens
-    std::fill(scale, scale + d, 0.0f);
+  auto row = [&](const float* x, int8_t* q, at::Half* scale) {  // one head, one token
+    float m = 0.0f;
+    for (int64_t j = 0; j < d; ++j) m = std::max(m, std::fabs(x[j]));
+    *scale = int8_scale(m);
+    const float s = static_cast<float>(*scale);
+    for (int64_t j = 0; j < d; ++j) q[j] = code(x[j], s);
+  };
+  for (int64_t r = 0; r < heads * n; ++r) row(vp + r * d, vqp + r * d, vsp + r);
+  if (!per_channel) {
+    for (int64_t r = 0; r < heads * n; ++r) row(kp + r * d, kqp + r * d, ksp + r);
+    return {kq, ks, vq, vs};
+  }
+  std::vector<float> m(d), scale(d);
+  for (int64_t h = 0; h < heads; ++h) {  // keys: a scale per channel over the tokens
+    std::fill(m.begin(), m.end(), 0.0f);
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < d; ++j) scale[j] = std::max(scale[j], std::fabs(kp[(h * n + t) * d + j]));
-    for (int64_t j = 0; j < d; ++j) scale[j] = scale[j] / 127.0f > 0 ? scale[j] / 127.0f : 1.0f;
-    for (int64_t t = 0; t < n; ++t) {
-      const float* krow = kp + (h * n + t) * d;
-      const float* vrow = vp + (h * n + t) * d;
-      for (int64_t j = 0; j < d; ++j) kqp[(h * n + t) * d + j] = code(krow[j], scale[j]);
-      float m = 0.0f;  // values: a scale per token
-      for (int64_t j = 0; j < d; ++j) m = std::max(m, std::fabs(vrow[j]));
-      const float vscale = m / 127.0f > 0 ? m / 127.0f : 1.0f;
-      vsp[h * n + t] = vscale;
-      for (int64_t j = 0; j < d; ++j) vqp[(h * n + t) * d + j] = code(vrow[j], vscale);
+      for (int64_t j = 0; j < d; ++j) m[j] = std::max(m[j], std::fabs(kp[(h * n + t) * d + j]));
+    for (int64_t j = 0; j < d; ++j) {
+      ksp[h * d + j] = int8_scale(m[j]);
+      scale[j] = static_cast<float>(ksp[h * d + j]);
     }
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t j = 0; j < d; ++j) kqp[(h * n + t) * d + j] = code(kp[(h * n + t) * d + j], scale[j]);
   }
   return {kq, ks, vq, vs};
 }
@@ -135,12 +158,15 @@ COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype)
     if (dtype == at::kChar) {
       k = k.to(at::kFloat);
       v = v.to(at::kFloat);
-      // A channel or row of zeros gets scale 1 (its codes are 0 whatever the scale).
-      at::Tensor ks = k.abs().amax(1, /*keepdim=*/true) / 127.0, vs = v.abs().amax(2, /*keepdim=*/true) / 127.0;
-      ks = at::where(ks > 0, ks, at::ones_like(ks));
-      vs = at::where(vs > 0, vs, at::ones_like(vs));
-      out.keys.push_back((k / ks).round().clamp(-127, 127).to(at::kChar).contiguous());
-      out.values.push_back((v / vs).round().clamp(-127, 127).to(at::kChar).contiguous());
+      // As quantize_int8_cpu: float16 scales of amax / 127 (at least 2^-14; 1 for all zeros).
+      auto scales = [](const at::Tensor& amax) {
+        at::Tensor s = amax / 127.0;
+        return at::where(s > 0, s.clamp_min(6.103515625e-05), at::ones_like(s)).to(at::kHalf);
+      };
+      const bool per_channel = keys_per_channel(k.size(1), k.size(2));
+      at::Tensor ks = scales(k.abs().amax(per_channel ? 1 : 2, /*keepdim=*/true)), vs = scales(v.abs().amax(2, true));
+      out.keys.push_back((k / ks.to(at::kFloat)).round().clamp(-127, 127).to(at::kChar).contiguous());
+      out.values.push_back((v / vs.to(at::kFloat)).round().clamp(-127, 127).to(at::kChar).contiguous());
       out.key_scales.push_back(ks.contiguous());
       out.value_scales.push_back(vs.contiguous());
       continue;
@@ -186,7 +212,9 @@ COMB_INLINE constexpr char kMagic[8] = {'C', 'O', 'M', 'B', 'K', 'V', '\0', '\1'
 struct DiskHeader {
   char magic[8];
   uint32_t version;  // 1
-  uint32_t dtype;    // 0 float32, 1 bfloat16, 2 float16, 3 int8 (with float32 scales)
+  uint32_t dtype;    // 0 float32, 1 bfloat16, 2 float16; int8: 3 (float32 scales, keys per channel,
+                     // values per row; written before), 4 (float16 scales, keys per channel), 5
+                     // (float16 scales, keys per row)
   uint32_t n_blocks, n_head_kv, head_dim, reserved;
   uint64_t n_tokens, payload_bytes, checksum;  // checksum: XXH3-64 of the payload
   uint64_t key_high, key_low;
@@ -206,12 +234,27 @@ COMB_INLINE uint32_t dtype_code(c10::ScalarType t) {
 COMB_INLINE c10::ScalarType code_dtype(uint32_t c) {
   return c == 0 ? at::kFloat : c == 1 ? at::kBFloat16 : c == 2 ? at::kHalf : at::kChar;
 }
+// int8 entries: 4 with float16 scales and keys scaled per channel, 5 with float16 scales and keys
+// per row (as quantize_int8_cpu writes them), 3 with float32 scales and keys per channel (as comb
+// wrote int8 before).
+COMB_INLINE uint32_t entry_code(const DocumentKV& kv) {
+  const uint32_t c = dtype_code(kv.keys.at(0).scalar_type());
+  if (c != 3) return c;
+  const at::Tensor& ks = kv.key_scales.at(0);
+  const bool per_channel = ks.size(1) == 1 && ks.size(2) == kv.keys.at(0).size(2) && kv.keys.at(0).size(1) != 1;
+  const bool half = ks.scalar_type() == at::kHalf;
+  COMB_CHECK(half || (ks.scalar_type() == at::kFloat && per_channel),
+             "int8 entry: key scales [{}] of {}; expected float16, or float32 per channel",
+             fmt::join(ks.sizes(), ", "), c10::toString(ks.scalar_type()));
+  return !half ? 3 : per_channel ? 4 : 5;
+}
+COMB_INLINE c10::ScalarType scale_dtype(uint32_t code) { return code == 3 ? at::kFloat : at::kHalf; }
 
 COMB_INLINE std::string serialize(const CacheKey& key, const DocumentKV& kv) {
   DiskHeader h{};
   std::memcpy(h.magic, kMagic, 8);
   h.version = 1;
-  h.dtype = dtype_code(kv.keys.at(0).scalar_type());
+  h.dtype = entry_code(kv);
   h.n_blocks = static_cast<uint32_t>(kv.keys.size());
   h.n_head_kv = static_cast<uint32_t>(kv.keys[0].size(0));
   h.head_dim = static_cast<uint32_t>(kv.keys[0].size(2));
@@ -219,12 +262,14 @@ COMB_INLINE std::string serialize(const CacheKey& key, const DocumentKV& kv) {
   h.key_high = key.high;
   h.key_low = key.low;
   std::string payload;
-  // Per block: K, V, then (int8) the key scales [n_head_kv, head_dim] and value scales [n_head_kv, n_tokens].
+  // Per block: K, V, then (int8) the key scales ([n_head_kv, head_dim] per channel, [n_head_kv,
+  // n_tokens] per row) and the value scales [n_head_kv, n_tokens].
   for (size_t b = 0; b < kv.keys.size(); ++b) {
     std::vector<const at::Tensor*> parts{&kv.keys[b], &kv.values[b]};
     if (kv.quantized()) parts.insert(parts.end(), {&kv.key_scales.at(b), &kv.value_scales.at(b)});
-    for (const at::Tensor* t : parts) {
-      at::Tensor c = t->to(at::kCPU).contiguous();
+    for (size_t i = 0; i < parts.size(); ++i) {
+      at::Tensor c = parts[i]->to(at::kCPU).contiguous();
+      if (i >= 2) c = c.to(scale_dtype(h.dtype));  // both scales in the entry's scale dtype
       payload.append(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
     }
   }
@@ -239,17 +284,19 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
   if (size < sizeof(DiskHeader)) return why = "shorter than its header", std::nullopt;
   DiskHeader h;
   std::memcpy(&h, data, sizeof(h));
-  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 3) return why = "bad magic or version", std::nullopt;
+  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 5) return why = "bad magic or version", std::nullopt;
   if (h.key_high != key.high || h.key_low != key.low) return why = "holds another key", std::nullopt;
   const c10::ScalarType dtype = code_dtype(h.dtype);
   // Sizes multiplied with overflow checks: a header whose product wraps around is refused here,
   // not trusted to size a tensor.
-  // block: one of K or V; scales: an int8 block's key and value scales (float32).
-  const bool int8 = dtype == at::kChar;
+  // block: one of K or V; scales: an int8 block's key and value scales (float16; float32 for dtype 3).
+  const bool int8 = dtype == at::kChar, key_rows = h.dtype == 5;
+  const uint64_t scale_bytes = h.dtype == 3 ? 4 : 2;
   uint64_t block = 0, scales = 0, per_block = 0, total = 0;
   const bool wraps = __builtin_mul_overflow(uint64_t(h.n_head_kv) * h.head_dim, h.n_tokens, &block) ||
                      __builtin_mul_overflow(block, uint64_t(c10::elementSize(dtype)), &block) ||
-                     __builtin_mul_overflow(uint64_t(h.n_head_kv), (uint64_t(h.head_dim) + h.n_tokens) * 4, &scales) ||
+                     __builtin_mul_overflow(uint64_t(h.n_head_kv),
+                                            (uint64_t(key_rows ? h.n_tokens : h.head_dim) + h.n_tokens) * scale_bytes, &scales) ||
                      __builtin_add_overflow(2 * block, int8 ? scales : 0, &per_block) ||
                      __builtin_mul_overflow(per_block, uint64_t(h.n_blocks), &total);
   if (wraps || h.n_blocks == 0 || block == 0 || h.payload_bytes != total ||
@@ -268,10 +315,12 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
     kv.keys.push_back(k);
     kv.values.push_back(v);
     if (!int8) continue;
-    at::Tensor ks = at::empty({h.n_head_kv, 1, h.head_dim}, at::kFloat);
-    at::Tensor vs = at::empty({h.n_head_kv, static_cast<int64_t>(h.n_tokens), 1}, at::kFloat);
-    std::memcpy(ks.data_ptr(), src + 2 * block, ks.numel() * 4);
-    std::memcpy(vs.data_ptr(), src + 2 * block + ks.numel() * 4, vs.numel() * 4);
+    const c10::ScalarType scale_type = scale_dtype(h.dtype);
+    at::Tensor ks = key_rows ? at::empty({h.n_head_kv, static_cast<int64_t>(h.n_tokens), 1}, scale_type)
+                             : at::empty({h.n_head_kv, 1, h.head_dim}, scale_type);
+    at::Tensor vs = at::empty({h.n_head_kv, static_cast<int64_t>(h.n_tokens), 1}, scale_type);
+    std::memcpy(ks.data_ptr(), src + 2 * block, ks.numel() * scale_bytes);
+    std::memcpy(vs.data_ptr(), src + 2 * block + ks.numel() * scale_bytes, vs.numel() * scale_bytes);
     // Scales are checked like the rest: a scale that is not a finite positive number is refused.
     if (!(ks > 0).all().item<bool>() || !(vs > 0).all().item<bool>() || !ks.isfinite().all().item<bool>() ||
         !vs.isfinite().all().item<bool>())
