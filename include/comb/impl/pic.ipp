@@ -536,8 +536,10 @@ COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<
     // which run through every layer of the decoder: the same computation, done once per model.
     const auto& instruction = plugin.config().encoder_prefix;
     const int64_t pre = static_cast<int64_t>(instruction.size());
-    if (const KVCache* states = model_.encoder_prefix_states();
-        states && m < pre && pre <= p && std::equal(instruction.begin(), instruction.end(), r.prefix.begin())) {
+    const KVCache* states = m < pre && pre <= p && std::equal(instruction.begin(), instruction.end(), r.prefix.begin())
+                                ? model_.encoder_prefix_states()
+                                : nullptr;
+    if (states) {
       for (int64_t layer = 0; layer < model_.config().n_layer; ++layer)
         out.cache.write(layer, m, states->keys(layer).narrow(2, m, pre - m), states->values(layer).narrow(2, m, pre - m));
       out.cache.set_length(pre);

@@ -846,7 +846,8 @@ COMB_INLINE std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::
   at::Tensor normed = at::empty({rows, e}, x.options());
   const float* xp = x.data_ptr<float>();
   float* np = normed.data_ptr<float>();
-  const float* weight = w.kv_norm[k].contiguous().data_ptr<float>();
+  const at::Tensor norm_weight = w.kv_norm[k].contiguous();  // held: data_ptr of a temporary would dangle
+  const float* weight = norm_weight.data_ptr<float>();
   for (int64_t d = 0; d < n_docs; ++d)
     detail::cpu::rms_norm_rows(xp + d * m * e, weight, np + first[d] * e, e, static_cast<float>(c.rms_eps), 0, lens[d]);
   const at::Tensor kp = at::linear(normed, w.wk[k]), vp = at::linear(normed, w.wv[k]);  // [rows, kv_dim]

@@ -291,7 +291,7 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
   // not trusted to size a tensor.
   // block: one of K or V; scales: an int8 block's key and value scales (float16; float32 for dtype 3).
   const bool int8 = dtype == at::kChar, key_rows = h.dtype == 5;
-  const uint64_t scale_bytes = h.dtype == 3 ? 4 : 2;
+  const uint64_t scale_bytes = c10::elementSize(scale_dtype(h.dtype));
   uint64_t block = 0, scales = 0, per_block = 0, total = 0;
   const bool wraps = __builtin_mul_overflow(uint64_t(h.n_head_kv) * h.head_dim, h.n_tokens, &block) ||
                      __builtin_mul_overflow(block, uint64_t(c10::elementSize(dtype)), &block) ||
