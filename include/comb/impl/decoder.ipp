@@ -407,6 +407,9 @@ namespace impl_decoder {  // this file's own helpers
 // Steps of up to this many rows (decode, small batches) use fused kernels throughout; longer ones
 // are GEMM-bound and keep the BLAS and SDPA kernels.
 COMB_INLINE constexpr int64_t kFusedMaxRows = 4;
+// Up to this many rows the projections read each weight once for all of them (comb's tiled
+// kernel); oneDNN's GEMM costs about a read of every weight more per call at these sizes.
+COMB_INLINE constexpr int64_t kGemvMaxRows = 64;
 }  // namespace impl_decoder
 using namespace impl_decoder;
 
@@ -424,7 +427,7 @@ COMB_INLINE at::Tensor Decoder::rms_norm_cpu(const at::Tensor& x, const at::Tens
 COMB_INLINE at::Tensor Decoder::linear_cpu(const at::Tensor& x, const at::Tensor& w) const {
   RECORD_FUNCTION("comb::gemv_f32", std::vector<c10::IValue>());
   const int64_t k = x.size(-1), rows = x.numel() / k, n_out = w.size(0);
-  COMB_CHECK(rows <= kFusedMaxRows, "linear_cpu is for at most {} rows, found {}", kFusedMaxRows, rows);
+  COMB_CHECK(rows <= kGemvMaxRows, "linear_cpu is for at most {} rows, found {}", kGemvMaxRows, rows);
   at::Tensor in = x.contiguous();
   std::vector<int64_t> shape = in.sizes().vec();
   shape.back() = n_out;
@@ -468,7 +471,7 @@ COMB_INLINE std::vector<at::Tensor> Decoder::layer_parts(int64_t i, const std::v
   };
   auto linear = [&](const at::Tensor& t, const at::Tensor& weight, int slot) {  // t [rows, in]
     if (w.quantized) return project(w, static_cast<Proj>(slot), t);
-    if (few) return linear_cpu(t, weight);
+    if (rows <= kGemvMaxRows) return linear_cpu(t, weight);
     if (onednn_.empty()) return at::linear(t, weight);
     return at::mkldnn_linear(t.contiguous().to_mkldnn(), onednn_[i][slot]).to_dense();
   };
