@@ -62,7 +62,15 @@ struct ServeOptions {
   int64_t max_running = 16;      // sequences decoding together
   int64_t max_queued = 64;       // requests waiting beyond them; more are refused (overloaded)
   int64_t max_tokens_in_flight = 0;  // prompt + max_tokens summed over running requests (0: what the pool holds)
-  int64_t prefill_chunk = 256;   // prompt tokens computed between two decoding steps
+  int64_t prefill_chunk = 256;   // prompt or document tokens computed between two decoding steps, at most
+  // A piece of a prompt or document is sized to take about this long (from its last piece's time
+  // and tokens; at least 16 tokens, at most prefill_chunk): about the longest a new request waits
+  // for the scheduler. 0: prefill_chunk tokens each.
+  double piece_ms = 100;
+  // While requests decode, pieces take about this share of the time: after a piece of t ms the
+  // decoding steps run t / prefill_share ms before the next piece, so a long prompt slows the
+  // others' tokens by about 1 + prefill_share. 0: a piece between every two decoding steps.
+  double prefill_share = 0.3;
 };
 
 // Thrown by submit() when the queue is full or the engine is stopping: try again later.
@@ -151,7 +159,15 @@ class ServeEngine {
   struct Sequence;
   void loop();
   void admit(std::unique_lock<std::mutex>& lock);
-  void prefill_step(Sequence& s);
+  // Computes one piece of s's prompt; the tokens computed in a piece sized by piece_tokens() (0
+  // for a step that is not: a document found in the store, the method's start()).
+  int64_t prefill_step(Sequence& s);
+  // The tokens of the next piece of work whose last piece computed `last_tokens` in `last_ms` (0:
+  // none yet), under ServeOptions::piece_ms and prefill_chunk.
+  int64_t piece_tokens(int64_t last_tokens, double last_ms) const;
+  // A piece took `ms`: the decoding steps are owed ms / prefill_share before the next (scheduler thread).
+  void owe_decoding(double ms);
+  void run_job(const std::function<void()>& job, bool piece);
   void decode_step();
   bool emit(Sequence& s, int32_t token);
   void finish(Sequence& s, const std::string& reason, const std::string& error = "");
@@ -178,12 +194,17 @@ class ServeEngine {
   std::deque<std::unique_ptr<Sequence>> queue_;
   std::atomic<int64_t> uploads_{0};  // warm_document calls in progress
   std::vector<std::unique_ptr<Sequence>> prefilling_, running_;
-  std::deque<std::function<void()>> jobs_;
+  struct Job {
+    std::function<void()> run;
+    bool piece = false;  // a piece of an upload: waits while decoding is owed time
+  };
+  std::deque<Job> jobs_;
   std::vector<Id> cancels_;
   Id next_id_ = 1;
   int64_t in_flight_ = 0;  // tokens reserved by admitted requests
   bool stopping_ = false, finish_on_stop_ = true, stopped_ = false;
   ServeStats stats_;
+  double owed_ms_ = 0;  // decoding time owed before the next piece (scheduler thread)
   std::thread thread_;
 };
 

@@ -48,7 +48,7 @@ void check_numbers(const Args& args) {
     probe.num<int>(o, 0);
   probe.num<int>("log-requests", 0);
   for (const char* o : {"blend-ratio", "clip", "gate-lr-scale", "kl-weight", "kv-share", "lr", "min-lr-ratio",
-                        "needle-share", "duration", "request-timeout", "open-gate", "open-gates", "weight-decay"})
+                        "needle-share", "duration", "piece-ms", "prefill-share", "request-timeout", "open-gate", "open-gates", "weight-decay"})
     probe.num<double>(o, 0);
   probe.num<float>("temperature", 0), probe.num<float>("top-p", 0);
   probe.num<uint64_t>("seed", 0);

@@ -717,6 +717,8 @@ int cmd_serve(Args& args) {
   o.max_queued = args.num<int64_t>("max-queued", 64);
   o.max_tokens_in_flight = args.num<int64_t>("max-tokens-in-flight", 0);
   o.prefill_chunk = args.num<int64_t>("prefill-chunk", 256);
+  o.piece_ms = args.num<double>("piece-ms", o.piece_ms);
+  o.prefill_share = args.num<double>("prefill-share", o.prefill_share);
   serve::Limits limits;
   limits.max_documents = args.num<int64_t>("max-documents", 32);
   const std::string host = args.str("host", "127.0.0.1");
@@ -727,6 +729,9 @@ int cmd_serve(Args& args) {
   COMB_CHECK(o.max_queued >= 0, "--max-queued should be at least 0, found {}", o.max_queued);
   COMB_CHECK(o.kv_bytes > 0, "--kv-mb should be at least 1, found {}", o.kv_bytes >> 20);
   COMB_CHECK(o.prefill_chunk > 0, "--prefill-chunk should be at least 1, found {}", o.prefill_chunk);
+  COMB_CHECK(o.piece_ms >= 0 && o.piece_ms <= 1e6, "--piece-ms should be 0 to 1000000, found {}", o.piece_ms);
+  COMB_CHECK(o.prefill_share >= 0 && o.prefill_share <= 1e6, "--prefill-share should be 0 to 1000000, found {}",
+             o.prefill_share);
   COMB_CHECK(limits.max_documents >= 0, "--max-documents should be at least 0, found {}", limits.max_documents);
   const int64_t drain_s = args.num<int64_t>("drain-timeout", 30);
   const bool log_requests = args.num<int>("log-requests", 1) != 0;

@@ -7,7 +7,9 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <limits>
 
 #include "comb/detail/cpu_kernels.hpp"
 #include "comb/detail/spin_pool.hpp"
@@ -89,6 +91,8 @@ struct ServeEngine::Sequence {
   size_t docs_warmed = 0;
   int64_t warm_computed = 0;   // document tokens computed by warming, before start()
   std::unique_ptr<DocumentWork> document_work;  // the document being computed, a piece per turn
+  int64_t piece_tokens = 0;    // its last piece's tokens and time (0: none yet)
+  double piece_ms = 0;
   std::unique_ptr<PicPrefill> prefill;
   std::vector<CacheKey> pinned;
   // Decoding
@@ -124,6 +128,10 @@ COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
   COMB_CHECK(options_.max_running > 0, "max running requests must be > 0, found {}", options_.max_running);
   COMB_CHECK(options_.max_queued >= 0, "max queued requests must be >= 0, found {}", options_.max_queued);
   COMB_CHECK(options_.prefill_chunk > 0, "prefill chunk must be > 0 tokens, found {}", options_.prefill_chunk);
+  COMB_CHECK(options_.piece_ms >= 0 && std::isfinite(options_.piece_ms), "piece time must be >= 0 ms, found {}",
+             options_.piece_ms);
+  COMB_CHECK(options_.prefill_share >= 0 && std::isfinite(options_.prefill_share),
+             "prefill share must be >= 0, found {}", options_.prefill_share);
   COMB_CHECK(options_.block_tokens > 0 && options_.block_tokens <= 1024, "block size must be 1 to 1024 tokens, found {}",
              options_.block_tokens);
   if (options_.method == Method::comb)
@@ -247,7 +255,9 @@ COMB_INLINE void ServeEngine::shutdown(bool finish) {
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
 }
 
-COMB_INLINE void ServeEngine::run(const std::function<void()>& job) {
+COMB_INLINE void ServeEngine::run(const std::function<void()>& job) { run_job(job, false); }
+
+COMB_INLINE void ServeEngine::run_job(const std::function<void()>& job, bool piece) {
   struct State {
     std::atomic<bool> done{false};
     std::exception_ptr error;
@@ -255,14 +265,15 @@ COMB_INLINE void ServeEngine::run(const std::function<void()>& job) {
   auto state = std::make_shared<State>();
   std::unique_lock<std::mutex> lock(mutex_);
   if (stopped_) throw Overloaded("the server is shutting down");
-  jobs_.push_back([job, state] {
-    try {
-      job();
-    } catch (...) {
-      state->error = std::current_exception();
-    }
-    state->done = true;  // set under the mutex by the loop
-  });
+  jobs_.push_back({[job, state] {
+                     try {
+                       job();
+                     } catch (...) {
+                       state->error = std::current_exception();
+                     }
+                     state->done = true;  // set under the mutex by the loop
+                   },
+                   piece});
   wake_.notify_all();
   job_done_.wait(lock, [&] { return state->done || stopped_; });
   if (!state->done) throw Overloaded("the server is shutting down");
@@ -286,8 +297,19 @@ COMB_INLINE bool ServeEngine::warm_document(const std::vector<int32_t>& tokens, 
   std::unique_ptr<DocumentWork> work;
   run([&] { work = engine(method).begin_document(tokens, tenant); });
   if (!work) return false;
+  int64_t last_tokens = 0;
+  double last_ms = 0;
   for (bool complete = false; !complete;)
-    run([&] { complete = engine(method).continue_document(*work, options_.prefill_chunk); });
+    run_job(
+        [&] {
+          const int64_t before = work->done;
+          const auto t0 = std::chrono::steady_clock::now();
+          complete = engine(method).continue_document(*work, piece_tokens(last_tokens, last_ms));
+          last_tokens = work->done - before;
+          last_ms = seconds_since(t0) * 1e3;
+          owe_decoding(last_ms);
+        },
+        /*piece=*/true);
   return true;
 }
 
@@ -343,13 +365,19 @@ COMB_INLINE void ServeEngine::loop() {
       if (stopping_ && queue_.empty() && prefilling_.empty() && running_.empty() && cancels.empty() &&
           cancels_.empty()) {
         stopped_ = true;
-        for (auto& j : jobs_) jobs.push_back(std::move(j));  // never run: their callers are told
+        for (auto& j : jobs_) jobs.push_back(std::move(j.run));  // never run: their callers are told
         jobs_.clear();
         job_done_.notify_all();
         return;
       }
-      for (auto& j : jobs_) jobs.push_back(std::move(j));
-      jobs_.clear();
+      // Pieces of uploads wait while requests decode and are owed time; other jobs run now.
+      const bool hold = owed_ms_ > 0 && !running_.empty();
+      std::deque<Job> kept;
+      for (auto& j : jobs_) {
+        if (hold && j.piece) kept.push_back(std::move(j));
+        else jobs.push_back(std::move(j.run));
+      }
+      jobs_.swap(kept);
       cancels.insert(cancels.end(), cancels_.begin(), cancels_.end());
       cancels_.clear();
     }
@@ -386,26 +414,47 @@ COMB_INLINE void ServeEngine::loop() {
       running_.erase(std::remove_if(running_.begin(), running_.end(), gone), running_.end());
       admit(lock);
     }
+    // The prompt whose turn it is; while requests decode and are owed time, only a prompt that has
+    // computed no piece yet (a new request starts at once, a long prompt waits).
     Sequence* first = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (!prefilling_.empty()) first = prefilling_.front().get();
+      for (auto& p : prefilling_)
+        if (owed_ms_ <= 0 || running_.empty() || p->piece_tokens == 0) {
+          first = p.get();
+          break;
+        }
     }
     if (first) {
+      double ms = 0;
       try {
-        prefill_step(*first);
+        // Steps that compute nothing (a document found in the store, the method's start()) go on
+        // in the same turn, up to a piece that computes tokens or the end of the prompt.
+        const auto t0 = Sequence::clock::now();
+        for (int64_t tokens = 0;
+             tokens == 0 && !first->done && first->next < 0 && seconds_since(t0) * 1e3 <= std::max(1.0, options_.piece_ms);) {
+          const auto t1 = Sequence::clock::now();
+          tokens = prefill_step(*first);
+          if (tokens > 0) first->piece_tokens = tokens, first->piece_ms = seconds_since(t1) * 1e3;
+        }
+        ms = seconds_since(t0) * 1e3;
       } catch (const std::exception& e) {
         finish(*first, "error", e.what());
       }
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!prefilling_.empty() && prefilling_.front().get() == first) {
-        if (first->done || first->next >= 0) {
-          if (!first->done) running_.push_back(std::move(prefilling_.front()));
-          prefilling_.erase(prefilling_.begin());
-        } else {  // its next piece waits for one of each other prompt's: a long one holds none of them
-          std::rotate(prefilling_.begin(), prefilling_.begin() + 1, prefilling_.end());
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = std::find_if(prefilling_.begin(), prefilling_.end(), [&](const auto& p) { return p.get() == first; });
+        if (it != prefilling_.end()) {
+          if (first->done || first->next >= 0) {
+            if (!first->done) running_.push_back(std::move(*it));
+            prefilling_.erase(it);
+          } else {  // its next piece waits for one of each other prompt's: a long one holds none of them
+            std::rotate(it, it + 1, prefilling_.end());
+          }
         }
       }
+      owe_decoding(ms);  // the time the requests decoding now waited
+      std::lock_guard<std::mutex> lock(mutex_);
       stats_.prefix_bytes = prefix_->bytes();
       stats_.prefix_blocks = prefix_->n_blocks();
     }
@@ -416,7 +465,9 @@ COMB_INLINE void ServeEngine::loop() {
     }
     if (any) {
       try {
+        const auto t0 = Sequence::clock::now();
         decode_step();
+        owed_ms_ = std::max(0.0, owed_ms_ - seconds_since(t0) * 1e3);
       } catch (const std::exception& e) {
         std::vector<Sequence*> rows;
         {
@@ -430,16 +481,36 @@ COMB_INLINE void ServeEngine::loop() {
   }
 }
 
-// One piece of a request's prompt: one document's cache found in the store, or `prefill_chunk` of
+COMB_INLINE int64_t ServeEngine::piece_tokens(int64_t last_tokens, double last_ms) const {
+  const int64_t most = options_.prefill_chunk, least = std::min<int64_t>(most, 16);
+  if (options_.piece_ms <= 0) return most;
+  if (last_tokens <= 0 || last_ms <= 0) return std::min<int64_t>(most, 64);  // a first piece
+  // A piece's time is about a fixed part (a read of every weight) plus a part per token that grows
+  // with its position: scaled from the last piece, at most doubled or halved at once.
+  const double scaled = static_cast<double>(last_tokens) * options_.piece_ms / last_ms;
+  const double n = std::clamp(scaled, last_tokens / 2.0, last_tokens * 2.0);
+  return std::clamp<int64_t>(static_cast<int64_t>(n), least, most);
+}
+
+COMB_INLINE void ServeEngine::owe_decoding(double ms) {
+  // Owed whether or not a request decodes now: one that starts decoding after a piece of a long
+  // prompt gets its share before the next. At most one full piece's worth.
+  if (options_.prefill_share <= 0) return;
+  const double cap = std::max(options_.piece_ms, ms) / options_.prefill_share;
+  owed_ms_ = std::min(cap, owed_ms_ + ms / options_.prefill_share);
+}
+
+// One piece of a request's prompt: one document's cache found in the store, or piece_tokens() of
 // its tokens computed (a long document takes several turns, so it never holds the decoding of
 // others, and a request cancelled meanwhile stops between two pieces), then the method's start(),
-// then `prefill_chunk` tokens at a time; when complete, its K/V move into its blocks and its first
-// token is sampled.
-COMB_INLINE void ServeEngine::prefill_step(Sequence& s) {
+// then piece_tokens() at a time; when complete, its K/V move into its blocks and its first token
+// is sampled.
+COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
   const PicRequest& p = s.request.prompt;
   PicEngine& e = engine(s.method);
   const std::string& tenant = p.tenant.empty() ? options_.pic.tenant : p.tenant;
   const bool per_document = s.method != Method::full && s.method != Method::prefix;
+  int64_t computed = 0;
   if (!s.prefill) {
     if (per_document && s.docs_warmed < p.documents.size()) {
       // One document's cache, pinned in memory so that start() finds it (and, for comb, every
@@ -447,13 +518,16 @@ COMB_INLINE void ServeEngine::prefill_step(Sequence& s) {
       const auto& d = p.documents[s.docs_warmed];
       if (!s.document_work) s.document_work = e.begin_document(d, tenant);
       if (s.document_work) {
-        if (!e.continue_document(*s.document_work, options_.prefill_chunk)) return;
+        const int64_t before = s.document_work->done;
+        const bool complete = e.continue_document(*s.document_work, piece_tokens(s.piece_tokens, s.piece_ms));
+        computed = s.document_work->done - before;
+        if (!complete) return computed;
         s.document_work.reset();
         s.warm_computed += static_cast<int64_t>(d.size());
       }
       ++s.docs_warmed;
       pin(s, e.document_key(d, tenant));
-      return;
+      return computed;
     }
     s.prefill = std::make_unique<PicPrefill>(e.start(p, 1));
     // Documents warmed above were read back as cached (all of them, pinned; the bound is for a
@@ -462,9 +536,12 @@ COMB_INLINE void ServeEngine::prefill_step(Sequence& s) {
     s.prefill->computed += moved;
     s.prefill->reused -= moved;
     if (s.method != Method::comb) unpin_all(s);  // their K/V are in the prompt's own cache now
-    if (!s.prefill->done()) return;
-  } else if (!e.advance(*s.prefill, options_.prefill_chunk)) {
-    return;
+    if (!s.prefill->done()) return 0;
+  } else {
+    const int64_t before = s.prefill->cache.length();
+    const bool complete = e.advance(*s.prefill, piece_tokens(s.piece_tokens, s.piece_ms));
+    computed = s.prefill->cache.length() - before;
+    if (!complete) return computed;
   }
   PicPrefill& f = *s.prefill;
   pool_->load(f.cache, f.n_prompt, s.blocks);
@@ -500,6 +577,7 @@ COMB_INLINE void ServeEngine::prefill_step(Sequence& s) {
     stats_.computed_tokens += s.result.computed_tokens;
   }
   emit(s, s.sampler->sample(logits));
+  return computed;
 }
 
 // Hands out what the new token completes; false (and the request finished) when it is the last.
