@@ -371,6 +371,127 @@ def raw_request(s, head, body=b"", read_s=5):
     return status, message, took
 
 
+def raw_hostile_requests(model):
+    """500 requests as raw bytes, broken in the request line, the headers or the framing of the body
+    (none of them a valid request, though a mutation may leave one that is)."""
+    rng = random.Random(11)
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+
+    def head(line=b"POST /v1/chat/completions HTTP/1.1", headers=None, length=True, eol=b"\r\n"):
+        hs = [b"Host: x", b"Content-Type: application/json"] if headers is None else list(headers)
+        if length:
+            hs.append(b"Content-Length: %d" % len(body))
+        return line + eol + b"".join(h + eol for h in hs) + eol
+
+    fixed = [
+        head(b"POST /v1/chat/completions HTTP/9.9") + body,
+        head(b"POST /v1/chat/completions") + body,
+        head(b"POST  /v1/chat/completions  HTTP/1.1") + body,
+        head(b"BREW /v1/chat/completions HTTP/1.1") + body,
+        head(b"post /v1/chat/completions HTTP/1.1") + body,
+        head(b"POST http://evil/v1/chat/completions HTTP/1.1") + body,
+        head(b"POST /v1/chat/completions?" + b"a=1&" * 20000 + b" HTTP/1.1") + body,
+        head(b"GET /" + b"x" * 100000 + b" HTTP/1.1", length=False),
+        head(b"GET /health\x00 HTTP/1.1", length=False),
+        head(b"GET /%2e%2e/%2e%2e/etc/passwd HTTP/1.1", length=False),
+        head(b"GET /v1/documents/../../etc/passwd HTTP/1.1", length=False),
+        head(eol=b"\n") + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"Content-Length: 5"]) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"Content-Length: 5", b"Content-Length: 7"],
+             length=False) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"Content-Length: +12"], length=False) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"Content-Length: 0x10"], length=False) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"Content-Length: 99999999999999999999999"],
+             length=False) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"Transfer-Encoding: gzip"]) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"Transfer-Encoding: chunked"], length=False)
+        + b"zz\r\n" + body + b"\r\n0\r\n\r\n",
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"Transfer-Encoding: chunked"], length=False)
+        + b"ffffffffffffffffff\r\n" + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"Transfer-Encoding: chunked"])
+        + b"%x;ext=1\r\n" % len(body) + body + b"\r\n0\r\n\r\n",
+        head(headers=[b"Host: x", b"Content-Type: application/json", b" folded: line"]) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"no colon here"]) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"Bad Name: y"]) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json"] + [b"X-%d: y" % i for i in range(5000)]) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"X-Long: " + b"y" * 70000]) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json; charset=utf-16"]) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json\x00text/plain"]) + body,
+        head(headers=[b"Host: x", b"Content-Type: multipart/form-data; boundary=x"]) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"Origin: null"]) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"Expect: 100-continue"]) + body,
+        head(headers=[b"Host: x", b"Content-Type: application/json", b"Connection: upgrade", b"Upgrade: websocket"])
+        + body,
+        b"\r\n" * 1000 + head() + body,
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(256)),  # a TLS client hello
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # an HTTP/2 preface
+    ]
+    out = list(fixed)
+    valid = head() + body
+    while len(out) < 500:
+        kind = rng.randrange(4)
+        raw = bytearray(valid)
+        if kind == 0:  # bytes flipped in the line and headers
+            end = valid.find(b"\r\n\r\n")
+            for _ in range(rng.randrange(1, 5)):
+                raw[rng.randrange(end)] = rng.randrange(256)
+        elif kind == 1:  # a piece of the head repeated or cut out
+            a, b = sorted(rng.randrange(len(valid) - len(body)) for _ in range(2))
+            raw = raw[:a] + raw[a:b] * rng.randrange(0, 50) + raw[b:]
+        elif kind == 2:  # a chunked body with broken framing
+            sizes = [rng.choice([b"%x" % rng.randrange(1, 200), b"-1", b"", b"1 2", b"\x00", b"10000000000000000"])
+                     for _ in range(rng.randrange(1, 4))]
+            raw = bytearray(head(headers=[b"Host: x", b"Content-Type: application/json", b"Transfer-Encoding: chunked"],
+                                 length=False))
+            for sz in sizes:
+                raw += sz + rng.choice([b"\r\n", b"\n", b""]) + body[:rng.randrange(len(body))] + b"\r\n"
+            if rng.random() < 0.5:
+                raw += b"0\r\n\r\n"
+        else:  # random bytes after a plausible start
+            raw = bytearray(rng.choice([b"GET ", b"POST /", b"POST /v1/documents HTTP/1.1\r\n", b""]))
+            raw += bytes(rng.randrange(256) for _ in range(rng.randrange(1, 400)))
+        if bytes(raw) == valid:
+            continue
+        out.append(bytes(raw))
+    return out
+
+
+def test_raw_requests(s):
+    """Raw request bytes broken at the HTTP level: each gets a 4xx or the connection closes (never a
+    5xx, a hang past the request timeout or a crash); the server answers /health afterwards."""
+    outcomes = {}
+    bad = []
+    t_all = time.time()
+    for i, data in enumerate(raw_hostile_requests(s.model)):
+        with socket.create_connection(("127.0.0.1", s.port), timeout=15) as c:
+            t0 = time.time()
+            try:
+                c.sendall(data)
+                c.shutdown(socket.SHUT_WR)  # nothing more comes: a request cut short ends now
+            except OSError:
+                pass  # refused and closed before all was sent
+            got = b""
+            try:
+                while True:
+                    piece = c.recv(65536)
+                    if not piece:
+                        break
+                    got += piece
+            except OSError:
+                pass
+            took = time.time() - t0
+        statuses = [int(got[j + 9:j + 12]) for j in range(len(got)) if got.startswith(b"HTTP/1.1 ", j)
+                    and got[j + 9:j + 12].isdigit()]
+        kind = "closed" if not statuses else ",".join(str(x) for x in statuses)
+        outcomes[kind] = outcomes.get(kind, 0) + 1
+        if any(x >= 500 for x in statuses) or took > 12:
+            bad.append((i, kind, round(took, 1), data[:60]))
+    print(f"500 raw requests broken at the HTTP level ({time.time() - t_all:.1f} s): {dict(sorted(outcomes.items()))}")
+    check(not bad, f"raw requests: no 5xx and none held past the request timeout ({bad[:5]})")
+    check(s.proc.poll() is None, "the server is still running")
+    check(httpx.get(s.base + "/health", timeout=5).status_code == 200, "and answers /health")
+
+
 def test_request_heads(s):
     """What the line and headers say is checked before the body is read or waited for."""
     body = json.dumps({"model": s.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
@@ -643,7 +764,7 @@ def test_disk_budget():
 def main():
     s = Server()
     try:
-        for test in (test_api, test_documents, test_concurrency, test_hostile, test_request_heads,
+        for test in (test_api, test_documents, test_concurrency, test_hostile, test_raw_requests, test_request_heads,
                      test_slow_clients, test_cancel_and_metrics):
             t0 = time.time()
             test(s)
