@@ -4,7 +4,7 @@ trials, how many ended in a clean error or a correct answer, crashes (a signal),
 time bound) and the peak resident memory of the process that read the input.
 
 usage: bench/reliability.py [COMB_BINARY [PARTS]]   (default build/comb; the model: $COMB_MODEL or the default)
-PARTS: a comma-separated choice of readers, server, delay, disk (default: all of them).
+PARTS: a comma-separated choice of readers, server, delay, leave, disk (default: all of them).
 Prints a markdown table (docs/building.md, "Reliability"). Runs on loopback; about 5 minutes.
 """
 import json
@@ -337,6 +337,55 @@ def delay_class(method):
         outcomes, [peak], "", expect="ok")
 
 
+def leave_class(method):
+    """A 6,000-token document whose client leaves, and one in flight at SIGTERM with --drain-timeout 3."""
+    text = lambda n: " ".join(f"Entry {i}: the ferry master {n} logged {i * 11 % 89} crossings at dawn."
+                               for i in range(300))
+    s = Server("--method", method, "--drain-timeout", "3")
+    try:
+        model = json.loads(s.request("GET", "/v1/models")[1])["data"][0]["id"]
+        b = {**chat_body("How many crossings?", [{"text": text(1)}], max_tokens=4), "model": model}
+        data = json.dumps(b).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        c = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        c.sendall(head + data)
+        time.sleep(2.0)
+        c.close()  # the client leaves while its document is computed
+        t_left = time.time()
+        cancelled = 0.0
+        while time.time() - t_left < 10:
+            metrics = s.request("GET", "/metrics")[1].decode()
+            line = [l for l in metrics.splitlines() if l.startswith("comb_requests_cancelled_total ")]
+            cancelled = float(line[0].split()[1]) if line else 0.0
+            if cancelled >= 1:
+                break
+            time.sleep(0.1)
+        stopped_after = time.time() - t_left
+        # One in flight at SIGTERM.
+        b2 = {**chat_body("How many crossings?", [{"text": text(2)}], max_tokens=4), "model": model}
+        result = {}
+
+        def in_flight():
+            result["status"] = s.request("POST", "/v1/chat/completions", b2)[0]
+
+        t = threading.Thread(target=in_flight)
+        t.start()
+        time.sleep(2.0)
+        t0 = time.time()
+        s.proc.send_signal(signal.SIGTERM)
+        code = s.proc.wait(60)
+        exited_after = time.time() - t0
+        t.join(10)
+    finally:
+        s.stop()
+    row(f"{method}: a client leaving while its 6,000-token document is computed: cancelled {stopped_after:.1f} s after "
+        f"it left; SIGTERM with --drain-timeout 3 while one is computed: exit {code} after {exited_after:.1f} s "
+        f"(the request answered {result.get('status')})",
+        ["ok" if cancelled >= 1 and stopped_after < 2 else "hang", "ok" if code == 0 and exited_after < 5 else "hang"],
+        [0], "", expect="ok")
+
+
 def disk_class():
     # The disk tier's budget, and uploads across a SIGKILL.
     cache = tempfile.mkdtemp(prefix="cache-", dir=TMP)
@@ -363,7 +412,7 @@ def disk_class():
          "ok" if st == 200 else "crash"], [0], "", expect="ok")
 
 
-parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["readers", "server", "delay", "disk"]
+parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["readers", "server", "delay", "leave", "disk"]
 if "readers" in parts:
     reader_classes()
 if "server" in parts:
@@ -371,6 +420,9 @@ if "server" in parts:
 if "delay" in parts:
     for m in ("naive", "comb"):
         delay_class(m)
+if "leave" in parts:
+    for m in ("naive", "comb"):
+        leave_class(m)
 if "disk" in parts:
     disk_class()
 print("| input class | trials | clean errors | correct answers | crashes | hangs | peak RSS (MiB) | example message |")

@@ -67,9 +67,11 @@ struct ServeOptions {
   // and tokens; at least 16 tokens, at most prefill_chunk): about the longest a new request waits
   // for the scheduler. 0: prefill_chunk tokens each.
   double piece_ms = 100;
-  // While requests decode, pieces take about this share of the time: after a piece of t ms the
-  // decoding steps run t / prefill_share ms before the next piece, so a long prompt slows the
-  // others' tokens by about 1 + prefill_share. 0: a piece between every two decoding steps.
+  // While requests decode, each piece's t ms are owed to the decoding steps: they run t /
+  // prefill_share ms before the next piece of a prompt or upload under way (pieces then take about
+  // share / (1 + share) of the time, and a long prompt slows the others' tokens by about 1 +
+  // prefill_share); work under way waits at most piece_ms / prefill_share. A new request's first
+  // piece goes at once. 0: a piece between every two decoding steps.
   double prefill_share = 0.3;
 };
 
@@ -167,6 +169,8 @@ class ServeEngine {
   int64_t piece_tokens(int64_t last_tokens, double last_ms) const;
   // A piece took `ms`: the decoding steps are owed ms / prefill_share before the next (scheduler thread).
   void owe_decoding(double ms);
+  // Whether a piece of a prompt or upload under way may run now (scheduler thread, mutex held).
+  bool may_continue() const;
   void run_job(const std::function<void()>& job, bool piece);
   void decode_step();
   bool emit(Sequence& s, int32_t token);
@@ -205,6 +209,7 @@ class ServeEngine {
   bool stopping_ = false, finish_on_stop_ = true, stopped_ = false;
   ServeStats stats_;
   double owed_ms_ = 0;  // decoding time owed before the next piece (scheduler thread)
+  std::chrono::steady_clock::time_point last_continued_;  // the last piece of work under way ended
   std::thread thread_;
 };
 

@@ -223,9 +223,10 @@ serve options (with the model options above; docs/serving.md):
   --piece-ms MS          a prompt or document piece is sized to take about MS (from its last piece's
                          time and tokens): about the longest a new request waits (default 100;
                          0: --prefill-chunk tokens each)
-  --prefill-share R      while requests decode, pieces take about R of the time (after a piece of
-                         t ms, decoding runs t / R ms), so a long prompt slows their tokens by
-                         about 1 + R (default 0.3; 0: a piece between every two decoding steps)
+  --prefill-share R      while requests decode, a piece's t ms are owed to them: they decode t / R ms
+                         before the next piece of work under way (which waits at most --piece-ms / R),
+                         so a long prompt slows their tokens by about 1 + R (default 0.3; 0: a piece
+                         between every two decoding steps)
   --max-documents N      documents per request (default 32)
   --max-connections N    connections served at once; more are answered 503 and closed (default 256)
   --max-connections-per-client N  from one address; more are answered 429 and closed (default 128)

@@ -172,13 +172,17 @@ def main():
         killed_at = time.time()
         a.proc.send_signal(signal.SIGKILL)
         a.proc.wait(30)
+        dead_at = time.time()  # a request begun in [killed_at, dead_at] may have reached A before it died
         time.sleep(8)
         stop.set()
         for t in threads:
             t.join(180)
         failed = [r for r in results if not r[2]]
-        in_flight = [r for r in failed if r[0] <= killed_at <= r[1]]
-        later = [r for r in results if r[0] > killed_at]
+        in_flight = [r for r in failed if r[0] <= dead_at and r[1] >= killed_at]
+        later = [r for r in results if r[0] > dead_at]
+        for r in failed:
+            print(f"failed: begun {r[0] - killed_at:+.3f} s, ended {r[1] - killed_at:+.3f} s from the kill "
+                  f"(A gone {dead_at - killed_at:.3f} s after it)")
         figures["kill: requests, failed, of them in flight at the kill, sent after"] = (
             len(results), len(failed), len(in_flight), len(later))
         check(len(failed) == len(in_flight) and len(in_flight) <= 3,

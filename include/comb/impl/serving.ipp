@@ -91,8 +91,10 @@ struct ServeEngine::Sequence {
   size_t docs_warmed = 0;
   int64_t warm_computed = 0;   // document tokens computed by warming, before start()
   std::unique_ptr<DocumentWork> document_work;  // the document being computed, a piece per turn
-  int64_t piece_tokens = 0;    // its last piece's tokens and time (0: none yet)
+  int64_t piece_tokens = 0;    // its last whole piece's tokens and time, for sizing the next (0: none yet)
   double piece_ms = 0;
+  int64_t piece_asked = 0;     // the tokens its last piece was asked for
+  bool started = false;        // it has computed tokens in a piece (a prompt under way)
   std::unique_ptr<PicPrefill> prefill;
   std::vector<CacheKey> pinned;
   // Decoding
@@ -271,7 +273,7 @@ COMB_INLINE void ServeEngine::run_job(const std::function<void()>& job, bool pie
                      } catch (...) {
                        state->error = std::current_exception();
                      }
-                     state->done = true;  // set under the mutex by the loop
+                     state->done = true;  // read by the caller once the loop notifies under the mutex
                    },
                    piece});
   wake_.notify_all();
@@ -302,12 +304,17 @@ COMB_INLINE bool ServeEngine::warm_document(const std::vector<int32_t>& tokens, 
   for (bool complete = false; !complete;)
     run_job(
         [&] {
-          const int64_t before = work->done;
+          const int64_t before = work->done, asked = piece_tokens(last_tokens, last_ms);
           const auto t0 = std::chrono::steady_clock::now();
-          complete = engine(method).continue_document(*work, piece_tokens(last_tokens, last_ms));
-          last_tokens = work->done - before;
-          last_ms = seconds_since(t0) * 1e3;
-          owe_decoding(last_ms);
+          try {
+            complete = engine(method).continue_document(*work, asked);
+          } catch (...) {
+            owe_decoding(seconds_since(t0) * 1e3);
+            throw;
+          }
+          const double ms = seconds_since(t0) * 1e3;
+          if (work->done - before == asked) last_tokens = asked, last_ms = ms;  // a whole piece sizes the next
+          owe_decoding(ms);
         },
         /*piece=*/true);
   return true;
@@ -348,8 +355,10 @@ COMB_INLINE void ServeEngine::admit(std::unique_lock<std::mutex>&) {
 
 COMB_INLINE void ServeEngine::loop() {
   c10::InferenceMode guard;
+  last_continued_ = Sequence::clock::now();
   for (;;) {
     std::vector<std::function<void()>> jobs;
+    bool continued = false;  // a piece of work under way taken this turn
     std::vector<Id> cancels;
     {
       std::unique_lock<std::mutex> lock(mutex_);
@@ -370,12 +379,18 @@ COMB_INLINE void ServeEngine::loop() {
         job_done_.notify_all();
         return;
       }
-      // Pieces of uploads wait while requests decode and are owed time; other jobs run now.
-      const bool hold = owed_ms_ > 0 && !running_.empty();
+      // Other jobs run now; at most one piece of work under way (an upload's piece here, else a
+      // prompt's below) per turn, and only when the decoding steps are not owed time.
+      bool piece_taken = !may_continue();
       std::deque<Job> kept;
       for (auto& j : jobs_) {
-        if (hold && j.piece) kept.push_back(std::move(j));
-        else jobs.push_back(std::move(j.run));
+        if (j.piece && piece_taken) {
+          kept.push_back(std::move(j));
+          continue;
+        }
+        piece_taken = piece_taken || j.piece;
+        if (j.piece) continued = true;
+        jobs.push_back(std::move(j.run));
       }
       jobs_.swap(kept);
       cancels.insert(cancels.end(), cancels_.begin(), cancels_.end());
@@ -386,6 +401,7 @@ COMB_INLINE void ServeEngine::loop() {
       std::lock_guard<std::mutex> lock(mutex_);
       job_done_.notify_all();
     }
+    if (continued) last_continued_ = Sequence::clock::now();
     if (!cancels.empty()) {
       std::unique_lock<std::mutex> lock(mutex_);
       for (Id id : cancels) {
@@ -414,33 +430,39 @@ COMB_INLINE void ServeEngine::loop() {
       running_.erase(std::remove_if(running_.begin(), running_.end(), gone), running_.end());
       admit(lock);
     }
-    // The prompt whose turn it is; while requests decode and are owed time, only a prompt that has
-    // computed no piece yet (a new request starts at once, a long prompt waits).
+    // The prompt whose turn it is: a new request's (one that has computed no piece yet) at once; a
+    // prompt under way when no piece of work under way ran this turn and may_continue().
     Sequence* first = nullptr;
+    bool under_way = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      const bool may = !continued && may_continue();
       for (auto& p : prefilling_)
-        if (owed_ms_ <= 0 || running_.empty() || p->piece_tokens == 0) {
+        if (!p->started || may) {
           first = p.get();
+          under_way = p->started;
           break;
         }
     }
     if (first) {
-      double ms = 0;
+      const auto t0 = Sequence::clock::now();
       try {
-        // Steps that compute nothing (a document found in the store, the method's start()) go on
-        // in the same turn, up to a piece that computes tokens or the end of the prompt.
-        const auto t0 = Sequence::clock::now();
-        for (int64_t tokens = 0;
-             tokens == 0 && !first->done && first->next < 0 && seconds_since(t0) * 1e3 <= std::max(1.0, options_.piece_ms);) {
+        // Steps that compute no piece of tokens (a document found in the store; the method's
+        // start(), which for EPIC and CacheBlend is their whole recomputation, not split) go on in
+        // the same turn, up to a piece that computes tokens or the end of the prompt.
+        for (int64_t tokens = 0; tokens == 0 && !first->done && first->next < 0 &&
+                                 seconds_since(t0) * 1e3 <= std::max(1.0, options_.piece_ms);) {
           const auto t1 = Sequence::clock::now();
           tokens = prefill_step(*first);
-          if (tokens > 0) first->piece_tokens = tokens, first->piece_ms = seconds_since(t1) * 1e3;
+          if (tokens > 0) first->started = true;
+          if (tokens > 0 && tokens == first->piece_asked)  // a whole piece sizes the next
+            first->piece_tokens = tokens, first->piece_ms = seconds_since(t1) * 1e3;
         }
-        ms = seconds_since(t0) * 1e3;
       } catch (const std::exception& e) {
         finish(*first, "error", e.what());
       }
+      const double ms = seconds_since(t0) * 1e3;
+      if (under_way) last_continued_ = Sequence::clock::now();
       {
         std::lock_guard<std::mutex> lock(mutex_);
         auto it = std::find_if(prefilling_.begin(), prefilling_.end(), [&](const auto& p) { return p.get() == first; });
@@ -453,7 +475,7 @@ COMB_INLINE void ServeEngine::loop() {
           }
         }
       }
-      owe_decoding(ms);  // the time the requests decoding now waited
+      owe_decoding(ms);  // the time the requests decoding waited
       std::lock_guard<std::mutex> lock(mutex_);
       stats_.prefix_bytes = prefix_->bytes();
       stats_.prefix_blocks = prefix_->n_blocks();
@@ -492,6 +514,14 @@ COMB_INLINE int64_t ServeEngine::piece_tokens(int64_t last_tokens, double last_m
   return std::clamp<int64_t>(static_cast<int64_t>(n), least, most);
 }
 
+COMB_INLINE bool ServeEngine::may_continue() const {
+  if (running_.empty() || owed_ms_ <= 0 || stopping_ || options_.prefill_share <= 0) return true;
+  // Work under way waits at most one full piece's worth of decoding, however many new requests'
+  // first pieces keep the decoding steps owed time.
+  const double cap = std::max(options_.piece_ms, 1.0) / options_.prefill_share;
+  return seconds_since(last_continued_) * 1e3 >= cap;
+}
+
 COMB_INLINE void ServeEngine::owe_decoding(double ms) {
   // Owed whether or not a request decodes now: one that starts decoding after a piece of a long
   // prompt gets its share before the next. At most one full piece's worth.
@@ -519,7 +549,8 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
       if (!s.document_work) s.document_work = e.begin_document(d, tenant);
       if (s.document_work) {
         const int64_t before = s.document_work->done;
-        const bool complete = e.continue_document(*s.document_work, piece_tokens(s.piece_tokens, s.piece_ms));
+        s.piece_asked = piece_tokens(s.piece_tokens, s.piece_ms);
+        const bool complete = e.continue_document(*s.document_work, s.piece_asked);
         computed = s.document_work->done - before;
         if (!complete) return computed;
         s.document_work.reset();
@@ -539,7 +570,8 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
     if (!s.prefill->done()) return 0;
   } else {
     const int64_t before = s.prefill->cache.length();
-    const bool complete = e.advance(*s.prefill, piece_tokens(s.piece_tokens, s.piece_ms));
+    s.piece_asked = piece_tokens(s.piece_tokens, s.piece_ms);
+    const bool complete = e.advance(*s.prefill, s.piece_asked);
     computed = s.prefill->cache.length() - before;
     if (!complete) return computed;
   }
