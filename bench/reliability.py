@@ -147,6 +147,12 @@ class Server:
         status = int(out[9:12]) if out.startswith(b"HTTP/1.1 ") else 0
         return status, out.split(b"\r\n\r\n", 1)[-1]
 
+    def chat_body(self, *a, **k):
+        """chat_body() with this server's model name."""
+        if not hasattr(self, "model"):
+            self.model = json.loads(self.request("GET", "/v1/models")[1])["data"][0]["id"]
+        return {**chat_body(*a, **k), "model": self.model}
+
     def alive(self):
         return self.proc.poll() is None
 
@@ -169,12 +175,7 @@ def chat_body(question, docs=None, max_tokens=16, method=None):
 def server_classes():
     s = Server("--method", "naive")
     try:
-        model = json.loads(s.request("GET", "/v1/models")[1])["data"][0]["id"]
-
-        def body(*a, **k):
-            b = chat_body(*a, **k)
-            b["model"] = model
-            return b
+        body = s.chat_body
 
         # Slow headers: 200 connections sending a header line every 2 s, /health from another address.
         conns = []
@@ -282,26 +283,19 @@ def delay_class(method):
     """A 6,000-token document computed while a 16-token request runs beside it."""
     s = Server("--method", method)
     try:
-        model = json.loads(s.request("GET", "/v1/models")[1])["data"][0]["id"]
-
-        def body(*a, **k):
-            b = chat_body(*a, **k)
-            b["model"] = model
-            return b
-
         def long_text(n):  # about 6,000 tokens, a different text each time (never cached)
             return " ".join(f"Entry {i}: the harbor master {n} logged {i * 13 % 97} boats in the morning fog."
                             for i in range(300))
 
         def short():
             t0 = time.time()
-            st, _ = s.request("POST", "/v1/chat/completions", body("Say hello.", max_tokens=16))
+            st, _ = s.request("POST", "/v1/chat/completions", s.chat_body("Say hello.", max_tokens=16))
             return st, time.time() - t0
 
         def long_request(n, out):
             t0 = time.time()
-            out["status"] = s.request("POST", "/v1/chat/completions", body("How many boats?", [{"text": long_text(n)}],
-                                                                              max_tokens=4))[0]
+            b = s.chat_body("How many boats?", [{"text": long_text(n)}], max_tokens=4)
+            out["status"] = s.request("POST", "/v1/chat/completions", b)[0]
             out["seconds"] = time.time() - t0
 
         alone = [short()[1] for _ in range(3)]
@@ -324,7 +318,6 @@ def delay_class(method):
     # The long one alone with pieces of --prefill-chunk tokens (no time bound), as before the bound.
     s = Server("--method", method, "--piece-ms", "0")
     try:
-        model = json.loads(s.request("GET", "/v1/models")[1])["data"][0]["id"]
         untimed = {}
         long_request(99, untimed)
     finally:
@@ -343,8 +336,7 @@ def leave_class(method):
                                for i in range(300))
     s = Server("--method", method, "--drain-timeout", "3")
     try:
-        model = json.loads(s.request("GET", "/v1/models")[1])["data"][0]["id"]
-        b = {**chat_body("How many crossings?", [{"text": text(1)}], max_tokens=4), "model": model}
+        b = s.chat_body("How many crossings?", [{"text": text(1)}], max_tokens=4)
         data = json.dumps(b).encode()
         head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(data)}\r\n\r\n").encode()
@@ -363,7 +355,7 @@ def leave_class(method):
             time.sleep(0.1)
         stopped_after = time.time() - t_left
         # One in flight at SIGTERM.
-        b2 = {**chat_body("How many crossings?", [{"text": text(2)}], max_tokens=4), "model": model}
+        b2 = s.chat_body("How many crossings?", [{"text": text(2)}], max_tokens=4)
         result = {}
 
         def in_flight():

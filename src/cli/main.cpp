@@ -228,6 +228,8 @@ serve options (with the model options above; docs/serving.md):
                          so a long prompt slows their tokens by about 1 + R (default 0.3; 0: a piece
                          between every two decoding steps)
   --max-documents N      documents per request (default 32)
+  --max-request-document-tokens N  tokens of all a request's documents, cached or not; more get
+                         413 (default 16384)
   --max-connections N    connections served at once; more are answered 503 and closed (default 256)
   --max-connections-per-client N  from one address; more are answered 429 and closed (default 128)
   --request-timeout S    a request's line, headers and body must arrive within S seconds of its

@@ -395,6 +395,13 @@ class Api {
         r.prompt.documents.push_back(qa_document_tokens(model_, {ref.title, ref.text}));
       }
     }
+    int64_t document_tokens = 0;
+    for (const auto& d : r.prompt.documents) document_tokens += static_cast<int64_t>(d.size());
+    if (document_tokens > limits_.max_request_document_tokens)
+      throw ApiError(413, fmt::format("the documents hold {} tokens; this server takes at most {} a request "
+                                      "(--max-request-document-tokens)",
+                                      document_tokens, limits_.max_request_document_tokens),
+                     "documents", "documents_too_large");
     const bool docs = !c.documents.empty();
     if (c.chat) {
       if (docs) {
@@ -721,6 +728,7 @@ int cmd_serve(Args& args) {
   o.prefill_share = args.num<double>("prefill-share", o.prefill_share);
   serve::Limits limits;
   limits.max_documents = args.num<int64_t>("max-documents", 32);
+  limits.max_request_document_tokens = args.num<int64_t>("max-request-document-tokens", limits.max_request_document_tokens);
   const std::string host = args.str("host", "127.0.0.1");
   const int64_t port64 = args.num<int64_t>("port", 8000);
   COMB_CHECK(port64 >= 0 && port64 <= 65535, "--port should be 0 to 65535, found {}", port64);
@@ -733,6 +741,8 @@ int cmd_serve(Args& args) {
   COMB_CHECK(o.prefill_share >= 0 && o.prefill_share <= 1e6, "--prefill-share should be 0 to 1000000, found {}",
              o.prefill_share);
   COMB_CHECK(limits.max_documents >= 0, "--max-documents should be at least 0, found {}", limits.max_documents);
+  COMB_CHECK(limits.max_request_document_tokens >= 1, "--max-request-document-tokens should be at least 1, found {}",
+             limits.max_request_document_tokens);
   const int64_t drain_s = args.num<int64_t>("drain-timeout", 30);
   const bool log_requests = args.num<int>("log-requests", 1) != 0;
   std::string name = args.str("served-model-name");

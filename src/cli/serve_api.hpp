@@ -37,6 +37,7 @@ struct DocumentRef {
 struct Limits {
   int64_t max_documents = 32;
   int64_t max_document_bytes = 64 * 1024;
+  int64_t max_request_document_tokens = 16384;  // all of a request's documents, cached or not (413 past it)
   int64_t max_prompt_bytes = 1024 * 1024;
   int64_t max_messages = 256;
   int64_t max_stop = 4;

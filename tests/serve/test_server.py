@@ -321,6 +321,15 @@ def test_hostile(s):
                 bad.append((what, code, (body or b"")[:80]))
     print("statuses of 1,000 hostile requests:", statuses)
     check(not bad, f"1,000 hostile requests: every one a 4xx with an OpenAI-shaped error ({bad[:5]})")
+    # Documents within every size bound alone, past the per-request bound together: refused before
+    # anything is computed.
+    many = [{"text": f"Ledger {i}: " + "the tide rose and fell again " * 170} for i in range(20)]
+    t0 = time.time()
+    r = httpx.post(s.base + "/v1/chat/completions", json={"model": s.model, "messages": [{"role": "user", "content": "hi"}],
+                                                          "documents": many, "max_tokens": 2, "method": "comb"}, timeout=60)
+    took = time.time() - t0
+    check(r.status_code == 413 and "--max-request-document-tokens" in r.json()["error"]["message"] and took < 5,
+          f"20 documents of about 1,000 tokens each: 413 at once ({r.status_code} in {took:.2f} s: {r.text[:160]})")
     check(s.proc.poll() is None, "the server is still running")
     text, _, _ = chat(s, "What is the capital of France?")
     check(bool(text), "a valid request afterwards succeeds")
