@@ -164,9 +164,18 @@ class ServeEngine {
   // Computes one piece of s's prompt; the tokens computed in a piece sized by piece_tokens() (0
   // for a step that is not: a document found in the store, the method's start()).
   int64_t prefill_step(Sequence& s);
-  // The tokens of the next piece of work whose last piece computed `last_tokens` in `last_ms` (0:
-  // none yet), under ServeOptions::piece_ms and prefill_chunk.
-  int64_t piece_tokens(int64_t last_tokens, double last_ms) const;
+  // A piece of work's last whole piece (the tokens it was asked for, all computed) and its time,
+  // which sizes the next; a piece cut short (a document's tail) does not.
+  struct PieceRate {
+    int64_t tokens = 0;  // 0: none yet
+    double ms = 0;
+    void record(int64_t asked, int64_t computed, double took_ms) {
+      if (computed > 0 && computed == asked) tokens = computed, ms = took_ms;
+    }
+  };
+  // The tokens of the next piece of work whose last whole piece was `last`, under
+  // ServeOptions::piece_ms and prefill_chunk.
+  int64_t piece_tokens(const PieceRate& last) const;
   // A piece took `ms`: the decoding steps are owed ms / prefill_share before the next (scheduler thread).
   void owe_decoding(double ms);
   // Whether a piece of a prompt or upload under way may run now (scheduler thread, mutex held).

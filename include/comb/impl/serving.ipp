@@ -91,8 +91,7 @@ struct ServeEngine::Sequence {
   size_t docs_warmed = 0;
   int64_t warm_computed = 0;   // document tokens computed by warming, before start()
   std::unique_ptr<DocumentWork> document_work;  // the document being computed, a piece per turn
-  int64_t piece_tokens = 0;    // its last whole piece's tokens and time, for sizing the next (0: none yet)
-  double piece_ms = 0;
+  PieceRate rate;              // its last whole piece, for sizing the next
   int64_t piece_asked = 0;     // the tokens its last piece was asked for
   bool started = false;        // it has computed tokens in a piece (a prompt under way)
   std::unique_ptr<PicPrefill> prefill;
@@ -299,12 +298,11 @@ COMB_INLINE bool ServeEngine::warm_document(const std::vector<int32_t>& tokens, 
   std::unique_ptr<DocumentWork> work;
   run([&] { work = engine(method).begin_document(tokens, tenant); });
   if (!work) return false;
-  int64_t last_tokens = 0;
-  double last_ms = 0;
+  PieceRate rate;
   for (bool complete = false; !complete;)
     run_job(
         [&] {
-          const int64_t before = work->done, asked = piece_tokens(last_tokens, last_ms);
+          const int64_t before = work->done, asked = piece_tokens(rate);
           const auto t0 = std::chrono::steady_clock::now();
           try {
             complete = engine(method).continue_document(*work, asked);
@@ -313,7 +311,7 @@ COMB_INLINE bool ServeEngine::warm_document(const std::vector<int32_t>& tokens, 
             throw;
           }
           const double ms = seconds_since(t0) * 1e3;
-          if (work->done - before == asked) last_tokens = asked, last_ms = ms;  // a whole piece sizes the next
+          rate.record(asked, work->done - before, ms);
           owe_decoding(ms);
         },
         /*piece=*/true);
@@ -381,15 +379,14 @@ COMB_INLINE void ServeEngine::loop() {
       }
       // Other jobs run now; at most one piece of work under way (an upload's piece here, else a
       // prompt's below) per turn, and only when the decoding steps are not owed time.
-      bool piece_taken = !may_continue();
+      const bool may = may_continue();
       std::deque<Job> kept;
       for (auto& j : jobs_) {
-        if (j.piece && piece_taken) {
+        if (j.piece && (!may || continued)) {
           kept.push_back(std::move(j));
           continue;
         }
-        piece_taken = piece_taken || j.piece;
-        if (j.piece) continued = true;
+        continued = continued || j.piece;
         jobs.push_back(std::move(j.run));
       }
       jobs_.swap(kept);
@@ -455,8 +452,7 @@ COMB_INLINE void ServeEngine::loop() {
           const auto t1 = Sequence::clock::now();
           tokens = prefill_step(*first);
           if (tokens > 0) first->started = true;
-          if (tokens > 0 && tokens == first->piece_asked)  // a whole piece sizes the next
-            first->piece_tokens = tokens, first->piece_ms = seconds_since(t1) * 1e3;
+          first->rate.record(first->piece_asked, tokens, seconds_since(t1) * 1e3);
         }
       } catch (const std::exception& e) {
         finish(*first, "error", e.what());
@@ -503,14 +499,14 @@ COMB_INLINE void ServeEngine::loop() {
   }
 }
 
-COMB_INLINE int64_t ServeEngine::piece_tokens(int64_t last_tokens, double last_ms) const {
+COMB_INLINE int64_t ServeEngine::piece_tokens(const PieceRate& last) const {
   const int64_t most = options_.prefill_chunk, least = std::min<int64_t>(most, 16);
   if (options_.piece_ms <= 0) return most;
-  if (last_tokens <= 0 || last_ms <= 0) return std::min<int64_t>(most, 64);  // a first piece
+  if (last.tokens <= 0 || last.ms <= 0) return std::min<int64_t>(most, 64);  // a first piece
   // A piece's time is about a fixed part (a read of every weight) plus a part per token that grows
   // with its position: scaled from the last piece, at most doubled or halved at once.
-  const double scaled = static_cast<double>(last_tokens) * options_.piece_ms / last_ms;
-  const double n = std::clamp(scaled, last_tokens / 2.0, last_tokens * 2.0);
+  const double scaled = static_cast<double>(last.tokens) * options_.piece_ms / last.ms;
+  const double n = std::clamp(scaled, last.tokens / 2.0, last.tokens * 2.0);
   return std::clamp<int64_t>(static_cast<int64_t>(n), least, most);
 }
 
@@ -549,7 +545,7 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
       if (!s.document_work) s.document_work = e.begin_document(d, tenant);
       if (s.document_work) {
         const int64_t before = s.document_work->done;
-        s.piece_asked = piece_tokens(s.piece_tokens, s.piece_ms);
+        s.piece_asked = piece_tokens(s.rate);
         const bool complete = e.continue_document(*s.document_work, s.piece_asked);
         computed = s.document_work->done - before;
         if (!complete) return computed;
@@ -570,7 +566,7 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
     if (!s.prefill->done()) return 0;
   } else {
     const int64_t before = s.prefill->cache.length();
-    s.piece_asked = piece_tokens(s.piece_tokens, s.piece_ms);
+    s.piece_asked = piece_tokens(s.rate);
     const bool complete = e.advance(*s.prefill, s.piece_asked);
     computed = s.prefill->cache.length() - before;
     if (!complete) return computed;
