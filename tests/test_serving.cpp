@@ -58,7 +58,7 @@ std::vector<ServeResult> run_all(ServeEngine& engine, std::vector<ServeRequest> 
   for (auto& r : requests) {
     waiters.push_back(std::make_unique<Waiter>());
     Waiter* w = waiters.back().get();
-    r.on_text = [w](const std::string& piece) { w->streamed += piece; };
+    r.on_text = [w](const std::string& piece, const std::vector<comb::TokenLogprob>&) { w->streamed += piece; };
     r.on_done = [w](const ServeResult& result) { w->done.set_value(result); };
     engine.submit(std::move(r));
     if (!together) out.push_back(w->done.get_future().get());
@@ -120,6 +120,52 @@ TEST_CASE("serving: a request's greedy answer is PicEngine::generate's", "[servi
     INFO(method_name(method) << ": served '" << served[0].text << "', direct '" << direct.text << "'");
     CHECK(served[0].tokens == direct.tokens);
   }
+}
+
+TEST_CASE("serving: logprobs are the decoder's log-softmax at each generated token", "[serving]") {
+  const Model& m = model_with_plugin();
+  ServeEngine engine(m, {});
+  ServeRequest r = make(m, 3, Method::full, 6);  // a chat prompt without documents
+  r.ignore_eos = true;
+  r.logprobs = true;
+  r.top_logprobs = 3;
+  std::vector<TokenLogprob> streamed;
+  std::promise<ServeResult> done;
+  const std::vector<int32_t> prompt = r.prompt.suffix;
+  r.on_text = [&](const std::string&, const std::vector<TokenLogprob>& lps) {
+    streamed.insert(streamed.end(), lps.begin(), lps.end());
+  };
+  r.on_done = [&](const ServeResult& result) { done.set_value(result); };
+  engine.submit(std::move(r));
+  const ServeResult got = done.get_future().get();
+  REQUIRE(got.tokens.size() == 6);
+  REQUIRE(got.logprobs.size() == got.tokens.size());
+  REQUIRE(streamed.size() == got.logprobs.size());  // every entry streamed once, in order
+  // The same numbers from one forward over the prompt and the generated tokens.
+  std::vector<int64_t> ids(prompt.begin(), prompt.end());
+  ids.insert(ids.end(), got.tokens.begin(), got.tokens.end() - 1);
+  const Decoder& dec = m.decoder();
+  KVCache cache = dec.make_cache(1, static_cast<int64_t>(ids.size()));
+  at::Tensor all = dec.forward(at::tensor(ids, at::kLong).unsqueeze(0), cache, LogitsMode::all)[0];
+  at::Tensor lp = at::log_softmax(all.narrow(0, static_cast<int64_t>(prompt.size()) - 1, 6), -1);
+  for (size_t i = 0; i < got.tokens.size(); ++i) {
+    INFO("token " << i);
+    const TokenLogprob& e = got.logprobs[i];
+    CHECK(e.token == got.tokens[i]);
+    CHECK(streamed[i].token == e.token);
+    CHECK(streamed[i].logprob == e.logprob);
+    CHECK(e.logprob == Approx(lp[static_cast<int64_t>(i)][e.token].item<float>()).margin(1e-3));
+    REQUIRE(e.top.size() == 3);
+    CHECK(e.top[0].first == e.token);  // greedy: the most likely token
+    CHECK(e.top[0].second >= e.top[1].second);
+    CHECK(e.top[1].second >= e.top[2].second);
+    at::Tensor best = std::get<1>(lp[static_cast<int64_t>(i)].topk(3));
+    for (int64_t k = 0; k < 3; ++k) CHECK(e.top[static_cast<size_t>(k)].first == best[k].item<int64_t>());
+    CHECK(e.logprob <= 0);
+  }
+  // Without logprobs asked, none are kept.
+  ServeRequest plain = make(m, 3, Method::full, 3);
+  CHECK(run_all(engine, {plain}, false)[0].logprobs.empty());
 }
 
 TEST_CASE("serving: joint layouts answer as PicEngine::generate, with float32 and int8 document caches",
@@ -200,7 +246,7 @@ TEST_CASE("serving: a long document is computed in pieces, and other requests an
   std::atomic<int> slow_pieces{0};
   std::atomic<bool> quick_done_first{false};
   Waiter a, b;
-  slow.on_text = [&](const std::string&) { ++slow_pieces; };
+  slow.on_text = [&](const std::string&, const std::vector<comb::TokenLogprob>&) { ++slow_pieces; };
   slow.on_done = [&](const ServeResult& r) { a.done.set_value(r); };
   quick.on_done = [&](const ServeResult& r) {
     quick_done_first = slow_pieces == 0;
@@ -228,7 +274,7 @@ TEST_CASE("serving: cancellation frees blocks, overload is refused, stop strings
   std::promise<ServeResult> long_done;
   std::atomic<int> pieces{0};
   ServeRequest r = make(m, 0, Method::full, 200);
-  r.on_text = [&](const std::string&) { ++pieces; };
+  r.on_text = [&](const std::string&, const std::vector<comb::TokenLogprob>&) { ++pieces; };
   r.on_done = [&](const ServeResult& res) { long_done.set_value(res); };
   auto id = engine.submit(std::move(r));
   while (pieces.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));

@@ -70,8 +70,9 @@ class Model {
   // Token ids of one user message through the chat template, ready for generation.
   std::vector<int32_t> chat_prompt(const std::string& user_message) const;
   // A conversation through the chat template, every message's content read as data (control
-  // tokens written in it stay text, as in a server's requests).
-  std::vector<int32_t> chat_prompt(const std::vector<ChatMessage>& messages) const;
+  // tokens written in it stay text, as in a server's requests); the assistant's turn opened at the
+  // end when `add_generation_prompt`.
+  std::vector<int32_t> chat_prompt(const std::vector<ChatMessage>& messages, bool add_generation_prompt = true) const;
 
   // The plug-in, or nullptr. A plug-in must have been built for this base decoder.
   const Plugin* plugin() const { return plugin_.get(); }

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <random>
+#include <utility>
+#include <vector>
 
 namespace comb {
 
@@ -24,5 +26,16 @@ class Sampler {
   SamplingOptions options_;
   std::mt19937_64 rng_;
 };
+
+// A generated token's log-probability under the model (the log-softmax of the raw logits, before
+// temperature and top-p, as OpenAI and vLLM report it) and the `top` most likely tokens with
+// theirs, most likely first (ties: the lower id first).
+struct TokenLogprob {
+  int32_t token = -1;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;
+};
+// logits [n_vocab] (any device, any float type); top: 0 to n_vocab.
+TokenLogprob token_logprob(const at::Tensor& logits, int32_t token, int64_t top);
 
 }  // namespace comb

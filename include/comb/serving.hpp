@@ -86,6 +86,7 @@ struct ServeResult {
   std::string text;             // their text, a stop string and what follows it cut
   std::string finish_reason;    // "stop", "length", "cancelled" or "error"
   std::string error;            // with "error": what went wrong
+  std::vector<TokenLogprob> logprobs;  // per token of `tokens`, when the request asked for them
   Method method = Method::full;
   int64_t prompt_tokens = 0;    // every prompt token, documents included
   int64_t cached_tokens = 0;    // of them, K/V read from a cache (documents, prefix blocks)
@@ -100,9 +101,16 @@ struct ServeRequest {
   SamplingOptions sampling;
   std::vector<std::string> stop;  // stop strings (not part of the text)
   bool ignore_eos = false;        // go on past end-of-sequence and end-of-turn tokens (benchmarks)
+  // Each generated token's log-probability (ServeResult::logprobs), and with top_logprobs > 0
+  // that many most likely tokens at each step (at most kMaxTopLogprobs).
+  bool logprobs = false;
+  int64_t top_logprobs = 0;
+  static constexpr int64_t kMaxTopLogprobs = 20;
   // Called on the engine's thread, in order: each piece of text once no stop string can take it
-  // back, then the result. Keep them short (hand the piece to another thread).
-  std::function<void(const std::string& piece)> on_text;
+  // back, with the log-probabilities of the tokens generated since the previous piece (empty
+  // unless `logprobs`; a piece may be empty when its tokens' text is held back), then the result.
+  // Keep them short (hand the piece to another thread).
+  std::function<void(const std::string& piece, const std::vector<TokenLogprob>& logprobs)> on_text;
   std::function<void(const ServeResult& result)> on_done;
 };
 
@@ -182,7 +190,8 @@ class ServeEngine {
   bool may_continue() const;
   void run_job(const std::function<void()>& job, bool piece);
   void decode_step();
-  bool emit(Sequence& s, int32_t token);
+  bool emit(Sequence& s, const at::Tensor& logits);
+  void hand_out(Sequence& s, size_t upto);
   void finish(Sequence& s, const std::string& reason, const std::string& error = "");
   // Store pins counted per document across requests (the store's own pin is on or off).
   void pin(Sequence& s, const CacheKey& key);

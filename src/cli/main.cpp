@@ -210,7 +210,9 @@ serve options (with the model options above; docs/serving.md):
   --host ADDR            address to listen on (default 127.0.0.1)
   --port N               port (default 8000; 0: any free port, see --port-file)
   --port-file FILE       write the port listened on into FILE once listening
-  --served-model-name S  the model's name in the API (default: the model file's name without extension)
+  --served-model-name S[,ALIAS...]  the model's name in the API, then other names requests may use
+                         (listed by /v1/models; answers carry the first) (default: the model file's
+                         name without extension)
   --method M             the default caching method, a request's "method" overrides it: comb (default
                          with a plug-in), naive (default without), epic, cacheblend, prefix, full
   --max-running N        requests decoding together, one batched step (default 16)

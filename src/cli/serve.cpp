@@ -34,12 +34,56 @@ using serve::ApiError;
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 // What the engine's thread hands one request's HTTP handler.
+struct Piece {
+  std::string text;
+  std::vector<TokenLogprob> logprobs;
+};
+
 struct Channel {
   std::mutex mutex;
   std::condition_variable cv;
-  std::deque<std::string> pieces;
+  std::deque<Piece> pieces;
   std::optional<ServeResult> result;
 };
+
+json bytes_json(const std::string& b) {
+  json a = json::array();
+  for (unsigned char c : b) a.push_back(static_cast<int>(c));
+  return a;
+}
+
+// OpenAI's chat form: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": null}.
+json chat_logprobs(const Tokenizer& tok, const std::vector<TokenLogprob>& lps) {
+  json content = json::array();
+  for (const auto& lp : lps) {
+    const std::string b = tok.token_bytes(lp.token);
+    json top = json::array();
+    for (const auto& [id, v] : lp.top) {
+      const std::string tb = tok.token_bytes(id);
+      top.push_back({{"token", tb}, {"logprob", v}, {"bytes", bytes_json(tb)}});
+    }
+    content.push_back({{"token", b}, {"logprob", lp.logprob}, {"bytes", bytes_json(b)}, {"top_logprobs", top}});
+  }
+  return {{"content", content}, {"refusal", nullptr}};
+}
+
+// The completions form: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"};
+// `offset`: the completion's bytes before these tokens (advanced past them).
+json completion_logprobs(const Tokenizer& tok, const std::vector<TokenLogprob>& lps, int64_t& offset, bool with_top) {
+  json tokens = json::array(), values = json::array(), tops = json::array(), offsets = json::array();
+  for (const auto& lp : lps) {
+    const std::string b = tok.token_bytes(lp.token);
+    tokens.push_back(b);
+    values.push_back(lp.logprob);
+    offsets.push_back(offset);
+    offset += static_cast<int64_t>(b.size());
+    json top = json::object();
+    for (const auto& [id, v] : lp.top) top[tok.token_bytes(id)] = v;
+    tops.push_back(top);
+  }
+  return {{"tokens", tokens}, {"token_logprobs", values}, {"top_logprobs", with_top ? tops : json(nullptr)},
+          {"text_offset", offsets}};
+}
 
 struct StoredDocument {
   std::string id, title, salt;
@@ -167,9 +211,9 @@ void histogram_text(std::string& out, const std::string& name, const char* help,
 
 class Api {
  public:
-  Api(const Model& model, ServeEngine& engine, std::string name, serve::Limits limits, int64_t default_max_tokens,
-      bool log_requests, const std::string& cache_dir)
-      : model_(model), engine_(engine), name_(std::move(name)), limits_(limits),
+  Api(const Model& model, ServeEngine& engine, std::vector<std::string> names, serve::Limits limits,
+      int64_t default_max_tokens, bool log_requests, const std::string& cache_dir)
+      : model_(model), engine_(engine), names_(std::move(names)), name_(names_.at(0)), limits_(limits),
         default_max_tokens_(default_max_tokens), log_(log_requests), started_(std::time(nullptr)),
         registry_(cache_dir) {
     registry_.load(docs_, model.config().n_vocab, model.config().n_ctx, kMaxUploads);
@@ -209,9 +253,17 @@ class Api {
       }
     });
     http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-      json m = {{"id", name_}, {"object", "model"}, {"created", started_}, {"owned_by", "comb"},
-                {"max_model_len", model_.config().n_ctx}};
-      res.set_content(dump({{"object", "list"}, {"data", json::array({m})}}), "application/json");
+      json data = json::array();
+      for (const auto& n : names_)  // the served name first, then its aliases
+        data.push_back({{"id", n}, {"object", "model"}, {"created", started_}, {"owned_by", "comb"},
+                        {"root", names_[0]}, {"max_model_len", model_.config().n_ctx}});
+      res.set_content(dump({{"object", "list"}, {"data", data}}), "application/json");
+    });
+    http.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+      guarded(res, [&] { tokenize(req, res); });
+    });
+    http.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+      guarded(res, [&] { detokenize(req, res); });
     });
     http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
       res.set_content(metrics(), "text/plain; version=0.0.4");
@@ -280,7 +332,7 @@ class Api {
     });
     http.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
       static const char* known[] = {"/health", "/v1/models", "/metrics", "/v1/chat/completions", "/v1/completions",
-                                    "/v1/documents"};
+                                    "/v1/documents", "/tokenize", "/detokenize"};
       std::string route = "other";
       for (const char* k : known)
         if (req.path == k) route = k;
@@ -374,11 +426,52 @@ class Api {
     res.set_content(dump(j), "application/json");
   }
 
+  // A request's 'model': the served name or one of its aliases (--served-model-name).
+  void check_model(const std::string& model) const {
+    if (std::find(names_.begin(), names_.end(), model) == names_.end())
+      throw ApiError(404, fmt::format("the model '{}' does not exist; this server serves '{}'", model.substr(0, 200),
+                                      fmt::join(names_, "', '")), "model", "model_not_found");
+  }
+
+  // Token ids of a prompt (as /v1/completions reads it) or of a chat (as /v1/chat/completions).
+  void tokenize(const httplib::Request& req, httplib::Response& res) {
+    const serve::TokenizeRequest t = serve::parse_tokenize_request(req.body, limits_);
+    if (!t.model.empty()) check_model(t.model);
+    const Tokenizer& tok = model_.tokenizer();
+    std::vector<int32_t> ids;
+    if (t.chat) {
+      ids = model_.chat_prompt(t.messages, t.add_generation_prompt);
+    } else {
+      ids = tok.encode(t.prompt);
+      if (t.add_special && tok.add_bos() && tok.bos_id() && (ids.empty() || ids[0] != *tok.bos_id()))
+        ids.insert(ids.begin(), *tok.bos_id());
+    }
+    json j = {{"count", ids.size()}, {"max_model_len", model_.config().n_ctx}, {"tokens", ids}};
+    if (t.return_token_strs) {
+      json strs = json::array();
+      for (int32_t id : ids) strs.push_back(tok.token_bytes(id));
+      j["token_strs"] = strs;
+    }
+    res.set_content(dump(j), "application/json");
+  }
+
+  void detokenize(const httplib::Request& req, httplib::Response& res) {
+    const serve::DetokenizeRequest d = serve::parse_detokenize_request(req.body, limits_);
+    if (!d.model.empty()) check_model(d.model);
+    const Tokenizer& tok = model_.tokenizer();
+    std::vector<int32_t> ids;
+    for (size_t i = 0; i < d.tokens.size(); ++i) {
+      if (d.tokens[i] >= tok.n_vocab())
+        throw ApiError(400, fmt::format("tokens[{}]: token id {} is outside the vocabulary of {}", i, d.tokens[i],
+                                        tok.n_vocab()), fmt::format("tokens[{}]", i));
+      ids.push_back(static_cast<int32_t>(d.tokens[i]));
+    }
+    res.set_content(dump({{"prompt", tok.decode(ids)}}), "application/json");
+  }
+
   ServeRequest build(const serve::CompletionRequest& c, Method method) {
     const Tokenizer& tok = model_.tokenizer();
-    if (c.model != name_)
-      throw ApiError(404, fmt::format("the model '{}' does not exist; this server serves '{}'", c.model.substr(0, 200), name_),
-                     "model", "model_not_found");
+    check_model(c.model);
     ServeRequest r;
     r.method = method;
     r.prompt.tenant = c.cache_salt;
@@ -454,6 +547,8 @@ class Api {
     r.sampling.seed = c.seed ? *c.seed : std::random_device{}();
     r.stop = c.stop;
     r.ignore_eos = c.ignore_eos;
+    r.logprobs = c.logprobs;
+    r.top_logprobs = c.top_logprobs;
     return r;
   }
 
@@ -464,9 +559,9 @@ class Api {
     ServeRequest r = build(c, method);
     auto ch = std::make_shared<Channel>();
     if (c.stream)
-      r.on_text = [ch](const std::string& piece) {
+      r.on_text = [ch](const std::string& piece, const std::vector<TokenLogprob>& logprobs) {
         std::lock_guard<std::mutex> lock(ch->mutex);
-        ch->pieces.push_back(piece);
+        ch->pieces.push_back({piece, logprobs});
         ch->cv.notify_all();
       };
     const std::string path = req.path;
@@ -488,7 +583,9 @@ class Api {
     const ServeEngine::Id id = engine_.submit(std::move(r));
     const std::string rid = fmt::format("{}-{:x}{:06x}", chat ? "chatcmpl" : "cmpl", started_, id);
     const int64_t created = std::time(nullptr);
-    const bool stream = c.stream, usage_chunk = c.include_usage;
+    const bool stream = c.stream, usage_chunk = c.include_usage, logprobs = c.logprobs,
+               top = !chat && c.top_logprobs > 0;
+    const Tokenizer* tok = &model_.tokenizer();  // the lambdas below outlive this call, not the model
     auto head = [=, this]() {
       return json{{"id", rid}, {"object", chat ? (stream ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
                   {"created", created}, {"model", name_}};
@@ -507,7 +604,7 @@ class Api {
     auto cancel = [this, id] { engine_.cancel(id); };
     // Waits for the engine; between events, a probe (an SSE comment, or white space before the
     // JSON) finds a client that went away, and its request is cancelled.
-    auto wait = [ch](std::deque<std::string>& pieces, std::optional<ServeResult>& result) {
+    auto wait = [ch](std::deque<Piece>& pieces, std::optional<ServeResult>& result) {
       std::unique_lock<std::mutex> lock(ch->mutex);
       ch->cv.wait_for(lock, std::chrono::milliseconds(500), [&] { return !ch->pieces.empty() || ch->result; });
       pieces.swap(ch->pieces);
@@ -523,9 +620,13 @@ class Api {
               const std::string line = "data: " + dump(j) + "\n\n";
               return sink.write(line.data(), line.size());
             };
-            auto choice = [&](const json& delta_or_text, json reason) {
+            auto choice = [&](const json& delta_or_text, json reason, const std::vector<TokenLogprob>* lps = nullptr) {
               json ch2 = chat ? json{{"index", 0}, {"delta", delta_or_text}, {"finish_reason", reason}}
                               : json{{"index", 0}, {"text", delta_or_text}, {"finish_reason", reason}, {"logprobs", nullptr}};
+              if (logprobs && lps)
+                ch2["logprobs"] = chat ? chat_logprobs(*tok, *lps) : completion_logprobs(*tok, *lps, *offset, top);
+              else if (chat)
+                ch2["logprobs"] = nullptr;
               json j = head();
               j["choices"] = json::array({ch2});
               return j;
@@ -534,7 +635,7 @@ class Api {
               *started = true;
               if (chat && !send(choice(json{{"role", "assistant"}, {"content", ""}}, nullptr))) return cancel(), false;
             }
-            std::deque<std::string> pieces;
+            std::deque<Piece> pieces;
             std::optional<ServeResult> result;
             if (!wait(pieces, result)) {
               static const char probe[] = ": waiting\n\n";
@@ -542,7 +643,7 @@ class Api {
               return true;
             }
             for (const auto& p : pieces)
-              if (!send(choice(chat ? json{{"content", p}} : json(p), nullptr))) return cancel(), false;
+              if (!send(choice(chat ? json{{"content", p.text}} : json(p.text), nullptr, &p.logprobs))) return cancel(), false;
             if (!result) return true;
             if (result->finish_reason == "error") {
               send({{"error", {{"message", result->error}, {"type", "internal_error"}}}});
@@ -569,7 +670,7 @@ class Api {
       res.set_chunked_content_provider(
           "application/json",
           [=](size_t, httplib::DataSink& sink) {
-            std::deque<std::string> pieces;
+            std::deque<Piece> pieces;
             std::optional<ServeResult> result;
             wait(pieces, result);
             if (!result) {
@@ -584,8 +685,11 @@ class Api {
               json choice = chat ? json{{"index", 0},
                                         {"message", {{"role", "assistant"}, {"content", result->text}}},
                                         {"finish_reason", finish_reason(*result)}}
-                                 : json{{"index", 0}, {"text", result->text}, {"finish_reason", finish_reason(*result)},
-                                        {"logprobs", nullptr}};
+                                 : json{{"index", 0}, {"text", result->text}, {"finish_reason", finish_reason(*result)}};
+              int64_t offset = 0;
+              choice["logprobs"] = !logprobs ? json(nullptr)
+                                   : chat    ? chat_logprobs(*tok, result->logprobs)
+                                             : completion_logprobs(*tok, result->logprobs, offset, top);
               body["choices"] = json::array({choice});
               body["usage"] = usage(*result);
               body["comb"] = extra(*result);
@@ -681,6 +785,7 @@ class Api {
   static constexpr int64_t kMaxUploads = 100000;  // entries of the document registry
   const Model& model_;
   ServeEngine& engine_;
+  std::vector<std::string> names_;  // the served name, then its aliases
   std::string name_;
   serve::Limits limits_;
   int64_t default_max_tokens_;
@@ -745,8 +850,17 @@ int cmd_serve(Args& args) {
              limits.max_request_document_tokens);
   const int64_t drain_s = args.num<int64_t>("drain-timeout", 30);
   const bool log_requests = args.num<int>("log-requests", 1) != 0;
-  std::string name = args.str("served-model-name");
-  if (name.empty()) name = std::filesystem::path(args.has("model") ? args.peek_all("model").back() : default_model()).stem().string();
+  // --served-model-name NAME[,ALIAS...] (or repeated): requests may name any; answers carry the first.
+  std::vector<std::string> names;
+  if (args.has("served-model-name"))
+    for (const auto& v : args.all("served-model-name"))
+      for (auto& n : split_list(v)) {
+        COMB_CHECK(!n.empty() && n.size() <= 256, "--served-model-name: a name should have 1 to 256 bytes, found '{}'", n);
+        if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
+      }
+  if (names.empty())
+    names.push_back(std::filesystem::path(args.has("model") ? args.peek_all("model").back() : default_model()).stem().string());
+  const std::string name = names[0];
   const int64_t default_max_tokens = args.num<int64_t>("default-max-tokens", 256);
   const std::string port_file = args.str("port-file");
   ConnectionLimits connection_limits;

@@ -105,6 +105,33 @@ std::string content_text(const json& v, const std::string& param, int64_t max_by
   return out;
 }
 
+// OpenAI's 'messages': a list of {"role", "content"} (roles system, developer, user, assistant).
+std::vector<ChatMessage> parse_messages(const json& m, const Limits& limits) {
+  std::vector<ChatMessage> out;
+  expect(m.is_array(), "messages", fmt::format("'messages' should be a list, found {}", type_name(m)));
+  expect(!m.empty(), "messages", "'messages' is empty");
+  expect(static_cast<int64_t>(m.size()) <= limits.max_messages, "messages",
+         fmt::format("'messages' has {} entries; at most {} are taken", m.size(), limits.max_messages));
+  int64_t bytes = 0;
+  for (size_t i = 0; i < m.size(); ++i) {
+    const std::string p = fmt::format("messages[{}]", i);
+    expect(m[i].is_object(), p, fmt::format("'{}' should be an object, found {}", p, type_name(m[i])));
+    expect(m[i].contains("role"), p + ".role", fmt::format("'{}' has no 'role'", p));
+    std::string role = string_field(m[i]["role"], p + ".role", 64);
+    if (role == "developer") role = "system";
+    expect(role == "system" || role == "user" || role == "assistant", p + ".role",
+           fmt::format("'{}.role' should be system, user or assistant, found '{}'", p, role));
+    expect(m[i].contains("content") && !m[i]["content"].is_null(), p + ".content",
+           fmt::format("'{}' has no 'content'", p));
+    std::string content = content_text(m[i]["content"], p + ".content", limits.max_prompt_bytes);
+    bytes += static_cast<int64_t>(content.size());
+    expect(bytes <= limits.max_prompt_bytes, "messages",
+           fmt::format("the messages have more than {} bytes", limits.max_prompt_bytes));
+    out.push_back({role, std::move(content)});
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string ApiError::default_type(int status) {
@@ -150,28 +177,7 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
   r.model = string_field(j["model"], "model", 512);
   if (chat) {
     expect(j.contains("messages"), "messages", "'messages' is required");
-    const json& m = j["messages"];
-    expect(m.is_array(), "messages", fmt::format("'messages' should be a list, found {}", type_name(m)));
-    expect(!m.empty(), "messages", "'messages' is empty");
-    expect(static_cast<int64_t>(m.size()) <= limits.max_messages, "messages",
-           fmt::format("'messages' has {} entries; at most {} are taken", m.size(), limits.max_messages));
-    int64_t bytes = 0;
-    for (size_t i = 0; i < m.size(); ++i) {
-      const std::string p = fmt::format("messages[{}]", i);
-      expect(m[i].is_object(), p, fmt::format("'{}' should be an object, found {}", p, type_name(m[i])));
-      expect(m[i].contains("role"), p + ".role", fmt::format("'{}' has no 'role'", p));
-      std::string role = string_field(m[i]["role"], p + ".role", 64);
-      if (role == "developer") role = "system";
-      expect(role == "system" || role == "user" || role == "assistant", p + ".role",
-             fmt::format("'{}.role' should be system, user or assistant, found '{}'", p, role));
-      expect(m[i].contains("content") && !m[i]["content"].is_null(), p + ".content",
-             fmt::format("'{}' has no 'content'", p));
-      std::string content = content_text(m[i]["content"], p + ".content", limits.max_prompt_bytes);
-      bytes += static_cast<int64_t>(content.size());
-      expect(bytes <= limits.max_prompt_bytes, "messages",
-             fmt::format("the messages have more than {} bytes", limits.max_prompt_bytes));
-      r.messages.push_back({role, std::move(content)});
-    }
+    r.messages = parse_messages(j["messages"], limits);
   } else {
     expect(j.contains("prompt"), "prompt", "'prompt' is required");
     const json& p = j["prompt"];
@@ -225,13 +231,20 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
   if (j.contains("best_of") && !j["best_of"].is_null())
     expect(integer_field(j["best_of"], "best_of", 1, 128) == 1, "best_of", "'best_of' above 1 is not supported");
   if (j.contains("logprobs") && !j["logprobs"].is_null()) {
-    // chat: true/false; completions: how many (0 to 5)
+    // chat: true/false (with top_logprobs for alternatives); completions: how many alternatives
     const json& l = j["logprobs"];
-    if (chat) expect(!bool_field(l, "logprobs"), "logprobs", "'logprobs' is not supported");
-    else expect(integer_field(l, "logprobs", 0, 5) == 0, "logprobs", "'logprobs' is not supported");
+    if (chat) {
+      r.logprobs = bool_field(l, "logprobs");
+    } else {
+      r.top_logprobs = integer_field(l, "logprobs", 0, kMaxTopLogprobs);
+      r.logprobs = true;
+    }
   }
-  if (j.contains("top_logprobs") && !j["top_logprobs"].is_null())
-    expect(integer_field(j["top_logprobs"], "top_logprobs", 0, 20) == 0, "top_logprobs", "'top_logprobs' is not supported");
+  if (j.contains("top_logprobs") && !j["top_logprobs"].is_null()) {
+    expect(chat, "top_logprobs", "'top_logprobs' is a chat field; completions take 'logprobs': N");
+    r.top_logprobs = integer_field(j["top_logprobs"], "top_logprobs", 0, kMaxTopLogprobs);
+    expect(r.logprobs || r.top_logprobs == 0, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+  }
   for (const char* key : {"frequency_penalty", "presence_penalty"})
     if (j.contains(key) && !j[key].is_null())
       expect(number_field(j[key], key, -2, 2) == 0, key, fmt::format("'{}' other than 0 is not supported", key));
@@ -307,6 +320,51 @@ DocumentUpload parse_document_upload(const std::string& body, const Limits& limi
            fmt::format("'method' should be full, prefix, naive, cacheblend, epic or comb, found '{}'", d.method));
   }
   return d;
+}
+
+TokenizeRequest parse_tokenize_request(const std::string& body, const Limits& limits) {
+  json j = parse_object(body);
+  refuse_unknown_fields(j, {"model", "prompt", "content", "messages", "add_special_tokens", "add_special",
+                            "add_generation_prompt", "return_token_strs"});
+  TokenizeRequest r;
+  if (j.contains("model") && !j["model"].is_null()) r.model = string_field(j["model"], "model", 512);
+  int given = 0;
+  for (const char* key : {"prompt", "content"})
+    if (j.contains(key) && !j[key].is_null()) {
+      r.prompt = string_field(j[key], key, limits.max_prompt_bytes);
+      ++given;
+    }
+  if (j.contains("messages") && !j["messages"].is_null()) {
+    r.messages = parse_messages(j["messages"], limits);
+    r.chat = true;
+    ++given;
+  }
+  expect(given == 1, "prompt", given == 0 ? "'prompt' (text) or 'messages' (a chat) is required"
+                                           : "give one of 'prompt', 'content' and 'messages'");
+  for (const char* key : {"add_special_tokens", "add_special"})
+    if (j.contains(key) && !j[key].is_null()) r.add_special = bool_field(j[key], key);
+  if (j.contains("add_generation_prompt") && !j["add_generation_prompt"].is_null()) {
+    expect(r.chat, "add_generation_prompt", "'add_generation_prompt' goes with 'messages'");
+    r.add_generation_prompt = bool_field(j["add_generation_prompt"], "add_generation_prompt");
+  }
+  if (j.contains("return_token_strs") && !j["return_token_strs"].is_null())
+    r.return_token_strs = bool_field(j["return_token_strs"], "return_token_strs");
+  return r;
+}
+
+DetokenizeRequest parse_detokenize_request(const std::string& body, const Limits& limits) {
+  json j = parse_object(body);
+  refuse_unknown_fields(j, {"model", "tokens"});
+  DetokenizeRequest r;
+  if (j.contains("model") && !j["model"].is_null()) r.model = string_field(j["model"], "model", 512);
+  expect(j.contains("tokens"), "tokens", "'tokens' is required");
+  const json& t = j["tokens"];
+  expect(t.is_array(), "tokens", fmt::format("'tokens' should be a list of token ids, found {}", type_name(t)));
+  expect(static_cast<int64_t>(t.size()) <= limits.max_prompt_bytes, "tokens",
+         fmt::format("'tokens' has {} ids; at most {} are taken", t.size(), limits.max_prompt_bytes));
+  for (size_t i = 0; i < t.size(); ++i)
+    r.tokens.push_back(integer_field(t[i], fmt::format("tokens[{}]", i), 0, std::numeric_limits<int32_t>::max()));
+  return r;
 }
 
 void check_request_head(const RequestHead& head, int64_t max_body_bytes, const std::vector<std::string>& allowed_origins) {

@@ -62,11 +62,14 @@ struct CompletionRequest {
   std::string method;                  // "" : the server's default
   std::string cache_salt;
   bool ignore_eos = false;             // go on past end-of-sequence (benchmarks; as vLLM's)
+  bool logprobs = false;               // each token's log-probability (chat: logprobs; completions: logprobs >= 0)
+  int64_t top_logprobs = 0;            // alternatives per token (chat: top_logprobs; completions: logprobs)
 };
+constexpr int64_t kMaxTopLogprobs = 20;
 
 // Parses and checks a request body; throws ApiError (400, naming the field) on anything malformed:
 // not JSON, not an object, a field of the wrong type or out of range, more documents or stop
-// strings than `limits`, options comb does not implement (n > 1, logprobs, tools).
+// strings than `limits`, options comb does not implement (n > 1, tools).
 CompletionRequest parse_completion_request(const std::string& body, bool chat, const Limits& limits);
 
 // A document upload: {"text", "title"?, "cache_salt"?, "method"?}.
@@ -74,6 +77,26 @@ struct DocumentUpload {
   std::string title, text, cache_salt, method;
 };
 DocumentUpload parse_document_upload(const std::string& body, const Limits& limits);
+
+// POST /tokenize: {"prompt"} (or llama.cpp's "content") or {"messages", "add_generation_prompt"?},
+// "add_special_tokens"? (or "add_special"), "return_token_strs"?, "model"?.
+struct TokenizeRequest {
+  std::string model;
+  std::string prompt;
+  std::vector<ChatMessage> messages;
+  bool chat = false;                   // messages, rendered with the chat template
+  bool add_special = true;             // the tokenizer's BOS, where it adds one (prompt)
+  bool add_generation_prompt = true;   // messages: the assistant's turn opened
+  bool return_token_strs = false;
+};
+TokenizeRequest parse_tokenize_request(const std::string& body, const Limits& limits);
+
+// POST /detokenize: {"tokens": [ids], "model"?} (ids checked against the vocabulary later).
+struct DetokenizeRequest {
+  std::string model;
+  std::vector<int64_t> tokens;
+};
+DetokenizeRequest parse_detokenize_request(const std::string& body, const Limits& limits);
 
 // A request's line and headers, checked before its body is read (check_request_head), so that a
 // body the server would refuse is never read nor waited for.

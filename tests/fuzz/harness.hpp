@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -233,6 +234,7 @@ inline int serve_request(const uint8_t* data, size_t size) {
         std::abort();  // the limits it checks
       for (const auto& d : r.documents)
         if (static_cast<int64_t>(d.text.size()) > limits.max_document_bytes) std::abort();
+      if (r.top_logprobs < 0 || r.top_logprobs > serve::kMaxTopLogprobs) std::abort();
     } catch (const serve::ApiError& e) {
       if (e.status < 400 || e.status >= 500) std::abort();
       serve::error_body(e);
@@ -242,6 +244,21 @@ inline int serve_request(const uint8_t* data, size_t size) {
     serve::parse_document_upload(body, limits);
   } catch (const serve::ApiError& e) {
     serve::error_body(e);
+  }
+  try {
+    serve::TokenizeRequest t = serve::parse_tokenize_request(body, limits);
+    if (static_cast<int64_t>(t.prompt.size()) > limits.max_prompt_bytes ||
+        static_cast<int64_t>(t.messages.size()) > limits.max_messages)
+      std::abort();
+  } catch (const serve::ApiError& e) {
+    if (e.status != 400) std::abort();
+  }
+  try {
+    serve::DetokenizeRequest d = serve::parse_detokenize_request(body, limits);
+    for (int64_t id : d.tokens)
+      if (id < 0 || id > std::numeric_limits<int32_t>::max()) std::abort();
+  } catch (const serve::ApiError& e) {
+    if (e.status != 400) std::abort();
   }
   return 0;
 }

@@ -122,7 +122,8 @@ echo "Paris is the capital of France." > "$saved/doc.txt"
 "$comb" generate --model "$tiny" --plugin "$out/plugin/tiny.comb.safetensors" --document "$saved/doc.txt" \
   --raw --prompt "Capital?" --max-tokens 1 --cache-dir "$saved/cache" >/dev/null
 cp "$saved"/cache/*.kv "$out/store_entry/" 2>/dev/null || echo "make_seeds: no store entry written" >&2
-# Request bodies of comb serve: chat, completion (text and token ids), documents inline and by id, uploads.
+# Request bodies of comb serve: chat, completion (text and token ids), documents inline and by id, logprobs,
+# /tokenize and /detokenize, uploads.
 cat > "$out/serve_request/chat.json" <<'JSON'
 {"model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 16, "temperature": 0.7, "top_p": 0.9, "seed": -3, "stop": ["\n", "END"], "stream": true, "stream_options": {"include_usage": true}, "n": 1}
 JSON
@@ -134,6 +135,15 @@ cat > "$out/serve_request/completion.json" <<'JSON'
 JSON
 cat > "$out/serve_request/ids.json" <<'JSON'
 {"model": "m", "prompt": [1, 2, 3, 49151], "documents": [{"text": "x"}], "method": "naive"}
+JSON
+cat > "$out/serve_request/logprobs.json" <<'JSON'
+{"model": "m", "messages": [{"role": "user", "content": "Hi"}], "logprobs": true, "top_logprobs": 5, "max_tokens": 2}
+JSON
+cat > "$out/serve_request/tokenize.json" <<'JSON'
+{"model": "m", "messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": false, "return_token_strs": true}
+JSON
+cat > "$out/serve_request/detokenize.json" <<'JSON'
+{"tokens": [1, 2, 3, 49151]}
 JSON
 cat > "$out/serve_request/upload.json" <<'JSON'
 {"title": "Orchard", "text": "The oldest tree was planted by Anna Lind.", "cache_salt": "t", "method": "epic"}

@@ -22,6 +22,7 @@ import openai
 from openai import OpenAI
 
 COMB = sys.argv[1]
+NAMES = ["comb-test", "gpt-4o-mini", "smol"]  # --served-model-name: the served name, then aliases
 METHODS = ["comb", "full", "prefix", "naive", "epic", "cacheblend"]
 DOCS = [
     {"title": "Harbor", "text": "The harbor of Velmora was rebuilt in 1874 after a storm destroyed the old pier."},
@@ -101,7 +102,7 @@ def chat(s, question, docs=None, method=None, stream=False, salt=None, max_token
 
 def test_api(s):
     models = s.client.models.list()
-    check(len(models.data) == 1 and models.data[0].id == s.model, "GET /v1/models lists the served model")
+    check(models.data[0].id == s.model == NAMES[0], "GET /v1/models lists the served model first")
     text, reason, usage = chat(s, "What is the capital of France?")
     check(bool(text) and reason in ("stop", "length"), f"chat without documents answers: {text!r}")
     check(usage.prompt_tokens > 0 and usage.completion_tokens > 0 and
@@ -208,6 +209,69 @@ def test_concurrency(s):
     check(buckets["+Inf"] - buckets["1"] > 0, f"steps with more than one sequence happened ({buckets})")
 
 
+def test_api_extras(s):
+    """logprobs and top_logprobs, /tokenize and /detokenize, n > 1 refused, the served name's aliases."""
+    names = [m.id for m in s.client.models.list().data]
+    check(names == NAMES, f"GET /v1/models lists the served name, then its aliases ({names})")
+    for alias in NAMES[1:]:
+        r = s.client.chat.completions.create(model=alias, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        check(r.model == NAMES[0] and r.choices[0].message.content is not None,
+              f"a request naming the alias {alias!r} is answered as {r.model!r}")
+    # Chat: each token's log-probability and its 4 most likely alternatives, streamed and not alike.
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    r = s.client.chat.completions.create(model=s.model, messages=q, max_tokens=10, temperature=0, logprobs=True,
+                                         top_logprobs=4)
+    content = r.choices[0].logprobs.content
+    check(len(content) == r.usage.completion_tokens, f"one logprobs entry per token ({len(content)})")
+    check(b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == r.choices[0].message.content,
+          "the entries' bytes spell the answer")
+    check(all(len(e.top_logprobs) == 4 and e.top_logprobs[0].token == e.token and e.logprob <= 0 and
+              abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6 and
+              all(a.logprob >= b.logprob for a, b in zip(e.top_logprobs, e.top_logprobs[1:])) for e in content),
+          "greedy: each token is its step's most likely, alternatives sorted, log-probabilities <= 0")
+    streamed = []
+    for chunk in s.client.chat.completions.create(model=s.model, messages=q, max_tokens=10, temperature=0, logprobs=True,
+                                                  top_logprobs=4, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            streamed += chunk.choices[0].logprobs.content
+    check([(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content],
+          f"streamed logprobs = non-streamed ({len(streamed)} entries)")
+    plain = s.client.chat.completions.create(model=s.model, messages=q, max_tokens=4, temperature=0)
+    check(plain.choices[0].logprobs is None, "no logprobs unless asked")
+    # Completions: OpenAI's older form.
+    c = s.client.completions.create(model=s.model, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                    logprobs=3)
+    lp = c.choices[0].logprobs
+    check(len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == c.usage.completion_tokens
+          and all(len(t) <= 3 and max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+          and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0,
+          f"completions logprobs: tokens, token_logprobs, top_logprobs, text_offset ({lp.tokens})")
+    # /tokenize and /detokenize, checked against what the completions count.
+    t = httpx.post(s.base + "/tokenize", json={"model": s.model, "prompt": "The capital of France is"}).json()
+    c2 = s.client.completions.create(model=s.model, prompt=t["tokens"], max_tokens=6, temperature=0)
+    check(t["count"] == len(t["tokens"]) == c.usage.prompt_tokens and c2.choices[0].text == c.choices[0].text,
+          f"/tokenize gives the prompt's ids ({t['count']}), and completing them answers as the text does")
+    d = httpx.post(s.base + "/detokenize", json={"tokens": t["tokens"]}).json()
+    check(d["prompt"] == "The capital of France is", f"/detokenize gives the text back ({d})")
+    tc = httpx.post(s.base + "/tokenize", json={"messages": q, "return_token_strs": True}).json()
+    check(tc["count"] == r.usage.prompt_tokens and len(tc["token_strs"]) == tc["count"],
+          f"/tokenize of messages counts the chat's prompt tokens ({tc['count']} = {r.usage.prompt_tokens})")
+    tl = httpx.post(s.base + "/tokenize", json={"content": "The capital of France is"}).json()
+    check(tl["tokens"] == t["tokens"], "/tokenize takes llama.cpp's 'content' too")
+    for path, body, what in [("/tokenize", {}, "nothing to tokenize"),
+                             ("/tokenize", {"prompt": "a", "messages": q}, "both prompt and messages"),
+                             ("/tokenize", {"prompt": "a", "model": "nope"}, "unknown model"),
+                             ("/detokenize", {"tokens": [10**9]}, "an id past the vocabulary"),
+                             ("/detokenize", {"tokens": "1 2"}, "tokens a string"),
+                             ("/v1/chat/completions", {"model": s.model, "messages": q, "n": 2}, "n = 2"),
+                             ("/v1/chat/completions", {"model": s.model, "messages": q, "top_logprobs": 2}, "top_logprobs alone"),
+                             ("/v1/chat/completions", {"model": s.model, "messages": q, "logprobs": True,
+                                                       "top_logprobs": 21}, "21 alternatives")]:
+        e = httpx.post(s.base + path, json=body)
+        check(e.status_code in (400, 404) and e.json()["error"]["message"],
+              f"{path} {what}: {e.status_code} {e.json()['error']['message'][:90]!r}")
+
+
 def hostile_requests(model):
     """1,000 bodies and paths, none of them valid."""
     rng = random.Random(5)
@@ -253,6 +317,11 @@ def hostile_requests(model):
         ("DELETE", "/v1/documents/doc-nope", None, "delete unknown"),
         ("GET", "/v1/nothing", None, "unknown route"),
         ("POST", "/v1/models", b"{}", "POST to a GET route"),
+        ("POST", "/tokenize", b"{}", "nothing to tokenize"),
+        ("POST", "/tokenize", json.dumps({"prompt": "x" * (2 << 20)}).encode(), "a prompt over the limit"),
+        ("POST", "/tokenize", json.dumps({"messages": [{"role": "user", "content": "x"}] * 300}).encode(), "300 messages"),
+        ("POST", "/detokenize", json.dumps({"tokens": [-1]}).encode(), "a negative id"),
+        ("POST", "/detokenize", json.dumps({"tokens": [[1]]}).encode(), "nested ids"),
     ]
     out.extend(fixed)
     # Per field, values that are never valid there.
@@ -272,7 +341,8 @@ def hostile_requests(model):
         "cache_salt": [5, [], {}, "s" * 300],
         "n": [2, 0, "x", 1.5],
         "stream_options": ["x", 5, {"include_usage": "yes"}],
-        "logprobs": [True, 5, "yes", []],
+        "logprobs": ["yes", [], -1, 21, {}],
+        "top_logprobs": [-1, 21, "x", True],
         "top_k": [-5, 1, "x"],  # not a field of this API
         "response_format": [5, "json", {"type": "json_object"}],
         "frequency_penalty": [0.5, "x", 3],
@@ -771,9 +841,9 @@ def test_disk_budget():
 
 
 def main():
-    s = Server()
+    s = Server("--served-model-name", ",".join(NAMES))
     try:
-        for test in (test_api, test_documents, test_concurrency, test_hostile, test_raw_requests, test_request_heads,
+        for test in (test_api, test_api_extras, test_documents, test_concurrency, test_hostile, test_raw_requests, test_request_heads,
                      test_slow_clients, test_cancel_and_metrics):
             t0 = time.time()
             test(s)

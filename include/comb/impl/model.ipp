@@ -402,13 +402,14 @@ COMB_INLINE std::vector<int32_t> Model::chat_prompt(const std::string& user_mess
   return ids;
 }
 
-COMB_INLINE std::vector<int32_t> Model::chat_prompt(const std::vector<ChatMessage>& messages) const {
+COMB_INLINE std::vector<int32_t> Model::chat_prompt(const std::vector<ChatMessage>& messages,
+                                                   bool add_generation_prompt) const {
   // The template rendered with a marker per content; its own parts encoded with control tokens,
   // the contents without.
   const Tokenizer& tok = *tokenizer_;
   std::vector<ChatMessage> marked;
   for (size_t i = 0; i < messages.size(); ++i) marked.push_back({messages[i].role, fmt::format("\x1f{}\x1f", i)});
-  const std::string text = chat_template().apply(marked, true);
+  const std::string text = chat_template().apply(marked, add_generation_prompt);
   std::vector<int32_t> ids = bos_before(tok, text);
   size_t at = 0;
   for (size_t i = 0; i < messages.size(); ++i) {

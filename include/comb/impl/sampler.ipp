@@ -43,4 +43,24 @@ COMB_INLINE int32_t Sampler::sample(const at::Tensor& logits) {
   return static_cast<int32_t>(order[pick].item<int64_t>());
 }
 
+COMB_INLINE TokenLogprob token_logprob(const at::Tensor& logits, int32_t token, int64_t top) {
+  at::Tensor l = at::log_softmax(logits.to(at::kCPU, at::kFloat).reshape({-1}), 0).contiguous();
+  const int64_t n = l.size(0);
+  COMB_CHECK(token >= 0 && token < n, "token {} is outside the logits' {} entries", token, n);
+  COMB_CHECK(top >= 0 && top <= n, "top log-probabilities should be 0 to {}, found {}", n, top);
+  const float* p = l.data_ptr<float>();
+  TokenLogprob r;
+  r.token = token;
+  r.logprob = p[token];
+  if (top > 0) {
+    std::vector<int32_t> ids(static_cast<size_t>(n));
+    std::iota(ids.begin(), ids.end(), 0);
+    auto higher = [p](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); };
+    std::partial_sort(ids.begin(), ids.begin() + top, ids.end(), higher);
+    r.top.reserve(static_cast<size_t>(top));
+    for (int64_t i = 0; i < top; ++i) r.top.emplace_back(ids[i], p[ids[i]]);
+  }
+  return r;
+}
+
 }  // namespace comb

@@ -104,6 +104,7 @@ struct ServeEngine::Sequence {
   std::unique_ptr<Sampler> sampler;
   std::unique_ptr<StreamDecoder> stream;
   size_t emitted = 0;          // bytes of result.text handed to on_text
+  size_t logprobs_sent = 0;    // entries of result.logprobs handed to on_text
   bool done = false;
   ServeResult result;
 };
@@ -203,6 +204,8 @@ COMB_INLINE ServeEngine::Id ServeEngine::submit(ServeRequest request) {
                  model_.plugin()->config().max_document_tokens);
   s->decoder_tokens = s->method == Method::comb ? total : total + docs;
   COMB_CHECK(request.max_tokens >= 1, "max_tokens must be at least 1, found {}", request.max_tokens);
+  COMB_CHECK(request.top_logprobs >= 0 && request.top_logprobs <= ServeRequest::kMaxTopLogprobs,
+             "top_logprobs should be 0 to {}, found {}", ServeRequest::kMaxTopLogprobs, request.top_logprobs);
   COMB_CHECK(s->decoder_tokens < c.n_ctx && request.max_tokens <= c.n_ctx - s->decoder_tokens,
              "this model's context holds {} tokens; the request asks for {} prompt tokens (in the decoder) and {} to "
              "generate",
@@ -604,12 +607,14 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
     stats_.cached_tokens += s.result.cached_tokens;
     stats_.computed_tokens += s.result.computed_tokens;
   }
-  emit(s, s.sampler->sample(logits));
+  emit(s, logits);
   return computed;
 }
 
-// Hands out what the new token completes; false (and the request finished) when it is the last.
-COMB_INLINE bool ServeEngine::emit(Sequence& s, int32_t token) {
+// Samples the next token from `logits` and hands out what it completes; false (and the request
+// finished) when it is the last.
+COMB_INLINE bool ServeEngine::emit(Sequence& s, const at::Tensor& logits) {
+  const int32_t token = s.sampler->sample(logits);
   const auto now = Sequence::clock::now();
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -627,6 +632,7 @@ COMB_INLINE bool ServeEngine::emit(Sequence& s, int32_t token) {
     return false;
   }
   s.result.tokens.push_back(token);
+  if (s.request.logprobs) s.result.logprobs.push_back(token_logprob(logits, token, s.request.top_logprobs));
   s.result.text += s.stream->push(token);
   std::string& text = s.result.text;
   size_t longest = 0;
@@ -648,19 +654,26 @@ COMB_INLINE bool ServeEngine::emit(Sequence& s, int32_t token) {
   // Text that a stop string could still claim is held back.
   size_t safe = text.size() >= longest ? text.size() - (longest > 0 ? longest - 1 : 0) : 0;
   safe = detail::utf8_cut(text, safe);
-  if (safe > s.emitted) {
-    try {
-      if (s.request.on_text) s.request.on_text(text.substr(s.emitted, safe - s.emitted));
-    } catch (...) {  // a callback's failure is the caller's
-    }
-    s.emitted = safe;
-  }
+  if (safe > s.emitted || s.result.logprobs.size() > s.logprobs_sent) hand_out(s, safe);
   if (static_cast<int64_t>(s.result.tokens.size()) >= s.request.max_tokens || s.length >= model_.config().n_ctx) {
     finish(s, "length");
     return false;
   }
   s.next = token;
   return true;
+}
+
+// Gives on_text the text up to byte `upto` not handed out yet, with the log-probabilities not handed out.
+COMB_INLINE void ServeEngine::hand_out(Sequence& s, size_t upto) {
+  const std::string piece = s.result.text.substr(s.emitted, upto - s.emitted);
+  std::vector<TokenLogprob> logprobs(s.result.logprobs.begin() + static_cast<std::ptrdiff_t>(s.logprobs_sent),
+                                     s.result.logprobs.end());
+  s.emitted = upto;
+  s.logprobs_sent = s.result.logprobs.size();
+  try {
+    if (s.request.on_text) s.request.on_text(piece, logprobs);
+  } catch (...) {  // a callback's failure is the caller's
+  }
 }
 
 COMB_INLINE void ServeEngine::finish(Sequence& s, const std::string& reason, const std::string& error) {
@@ -686,11 +699,8 @@ COMB_INLINE void ServeEngine::finish(Sequence& s, const std::string& reason, con
     else if (reason == "error") ++stats_.failed;
     else ++stats_.finished;
   }
-  try {
-    if (s.request.on_text && s.result.text.size() > s.emitted && reason != "error")
-      s.request.on_text(s.result.text.substr(s.emitted));
-  } catch (...) {  // the result below still goes out
-  }
+  if (reason != "error" && (s.result.text.size() > s.emitted || s.result.logprobs.size() > s.logprobs_sent))
+    hand_out(s, s.result.text.size());
   s.emitted = s.result.text.size();
   try {
     if (s.request.on_done) s.request.on_done(s.result);
@@ -742,7 +752,7 @@ COMB_INLINE void ServeEngine::decode_step() {
   for (size_t b = 0; b < rows.size(); ++b) {
     Sequence& s = *rows[b];
     ++s.length;
-    emit(s, s.sampler->sample(logits[static_cast<int64_t>(b)]));
+    emit(s, logits[static_cast<int64_t>(b)]);
   }
 }
 
