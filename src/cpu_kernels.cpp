@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -126,10 +127,16 @@ template <int O, class Tile>
 inline void dot_tiles(int64_t m, int64_t begin, int64_t end, const Tile& tile) {
   using one = std::integral_constant<int, 1>;
   using two = std::integral_constant<int, 2>;
+  using four = std::integral_constant<int, 4>;
   using block = std::integral_constant<int, O>;
+  using half = std::integral_constant<int, O / 2>;
   int64_t o = begin;
   for (; o + O <= end; o += O) {
     int64_t r = 0;
+    for (; r + 4 <= m; r += 4) {  // four rows, the block's outputs in two halves (registers)
+      tile(four{}, half{}, r, o);
+      tile(four{}, half{}, r, o + O / 2);
+    }
     for (; r + 2 <= m; r += 2) tile(two{}, block{}, r, o);
     for (; r < m; ++r) tile(one{}, block{}, r, o);
   }
@@ -208,32 +215,109 @@ COMB_AVX2 void mix_rows_avx2(const float* p, int64_t n, const float* values, int
 #endif
 
 #if defined(__x86_64__)
-// Each group's 32 products are summed in a vector, scaled once, and added to the row's sum.
-COMB_AVX2 void gemv_q8_avx2(const float* x, int64_t m, const int8_t* q, const float* scale, int64_t k, float* y,
-                            int64_t n_out, int64_t begin, int64_t end) {
-  const int64_t groups = k / 32;
-  for (int64_t o = begin; o < end; ++o) {
-    const int8_t* row = q + o * k;
-    const float* s = scale + o * groups;
-    for (int64_t r = 0; r < m; ++r) {
-      const float* xr = x + r * k;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t g = 0; g < groups; ++g) {
-        const int8_t* qg = row + g * 32;
-        const float* xg = xr + g * 32;
-        __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
-        __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16));
-        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-        __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-        __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-        __m256 p = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-        p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), p);
-        p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), p);
-        p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), p);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[g]), p, acc);
-      }
-      y[r * n_out + o] = hsum(acc);
+// A group's 16 possible weights q * scale + min in one vector, then each nibble looks its weight up.
+COMB_AVX512 void dequantize_q4_avx512(const uint8_t* q, const float* scale, const float* min, int64_t groups, float* w) {
+  const __m512i low = _mm512_set1_epi32(15);
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * g)));
+    const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scale[g])), _mm512_set1_ps(min[g]));
+    _mm512_storeu_ps(w + 32 * g, _mm512_permutexvar_ps(_mm512_and_si512(v, low), table));
+    _mm512_storeu_ps(w + 32 * g + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
+  }
+}
+
+COMB_AVX512 void dequantize_q8_avx512(const int8_t* q, const float* scale, int64_t groups, float* w) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 s = _mm512_set1_ps(scale[g]);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 32 * g + 16 * h)));
+      _mm512_storeu_ps(w + 32 * g + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(v), s));
+    }
+  }
+}
+
+// Grouped weights multiplied without a buffer: each group's 32 weights of O output rows are
+// dequantized into registers (as dequantize_*_avx512 writes them) and used at once for R rows of
+// x, with one accumulator per (row, output) and the chunks of 16 in order: gemv_rows's AVX-512
+// arithmetic over the same floats, hence its numbers.
+struct Q4Groups {
+  const uint8_t* q;
+  const float *scale, *min;
+  int64_t k;
+  COMB_AVX512 void weights(int64_t o, int64_t g, __m512& w0, __m512& w1) const {
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int64_t groups = k / 32;
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + o * (k / 2) + 16 * g)));
+    const __m512 table =
+        _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scale[o * groups + g])), _mm512_set1_ps(min[o * groups + g]));
+    w0 = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), table);
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+  }
+};
+
+struct Q8Groups {
+  const int8_t* q;
+  const float* scale;
+  int64_t k;
+  COMB_AVX512 void weights(int64_t o, int64_t g, __m512& w0, __m512& w1) const {
+    const __m512 s = _mm512_set1_ps(scale[o * (k / 32) + g]);
+    const int8_t* p = q + o * k + 32 * g;
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), s);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))), s);
+  }
+};
+
+template <int R, int O, class Groups>
+COMB_AVX512 void grouped_tile_avx512(const float* x, int64_t k, const Groups& wq, int64_t o0, float* y, int64_t n_out) {
+  __m512 acc[R][O];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int o = 0; o < O; ++o) acc[r][o] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < k / 32; ++g) {
+    __m512 w0[O], w1[O];
+#pragma GCC unroll 8
+    for (int o = 0; o < O; ++o) wq.weights(o0 + o, g, w0[o], w1[o]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 x0 = _mm512_loadu_ps(x + r * k + 32 * g), x1 = _mm512_loadu_ps(x + r * k + 32 * g + 16);
+#pragma GCC unroll 8
+      for (int o = 0; o < O; ++o) acc[r][o] = _mm512_fmadd_ps(x0, w0[o], acc[r][o]);
+#pragma GCC unroll 8
+      for (int o = 0; o < O; ++o) acc[r][o] = _mm512_fmadd_ps(x1, w1[o], acc[r][o]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int o = 0; o < O; ++o) y[r * n_out + o] = _mm512_reduce_add_ps(acc[r][o]);
+}
+
+// Outputs four at a time, the rows of x four, two, then one at a time; the last outputs alone.
+template <class Groups>
+COMB_AVX512 void gemv_grouped_avx512(const float* x, int64_t m, int64_t k, const Groups& wq, float* y, int64_t n_out,
+                                     int64_t begin, int64_t end) {
+  int64_t o = begin;
+  for (; o + 4 <= end; o += 4) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) grouped_tile_avx512<4, 4>(x + r * k, k, wq, o, y + r * n_out + o, n_out);
+    for (; r + 2 <= m; r += 2) grouped_tile_avx512<2, 4>(x + r * k, k, wq, o, y + r * n_out + o, n_out);
+    for (; r < m; ++r) grouped_tile_avx512<1, 4>(x + r * k, k, wq, o, y + r * n_out + o, n_out);
+  }
+  for (; o < end; ++o)
+    for (int64_t r = 0; r < m; ++r) grouped_tile_avx512<1, 1>(x + r * k, k, wq, o, y + r * n_out + o, n_out);
+}
+
+COMB_AVX2 void dequantize_q4_avx2(const uint8_t* q, const float* scale, const float* min, int64_t groups, float* w) {
+  const __m256i low = _mm256_set1_epi32(15);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 s = _mm256_set1_ps(scale[g]), m = _mm256_set1_ps(min[g]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * g + 8 * h)));
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+      _mm256_storeu_ps(w + 32 * g + 8 * h, _mm256_add_ps(_mm256_mul_ps(lo, s), m));
+      _mm256_storeu_ps(w + 32 * g + 16 + 8 * h, _mm256_add_ps(_mm256_mul_ps(hi, s), m));
     }
   }
 }
@@ -290,22 +374,64 @@ void gemv_rows(const float* x, int64_t m, const float* w, int64_t k, float* y, i
     for (int64_t r = 0; r < m; ++r) y[r * n_out + o] = dot(x + r * k, w + o * k, k);
 }
 
+void dequantize_q8_row(const int8_t* q, const float* scale, int64_t k, float* w) {
+  const int64_t groups = k / 32;
+#if defined(__x86_64__)
+  if (has_avx512()) return dequantize_q8_avx512(q, scale, groups, w);
+#endif
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t j = 0; j < 32; ++j) w[32 * g + j] = static_cast<float>(q[32 * g + j]) * scale[g];
+}
+
+void dequantize_q4_row(const uint8_t* q, const float* scale, const float* min, int64_t k, float* w) {
+  const int64_t groups = k / 32;
+#if defined(__x86_64__)
+  if (has_avx512()) return dequantize_q4_avx512(q, scale, min, groups, w);
+  if (has_avx2()) return dequantize_q4_avx2(q, scale, min, groups, w);
+#endif
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t j = 0; j < 16; ++j) {
+      const float product_lo = static_cast<float>(q[16 * g + j] & 15) * scale[g];
+      const float product_hi = static_cast<float>(q[16 * g + j] >> 4) * scale[g];
+      w[32 * g + j] = product_lo + min[g];
+      w[32 * g + 16 + j] = product_hi + min[g];
+    }
+}
+
+namespace {
+// Output rows [begin, end) a block at a time: `dequantize(o, w)` writes row o's weights into w [k],
+// then gemv_rows's tiles read the block (in L1) for every row of x.
+template <class Dequantize>
+void gemv_grouped(const float* x, int64_t m, int64_t k, float* y, int64_t n_out, int64_t begin, int64_t end,
+                  const Dequantize& dequantize) {
+  constexpr int64_t kBlock = 8;  // gemv_rows's widest tile of outputs
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(kBlock * k));
+  for (int64_t o = begin; o < end; o += kBlock) {
+    const int64_t n = std::min(kBlock, end - o);
+    for (int64_t i = 0; i < n; ++i) dequantize(o + i, buffer.data() + i * k);
+    gemv_rows(x, m, buffer.data(), k, y + o, n_out, 0, n);
+  }
+}
+}  // namespace
+
 void gemv_q8_rows(const float* x, int64_t m, const int8_t* q, const float* scale, int64_t k, float* y, int64_t n_out,
                   int64_t begin, int64_t end) {
 #if defined(__x86_64__)
-  if (has_avx2()) return gemv_q8_avx2(x, m, q, scale, k, y, n_out, begin, end);
+  if (has_avx512()) return gemv_grouped_avx512(x, m, k, Q8Groups{q, scale, k}, y, n_out, begin, end);
 #endif
-  const int64_t groups = k / 32;
-  for (int64_t o = begin; o < end; ++o)
-    for (int64_t r = 0; r < m; ++r) {
-      float sum = 0;
-      for (int64_t g = 0; g < groups; ++g) {
-        float part = 0;
-        for (int64_t j = 0; j < 32; ++j) part += x[r * k + g * 32 + j] * q[o * k + g * 32 + j];
-        sum += scale[o * groups + g] * part;
-      }
-      y[r * n_out + o] = sum;
-    }
+  gemv_grouped(x, m, k, y, n_out, begin, end,
+               [&](int64_t o, float* w) { dequantize_q8_row(q + o * k, scale + o * (k / 32), k, w); });
+}
+
+void gemv_q4_rows(const float* x, int64_t m, const uint8_t* q, const float* scale, const float* min, int64_t k,
+                  float* y, int64_t n_out, int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+  if (has_avx512()) return gemv_grouped_avx512(x, m, k, Q4Groups{q, scale, min, k}, y, n_out, begin, end);
+#endif
+  gemv_grouped(x, m, k, y, n_out, begin, end, [&](int64_t o, float* w) {
+    dequantize_q4_row(q + o * (k / 2), scale + o * (k / 32), min + o * (k / 32), k, w);
+  });
 }
 
 void rms_norm_rows(const float* x, const float* weight, float* out, int64_t dim, float eps, int64_t begin, int64_t end) {

@@ -27,7 +27,9 @@ struct Options {
   std::string plugin;             // a plug-in-only file to apply on top of the base ("" : none)
   // "none": every weight is expanded to `dtype` on load; "gguf": a GGUF file's Q4_0/Q4_1/Q8_0
   // matrices stay quantized (int4 and int8 groups of 32) and are multiplied as they are (CPU,
-  // float32 activations around them; docs/formats.md).
+  // float32 activations around them; docs/formats.md); "auto": gguf for a GGUF file on the CPU
+  // with float32 activations, else none (the command line's default for running a model);
+  // "int8", "int4": float weights quantized on load.
   std::string quantize = "none";
 };
 

@@ -1,7 +1,9 @@
 #pragma once
-// Weight matrices kept quantized and multiplied as they are (CPU): GGUF's Q4_0 and Q4_1 as int4
-// groups of 32 in ATen's packed layout (at::_weight_int4pack_mm_for_cpu), Q8_0 as int8 groups of
-// 32 (comb's own kernel: ATen's int8 kernel takes one scale per row, not per group).
+// Weight matrices kept quantized and multiplied as they are (CPU): GGUF's Q4_0 and Q4_1 as 4-bit
+// groups of 32 (two weights a byte), Q8_0 as int8 groups of 32, each with float32 scales (and
+// offsets). Few rows (decoding, short prompts) go through comb's row kernels, which dequantize a
+// block of weights into L1 and multiply it as the float path does: for a GGUF file the same
+// numbers as its weights expanded to float32, bit for bit. Many rows: dequantized chunks and a GEMM.
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -44,17 +46,20 @@ class QuantizedMatrix {
   static constexpr int64_t kGroup = 32;
 
   QuantizedMatrix() = default;
-  // q4 weights -> int4 (scale and min kept in bfloat16, ATen's kernel's format); q8 -> int8 with
-  // float32 scales. Nothing is quantized again: the stored integers are the checkpoint's.
+  // q4 weights -> 4 bits a weight, q8 -> int8; scales and offsets in float32. Nothing is quantized
+  // again: the stored integers are the checkpoint's.
   static QuantizedMatrix from(const GroupedWeights& w);
 
   bool defined() const { return rows_ > 0; }
   Format format() const { return format_; }
   int64_t rows() const { return rows_; }
   int64_t cols() const { return cols_; }
-  // x [..., cols] float32 -> [..., rows] float32. int4 multiplies bfloat16 activations (the
-  // kernel's input type) and returns their product in float32.
+  // x [..., cols] -> [..., rows] float32 (float32 activations throughout).
   at::Tensor apply(const at::Tensor& x) const;
+  // The row kernels alone, for callers that split the work across their own threads: y[r, o] for
+  // output rows o in [begin, end), x [n, cols] float32 with n <= kKernelRows, y [n, rows].
+  static constexpr int64_t kKernelRows = 64;
+  void apply_rows(const float* x, int64_t n, float* y, int64_t begin, int64_t end) const;
   // The float32 matrix [rows, cols] these weights stand for.
   at::Tensor dequantize() const;
   // Rows `ids` (int64, any shape) as float32 [ids..., cols]: an embedding lookup.
@@ -63,14 +68,13 @@ class QuantizedMatrix {
   const char* format_name() const { return format_ == Format::int4 ? "int4 (groups of 32)" : "Q8_0 (int8, groups of 32)"; }
 
  private:
+  // Rows [begin, end) as float32 into out [end - begin, cols].
+  void dequantize_rows(int64_t begin, int64_t end, float* out) const;
   Format format_ = Format::int4;
   int64_t rows_ = 0, cols_ = 0;
-  at::Tensor packed_;  // int4: ATen's packed layout [rows, cols / 2] uint8; q8_0: int8 [rows, cols]
-  at::Tensor scales_;  // int4: [cols / 32, rows, 2] bfloat16 (scale, zero); q8_0: [rows, cols / 32] float32
-  // int4 with COMB_INT4_FLOAT32=1 in the environment at load: the same in float32, and products
-  // taken with float32 activations through ATen's reference kernel (about 50 times slower). A check,
-  // not a mode to run: it shows what the bfloat16 rounding of the fast kernel changes.
-  at::Tensor float_scales_;
+  at::Tensor packed_;  // int4: [rows, cols / 2] uint8 (see detail::cpu::gemv_q4_rows); q8_0: int8 [rows, cols]
+  at::Tensor scales_;  // [rows, cols / 32] float32
+  at::Tensor mins_;    // int4: [rows, cols / 32] float32 (w = q * scale + min)
 };
 
 }  // namespace comb

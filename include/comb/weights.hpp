@@ -35,6 +35,8 @@ struct LayerWeights {
 enum class Proj { qkv, o, gate_up, down };
 // x [..., in] times layer matrix `p` (transposed): [..., out], dense or kept quantized.
 at::Tensor project(const LayerWeights& l, Proj p, const at::Tensor& x);
+// A kept-quantized layer's matrix by role.
+const QuantizedMatrix& quantized_matrix(const QuantizedLayer& q, Proj p);
 // The matrix itself, as a float tensor (dequantized, a new tensor, when kept quantized).
 at::Tensor dense_matrix(const LayerWeights& l, Proj p);
 

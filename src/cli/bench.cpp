@@ -101,7 +101,7 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
 
 int cmd_bench(Args& args) {
   const std::string pic_data = args.str("pic-data");
-  comb::Model model = load_model(args, /*shipped_plugin=*/!pic_data.empty());
+  comb::Model model = load_model(args, /*shipped_plugin=*/!pic_data.empty(), /*as_stored=*/true);
   if (!pic_data.empty()) {
     const int64_t items = args.num<int64_t>("pic-items", 20);
     if (items <= 0) throw Error("--pic-items: expected a number of items > 0, found " + std::to_string(items));
@@ -253,6 +253,7 @@ int cmd_bench(Args& args) {
         comb::ServeOptions o;
         o.method = comb::Method::full;
         o.max_running = b;
+        o.prefill_share = 0;  // prompts between every two steps: all B soon decode together
         o.kv_bytes = std::max<int64_t>(o.kv_bytes, b * (128 + n_decode + 16) * 2 * model.config().n_layer *
                                                        model.config().kv_dim() * int64_t(sizeof(float)));
         comb::ServeEngine engine(model, o);

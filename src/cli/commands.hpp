@@ -53,7 +53,9 @@ std::string default_plugin();
 // Checks the options' input files and numbers, then loads the model (--model, --device, --dtype,
 // --quantize, --threads, --cpu-kernels, --plugin). `shipped_plugin`: apply default_plugin() to
 // the default model when no --plugin is given.
-Model load_model(Args& args, bool shipped_plugin = false);
+// `as_stored`: --quantize defaults to auto (a GGUF file's quantized matrices kept as stored on the
+// CPU), else to none (every weight expanded: training, plug-in tools).
+Model load_model(Args& args, bool shipped_plugin = false, bool as_stored = false);
 // "1m05s", "2h03m".
 std::string clock_text(double seconds);
 // "nq-multidoc-10.dev" for ".../nq-multidoc-10.dev.jsonl.gz".

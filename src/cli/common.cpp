@@ -55,7 +55,7 @@ void check_numbers(const Args& args) {
   if (probe.has("cache-dtype")) parse_cache_dtype(probe.str("cache-dtype"));
 }
 
-comb::Model load_model(Args& args, bool shipped_plugin) {
+comb::Model load_model(Args& args, bool shipped_plugin, bool as_stored) {
   check_inputs(args);
   check_numbers(args);
   const bool default_base = !args.has("model") && default_model() == COMB_DEFAULT_MODEL;
@@ -64,7 +64,7 @@ comb::Model load_model(Args& args, bool shipped_plugin) {
   comb::Options options;
   options.device = args.str("device", "cpu");
   options.dtype = args.str("dtype", "float32");
-  options.quantize = args.str("quantize", "none");
+  options.quantize = args.str("quantize", as_stored ? "auto" : "none");
   options.threads = args.num<int>("threads", 0);
   options.cpu_kernels = args.num<int>("cpu-kernels", 1) != 0;
   options.plugin = args.str("plugin");
@@ -79,9 +79,10 @@ comb::Model load_model(Args& args, bool shipped_plugin) {
   comb::Model model = comb::Model::load(path, options);
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const auto& c = model.config();
-  fmt::print(stderr, "[comb] loaded {} ({} layers, {} heads / {} kv, vocab {}) on {} {} in {:.0f} ms, {} threads\n",
-             path, c.n_layer, c.n_head, c.n_head_kv, c.n_vocab, options.device, options.dtype, ms,
-             at::get_num_threads());
+  const std::string& kept = model.decoder().weights().quantization;
+  fmt::print(stderr, "[comb] loaded {} ({} layers, {} heads / {} kv, vocab {}) on {} {}{} in {:.0f} ms, {} threads\n",
+             path, c.n_layer, c.n_head, c.n_head_kv, c.n_vocab, options.device, options.dtype,
+             kept.empty() ? "" : fmt::format(", weights kept quantized ({})", kept), ms, at::get_num_threads());
   return model;
 }
 

@@ -4,7 +4,7 @@
 namespace comb::cli {
 
 int cmd_generate(Args& args) {
-  comb::Model model = load_model(args, args.has("document"));
+  comb::Model model = load_model(args, args.has("document"), /*as_stored=*/true);
   std::string prompt = args.str("prompt");
   if (!args.has("prompt")) throw Error("generate needs --prompt TEXT");
   bool raw = args.has("raw"), json = args.has("json");

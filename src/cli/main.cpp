@@ -30,10 +30,12 @@ options of every command that loads a model (all but make-data and report):
                       (default: $COMB_MODEL, else the model the set-up installed)
   --device DEV        cpu (default), cuda, cuda:N
   --dtype T           float32 (default), bfloat16, float16 (CUDA only)
-  --quantize none|gguf|int8|int4  none (default): every weight expanded to --dtype on load; gguf: a
-                      GGUF file's Q4_0/Q4_1/Q8_0 matrices kept as stored and multiplied quantized;
-                      int8, int4: float weights quantized on load in groups of 32 (embedding and head
-                      int8). CPU and float32 only; not for train
+  --quantize auto|none|gguf|int8|int4  auto (the default of generate, qa, eval, serve, bench): gguf
+                      for a GGUF file on the CPU in float32, else none; gguf: a GGUF file's
+                      Q4_0/Q4_1/Q8_0 matrices kept as stored and multiplied quantized; none (the
+                      default of train and plugin): every weight expanded to --dtype on load; int8,
+                      int4: float weights quantized on load in groups of 32 (embedding and head
+                      int8). Kept quantized: CPU and float32 only; not for train
   --threads N         CPU threads (default: LibTorch's choice)
   --cpu-kernels 0|1   fused fp32 CPU kernels (default 1; 0 runs generic ATen ops only)
 
@@ -292,12 +294,12 @@ int main(int argc, char** argv) {
     if (cmd == "plugin") return cmd_plugin(argc, argv);
     if (cmd == "eval") {
       Args args(argc, argv, 2, {});
-      comb::Model model = load_model(args, true);
+      comb::Model model = load_model(args, true, /*as_stored=*/true);
       return comb::cli::cmd_eval(args, model);
     }
     if (cmd == "qa") {
       Args args(argc, argv, 2, {});
-      comb::Model model = load_model(args, true);
+      comb::Model model = load_model(args, true, /*as_stored=*/true);
       return comb::cli::cmd_qa(args, model);
     }
     if (cmd == "make-data") {

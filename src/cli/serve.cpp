@@ -613,6 +613,7 @@ class Api {
     };
     if (stream) {
       auto started = std::make_shared<bool>(false);
+      auto offset = std::make_shared<int64_t>(0);  // completions' text_offset
       res.set_chunked_content_provider(
           "text/event-stream",
           [=](size_t, httplib::DataSink& sink) {
@@ -876,12 +877,12 @@ int cmd_serve(Args& args) {
   std::vector<std::string> allowed_origins;
   if (args.has("allowed-origins"))
     allowed_origins = split_list(args.str("allowed-origins"));
-  Model model = load_model(args, true);
+  Model model = load_model(args, true, /*as_stored=*/true);
   if (method.empty() && !model.plugin()) o.method = Method::naive;  // comb needs a plug-in
   args.check_all_used();
 
   ServeEngine engine(model, o);
-  Api api(model, engine, name, limits, default_max_tokens, log_requests, o.cache_dir);
+  Api api(model, engine, names, limits, default_max_tokens, log_requests, o.cache_dir);
   GuardedServer http(connection_limits);
   api.connections = [&http] { return http.counts(); };
   const int64_t max_body_bytes = int64_t(8) << 20;

@@ -12,11 +12,21 @@ namespace comb::detail::cpu {
 void gemv_rows(const float* x, int64_t n_rows_x, const float* w, int64_t k, float* y, int64_t n_out, int64_t begin,
                int64_t end);
 
-// y[m, o] = sum_g scale[o, g] * sum_{j<32} x[m, 32 g + j] * q[o, 32 g + j] for rows o in [begin, end): a
-// matrix of int8 groups of 32 (GGUF's Q8_0, scales unpacked to float). x: [n_rows_x, k] (k a
-// multiple of 32), q: [n_out, k], scale: [n_out, k / 32], y: [n_rows_x, n_out].
+// gemv_rows over a matrix kept in groups of 32 weights along its rows (k a multiple of 32), each
+// group dequantized as w = q * scale (+ min): a block of output rows at a time into a float buffer
+// the tiles of gemv_rows then read. The dequantized weights are the float path's own (for a GGUF
+// file's groups, whose products q * scale are exact in float32), so the results are gemv_rows's
+// over them, bit for bit.
+// Q8_0: q [n_out, k] int8, scale [n_out, k / 32].
 void gemv_q8_rows(const float* x, int64_t n_rows_x, const int8_t* q, const float* scale, int64_t k, float* y,
                   int64_t n_out, int64_t begin, int64_t end);
+// 4-bit groups: q [n_out, k / 2] uint8, a group's 32 weights in 16 bytes, byte j holding weight j
+// in its low nibble and weight 16 + j in its high one; scale, min [n_out, k / 32].
+void gemv_q4_rows(const float* x, int64_t n_rows_x, const uint8_t* q, const float* scale, const float* min, int64_t k,
+                  float* y, int64_t n_out, int64_t begin, int64_t end);
+// One row of such a matrix dequantized into w [k].
+void dequantize_q8_row(const int8_t* q, const float* scale, int64_t k, float* w);
+void dequantize_q4_row(const uint8_t* q, const float* scale, const float* min, int64_t k, float* w);
 
 // out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight, for rows r in [begin, end). x, out: [rows, dim].
 void rms_norm_rows(const float* x, const float* weight, float* out, int64_t dim, float eps, int64_t begin, int64_t end);

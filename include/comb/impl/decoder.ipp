@@ -552,10 +552,13 @@ COMB_INLINE at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& c
 
 COMB_INLINE at::Tensor Decoder::logits(const at::Tensor& x, LogitsMode mode) const {
   at::Tensor h = mode == LogitsMode::last ? x.narrow(1, x.size(1) - 1, 1) : x;
-  if (weights_.output_q) return weights_.output_q->apply(rms_norm(h, weights_.output_norm));  // float32
-  if (cpu_kernels() && h.size(0) * h.size(1) <= kFusedMaxRows)
-    return linear_cpu(rms_norm_cpu(h, weights_.output_norm), weights_.output);
-  return at::linear(rms_norm(h, weights_.output_norm), weights_.output).to(at::kFloat);
+  // The same steps for float and kept-quantized heads (the same numbers: see quantized.hpp).
+  const int64_t rows = h.size(0) * h.size(1);
+  const bool fused = cpu_kernels();
+  at::Tensor n = fused && rows <= kFusedMaxRows ? rms_norm_cpu(h, weights_.output_norm) : rms_norm(h, weights_.output_norm);
+  if (weights_.output_q) return weights_.output_q->apply(n);  // float32
+  if (fused && rows <= kGemvMaxRows) return linear_cpu(n, weights_.output);
+  return at::linear(n, weights_.output).to(at::kFloat);
 }
 
 COMB_INLINE at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache, LogitsMode mode,

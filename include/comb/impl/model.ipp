@@ -99,23 +99,26 @@ COMB_INLINE Model Model::load(const std::string& path, const Options& options) {
   }
   COMB_CHECK(m.tokenizer_->n_vocab() <= config.n_vocab, "'{}': the tokenizer has {} tokens but the model only {}", path,
              m.tokenizer_->n_vocab(), config.n_vocab);
-  COMB_CHECK(options.quantize == "none" || options.quantize == "gguf" || options.quantize == "int8" ||
-                 options.quantize == "int4",
-             "--quantize: expected none, gguf (GGUF Q4_0/Q4_1/Q8_0 kept as stored), int8 or int4 (quantized on load), "
-             "found '{}'", options.quantize);
-  const bool keep_quantized = options.quantize != "none";
+  COMB_CHECK(options.quantize == "none" || options.quantize == "auto" || options.quantize == "gguf" ||
+                 options.quantize == "int8" || options.quantize == "int4",
+             "--quantize: expected auto (gguf for a GGUF file on the CPU in float32, else none), none, gguf (GGUF "
+             "Q4_0/Q4_1/Q8_0 kept as stored), int8 or int4 (quantized on load), found '{}'", options.quantize);
+  std::string quantize = options.quantize;
+  if (quantize == "auto")
+    quantize = dynamic_cast<GgufFile*>(source.get()) && device.is_cpu() && dtype == at::kFloat ? "gguf" : "none";
+  const bool keep_quantized = quantize != "none";
   if (keep_quantized) {
-    COMB_CHECK(options.quantize != "gguf" || dynamic_cast<GgufFile*>(source.get()),
+    COMB_CHECK(quantize != "gguf" || dynamic_cast<GgufFile*>(source.get()),
                "--quantize gguf keeps a GGUF file's quantized tensors; '{}' is not a GGUF file (--quantize int8 or int4 "
                "quantizes float weights on load)", path);
     COMB_CHECK(device.is_cpu() && dtype == at::kFloat, "--quantize {} runs on the CPU with --dtype float32 (asked: "
-               "{} {})", options.quantize, options.device, options.dtype);
-    if (options.quantize != "gguf")  // every matrix, in groups of 32: int8 (embedding and head too) or int4 layers
-      source = quantizing_source(std::move(source), options.quantize == "int8" ? GroupedWeights::Kind::q8
-                                                                                : GroupedWeights::Kind::q4);
+               "{} {})", quantize, options.device, options.dtype);
+    if (quantize != "gguf")  // every matrix, in groups of 32: int8 (embedding and head too) or int4 layers
+      source = quantizing_source(std::move(source), quantize == "int8" ? GroupedWeights::Kind::q8
+                                                                        : GroupedWeights::Kind::q4);
   }
   LlamaWeights weights = load_llama_weights(*source, config, dtype, device, hf_prefix, keep_quantized);
-  if (weights.quantized()) weights.quantization = options.quantize;
+  if (weights.quantized()) weights.quantization = quantize;
   m.decoder_ = std::make_shared<Decoder>(std::move(config), std::move(weights), dtype, device);
   m.decoder_->set_cpu_kernels(options.cpu_kernels);
   if (combined) m.plugin_ = std::make_shared<Plugin>(Plugin::from_checkpoint(*source, *combined, *m.decoder_));

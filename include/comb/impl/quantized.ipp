@@ -10,7 +10,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <cstdlib>
 #include <map>
 #include <optional>
 
@@ -21,9 +20,7 @@
 namespace comb {
 
 namespace impl_quantized {  // this file's own helpers
-// Rows up to this many go through the Q8_0 kernel; more are multiplied in chunks of dequantized rows.
-COMB_INLINE constexpr int64_t kQ8KernelRows = 32;
-COMB_INLINE constexpr int64_t kQ8ChunkRows = 4096;  // output rows dequantized at a time (9 MB of float32 at 576 columns)
+COMB_INLINE constexpr int64_t kChunkRows = 4096;  // output rows dequantized at a time (9 MB of float32 at 576 columns)
 }  // namespace impl_quantized
 using namespace impl_quantized;
 
@@ -140,36 +137,50 @@ COMB_INLINE QuantizedMatrix QuantizedMatrix::from(const GroupedWeights& w) {
   QuantizedMatrix m;
   m.rows_ = rows;
   m.cols_ = cols;
+  m.scales_ = w.scale.to(at::kFloat).contiguous();
   if (w.kind == GroupedWeights::Kind::q4) {
     m.format_ = Format::int4;
-    // ATen's int4 weights: w = (q - 8) * scale + zero, so zero = min + 8 scale.
-    m.packed_ = at::_convert_weight_to_int4pack_for_cpu(w.q.to(at::kInt).contiguous(), 1);
-    at::Tensor zero = w.min + 8 * w.scale;
-    at::Tensor scales = at::stack({w.scale.t(), zero.t()}, -1).contiguous();  // [cols / 32, rows, 2] float32
-    m.scales_ = scales.to(at::kBFloat16);
-    const char* exact = std::getenv("COMB_INT4_FLOAT32");
-    if (exact && *exact && std::string(exact) != "0") m.float_scales_ = scales;
+    // Two weights a byte: a group's weight j in the low nibble of its byte j, weight 16 + j in the high one.
+    at::Tensor q = w.q.to(at::kByte).view({rows, cols / kGroup, 2, kGroup / 2});
+    m.packed_ = (q.select(2, 0) | q.select(2, 1).mul(16)).reshape({rows, cols / 2}).contiguous();
+    m.mins_ = w.min.to(at::kFloat).contiguous();  // Q4_0: -8 scale
   } else {
     m.format_ = Format::q8_0;
     m.packed_ = w.q.to(at::kChar).contiguous();
-    m.scales_ = w.scale.to(at::kFloat).contiguous();
   }
   return m;
 }
 
+COMB_INLINE void QuantizedMatrix::dequantize_rows(int64_t begin, int64_t end, float* out) const {
+  at::parallel_for(begin, end, 64, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float* w = out + (r - begin) * cols_;
+      if (format_ == Format::q8_0)
+        detail::cpu::dequantize_q8_row(packed_.data_ptr<int8_t>() + r * cols_, scales_.data_ptr<float>() + r * (cols_ / kGroup),
+                                       cols_, w);
+      else
+        detail::cpu::dequantize_q4_row(packed_.data_ptr<uint8_t>() + r * (cols_ / 2),
+                                       scales_.data_ptr<float>() + r * (cols_ / kGroup),
+                                       mins_.data_ptr<float>() + r * (cols_ / kGroup), cols_, w);
+    }
+  });
+}
+
 COMB_INLINE at::Tensor QuantizedMatrix::dequantize() const {
   COMB_CHECK(defined(), "dequantize() of an empty quantized matrix");
+  at::Tensor w = at::empty({rows_, cols_}, at::kFloat);
+  dequantize_rows(0, rows_, w.data_ptr<float>());
+  return w;
+}
+
+COMB_INLINE void QuantizedMatrix::apply_rows(const float* x, int64_t n, float* y, int64_t begin, int64_t end) const {
+  COMB_CHECK(n <= kKernelRows && begin >= 0 && begin <= end && end <= rows_,
+             "apply_rows: {} rows of input (at most {}), output rows [{}, {}) of {}", n, kKernelRows, begin, end, rows_);
   if (format_ == Format::q8_0)
-    return (packed_.to(at::kFloat).view({rows_, cols_ / kGroup, kGroup}) * scales_.unsqueeze(-1)).view({rows_, cols_});
-  // The packed layout is ATen's own: the kernel itself unpacks it. With unit scales and zero
-  // offsets, the identity through it gives q - 8 exactly (small integers are exact in bfloat16);
-  // the scales are then applied in float32, as the kernel applies them.
-  at::Tensor eye = at::eye(cols_, at::TensorOptions().dtype(at::kBFloat16));
-  at::Tensor unit = at::stack({at::ones({cols_ / kGroup, rows_}), at::zeros({cols_ / kGroup, rows_})}, -1).to(at::kBFloat16);
-  at::Tensor q = at::_weight_int4pack_mm_for_cpu(eye, packed_, kGroup, unit).to(at::kFloat).t();  // [rows, cols]
-  at::Tensor sz = scales_.to(at::kFloat);                                                         // [groups, rows, 2]
-  at::Tensor scale = sz.select(-1, 0).t().unsqueeze(-1), zero = sz.select(-1, 1).t().unsqueeze(-1);
-  return (q.reshape({rows_, cols_ / kGroup, kGroup}) * scale + zero).reshape({rows_, cols_}).contiguous();
+    detail::cpu::gemv_q8_rows(x, n, packed_.data_ptr<int8_t>(), scales_.data_ptr<float>(), cols_, y, rows_, begin, end);
+  else
+    detail::cpu::gemv_q4_rows(x, n, packed_.data_ptr<uint8_t>(), scales_.data_ptr<float>(), mins_.data_ptr<float>(),
+                              cols_, y, rows_, begin, end);
 }
 
 COMB_INLINE at::Tensor QuantizedMatrix::apply(const at::Tensor& x) const {
@@ -180,28 +191,17 @@ COMB_INLINE at::Tensor QuantizedMatrix::apply(const at::Tensor& x) const {
   shape.back() = rows_;
   const int64_t n = x.numel() / cols_;
   RECORD_FUNCTION(format_ == Format::int4 ? "comb::int4_matmul" : "comb::q8_matmul", std::vector<c10::IValue>());
-  if (format_ == Format::int4 && float_scales_.defined()) {
-    at::Tensor flat = x.reshape({n, cols_}).to(at::kFloat).contiguous();
-    return at::_weight_int4pack_mm_for_cpu(flat, packed_, kGroup, float_scales_).view(shape);
-  }
-  if (format_ == Format::int4) {
-    at::Tensor flat = x.reshape({n, cols_}).to(at::kBFloat16).contiguous();
-    return at::_weight_int4pack_mm_for_cpu(flat, packed_, kGroup, scales_).to(at::kFloat).view(shape);
-  }
   at::Tensor in = x.reshape({n, cols_}).to(at::kFloat).contiguous();
   at::Tensor out = at::empty({n, rows_}, in.options());
-  if (n <= kQ8KernelRows) {
-    at::parallel_for(0, rows_, 256, [&](int64_t b, int64_t e) {
-      detail::cpu::gemv_q8_rows(in.data_ptr<float>(), n, packed_.data_ptr<int8_t>(), scales_.data_ptr<float>(), cols_,
-                                out.data_ptr<float>(), rows_, b, e);
-    });
+  if (n <= kKernelRows) {  // rows up to the decoder's own bound for its float row kernel: the same numbers
+    at::parallel_for(0, rows_, 256,
+                     [&](int64_t b, int64_t e) { apply_rows(in.data_ptr<float>(), n, out.data_ptr<float>(), b, e); });
   } else {
-    for (int64_t r = 0; r < rows_; r += kQ8ChunkRows) {
-      const int64_t len = std::min(kQ8ChunkRows, rows_ - r);
-      at::Tensor w = (packed_.narrow(0, r, len).to(at::kFloat).view({len, cols_ / kGroup, kGroup}) *
-                      scales_.narrow(0, r, len).unsqueeze(-1))
-                         .view({len, cols_});
-      out.narrow(1, r, len).copy_(at::linear(in, w));
+    at::Tensor w = at::empty({std::min(kChunkRows, rows_), cols_}, at::kFloat);
+    for (int64_t r = 0; r < rows_; r += kChunkRows) {
+      const int64_t len = std::min(kChunkRows, rows_ - r);
+      dequantize_rows(r, r + len, w.data_ptr<float>());
+      out.narrow(1, r, len).copy_(at::linear(in, w.narrow(0, 0, len)));
     }
   }
   return out.view(shape);
@@ -212,15 +212,19 @@ COMB_INLINE at::Tensor QuantizedMatrix::gather_rows(const at::Tensor& ids) const
   at::Tensor flat = ids.reshape({-1}).to(at::kLong);
   std::vector<int64_t> shape = ids.sizes().vec();
   shape.push_back(cols_);
-  if (format_ == Format::q8_0) {
-    at::Tensor q = packed_.index_select(0, flat).to(at::kFloat).view({-1, cols_ / kGroup, kGroup});
-    return (q * scales_.index_select(0, flat).unsqueeze(-1)).view(shape);
+  at::Tensor out = at::empty({flat.numel(), cols_}, at::kFloat);
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < flat.numel(); ++i) {
+    COMB_CHECK(id[i] >= 0 && id[i] < rows_, "row {} of a quantized matrix of {} rows", id[i], rows_);
+    dequantize_rows(id[i], id[i] + 1, out.data_ptr<float>() + i * cols_);
   }
-  return dequantize().index_select(0, flat).view(shape);  // not used by GGUF models (embeddings are Q8_0 or float)
+  return out.view(shape);
 }
 
 COMB_INLINE int64_t QuantizedMatrix::bytes() const {
-  return packed_.numel() * packed_.element_size() + scales_.numel() * scales_.element_size();
+  int64_t n = packed_.numel() * packed_.element_size() + scales_.numel() * scales_.element_size();
+  if (mins_.defined()) n += mins_.numel() * mins_.element_size();
+  return n;
 }
 
 }  // namespace comb

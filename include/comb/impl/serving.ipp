@@ -783,14 +783,22 @@ COMB_INLINE at::Tensor ServeEngine::batched_forward(const std::vector<Sequence*>
       cpu::gemv_rows(in, B, w, k, out, n_out, c * chunk, std::min(n_out, (c + 1) * chunk));
     });
   };
-  auto linear = [&](const LayerWeights& l, Proj p, const at::Tensor& weight, const at::Tensor& t) -> at::Tensor {
-    if (l.quantized) {  // groups of rows the kept-quantized kernels compute row by row
-      constexpr int64_t group = 32;
-      if (B <= group) return project(l, p, t).contiguous();
-      std::vector<at::Tensor> parts;
-      for (int64_t r = 0; r < B; r += group) parts.push_back(project(l, p, t.narrow(0, r, std::min(group, B - r))));
-      return at::cat(parts, 0).contiguous();
+  // The same over kept-quantized weights: the row kernels, kKernelRows rows of the batch at a time.
+  auto gemv_quantized = [&](const at::Tensor& t, const QuantizedMatrix& m) {
+    constexpr int64_t chunk = 64;
+    const int64_t k = t.size(-1), n_out = m.rows();
+    at::Tensor out = at::empty({B, n_out}, t.options());
+    for (int64_t r = 0; r < B; r += QuantizedMatrix::kKernelRows) {
+      const int64_t n = std::min(QuantizedMatrix::kKernelRows, B - r);
+      const float* in = t.data_ptr<float>() + r * k;
+      float* o = out.data_ptr<float>() + r * n_out;
+      workers_->run((n_out + chunk - 1) / chunk,
+                    [&](int64_t c) { m.apply_rows(in, n, o, c * chunk, std::min(n_out, (c + 1) * chunk)); });
     }
+    return out;
+  };
+  auto linear = [&](const LayerWeights& l, Proj p, const at::Tensor& weight, const at::Tensor& t) -> at::Tensor {
+    if (l.quantized) return gemv_quantized(t.contiguous(), quantized_matrix(*l.quantized, p));
     const int64_t k = t.size(-1), n_out = weight.size(0);
     at::Tensor out = at::empty({B, n_out}, t.options());
     gemv(t.data_ptr<float>(), weight.data_ptr<float>(), k, out.data_ptr<float>(), n_out);
@@ -875,12 +883,7 @@ COMB_INLINE at::Tensor ServeEngine::batched_forward(const std::vector<Sequence*>
     x.add_(linear(w, Proj::down, w.w_down, act));
   }
   at::Tensor h = norm(x, W.output_norm);
-  if (W.output_q) {
-    constexpr int64_t group = 32;
-    std::vector<at::Tensor> parts;
-    for (int64_t r = 0; r < B; r += group) parts.push_back(W.output_q->apply(h.narrow(0, r, std::min(group, B - r))));
-    return at::cat(parts, 0).contiguous();
-  }
+  if (W.output_q) return gemv_quantized(h, *W.output_q);
   const int64_t n_vocab = W.output.size(0);
   at::Tensor out = at::empty({B, n_vocab}, h.options());
   gemv(h.data_ptr<float>(), W.output.data_ptr<float>(), E, out.data_ptr<float>(), n_vocab);

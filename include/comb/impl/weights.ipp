@@ -138,9 +138,8 @@ COMB_INLINE LlamaWeights load_llama_weights(const TensorSource& source, const Mo
       if (f.spec->slot == Slot::tok_embd || f.spec->slot == Slot::output) head_kinds[f.spec->slot] = grouped_type(f.name);
     }
   std::vector<bool> layer_quantized(config.n_layer, false);
-  // ATen's int4 layout takes rows in multiples of 16, and every matrix is whole groups of 32 wide.
-  const bool shapes_fit = (config.q_dim() + 2 * config.kv_dim()) % 16 == 0 && config.n_embd % 32 == 0 &&
-                          config.q_dim() % 32 == 0 && config.n_ff % 32 == 0 && (2 * config.n_ff) % 16 == 0;
+  // Every matrix is whole groups of 32 wide.
+  const bool shapes_fit = config.n_embd % 32 == 0 && config.q_dim() % 32 == 0 && config.n_ff % 32 == 0;
   for (int64_t i = 0; keep_quantized && shapes_fit && i < config.n_layer; ++i) {
     auto& k = kinds[i];
     bool all = k.size() == 7;
@@ -310,7 +309,6 @@ COMB_INLINE void WeightReader::finish(const std::string& what) const {
              fmt::join(problems_, "\n  "));
 }
 
-namespace impl_weights {  // this file's own helpers
 COMB_INLINE const QuantizedMatrix& quantized_matrix(const QuantizedLayer& q, Proj p) {
   switch (p) {
     case Proj::qkv: return q.wqkv;
@@ -319,6 +317,8 @@ COMB_INLINE const QuantizedMatrix& quantized_matrix(const QuantizedLayer& q, Pro
     default: return q.w_down;
   }
 }
+
+namespace impl_weights {  // this file's own helpers
 COMB_INLINE const at::Tensor& layer_matrix(const LayerWeights& l, Proj p) {
   switch (p) {
     case Proj::qkv: return l.wqkv;
