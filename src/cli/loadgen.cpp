@@ -1,7 +1,9 @@
 // `comb loadgen`: load for `comb serve`. Requests arrive as a Poisson process at each given rate;
 // each is a streamed chat completion over one QA item's documents (in a random order: the items'
 // documents are a pool that requests share, as in retrieval-augmented generation) with a caching
-// method named per run. Prints completed requests/s, output tokens/s, time to first token p50 and
+// method named per run. With --documents prompt the documents are written into the user message
+// instead (the same text as comb's QA prompt), for any OpenAI-compatible server; the methods
+// then only label the runs. Prints completed requests/s, output tokens/s, time to first token p50 and
 // p99 (measured by the client, to the first streamed token) and the share of prompt tokens read
 // from a cache.
 #include <httplib.h>
@@ -132,7 +134,12 @@ int cmd_loadgen(Args& args) {
                "--rates: each rate (requests per second, comma-separated) should be a number above 0, found '{}'", r);
     rates.push_back(v);
   }
-  const std::vector<std::string> methods = split(args.str("methods", "comb,prefix"));
+  const std::string documents = args.str("documents", "field");
+  COMB_CHECK(documents == "field" || documents == "prompt",
+             "--documents should be field (comb's documents and method fields) or prompt (the documents written into "
+             "the message, for any OpenAI-compatible server), found '{}'", documents);
+  const bool in_prompt = documents == "prompt";
+  const std::vector<std::string> methods = split(args.str("methods", in_prompt ? "prompt" : "comb,prefix"));
   args.check_all_used();
   COMB_CHECK(duration > 0, "--duration should be above 0 seconds, found {}", duration);
 
@@ -151,12 +158,21 @@ int cmd_loadgen(Args& args) {
   auto body_for = [&](const QaItem& item, const std::string& method, std::mt19937_64& rng) {
     std::vector<QaDocument> docs = item.documents;
     std::shuffle(docs.begin(), docs.end(), rng);
-    json d = json::array();
-    for (const auto& doc : docs) d.push_back({{"title", doc.title}, {"text", doc.text}});
-    return json{{"model", model}, {"messages", json::array({{{"role", "user"}, {"content", item.question}}})},
-                {"documents", d}, {"method", method}, {"max_tokens", max_tokens}, {"temperature", 0},
-                {"stream", true}, {"stream_options", {{"include_usage", true}}}}
-        .dump();
+    json j = {{"model", model}, {"max_tokens", max_tokens}, {"temperature", 0}, {"stream", true},
+              {"stream_options", {{"include_usage", true}}}};
+    if (in_prompt) {  // the text comb's QA prompt holds, in one user message: instruction, documents, question
+      std::string text = std::string(kQaInstruction) + "\n\n";
+      for (const auto& doc : docs) text += "Title: " + doc.title + "\n" + doc.text + "\n\n";
+      text += "Question: " + item.question;
+      j["messages"] = json::array({{{"role", "user"}, {"content", text}}});
+    } else {
+      json d = json::array();
+      for (const auto& doc : docs) d.push_back({{"title", doc.title}, {"text", doc.text}});
+      j["messages"] = json::array({{{"role", "user"}, {"content", item.question}}});
+      j["documents"] = d;
+      j["method"] = method;
+    }
+    return j.dump();
   };
   fmt::print(stderr, "[loadgen] {} items of {} as the document pool; {} s per run; methods {}; rates {}\n", items.size(),
              data_name(data), duration, fmt::join(methods, ","), fmt::join(rates, ","));

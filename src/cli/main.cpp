@@ -253,6 +253,10 @@ loadgen options (no model loaded; docs/benchmarks.md):
   --data FILE            QA items (JSON Lines, gzip or plain); their documents are the shared pool
   --items N              the first N items (default 20)
   --methods A,B          caching methods, one run each per rate (default comb,prefix)
+  --documents field|prompt  field (default): comb's 'documents' and 'method' fields; prompt: the
+                         documents written into the user message (instruction, documents,
+                         question: the text of comb's QA prompt), for any OpenAI-compatible server
+                         (llama.cpp's llama-server); --methods then only labels the runs
   --rates R1,R2          Poisson arrival rates, requests per second (default 1)
   --duration S           seconds of arrivals per run (default 30); the run then waits for them
   --max-tokens N         per request (default 16), greedy
