@@ -294,13 +294,18 @@ COMB_AVX512 void grouped_tile_avx512(const float* x, int64_t k, const Groups& wq
     for (int o = 0; o < O; ++o) y[r * n_out + o] = _mm512_reduce_add_ps(acc[r][o]);
 }
 
-// Outputs four at a time, the rows of x four, two, then one at a time; the last outputs alone.
+// Outputs four at a time, the rows of x eight (as two tiles of two outputs: each group dequantized
+// once for eight rows), four, two, then one at a time; the last outputs alone.
 template <class Groups>
 COMB_AVX512 void gemv_grouped_avx512(const float* x, int64_t m, int64_t k, const Groups& wq, float* y, int64_t n_out,
                                      int64_t begin, int64_t end) {
   int64_t o = begin;
   for (; o + 4 <= end; o += 4) {
     int64_t r = 0;
+    for (; r + 8 <= m; r += 8) {
+      grouped_tile_avx512<8, 2>(x + r * k, k, wq, o, y + r * n_out + o, n_out);
+      grouped_tile_avx512<8, 2>(x + r * k, k, wq, o + 2, y + r * n_out + o + 2, n_out);
+    }
     for (; r + 4 <= m; r += 4) grouped_tile_avx512<4, 4>(x + r * k, k, wq, o, y + r * n_out + o, n_out);
     for (; r + 2 <= m; r += 2) grouped_tile_avx512<2, 4>(x + r * k, k, wq, o, y + r * n_out + o, n_out);
     for (; r < m; ++r) grouped_tile_avx512<1, 4>(x + r * k, k, wq, o, y + r * n_out + o, n_out);

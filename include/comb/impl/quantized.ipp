@@ -17,10 +17,34 @@
 #include "comb/error.hpp"
 #include "comb/tensor_source.hpp"
 
+// LibTorch exports this (its ahead-of-time compiler uses it) but ships no header for it (see
+// decoder.ipp); weak, so that a LibTorch without it leaves the GEMM path on a copy.
+namespace at::native {
+__attribute__((weak)) void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor);
+}
+
 namespace comb {
 
 namespace impl_quantized {  // this file's own helpers
-COMB_INLINE constexpr int64_t kChunkRows = 4096;  // output rows dequantized at a time (9 MB of float32 at 576 columns)
+// Past kKernelRows: output rows dequantized at a time (a layer's matrices whole; the 49,152-row head
+// of the default model in 12 chunks of 9 MB).
+COMB_INLINE constexpr int64_t kChunkRows = 4096;
+// A new oneDNN tensor [rows, cols] whose memory is a plain row-major float array (its pointer in
+// *data), or an undefined tensor where LibTorch does not give that (checked once).
+COMB_INLINE at::Tensor plain_onednn(int64_t rows, int64_t cols, float** data) {
+  static const bool plain = [] {
+    if (!at::hasMKLDNN() || !at::native::data_ptr_from_mkldnn) return false;
+    at::Tensor probe = at::empty({3, 5}, at::TensorOptions().dtype(at::kFloat).layout(at::kMkldnn));
+    float* p = static_cast<float*>(at::native::data_ptr_from_mkldnn(probe));
+    if (!p) return false;
+    for (int i = 0; i < 15; ++i) p[i] = static_cast<float>(i);
+    return probe.to_dense().equal(at::arange(15, at::kFloat).view({3, 5}));
+  }();
+  if (!plain) return at::Tensor();
+  at::Tensor t = at::empty({rows, cols}, at::TensorOptions().dtype(at::kFloat).layout(at::kMkldnn));
+  *data = static_cast<float*>(at::native::data_ptr_from_mkldnn(t));
+  return t;
+}
 }  // namespace impl_quantized
 using namespace impl_quantized;
 
@@ -197,11 +221,25 @@ COMB_INLINE at::Tensor QuantizedMatrix::apply(const at::Tensor& x) const {
     at::parallel_for(0, rows_, 256,
                      [&](int64_t b, int64_t e) { apply_rows(in.data_ptr<float>(), n, out.data_ptr<float>(), b, e); });
   } else {
-    at::Tensor w = at::empty({std::min(kChunkRows, rows_), cols_}, at::kFloat);
-    for (int64_t r = 0; r < rows_; r += kChunkRows) {
-      const int64_t len = std::min(kChunkRows, rows_ - r);
-      dequantize_rows(r, r + len, w.data_ptr<float>());
-      out.narrow(1, r, len).copy_(at::linear(in, w.narrow(0, 0, len)));
+    // oneDNN's GEMM over the dequantized floats in their plain layout: the float path's own prefill
+    // GEMM (Decoder::prepack_onednn), so the same numbers there too when a matrix fits one chunk.
+    // The weights are dequantized straight into a oneDNN tensor (no copy) where LibTorch allows.
+    const int64_t chunk = std::min(rows_, kChunkRows);
+    at::Tensor in_onednn = at::hasMKLDNN() ? in.to_mkldnn() : at::Tensor();
+    for (int64_t r = 0; r < rows_; r += chunk) {
+      const int64_t len = std::min(chunk, rows_ - r);
+      float* data = nullptr;
+      at::Tensor w = plain_onednn(len, cols_, &data), y;
+      if (w.defined()) {
+        dequantize_rows(r, r + len, data);
+        y = at::mkldnn_linear(in_onednn, w).to_dense();
+      } else {
+        at::Tensor dense = at::empty({len, cols_}, at::kFloat);
+        dequantize_rows(r, r + len, dense.data_ptr<float>());
+        y = in_onednn.defined() ? at::mkldnn_linear(in_onednn, dense.to_mkldnn()).to_dense() : at::linear(in, dense);
+      }
+      if (len == rows_) return y.view(shape);
+      out.narrow(1, r, len).copy_(y);
     }
   }
   return out.view(shape);
