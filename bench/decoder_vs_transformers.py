@@ -40,7 +40,8 @@ def main():
     comb_runs, hf_runs = [], []
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}: comb", file=sys.stderr, flush=True)
-        comb_runs.append(run([args.comb, "bench", "--json"] + common))
+        # float32 weights on both sides: comb's default keeps a GGUF file's weights quantized
+        comb_runs.append(run([args.comb, "bench", "--json", "--quantize", "none"] + common))
         print(f"round {r + 1}/{args.rounds}: transformers", file=sys.stderr, flush=True)
         hf_runs.append(run([sys.executable, str(ROOT / "bench" / "hf_baseline.py")] + common))
     print(f"| figure | comb tokens/s | transformers tokens/s | ratio | target |")

@@ -10,10 +10,11 @@
 # The traffic is comb loadgen's: Poisson arrivals, each request one item's question over its
 # documents in a shuffled order (retrieval-augmented generation), 16 greedy tokens, streamed.
 # llama-server gets the documents written into the user message (the text of comb's QA prompt,
-# loadgen --documents prompt) and keeps its prompt cache with --cache-reuse 256 (chunks of
+# loadgen --documents prompt) and keeps its prompt cache with --cache-reuse (chunks of
 # a cached prompt reused at other positions by shifting their K/V); comb gets them as documents and
 # serves them with each caching method. Each server or method first sends every item once, then
-# each rate for DURATION seconds (default 30). Prints loadgen's table per server and method, and the
+# each rate for DURATION seconds (default 30). PEER_CACHE_REUSE (default 256) sets --cache-reuse;
+# SERVERS=llama-server or SERVERS=comb runs one side. Prints loadgen's table per server and method, and the
 # peak resident memory of each server (VmHWM) with its context: llama-server -c 32768 -np 16
 # (16 slots of 2,048 tokens), comb serve with its defaults (16 running, a 1 GiB K/V pool).
 set -euo pipefail
@@ -25,6 +26,8 @@ comb_rates=${4:-0.5,1,2,3}
 items=${5:-20}
 threads=${THREADS:-2}
 methods=${METHODS:-prefix,naive,epic,cacheblend,comb}
+reuse=${PEER_CACHE_REUSE:-256}   # llama-server --cache-reuse: the shortest chunk it shifts into place
+servers=${SERVERS:-llama-server,comb}
 comb=${COMB_BUILD_DIR:-$root/build}/comb
 [ -x "$comb" ] || { echo "$0: no comb binary at '$comb' (run scripts/build.sh)" >&2; exit 1; }
 model=$(grep -o 'COMB_DEFAULT_MODEL:FILEPATH=.*' "${COMB_BUILD_DIR:-$root/build}/CMakeCache.txt" | cut -d= -f2)
@@ -57,18 +60,20 @@ free_port() {  # a loopback port nothing listens on
 }
 peak() { grep VmHWM "/proc/$1/status" | awk '{printf "%.0f MiB", $2 / 1024}'; }
 
-# llama-server
-port=$(free_port)
-"$server_bin" -m "$model" -t "$threads" -tb "$threads" -c 32768 -np 16 --cache-reuse 256 --no-webui \
-  --host 127.0.0.1 --port "$port" >"$dir/peer.log" 2>&1 &
-server=$!
-for _ in $(seq 1 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
-curl -sf "http://127.0.0.1:$port/health" >/dev/null || { tail -20 "$dir/peer.log" >&2; exit 1; }
-echo "== llama-server (llama.cpp from llama-cpp-python $version), -t $threads -c 32768 -np 16 --cache-reuse 256"
-"$comb" loadgen --port "$port" --data "$data" --items "$items" --documents prompt --methods llama-server \
-  --rates "$peer_rates" --duration "$duration" --max-tokens 16
-echo "llama-server peak resident memory: $(peak "$server")"
-stop
+if [[ ,$servers, == *,llama-server,* ]]; then
+  port=$(free_port)
+  "$server_bin" -m "$model" -t "$threads" -tb "$threads" -c 32768 -np 16 --cache-reuse "$reuse" --no-webui \
+    --host 127.0.0.1 --port "$port" >"$dir/peer.log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null || { tail -20 "$dir/peer.log" >&2; exit 1; }
+  echo "== llama-server (llama.cpp from llama-cpp-python $version), -t $threads -c 32768 -np 16 --cache-reuse $reuse"
+  "$comb" loadgen --port "$port" --data "$data" --items "$items" --documents prompt --methods llama-server \
+    --rates "$peer_rates" --duration "$duration" --max-tokens 16
+  echo "llama-server peak resident memory: $(peak "$server")"
+  stop
+fi
+[[ ,$servers, == *,comb,* ]] || exit 0
 
 # comb serve, its defaults
 "$comb" serve --port 0 --port-file "$dir/port" --threads "$threads" --max-queued 1024 --log-requests 0 \
