@@ -272,6 +272,20 @@ def test_api_extras(s):
               f"{path} {what}: {e.status_code} {e.json()['error']['message'][:90]!r}")
 
 
+def test_loadgen(s):
+    """comb loadgen against this server, documents as comb's field and written into the message
+    (--documents prompt, the form bench/peer_serve.sh sends llama-server)."""
+    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "rescore.jsonl")
+    for mode in ("field", "prompt"):
+        out = subprocess.run([COMB, "loadgen", "--port", str(s.port), "--data", data, "--items", "3", "--rates", "4",
+                              "--duration", "1", "--max-tokens", "4", "--documents", mode, "--methods",
+                              "naive" if mode == "field" else "prompt", "--json"],
+                             capture_output=True, text=True, timeout=300)
+        rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        ok = out.returncode == 0 and len(rows) == 1 and rows[0]["completed"] == rows[0]["sent"] and rows[0]["errors"] == 0
+        check(ok, f"loadgen --documents {mode}: every request answered ({rows or out.stderr[-300:]})")
+
+
 def hostile_requests(model):
     """1,000 bodies and paths, none of them valid."""
     rng = random.Random(5)
@@ -843,7 +857,7 @@ def test_disk_budget():
 def main():
     s = Server("--served-model-name", ",".join(NAMES))
     try:
-        for test in (test_api, test_api_extras, test_documents, test_concurrency, test_hostile, test_raw_requests, test_request_heads,
+        for test in (test_api, test_api_extras, test_loadgen, test_documents, test_concurrency, test_hostile, test_raw_requests, test_request_heads,
                      test_slow_clients, test_cancel_and_metrics):
             t0 = time.time()
             test(s)
