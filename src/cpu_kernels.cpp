@@ -215,32 +215,12 @@ COMB_AVX2 void mix_rows_avx2(const float* p, int64_t n, const float* values, int
 #endif
 
 #if defined(__x86_64__)
-// A group's 16 possible weights q * scale + min in one vector, then each nibble looks its weight up.
-COMB_AVX512 void dequantize_q4_avx512(const uint8_t* q, const float* scale, const float* min, int64_t groups, float* w) {
-  const __m512i low = _mm512_set1_epi32(15);
-  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * g)));
-    const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scale[g])), _mm512_set1_ps(min[g]));
-    _mm512_storeu_ps(w + 32 * g, _mm512_permutexvar_ps(_mm512_and_si512(v, low), table));
-    _mm512_storeu_ps(w + 32 * g + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
-  }
-}
-
-COMB_AVX512 void dequantize_q8_avx512(const int8_t* q, const float* scale, int64_t groups, float* w) {
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m512 s = _mm512_set1_ps(scale[g]);
-    for (int h = 0; h < 2; ++h) {
-      const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 32 * g + 16 * h)));
-      _mm512_storeu_ps(w + 32 * g + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(v), s));
-    }
-  }
-}
-
 // Grouped weights multiplied without a buffer: each group's 32 weights of O output rows are
-// dequantized into registers (as dequantize_*_avx512 writes them) and used at once for R rows of
-// x, with one accumulator per (row, output) and the chunks of 16 in order: gemv_rows's AVX-512
-// arithmetic over the same floats, hence its numbers.
+// dequantized into registers (weights(): the one dequantization of the AVX-512 path, which
+// dequantize_row_avx512 stores) and used at once for R rows of x, with one accumulator per (row,
+// output) and the chunks of 16 in order: gemv_rows's AVX-512 arithmetic over the same floats,
+// hence its numbers.
+// Q4: a group's 16 possible weights q * scale + min in one vector, then each nibble looks its weight up.
 struct Q4Groups {
   const uint8_t* q;
   const float *scale, *min;
@@ -267,6 +247,17 @@ struct Q8Groups {
     w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))), s);
   }
 };
+
+// Output row o of the grouped weights, dequantized into w [k].
+template <class Groups>
+COMB_AVX512 void dequantize_row_avx512(const Groups& wq, int64_t o, int64_t k, float* w) {
+  for (int64_t g = 0; g < k / 32; ++g) {
+    __m512 w0, w1;
+    wq.weights(o, g, w0, w1);
+    _mm512_storeu_ps(w + 32 * g, w0);
+    _mm512_storeu_ps(w + 32 * g + 16, w1);
+  }
+}
 
 template <int R, int O, class Groups>
 COMB_AVX512 void grouped_tile_avx512(const float* x, int64_t k, const Groups& wq, int64_t o0, float* y, int64_t n_out) {
@@ -382,7 +373,7 @@ void gemv_rows(const float* x, int64_t m, const float* w, int64_t k, float* y, i
 void dequantize_q8_row(const int8_t* q, const float* scale, int64_t k, float* w) {
   const int64_t groups = k / 32;
 #if defined(__x86_64__)
-  if (has_avx512()) return dequantize_q8_avx512(q, scale, groups, w);
+  if (has_avx512()) return dequantize_row_avx512(Q8Groups{q, scale, k}, 0, k, w);
 #endif
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t j = 0; j < 32; ++j) w[32 * g + j] = static_cast<float>(q[32 * g + j]) * scale[g];
@@ -391,7 +382,7 @@ void dequantize_q8_row(const int8_t* q, const float* scale, int64_t k, float* w)
 void dequantize_q4_row(const uint8_t* q, const float* scale, const float* min, int64_t k, float* w) {
   const int64_t groups = k / 32;
 #if defined(__x86_64__)
-  if (has_avx512()) return dequantize_q4_avx512(q, scale, min, groups, w);
+  if (has_avx512()) return dequantize_row_avx512(Q4Groups{q, scale, min, k}, 0, k, w);
   if (has_avx2()) return dequantize_q4_avx2(q, scale, min, groups, w);
 #endif
   for (int64_t g = 0; g < groups; ++g)
