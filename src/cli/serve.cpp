@@ -213,9 +213,10 @@ class Api {
  public:
   Api(const Model& model, ServeEngine& engine, std::vector<std::string> names, serve::Limits limits,
       int64_t default_max_tokens, bool log_requests, const std::string& cache_dir)
-      : model_(model), engine_(engine), names_(std::move(names)), name_(names_.at(0)), limits_(limits),
+      : model_(model), engine_(engine), names_(std::move(names)), limits_(limits),
         default_max_tokens_(default_max_tokens), log_(log_requests), started_(std::time(nullptr)),
         registry_(cache_dir) {
+    COMB_CHECK(!names_.empty(), "the server needs a model name");
     registry_.load(docs_, model.config().n_vocab, model.config().n_ctx, kMaxUploads);
   }
 
@@ -433,19 +434,35 @@ class Api {
                                       fmt::join(names_, "', '")), "model", "model_not_found");
   }
 
+  // A completion's prompt text as token ids, the tokenizer's BOS first where it adds one and `bos`.
+  std::vector<int32_t> prompt_tokens(const std::string& text, bool bos) const {
+    const Tokenizer& tok = model_.tokenizer();
+    std::vector<int32_t> ids = tok.encode(text);
+    if (bos && tok.add_bos() && tok.bos_id() && (ids.empty() || ids[0] != *tok.bos_id()))
+      ids.insert(ids.begin(), *tok.bos_id());
+    return ids;
+  }
+
+  // Token ids a request gives (`param`): each inside the vocabulary, else a 400 naming it.
+  std::vector<int32_t> vocabulary_ids(const std::vector<int64_t>& given, const std::string& param) const {
+    const int64_t n_vocab = model_.tokenizer().n_vocab();
+    std::vector<int32_t> ids;
+    for (size_t i = 0; i < given.size(); ++i) {
+      if (given[i] >= n_vocab)
+        throw ApiError(400, fmt::format("{}[{}]: token id {} is outside the vocabulary of {}", param, i, given[i], n_vocab),
+                       fmt::format("{}[{}]", param, i));
+      ids.push_back(static_cast<int32_t>(given[i]));
+    }
+    return ids;
+  }
+
   // Token ids of a prompt (as /v1/completions reads it) or of a chat (as /v1/chat/completions).
   void tokenize(const httplib::Request& req, httplib::Response& res) {
     const serve::TokenizeRequest t = serve::parse_tokenize_request(req.body, limits_);
     if (!t.model.empty()) check_model(t.model);
     const Tokenizer& tok = model_.tokenizer();
-    std::vector<int32_t> ids;
-    if (t.chat) {
-      ids = model_.chat_prompt(t.messages, t.add_generation_prompt);
-    } else {
-      ids = tok.encode(t.prompt);
-      if (t.add_special && tok.add_bos() && tok.bos_id() && (ids.empty() || ids[0] != *tok.bos_id()))
-        ids.insert(ids.begin(), *tok.bos_id());
-    }
+    const std::vector<int32_t> ids =
+        t.chat ? model_.chat_prompt(t.messages, t.add_generation_prompt) : prompt_tokens(t.prompt, t.add_special);
     json j = {{"count", ids.size()}, {"max_model_len", model_.config().n_ctx}, {"tokens", ids}};
     if (t.return_token_strs) {
       json strs = json::array();
@@ -458,15 +475,7 @@ class Api {
   void detokenize(const httplib::Request& req, httplib::Response& res) {
     const serve::DetokenizeRequest d = serve::parse_detokenize_request(req.body, limits_);
     if (!d.model.empty()) check_model(d.model);
-    const Tokenizer& tok = model_.tokenizer();
-    std::vector<int32_t> ids;
-    for (size_t i = 0; i < d.tokens.size(); ++i) {
-      if (d.tokens[i] >= tok.n_vocab())
-        throw ApiError(400, fmt::format("tokens[{}]: token id {} is outside the vocabulary of {}", i, d.tokens[i],
-                                        tok.n_vocab()), fmt::format("tokens[{}]", i));
-      ids.push_back(static_cast<int32_t>(d.tokens[i]));
-    }
-    res.set_content(dump({{"prompt", tok.decode(ids)}}), "application/json");
+    res.set_content(dump({{"prompt", model_.tokenizer().decode(vocabulary_ids(d.tokens, "tokens"))}}), "application/json");
   }
 
   ServeRequest build(const serve::CompletionRequest& c, Method method) {
@@ -506,18 +515,7 @@ class Api {
         r.prompt.suffix = model_.chat_prompt(c.messages);
       }
     } else {
-      std::vector<int32_t> ids;
-      if (c.prompt_is_ids) {
-        for (size_t i = 0; i < c.prompt_ids.size(); ++i) {
-          if (c.prompt_ids[i] >= tok.n_vocab())
-            throw ApiError(400, fmt::format("prompt[{}]: token id {} is outside the vocabulary of {}", i,
-                                            c.prompt_ids[i], tok.n_vocab()), fmt::format("prompt[{}]", i));
-          ids.push_back(static_cast<int32_t>(c.prompt_ids[i]));
-        }
-      } else {
-        ids = tok.encode(c.prompt);
-        if (tok.add_bos() && tok.bos_id() && (ids.empty() || ids[0] != *tok.bos_id())) ids.insert(ids.begin(), *tok.bos_id());
-      }
+      std::vector<int32_t> ids = c.prompt_is_ids ? vocabulary_ids(c.prompt_ids, "prompt") : prompt_tokens(c.prompt, true);
       if (docs && tok.add_bos() && tok.bos_id() && !ids.empty() && ids[0] == *tok.bos_id()) {
         r.prompt.prefix = {ids[0]};  // the documents come after it
         ids.erase(ids.begin());
@@ -588,7 +586,7 @@ class Api {
     const Tokenizer* tok = &model_.tokenizer();  // the lambdas below outlive this call, not the model
     auto head = [=, this]() {
       return json{{"id", rid}, {"object", chat ? (stream ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
-                  {"created", created}, {"model", name_}};
+                  {"created", created}, {"model", names_.front()}};
     };
     auto usage = [](const ServeResult& s) {
       return json{{"prompt_tokens", s.prompt_tokens}, {"completion_tokens", s.tokens.size()},
@@ -786,8 +784,7 @@ class Api {
   static constexpr int64_t kMaxUploads = 100000;  // entries of the document registry
   const Model& model_;
   ServeEngine& engine_;
-  std::vector<std::string> names_;  // the served name, then its aliases
-  std::string name_;
+  std::vector<std::string> names_;  // the served name, then its aliases (at least one)
   serve::Limits limits_;
   int64_t default_max_tokens_;
   bool log_;

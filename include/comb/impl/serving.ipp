@@ -654,7 +654,7 @@ COMB_INLINE bool ServeEngine::emit(Sequence& s, const at::Tensor& logits) {
   // Text that a stop string could still claim is held back.
   size_t safe = text.size() >= longest ? text.size() - (longest > 0 ? longest - 1 : 0) : 0;
   safe = detail::utf8_cut(text, safe);
-  if (safe > s.emitted || s.result.logprobs.size() > s.logprobs_sent) hand_out(s, safe);
+  hand_out(s, safe);
   if (static_cast<int64_t>(s.result.tokens.size()) >= s.request.max_tokens || s.length >= model_.config().n_ctx) {
     finish(s, "length");
     return false;
@@ -663,8 +663,11 @@ COMB_INLINE bool ServeEngine::emit(Sequence& s, const at::Tensor& logits) {
   return true;
 }
 
-// Gives on_text the text up to byte `upto` not handed out yet, with the log-probabilities not handed out.
+// Gives on_text the text up to byte `upto` not handed out yet, with the log-probabilities not handed
+// out; nothing when there is neither.
 COMB_INLINE void ServeEngine::hand_out(Sequence& s, size_t upto) {
+  upto = std::max(upto, s.emitted);
+  if (upto == s.emitted && s.result.logprobs.size() == s.logprobs_sent) return;
   const std::string piece = s.result.text.substr(s.emitted, upto - s.emitted);
   std::vector<TokenLogprob> logprobs(s.result.logprobs.begin() + static_cast<std::ptrdiff_t>(s.logprobs_sent),
                                      s.result.logprobs.end());
@@ -699,8 +702,7 @@ COMB_INLINE void ServeEngine::finish(Sequence& s, const std::string& reason, con
     else if (reason == "error") ++stats_.failed;
     else ++stats_.finished;
   }
-  if (reason != "error" && (s.result.text.size() > s.emitted || s.result.logprobs.size() > s.logprobs_sent))
-    hand_out(s, s.result.text.size());
+  if (reason != "error") hand_out(s, s.result.text.size());
   s.emitted = s.result.text.size();
   try {
     if (s.request.on_done) s.request.on_done(s.result);
