@@ -680,6 +680,33 @@ TEST_CASE("without gradients on CPU, joint attention and joined keys take direct
         CHECK(direct.equal(merged));  // the path taken without gradients
       }
 
+  // joint_attention_rows (the fused kernel for few rows) against the merged path: a batch of two
+  // over a cache with room past the new rows, heads grouped 3 to a KV head at head_dim 64 (the
+  // AVX-512 kernel where the CPU has it) and 2 to a KV head at head_dim 16 (the portable one).
+  for (auto [n_head_r, n_kv_r, d_r] : {std::tuple<int64_t, int64_t, int64_t>{9, 3, 64}, {6, 2, 16}})
+    for (int64_t start : {0, 7})
+      for (int64_t n : {1, 6})
+        for (int64_t anchor : {int64_t(0), start + 3, start + n + 1})
+          for (bool with_bias : {true, false}) {
+            INFO("heads " << n_head_r << "/" << n_kv_r << ", head_dim " << d_r << ", start " << start << ", n " << n
+                          << ", anchor " << anchor << ", bias " << with_bias);
+            at::NoGradGuard off;
+            const int64_t batch = 2, capacity = start + n + 5, m_r = 11;
+            at::Tensor q = at::randn({batch, n_head_r, n, d_r}, gen);
+            at::Tensor k_cache = at::randn({batch, n_kv_r, capacity, d_r}, gen);
+            at::Tensor v_cache = at::randn({batch, n_kv_r, capacity, d_r}, gen);
+            JointKV joint;
+            joint.keys = at::randn({batch, n_kv_r, m_r, d_r}, gen);
+            joint.values = at::randn({batch, n_kv_r, m_r, d_r}, gen);
+            if (with_bias) joint.bias = at::randn({n_head_r}, gen);
+            joint.anchor = anchor;
+            at::Tensor merged = joint_attention_merged(q, k_cache.narrow(2, 0, start + n),
+                                                       v_cache.narrow(2, 0, start + n), start, joint);
+            at::Tensor rows = joint_attention_rows(q.transpose(1, 2).contiguous(), k_cache, v_cache, start, joint);
+            REQUIRE(rows.sizes() == at::IntArrayRef({batch, n, n_head_r * d_r}));
+            CHECK((rows.view({batch, n, n_head_r, d_r}).transpose(1, 2) - merged).abs().max().item<double>() < 1e-5);
+          }
+
   // joint_kv: each key rotated once into place (float32 and int8 entries) against the tensor ops,
   // with consecutive documents after an anchor and a batch of rows of different lengths.
   at::NoGradGuard off;

@@ -80,6 +80,14 @@ at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& keys, const at
 // kernel and merged by their log-sum-exp (exact up to rounding). CPU float32, joint.valid undefined.
 at::Tensor joint_attention_merged(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
                                   const JointKV& joint);
+// The same softmax by the fused CPU row kernel, for few rows (a warm request's question, a decoding
+// step): each row of each KV head's query group over the joined keys (plus the bias; rows at
+// positions before joint.anchor read none) and its causal context, every key read once for the
+// group. q [batch, n, n_head, head_dim] contiguous, the cache's keys and values [batch, n_head_kv,
+// capacity, head_dim] with the n new rows at [start, start + n); returns [batch, n, n_head * head_dim].
+// Where merged_attention_applies(joint).
+at::Tensor joint_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start,
+                                const JointKV& joint);
 // Whether joint_attention_merged takes these joined keys (no gradients recorded, CPU float32 keys
 // and values, no padding); the queries and context must be CPU float32 too.
 bool merged_attention_applies(const JointKV& joint);

@@ -189,6 +189,53 @@ COMB_INLINE at::Tensor joint_attention_merged(const at::Tensor& q, const at::Ten
   return own;
 }
 
+COMB_INLINE at::Tensor joint_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                            int64_t start, const JointKV& joint) {
+  RECORD_FUNCTION("comb::joint_attention_rows", std::vector<c10::IValue>());
+  const int64_t batch = q.size(0), n = q.size(1), n_head = q.size(2), head_dim = q.size(3);
+  const int64_t n_kv = k_cache.size(1), capacity = k_cache.size(2), m = joint.keys.size(2);
+  COMB_CHECK(q.is_contiguous() && q.device().is_cpu() && q.scalar_type() == at::kFloat && merged_attention_applies(joint),
+             "joint_attention_rows: contiguous CPU float32 queries and joined keys without padding");
+  COMB_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                 k_cache.dim() == 4 && k_cache.size(0) == batch && k_cache.size(3) == head_dim && start + n <= capacity,
+             "joint_attention_rows: a cache [{}] for {} sequences of {} positions after {}", fmt::join(k_cache.sizes(), ", "),
+             batch, n, start);
+  COMB_CHECK(joint.keys.dim() == 4 && joint.keys.size(0) == batch && joint.keys.size(1) == n_kv &&
+                 joint.keys.size(3) == head_dim && joint.values.sizes() == joint.keys.sizes(),
+             "joint_attention_rows: joined keys [{}] and values [{}] should be [{}, {}, m, {}]",
+             fmt::join(joint.keys.sizes(), ", "), fmt::join(joint.values.sizes(), ", "), batch, n_kv, head_dim);
+  const at::Tensor jk = joint.keys.contiguous(), jv = joint.values.contiguous();
+  const at::Tensor bias = joint.bias.defined() ? joint.bias.to(at::kFloat).contiguous() : at::Tensor();
+  COMB_CHECK(!bias.defined() || bias.numel() == n_head, "joint_attention_rows: a bias of {} for {} heads",
+             bias.numel(), n_head);
+  at::Tensor out = at::empty({batch, n, n_head * head_dim}, q.options());
+  // The cache read as a pool of one block per sequence: block b is sequence b's whole capacity.
+  const detail::cpu::PagedShape shape{n_head, n_kv, head_dim, capacity};
+  const int64_t group = n_head / n_kv;
+  at::parallel_for(0, batch * n * n_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(group * (m + start + n));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / n_kv, kvh = item % n_kv, b = t / n, i = t % n;
+      const int32_t table[1] = {static_cast<int32_t>(b)};
+      // Rows before the anchor (the instruction prefix) read no document.
+      const bool reads = start + i >= joint.anchor && m > 0;
+      const float* seg_k = jk.data_ptr<float>() + b * n_kv * m * head_dim;
+      const float* seg_v = jv.data_ptr<float>() + b * n_kv * m * head_dim;
+      const int64_t seg_n = m;
+      const float* qr = q.data_ptr<float>() + t * n_head * head_dim;
+      float* o = out.data_ptr<float>() + t * n_head * head_dim;
+      const float* b_ptr = reads && bias.defined() ? bias.data_ptr<float>() : nullptr;
+      if (!detail::cpu::paged_attention_grouped(qr, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table,
+                                                start + i + 1, &seg_k, &seg_v, &seg_n, reads ? 1 : 0, b_ptr, shape, o,
+                                                scratch.data(), kvh))
+        detail::cpu::paged_attention(qr, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table, start + i + 1,
+                                     &seg_k, &seg_v, &seg_n, reads ? 1 : 0, b_ptr, shape, o, scratch.data(),
+                                     kvh * group, (kvh + 1) * group);
+    }
+  });
+  return out;
+}
+
 COMB_INLINE at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
                            const JointKV& joint) {
   const int64_t batch = q.size(0), n_head = q.size(1), n = q.size(2), head_dim = q.size(3);
@@ -410,6 +457,9 @@ COMB_INLINE constexpr int64_t kFusedMaxRows = 4;
 // Up to this many rows the projections read each weight once for all of them (comb's tiled
 // kernel); oneDNN's GEMM costs about a read of every weight more per call at these sizes.
 COMB_INLINE constexpr int64_t kGemvMaxRows = 64;
+// Up to this many rows a joint-attention layer reads the documents and the context with
+// joint_attention_rows (one fused softmax per row); longer ones with joint_attention_merged.
+COMB_INLINE constexpr int64_t kJointRowsMax = 32;
 }  // namespace impl_decoder
 using namespace impl_decoder;
 
@@ -499,7 +549,10 @@ COMB_INLINE std::vector<at::Tensor> Decoder::layer_parts(int64_t i, const std::v
       });
     }
     at::Tensor attn;
-    if (part.joint) {  // the documents' keys beside the context's
+    if (part.joint && n <= kJointRowsMax && merged_attention_applies(*part.joint)) {
+      // A warm request's question or a decoding step: one softmax per row by the fused kernel.
+      attn = joint_attention_rows(q, cache.keys(i), cache.values(i), start, *part.joint);
+    } else if (part.joint) {  // the documents' keys beside the context's
       at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
       attn = joint_attention_merged(q.transpose(1, 2), keys, values, start, *part.joint).transpose(1, 2);
     } else if (few) {
