@@ -48,14 +48,14 @@ namespace {
 // drift of the machine falls on all of them alike; the ratio against the first method is taken
 // per item, then its median. Separate processes (bench/cost_table.sh) differ by 10% from load.
 int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, const std::string& method_list,
-              int repeat, bool json) {
+              const comb::PicOptions& options, int repeat, bool json) {
   std::vector<comb::Method> methods;
   for (const auto& name : split_list(method_list)) methods.push_back(comb::parse_method(name));
   if (methods.size() < 2) throw Error("--pic-methods: expected two methods or more, comma separated, found '" + method_list + "'");
   auto items = comb::read_qa_items(data, n_items);
   if (items.empty()) throw Error("--pic-data: no item in '" + data + "'");
   std::vector<std::unique_ptr<comb::PicEngine>> engines;
-  for (auto m : methods) engines.push_back(std::make_unique<comb::PicEngine>(model, m));
+  for (auto m : methods) engines.push_back(std::make_unique<comb::PicEngine>(model, m, options));
   comb::GenerateOptions first;
   first.max_tokens = 1;
   const size_t k = methods.size();
@@ -107,11 +107,12 @@ int cmd_bench(Args& args) {
     if (items <= 0) throw Error("--pic-items: expected a number of items > 0, found " + std::to_string(items));
     const std::string list = args.str("pic-methods", "naive,comb");
     const int repeat = std::max(1, args.num<int>("repeat", 3));
+    const comb::PicOptions options = pic_method_options(args);
     const bool json = args.has("json");
     args.str("json");
     args.check_all_used();
     c10::InferenceMode guard;
-    return bench_pic(model, pic_data, items, list, repeat, json);
+    return bench_pic(model, pic_data, items, list, options, repeat, json);
   }
   std::string lengths = args.str("prompt-tokens", "128,512,2048");
   int64_t n_decode = args.num<int64_t>("decode-tokens", 64);

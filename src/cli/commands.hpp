@@ -56,6 +56,9 @@ std::string default_plugin();
 // `as_stored`: --quantize defaults to auto (a GGUF file's quantized matrices kept as stored on the
 // CPU), else to none (every weight expanded: training, plug-in tools).
 Model load_model(Args& args, bool shipped_plugin = false, bool as_stored = false);
+// The caching methods' options (--epic-k, --blend-ratio, --check-layer, --prefix-block) over `o`:
+// eval, bench --pic-data and serve read them alike.
+PicOptions pic_method_options(Args& args, PicOptions o = {});
 // "1m05s", "2h03m".
 std::string clock_text(double seconds);
 // "nq-multidoc-10.dev" for ".../nq-multidoc-10.dev.jsonl.gz".

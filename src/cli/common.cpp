@@ -87,6 +87,14 @@ comb::Model load_model(Args& args, bool shipped_plugin, bool as_stored) {
 }
 
 
+PicOptions pic_method_options(Args& args, PicOptions o) {
+  o.blend_ratio = args.num<double>("blend-ratio", o.blend_ratio);
+  o.check_layer = args.num<int64_t>("check-layer", o.check_layer);
+  o.epic_k = args.num<int64_t>("epic-k", o.epic_k);
+  o.prefix_block = args.num<int64_t>("prefix-block", o.prefix_block);
+  return o;
+}
+
 std::string clock_text(double seconds) {
   int64_t s = static_cast<int64_t>(seconds);
   return s >= 3600 ? fmt::format("{}h{:02}m", s / 3600, s / 60 % 60) : fmt::format("{}m{:02}s", s / 60, s % 60);

@@ -22,11 +22,7 @@ int cmd_eval(Args& args, Model& model) {
   const std::string data = args.str("data");
   COMB_CHECK(!data.empty(), "eval needs --data FILE (JSON Lines, optionally gzip)");
   Method method = parse_method(args.str("method", "full"));
-  PicOptions options;
-  options.blend_ratio = args.num<double>("blend-ratio", options.blend_ratio);
-  options.check_layer = args.num<int64_t>("check-layer", options.check_layer);
-  options.epic_k = args.num<int64_t>("epic-k", options.epic_k);
-  options.prefix_block = args.num<int64_t>("prefix-block", options.prefix_block);
+  PicOptions options = pic_method_options(args);
   options.cache_url = args.str("cache-url");
   options.cache_dtype = parse_cache_dtype(args.str("cache-dtype", "auto"));
   options.cache_ttl_s = args.num<int64_t>("cache-ttl", 0);

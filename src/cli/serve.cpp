@@ -816,9 +816,7 @@ int cmd_serve(Args& args) {
   o.pic.cache_url = args.str("cache-url");
   o.pic.cache_dtype = parse_cache_dtype(args.str("cache-dtype", "auto"));
   o.pic.cache_ttl_s = args.num<int64_t>("cache-ttl", 0);
-  o.pic.epic_k = args.num<int64_t>("epic-k", o.pic.epic_k);
-  o.pic.blend_ratio = args.num<double>("blend-ratio", o.pic.blend_ratio);
-  o.pic.prefix_block = args.num<int64_t>("prefix-block", o.pic.prefix_block);
+  o.pic = pic_method_options(args, o.pic);
   o.cache_dir = args.str("cache-dir");
   o.cache_disk_bytes = o.pic.cache_bytes;  // --cache-mb bounds every tier, the disk's included
   o.kv_bytes = args.num<int64_t>("kv-mb", 1024) << 20;
