@@ -13,9 +13,8 @@
 #include <optional>
 
 #include "comb/detail/cpu_kernels.hpp"
+#include "comb/decoder.hpp"
 #include "comb/error.hpp"
-#include "comb/model.hpp"
-#include "comb/plugin.hpp"
 #include "comb/weights.hpp"
 
 // LibTorch exports this (its ahead-of-time compiler uses it) but ships no header for it; weak, so

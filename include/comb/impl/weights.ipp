@@ -11,7 +11,7 @@
 #include <optional>
 
 #include "comb/error.hpp"
-#include "comb/model.hpp"
+#include "comb/plugin.hpp"  // BaseFingerprint: the weights' fingerprint, which plug-ins check
 #include "comb/weights.hpp"
 
 namespace comb {
