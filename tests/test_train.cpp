@@ -213,6 +213,64 @@ TEST_CASE("training lowers the loss, holds items out, and resumes exactly", "[tr
   Plugin::load(o.dir + "/checkpoint.safetensors", model.decoder());
 }
 
+TEST_CASE("a dev check along the run scores a detached copy of the plug-in and is logged per step", "[train]") {
+  const Model& model = default_model();
+  std::string dir = temp_dir("comb-train-dev");
+  TrainDataOptions d;
+  d.files = {write_items(dir)};
+  d.kv_share = 0;
+  d.needle_share = 0;
+  d.max_documents = 3;
+  TrainData data(model, d);
+  PluginInitOptions init;
+  init.n_encoder_layers = 1;
+  TrainOptions o;
+  o.steps = 3;
+  o.batch_size = 1;
+  o.lr = 2e-3;
+  o.warmup_steps = 1;
+  o.log_every = 1;
+  o.save_every = 1;
+  o.dir = dir + "/run";
+  o.dev_every = 2;
+  std::vector<double> probes;  // one weight's sum at each check: training moves it
+  bool any_grad = false;
+  o.dev_check = [&](const Plugin& p) {
+    double sum = 0;
+    for (auto& [name, t] : plugin_parameters(p.config(), const_cast<PluginWeights&>(p.weights()))) {
+      any_grad |= t->requires_grad();
+      sum += t->to(at::kDouble).sum().item<double>();
+    }
+    probes.push_back(sum);
+    return DevCheck{0.25 * double(probes.size()), 4};
+  };
+  Plugin plugin = Plugin::fresh(model.decoder(), init);
+  TrainResult r = train_plugin(model, plugin, data, o);
+  CHECK_FALSE(any_grad);
+  REQUIRE(probes.size() == 2);  // steps 2 and 3 (the last)
+  CHECK(probes[0] != probes[1]);
+  CHECK(r.dev_accuracy == 0.5);
+  auto rows = [&] {
+    std::ifstream csv(o.dir + "/dev.csv");
+    std::vector<std::string> out;
+    std::string line;
+    std::getline(csv, line);
+    CHECK(line == "step,accuracy,items,seconds");
+    while (std::getline(csv, line)) out.push_back(line.substr(0, line.find(',', line.find(',') + 1)));
+    return out;
+  };
+  CHECK(rows() == std::vector<std::string>{"2,0.25000", "3,0.50000"});
+  // Resumed at step 3 for two more steps: the rows so far kept, then steps 4 and 5.
+  o.steps = 5;
+  probes.clear();
+  Plugin again = Plugin::fresh(model.decoder(), init);
+  TrainResult r2 = train_plugin(model, again, data, o);
+  CHECK(r2.resumed_from == 3);
+  CHECK(rows() == std::vector<std::string>{"2,0.25000", "3,0.50000", "4,0.25000", "5,0.50000"});
+  // The live plug-in still trains: its weights take gradients until the run ends, then are detached.
+  for (auto& [name, t] : plugin_parameters(again.config(), again.mutable_weights())) CHECK_FALSE(t->requires_grad());
+}
+
 TEST_CASE("training input errors are clear", "[train][errors]") {
   const Model& model = default_model();
   TrainDataOptions none;

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <cmath>
 #include <functional>
 #include <memory>
 #include <random>
@@ -146,6 +147,12 @@ struct TrainProgress {
   double elapsed_s = 0, eta_s = 0;
 };
 
+// What TrainOptions::dev_check returns: the share of dev items answered right, of how many.
+struct DevCheck {
+  double accuracy = 0;
+  int64_t items = 0;
+};
+
 struct TrainOptions {
   int64_t steps = 1000;
   int64_t batch_size = 16;       // examples per micro-batch
@@ -176,6 +183,12 @@ struct TrainOptions {
   // loss log's ce_swapped, against ce the evidence that the plug-in reads. Costs one more forward.
   bool reading_check = false;
   std::function<void(const TrainProgress&)> on_progress;
+  // A held-out check along the run: every dev_every steps (and at the last) dev_check scores the
+  // plug-in as it stands (a copy, no gradients; e.g. greedy answers on dev items, as comb eval
+  // scores them), and the row "step,accuracy,items,seconds" goes to <dir>/dev.csv (a resumed run
+  // keeps the rows of the steps it resumes after). dev_every 0 or no dev_check: none.
+  int64_t dev_every = 0;
+  std::function<DevCheck(const Plugin&)> dev_check;
 };
 
 struct TrainResult {
@@ -185,6 +198,7 @@ struct TrainResult {
   double seconds = 0;
   int64_t teacher_computed = 0;  // teacher answers computed in this run (targets = teacher)
   int64_t teacher_reused = 0;    // and found in the teacher file
+  double dev_accuracy = std::nan("");  // the last dev check's (NaN: none ran)
 };
 
 // Trains `plugin` (decoder and embedding frozen) on examples from `data`. Its weights end in

@@ -168,6 +168,11 @@ train options:
   --seed N            data order and initialisation (default 0)
   --reading-check 0|1 also score each batch with the documents swapped between its examples (no
                       gradient; loss.csv's ce_swapped against ce shows reading) (default 0)
+  --dev FILE:N|FILE:A-B  a held-out check along the run: greedy answers (comb) on the first N items
+                      of FILE (or items A to B-1), scored as eval scores them, rows in DIR/dev.csv;
+                      items of a --data file must be held out (--holdout FILE:M, M >= N or B)
+  --dev-every N       steps between dev checks, and at the last (default: --save-every)
+  --dev-tokens N      greedy tokens per dev answer (default 32)
   --save-every N (200)  --log-every N (10)  --resume 0|1 (1)
 
 make-data options (docs/data.md):

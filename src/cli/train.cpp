@@ -12,6 +12,26 @@ std::pair<std::string, int64_t> file_count(const std::string& spec) {
   COMB_CHECK(n.find_first_not_of("0123456789") == std::string::npos, "--holdout '{}': N must be a count", spec);
   return {spec.substr(0, colon), std::stoll(n)};
 }
+// --dev FILE:N (the first N items) or FILE:A-B (items A..B-1).
+struct DevSpec {
+  std::string file;
+  int64_t first = 0, end = 0;
+};
+DevSpec dev_spec(const std::string& spec) {
+  size_t colon = spec.rfind(':');
+  COMB_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < spec.size(),
+             "--dev expects FILE:N (the first N items of FILE) or FILE:A-B (items A to B-1), found '{}'", spec);
+  const std::string range = spec.substr(colon + 1);
+  const size_t dash = range.find('-');
+  const std::string a = dash == std::string::npos ? "0" : range.substr(0, dash);
+  const std::string b = dash == std::string::npos ? range : range.substr(dash + 1);
+  COMB_CHECK(!a.empty() && !b.empty() && a.size() < 10 && b.size() < 10 &&
+                 (a + b).find_first_not_of("0123456789") == std::string::npos,
+             "--dev '{}': expected a count N or a range A-B of item numbers", spec);
+  DevSpec d{spec.substr(0, colon), std::stoll(a), std::stoll(b)};
+  COMB_CHECK(d.first < d.end, "--dev '{}': the range {}-{} holds no item", spec, d.first, d.end);
+  return d;
+}
 }  // namespace
 
 int cmd_train(Args& args, Model& model) {
@@ -58,6 +78,29 @@ int cmd_train(Args& args, Model& model) {
   o.log_every = args.num<int64_t>("log-every", o.log_every);
   o.resume = args.num<int>("resume", 1) != 0;
   o.reading_check = args.num<int>("reading-check", 0) != 0;
+  // The held-out check along the run: greedy answers of the comb method on dev items, scored as
+  // comb eval scores them. Items of a training file must be held out from training.
+  std::vector<QaItem> dev_items;
+  const std::string dev = args.str("dev");
+  if (!dev.empty()) {
+    const DevSpec d = dev_spec(dev);
+    if (std::find(data.files.begin(), data.files.end(), d.file) != data.files.end()) {
+      int64_t held = 0;
+      for (const auto& [file, n] : data.holdout)
+        if (file == d.file) held = std::max(held, n);
+      COMB_CHECK(d.end <= held,
+                 "--dev '{}': items {}-{} of a training file are trained on unless held out: add --holdout {}:{} "
+                 "(now {} held out)", dev, d.first, d.end, d.file, d.end, held);
+    }
+    dev_items = read_qa_items(d.file, d.end);
+    COMB_CHECK(static_cast<int64_t>(dev_items.size()) > d.first, "--dev '{}': '{}' has {} items, none from item {}",
+               dev, d.file, dev_items.size(), d.first);
+    dev_items.erase(dev_items.begin(), dev_items.begin() + d.first);
+  }
+  o.dev_every = args.num<int64_t>("dev-every", dev_items.empty() ? 0 : o.save_every);
+  COMB_CHECK(o.dev_every >= 0, "--dev-every expects a number of steps >= 0 (0: none), found {}", o.dev_every);
+  const int64_t dev_tokens = args.num<int64_t>("dev-tokens", 32);
+  COMB_CHECK(dev_tokens >= 1, "--dev-tokens must be >= 1, found {}", dev_tokens);
   PluginInitOptions init;
   init.n_encoder_layers = args.num<int64_t>("encoder-layers", init.n_encoder_layers);
   init.cross_layers = parse_int_list(args.str("cross-layers"), "cross-layers");
@@ -106,12 +149,31 @@ int cmd_train(Args& args, Model& model) {
                p.tokens_per_s / 1e3, p.attn_gate, p.mlp_gate, clock_text(p.elapsed_s), clock_text(p.eta_s),
                tty ? "   " : "\n");
   };
+  if (!dev_items.empty())
+    o.dev_check = [&](const Plugin& p) {
+      std::shared_ptr<const Plugin> before = model.plugin() ? std::make_shared<const Plugin>(*model.plugin()) : nullptr;
+      model.set_plugin(std::make_shared<const Plugin>(p));
+      PicEngine engine(model, Method::comb);  // its own store: nothing cached from the weights before
+      GenerateOptions gen;
+      gen.max_tokens = dev_tokens;
+      int64_t right = 0;
+      for (size_t i = 0; i < dev_items.size(); ++i) {
+        const QaItem& item = dev_items[i];
+        right += answer_correct(engine.generate(qa_request(model, item.documents, item.question), gen).text, item.answers);
+        if (tty) fmt::print(stderr, "\r[train] dev check: {}/{} items, {} right", i + 1, dev_items.size(), right);
+      }
+      fmt::print(stderr, "{}[train] dev check: {} of {} items right ({:.1f}%)\n", tty ? "\r" : "", right,
+                 dev_items.size(), 100.0 * double(right) / double(dev_items.size()));
+      model.set_plugin(before);
+      return DevCheck{double(right) / double(dev_items.size()), static_cast<int64_t>(dev_items.size())};
+    };
   TrainResult r = train_plugin(model, plugin, examples, o);
   if (tty) fmt::print(stderr, "\n");
   plugin.save(out, out_dtype);
   std::cout << nlohmann::json{{"out", out},      {"dir", o.dir},           {"steps", r.steps},
                               {"resumed_from", r.resumed_from}, {"loss", r.last_loss}, {"seconds", r.seconds},
-                              {"teacher_computed", r.teacher_computed}, {"teacher_reused", r.teacher_reused}}
+                              {"teacher_computed", r.teacher_computed}, {"teacher_reused", r.teacher_reused},
+                              {"dev_accuracy", std::isnan(r.dev_accuracy) ? nlohmann::json() : nlohmann::json(r.dev_accuracy)}}
                    .dump()
             << std::endl;
   return 0;

@@ -606,6 +606,16 @@ COMB_INLINE double lr_at(const TrainOptions& o, int64_t step) {  // step: 0-base
   double progress = std::min(1.0, (step - o.warmup_steps) / span);
   return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + std::cos(M_PI * progress)));
 }
+// The rows of a step-keyed CSV log (header skipped) up to `step`: what a run resumed there keeps.
+COMB_INLINE std::vector<std::string> kept_log_rows(const fs::path& path, int64_t step) {
+  std::vector<std::string> rows;
+  std::ifstream in(path);
+  std::string line;
+  if (!std::getline(in, line)) return rows;
+  while (std::getline(in, line))
+    if (!line.empty() && std::stoll(line.substr(0, line.find(','))) <= step) rows.push_back(line);
+  return rows;
+}
 }  // namespace impl_train
 using namespace impl_train;
 
@@ -665,19 +675,39 @@ COMB_INLINE TrainResult train_plugin(const Model& model, Plugin& plugin, const T
       v.push_back(at::zeros_like(*p).detach());
     }
   // Loss log: keep rows of steps already done (a resumed run rewrites the rest).
-  std::vector<std::string> kept_rows;
-  if (fs::exists(csv_path) && step > 0) {
-    std::ifstream in(csv_path);
-    std::string line;
-    std::getline(in, line);
-    while (std::getline(in, line))
-      if (!line.empty() && std::stoll(line.substr(0, line.find(','))) <= step) kept_rows.push_back(line);
-  }
+  std::vector<std::string> kept_rows = step > 0 ? kept_log_rows(csv_path, step) : std::vector<std::string>{};
   std::ofstream csv(csv_path, std::ios::trunc);
   COMB_CHECK(csv.good(), "cannot write '{}'", csv_path.string());
   csv << "step,loss,ce,kl,lr,grad_norm,tokens_per_s,attn_gate_mean,mlp_gate_mean,ce_swapped\n";
   for (const auto& r : kept_rows) csv << r << "\n";
   csv.flush();
+  // The dev log, kept the same way; opened only when there is a dev check.
+  const bool dev_checks = o.dev_check && o.dev_every > 0;
+  COMB_CHECK(o.dev_every >= 0, "dev checks every {} steps: expected >= 0 (0: none)", o.dev_every);
+  std::ofstream dev_csv;
+  if (dev_checks) {
+    const fs::path dev_path = fs::path(o.dir) / "dev.csv";
+    std::vector<std::string> kept_dev = step > 0 ? kept_log_rows(dev_path, step) : std::vector<std::string>{};
+    dev_csv.open(dev_path, std::ios::trunc);
+    COMB_CHECK(dev_csv.good(), "cannot write '{}'", dev_path.string());
+    dev_csv << "step,accuracy,items,seconds\n";
+    for (const auto& r : kept_dev) dev_csv << r << "\n";
+    dev_csv.flush();
+  }
+  auto dev_check = [&](int64_t at_step) {
+    auto started = std::chrono::steady_clock::now();
+    Plugin snapshot = plugin;  // tensors shared; detached below in the copy only
+    {
+      at::NoGradGuard no_grad;
+      for (auto& [name, p] : plugin_parameters(snapshot.config(), snapshot.mutable_weights())) *p = p->detach();
+      snapshot.refresh_fingerprint();
+    }
+    const DevCheck d = o.dev_check(snapshot);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    dev_csv << fmt::format("{},{:.5f},{},{:.1f}\n", at_step, d.accuracy, d.items, secs);
+    dev_csv.flush();
+    result.dev_accuracy = d.accuracy;
+  };
 
   auto save = [&](int64_t at_step) {
     plugin.refresh_fingerprint();
@@ -874,6 +904,7 @@ COMB_INLINE TrainResult train_plugin(const Model& model, Plugin& plugin, const T
       window_t0 = now;
     }
     if ((step + 1) % o.save_every == 0 || last) save(step + 1);
+    if (dev_checks && ((step + 1) % o.dev_every == 0 || last)) dev_check(step + 1);
   }
   for (auto& [name, p] : params) *p = p->detach();
   plugin.refresh_fingerprint();
