@@ -56,6 +56,17 @@ std::string write_items(const std::string& dir) {
   return path;
 }
 
+// Training data of the items write_items puts in dir alone (no generated lookups or needles), at
+// most 3 documents linked per example.
+TrainDataOptions items_only(const std::string& dir) {
+  TrainDataOptions d;
+  d.files = {write_items(dir)};
+  d.kv_share = 0;
+  d.needle_share = 0;
+  d.max_documents = 3;
+  return d;
+}
+
 std::vector<at::Tensor> weights_of(Plugin& p) {
   std::vector<at::Tensor> out;
   for (auto& [name, t] : plugin_parameters(p.config(), p.mutable_weights())) out.push_back(t->detach().clone());
@@ -131,12 +142,8 @@ TEST_CASE("the training forward equals the inference path, document by document"
 TEST_CASE("training lowers the loss, holds items out, and resumes exactly", "[train]") {
   const Model& model = default_model();
   std::string dir = temp_dir("comb-train");
-  TrainDataOptions d;
-  d.files = {write_items(dir)};
+  TrainDataOptions d = items_only(dir);
   d.holdout = {{d.files[0], 1}};
-  d.kv_share = 0;
-  d.needle_share = 0;
-  d.max_documents = 3;
   TrainData data(model, d);
   CHECK(data.n_items() == 4);
   CHECK(data.n_held_out() == 1);
@@ -216,11 +223,7 @@ TEST_CASE("training lowers the loss, holds items out, and resumes exactly", "[tr
 TEST_CASE("a dev check along the run scores a detached copy of the plug-in and is logged per step", "[train]") {
   const Model& model = default_model();
   std::string dir = temp_dir("comb-train-dev");
-  TrainDataOptions d;
-  d.files = {write_items(dir)};
-  d.kv_share = 0;
-  d.needle_share = 0;
-  d.max_documents = 3;
+  TrainDataOptions d = items_only(dir);
   TrainData data(model, d);
   PluginInitOptions init;
   init.n_encoder_layers = 1;
@@ -322,11 +325,7 @@ TEST_CASE("top-k KL is the KL over the teacher's top tokens and the rest as one 
 TEST_CASE("teacher answers: the decoder's own full-context answer, kept in a file and reused", "[train][teacher]") {
   const Model& model = default_model();
   std::string dir = temp_dir("comb-teacher");
-  TrainDataOptions d;
-  d.files = {write_items(dir)};
-  d.kv_share = 0;
-  d.needle_share = 0;
-  d.max_documents = 3;
+  TrainDataOptions d = items_only(dir);
   TrainData data(model, d);
   std::mt19937_64 rng(11);
   TrainExample e = data.sample(rng);
