@@ -126,9 +126,9 @@ eval options:
                       methods reuse what their cold request cached (the same K/V any request
                       leaves); full runs once, reported as cold and warm. always: every method
                       but full is primed, and full runs twice
-  --blend-ratio R     cacheblend: share of document tokens recomputed (default 0.15)
+  --blend-ratio R     cacheblend: share of document tokens recomputed (default 0.3)
   --check-layer L     cacheblend: layer that picks them (default 1)
-  --epic-k K          epic: leading tokens recomputed per document (default 8)
+  --epic-k K          epic: leading tokens recomputed per document (default 16)
   --prefix-block N    prefix: tokens per cached block (default 16)
   --cache-dtype T     storage of cached document K/V (as for generate)
   --cache-url URL, --cache-ttl S   as for generate; with a shared Redis, "cold" means the local tiers
