@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -606,15 +607,27 @@ COMB_INLINE double lr_at(const TrainOptions& o, int64_t step) {  // step: 0-base
   double progress = std::min(1.0, (step - o.warmup_steps) / span);
   return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + std::cos(M_PI * progress)));
 }
-// The rows of a step-keyed CSV log (header skipped) up to `step`: what a run resumed there keeps.
-COMB_INLINE std::vector<std::string> kept_log_rows(const fs::path& path, int64_t step) {
-  std::vector<std::string> rows;
-  std::ifstream in(path);
-  std::string line;
-  if (!std::getline(in, line)) return rows;
-  while (std::getline(in, line))
-    if (!line.empty() && std::stoll(line.substr(0, line.find(','))) <= step) rows.push_back(line);
-  return rows;
+// A step-keyed CSV log written anew with `header` and the rows of the steps up to `step` it already
+// held (what a run resumed at `step` keeps; step 0: none). A row whose step does not parse is dropped.
+COMB_INLINE std::ofstream open_step_log(const fs::path& path, const std::string& header, int64_t step) {
+  std::vector<std::string> kept;
+  if (step > 0) {
+    std::ifstream in(path);
+    std::string line;
+    if (std::getline(in, line))
+      while (std::getline(in, line)) {
+        int64_t at = 0;
+        const char* end = line.data() + line.size();
+        auto [ptr, ec] = std::from_chars(line.data(), end, at);
+        if (ec == std::errc() && ptr != end && *ptr == ',' && at <= step) kept.push_back(line);
+      }
+  }
+  std::ofstream out(path, std::ios::trunc);
+  COMB_CHECK(out.good(), "cannot write '{}'", path.string());
+  out << header << "\n";
+  for (const auto& r : kept) out << r << "\n";
+  out.flush();
+  return out;
 }
 }  // namespace impl_train
 using namespace impl_train;
@@ -675,25 +688,13 @@ COMB_INLINE TrainResult train_plugin(const Model& model, Plugin& plugin, const T
       v.push_back(at::zeros_like(*p).detach());
     }
   // Loss log: keep rows of steps already done (a resumed run rewrites the rest).
-  std::vector<std::string> kept_rows = step > 0 ? kept_log_rows(csv_path, step) : std::vector<std::string>{};
-  std::ofstream csv(csv_path, std::ios::trunc);
-  COMB_CHECK(csv.good(), "cannot write '{}'", csv_path.string());
-  csv << "step,loss,ce,kl,lr,grad_norm,tokens_per_s,attn_gate_mean,mlp_gate_mean,ce_swapped\n";
-  for (const auto& r : kept_rows) csv << r << "\n";
-  csv.flush();
+  std::ofstream csv =
+      open_step_log(csv_path, "step,loss,ce,kl,lr,grad_norm,tokens_per_s,attn_gate_mean,mlp_gate_mean,ce_swapped", step);
   // The dev log, kept the same way; opened only when there is a dev check.
-  const bool dev_checks = o.dev_check && o.dev_every > 0;
   COMB_CHECK(o.dev_every >= 0, "dev checks every {} steps: expected >= 0 (0: none)", o.dev_every);
+  const bool dev_checks = o.dev_check && o.dev_every > 0;
   std::ofstream dev_csv;
-  if (dev_checks) {
-    const fs::path dev_path = fs::path(o.dir) / "dev.csv";
-    std::vector<std::string> kept_dev = step > 0 ? kept_log_rows(dev_path, step) : std::vector<std::string>{};
-    dev_csv.open(dev_path, std::ios::trunc);
-    COMB_CHECK(dev_csv.good(), "cannot write '{}'", dev_path.string());
-    dev_csv << "step,accuracy,items,seconds\n";
-    for (const auto& r : kept_dev) dev_csv << r << "\n";
-    dev_csv.flush();
-  }
+  if (dev_checks) dev_csv = open_step_log(fs::path(o.dir) / "dev.csv", "step,accuracy,items,seconds", step);
   auto dev_check = [&](int64_t at_step) {
     auto started = std::chrono::steady_clock::now();
     Plugin snapshot = plugin;  // tensors shared; detached below in the copy only
