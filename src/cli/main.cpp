@@ -179,6 +179,13 @@ make-data options (docs/data.md):
   --kind codeword     (default) generated: notes "The secret code word of <name> is <word>."
     --out FILE  --items N (1000)  --seed N (0)
     --split train|test  test items use words (answers) that train items never use
+    --answer-form short|sentence  short (default): the answer alone; sentence: a whole sentence
+                        first ("The secret code word of Anna is apple."), the short answer second
+                        (train takes the first as its target, eval accepts either)
+  --kind records      generated: --docs (8) staff records of look-alike people, one attribute of
+                      one person asked; --out, --items, --seed, --split and --answer-form as for
+                      codeword ("Anna Keller was born in Lyon."); test items use names, cities,
+                      jobs and instruments that train items never use
   --kind needle       generated: "The special magic number for <key> is <7 digits>." planted
                       in one of several paragraphs of filler prose
     --essays DIR  --out FILE  --items N (100)  --seed N (0)  --min-docs N (2)  --max-docs N (6)

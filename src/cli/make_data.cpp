@@ -13,14 +13,18 @@ struct Generated {
   int64_t n = 0;
   uint64_t seed = 0;
   std::string split;
+  bool sentence = false;  // --answer-form sentence: the first answer a whole sentence, the short one second
 };
 Generated generated_options(Args& args, const std::function<void()>& own = {}) {
   Generated g{args.str("out"), args.num<int64_t>("items", 1000), 0, ""};
   g.seed = args.num<uint64_t>("seed", 0);
   g.split = args.str("split", "train");
+  const std::string form = args.str("answer-form", "short");
+  g.sentence = form == "sentence";
   if (own) own();
   args.check_all_used();
   COMB_CHECK(g.split == "train" || g.split == "test", "--split expects train or test, found '{}'", g.split);
+  COMB_CHECK(form == "short" || form == "sentence", "--answer-form expects short or sentence, found '{}'", form);
   COMB_CHECK(!g.out_path.empty(), "make-data needs --out FILE");
   COMB_CHECK(g.n > 0, "--items must be > 0, found {}", g.n);
   return g;
@@ -32,7 +36,7 @@ Generated generated_options(Args& args, const std::function<void()>& own = {}) {
 // plug-in learns to read: the bare decoder guesses, full prefill copies. --split test draws its
 // words from a quarter of the list that --split train never uses.
 int make_codeword(Args& args) {
-  const auto [out_path, n, seed, split] = generated_options(args);
+  const auto [out_path, n, seed, split, sentence] = generated_options(args);
   static const char* const names[] = {"Anna", "Ben",  "Clara", "David", "Emma", "Frank", "Grace",
                                       "Henry", "Iris", "Jack", "Kate", "Leo", "Mia", "Noah",
                                       "Olga", "Paul", "Rosa", "Sam", "Tina", "Victor"};
@@ -75,7 +79,10 @@ int make_codeword(Args& args) {
                         {"text", fmt::format("The secret code word of {} is {}.", names[who[d]], vocabulary[what[d]])}});
       out << nlohmann::json{{"id", fmt::format("codeword-{}-{}-{}", split, seed, i)},
                             {"question", fmt::format("What is the secret code word of {}?", names[who[gold]])},
-                            {"answers", {vocabulary[what[gold]]}},
+                            {"answers", sentence ? nlohmann::json{fmt::format("The secret code word of {} is {}.",
+                                                                             names[who[gold]], vocabulary[what[gold]]),
+                                                                 vocabulary[what[gold]]}
+                                                 : nlohmann::json{vocabulary[what[gold]]}},
                             {"documents", docs},
                             {"gold_index", gold}}
                  .dump()
@@ -96,7 +103,7 @@ int make_codeword(Args& args) {
 // list that --split train never uses, so no test person or answer was ever trained on.
 int make_records(Args& args) {
   int64_t n_docs = 8;
-  const auto [out_path, n, seed, split] = generated_options(args, [&] { n_docs = args.num<int64_t>("docs", 8); });
+  const auto [out_path, n, seed, split, sentence] = generated_options(args, [&] { n_docs = args.num<int64_t>("docs", 8); });
   COMB_CHECK(n_docs >= 2 && n_docs <= 16, "--docs must be 2 to 16 for records, found {}", n_docs);
   static const std::vector<std::string> firsts = {
       "Anna", "Ben", "Clara", "David", "Emma", "Felix", "Greta", "Hugo", "Ines", "Jonas", "Karin", "Lukas", "Maria",
@@ -173,13 +180,20 @@ int make_records(Args& args) {
     }
     const size_t gold = pick(k);
     const std::string name = F[people[gold].first] + " " + L[people[gold].second];
+    const std::string art = std::string("aeiou").find(J[job[gold]][0]) == std::string::npos ? "a" : "an";
+    std::string said;  // the answer as a sentence (--answer-form sentence)
     switch (pick(4)) {
-      case 0: item.question = fmt::format("In which city was {} born?", name), item.answers = {C[city[gold]]}; break;
+      case 0: item.question = fmt::format("In which city was {} born?", name), item.answers = {C[city[gold]]};
+              said = fmt::format("{} was born in {}.", name, C[city[gold]]); break;
       case 1: item.question = fmt::format("In which year was {} born?", name),
-              item.answers = {std::to_string(years[gold])}; break;
-      case 2: item.question = fmt::format("What does {} work as?", name), item.answers = {J[job[gold]]}; break;
+              item.answers = {std::to_string(years[gold])}; said = fmt::format("{} was born in {}.", name, years[gold]);
+              break;
+      case 2: item.question = fmt::format("What does {} work as?", name), item.answers = {J[job[gold]]};
+              said = fmt::format("{} works as {} {}.", name, art, J[job[gold]]); break;
       default: item.question = fmt::format("Which instrument does {} play?", name), item.answers = {I[inst[gold]]};
+               said = fmt::format("{} plays the {}.", name, I[inst[gold]]);
     }
+    if (sentence) item.answers.insert(item.answers.begin(), said);
     item.gold_index = static_cast<int64_t>(gold);
     items.push_back(std::move(item));
   }
