@@ -146,10 +146,10 @@ COMB_INLINE at::Tensor swiglu_mlp(const at::Tensor& x, const LayerWeights& l) {
   return project(l, Proj::down, at::silu(parts[0]) * parts[1]);
 }
 
-namespace impl_decoder {
+namespace detail::decoder {  // this file's own helpers
 COMB_INLINE std::pair<at::Tensor, at::Tensor> attend_after_cache_lse(const at::Tensor& q, const at::Tensor& keys,
                                                           const at::Tensor& values, int64_t start);
-}  // namespace impl_decoder
+}  // namespace detail::decoder
 
 COMB_INLINE bool merged_attention_applies(const JointKV& joint) {
   return !at::GradMode::is_enabled() && !joint.valid.defined() && joint.keys.device().is_cpu() &&
@@ -166,7 +166,7 @@ COMB_INLINE at::Tensor joint_attention_merged(const at::Tensor& q, const at::Ten
   const int64_t n_kv = keys.size(1), m = joint.keys.size(2), groups = n_head / n_kv;
   COMB_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && !joint.valid.defined(),
              "joint_attention_merged: CPU float32 queries and joined keys without padding");
-  auto [own, own_lse] = impl_decoder::attend_after_cache_lse(q, keys, values, start);
+  auto [own, own_lse] = detail::decoder::attend_after_cache_lse(q, keys, values, start);
   if (m == 0 || joint.anchor >= start + n) return own;  // no row reads the documents
   // Positions before the anchor (the instruction prefix, computed in the same call on a cold
   // request) read no document: only rows [first, n) attend to them.
@@ -299,7 +299,7 @@ COMB_INLINE at::Tensor visible_keys(const at::Tensor& positions, int64_t n_keys)
   return at::arange(n_keys, positions.options().dtype(at::kLong)).unsqueeze(0) <= positions.unsqueeze(1);
 }
 
-namespace impl_decoder {  // this file's own helpers
+namespace detail::decoder {  // this file's own helpers
 // Attention of n new queries q [batch, n_head, n, head_dim] that follow `start` cached positions:
 // query j sees keys [0, start + j] of keys, values [batch, n_head_kv, start + n, head_dim] (grouped).
 COMB_INLINE at::Tensor attend_after_cache(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start) {
@@ -376,8 +376,7 @@ COMB_INLINE at::Tensor attend_at_positions(const at::Tensor& q, const at::Tensor
   }
   return at::cat(parts, 2);
 }
-}  // namespace impl_decoder
-using namespace impl_decoder;
+}  // namespace detail::decoder
 
 COMB_INLINE at::Tensor Decoder::rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
   return comb::rms_norm(x, weight, config_.rms_eps);
@@ -397,7 +396,7 @@ COMB_INLINE at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCach
   } else if (n == 1) {
     out = at::scaled_dot_product_attention(q, keys, values, {}, 0.0, false, std::nullopt, /*enable_gqa=*/true);
   } else {  // query j sees keys [0, start + j]
-    out = attend_after_cache(q, keys, values, start);
+    out = detail::decoder::attend_after_cache(q, keys, values, start);
   }
   out = out.transpose(1, 2).reshape({batch, n, c.q_dim()});
   return project(weights_.layers[i], Proj::o, out);
@@ -435,8 +434,8 @@ COMB_INLINE at::Tensor Decoder::layer_at(int64_t i, const at::Tensor& x, const a
   const int64_t start = n_keys - m;
   const at::Tensor cpu_positions = positions.cpu().to(at::kLong);
   at::Tensor attn = start >= 0 && at::equal(cpu_positions, at::arange(start, n_keys, at::kLong))
-                        ? attend_after_cache(q, keys, values, start)
-                        : attend_at_positions(q, keys, values, pos);
+                        ? detail::decoder::attend_after_cache(q, keys, values, start)
+                        : detail::decoder::attend_at_positions(q, keys, values, pos);
   at::Tensor h = x + project(w, Proj::o, attn.transpose(1, 2).reshape({1, m, c.q_dim()}));
   return h + feed_forward(i, rms_norm(h, w.ffn_norm));
 }
@@ -449,7 +448,7 @@ COMB_INLINE at::Tensor Decoder::embed(const at::Tensor& tokens) const {
 
 // ---- The fused fp32 CPU path ------------------------------------------------------------------
 
-namespace impl_decoder {  // this file's own helpers
+namespace detail::decoder {  // this file's own helpers
 // Steps of up to this many rows (decode, small batches) use fused kernels throughout; longer ones
 // are GEMM-bound and keep the BLAS and SDPA kernels.
 COMB_INLINE constexpr int64_t kFusedMaxRows = 4;
@@ -459,8 +458,7 @@ COMB_INLINE constexpr int64_t kGemvMaxRows = 64;
 // Up to this many rows a joint-attention layer reads the documents and the context with
 // joint_attention_rows (one fused softmax per row); longer ones with joint_attention_merged.
 COMB_INLINE constexpr int64_t kJointRowsMax = 32;
-}  // namespace impl_decoder
-using namespace impl_decoder;
+}  // namespace detail::decoder
 
 COMB_INLINE at::Tensor Decoder::rms_norm_cpu(const at::Tensor& x, const at::Tensor& w) const {
   RECORD_FUNCTION("comb::rms_norm", std::vector<c10::IValue>());
@@ -476,7 +474,8 @@ COMB_INLINE at::Tensor Decoder::rms_norm_cpu(const at::Tensor& x, const at::Tens
 COMB_INLINE at::Tensor Decoder::linear_cpu(const at::Tensor& x, const at::Tensor& w) const {
   RECORD_FUNCTION("comb::gemv_f32", std::vector<c10::IValue>());
   const int64_t k = x.size(-1), rows = x.numel() / k, n_out = w.size(0);
-  COMB_CHECK(rows <= kGemvMaxRows, "linear_cpu is for at most {} rows, found {}", kGemvMaxRows, rows);
+  COMB_CHECK(rows <= detail::decoder::kGemvMaxRows, "linear_cpu is for at most {} rows, found {}",
+             detail::decoder::kGemvMaxRows, rows);
   at::Tensor in = x.contiguous();
   std::vector<int64_t> shape = in.sizes().vec();
   shape.back() = n_out;
@@ -514,13 +513,13 @@ COMB_INLINE std::vector<at::Tensor> Decoder::layer_parts(int64_t i, const std::v
   // apart, each part over its own cache. Few rows (decode): fused kernels throughout. Many rows
   // (prefill): oneDNN GEMMs (packed at load) and SDPA (after cached rows: attend_after_cache),
   // fused RoPE.
-  const bool few = rows <= kFusedMaxRows;
+  const bool few = rows <= detail::decoder::kFusedMaxRows;
   auto norm = [&](const at::Tensor& t, const at::Tensor& weight) {
     return few ? rms_norm_cpu(t, weight) : at::rms_norm(t, {c.n_embd}, weight, c.rms_eps);
   };
   auto linear = [&](const at::Tensor& t, const at::Tensor& weight, int slot) {  // t [rows, in]
     if (w.quantized) return project(w, static_cast<Proj>(slot), t);
-    if (rows <= kGemvMaxRows) return linear_cpu(t, weight);
+    if (rows <= detail::decoder::kGemvMaxRows) return linear_cpu(t, weight);
     if (onednn_.empty()) return at::linear(t, weight);
     return at::mkldnn_linear(t.contiguous().to_mkldnn(), onednn_[i][slot]).to_dense();
   };
@@ -548,7 +547,7 @@ COMB_INLINE std::vector<at::Tensor> Decoder::layer_parts(int64_t i, const std::v
       });
     }
     at::Tensor attn;
-    if (part.joint && n <= kJointRowsMax && merged_attention_applies(*part.joint)) {
+    if (part.joint && n <= detail::decoder::kJointRowsMax && merged_attention_applies(*part.joint)) {
       // A warm request's question or a decoding step: one softmax per row by the fused kernel.
       attn = joint_attention_rows(q, cache.keys(i), cache.values(i), start, *part.joint);
     } else if (part.joint) {  // the documents' keys beside the context's
@@ -564,7 +563,7 @@ COMB_INLINE std::vector<at::Tensor> Decoder::layer_parts(int64_t i, const std::v
       });
     } else {
       at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
-      attn = attend_after_cache(q.transpose(1, 2), keys, values, start).transpose(1, 2);
+      attn = detail::decoder::attend_after_cache(q.transpose(1, 2), keys, values, start).transpose(1, 2);
     }
     attn_parts.push_back(attn.reshape({part_rows, c.q_dim()}));
   }
@@ -607,9 +606,10 @@ COMB_INLINE at::Tensor Decoder::logits(const at::Tensor& x, LogitsMode mode) con
   // The same steps for float and kept-quantized heads (the same numbers: see quantized.hpp).
   const int64_t rows = h.size(0) * h.size(1);
   const bool fused = cpu_kernels();
-  at::Tensor n = fused && rows <= kFusedMaxRows ? rms_norm_cpu(h, weights_.output_norm) : rms_norm(h, weights_.output_norm);
+  at::Tensor n = fused && rows <= detail::decoder::kFusedMaxRows ? rms_norm_cpu(h, weights_.output_norm)
+                                                                 : rms_norm(h, weights_.output_norm);
   if (weights_.output_q) return weights_.output_q->apply(n);  // float32
-  if (fused && rows <= kGemvMaxRows) return linear_cpu(n, weights_.output);
+  if (fused && rows <= detail::decoder::kGemvMaxRows) return linear_cpu(n, weights_.output);
   return at::linear(n, weights_.output).to(at::kFloat);
 }
 

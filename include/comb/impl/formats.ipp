@@ -87,7 +87,7 @@ COMB_INLINE std::string read_text_file(const std::string& path, int64_t max_byte
   return out;
 }
 
-namespace impl_formats {  // this file's own helpers
+namespace formats {  // this file's own helpers
 // Writes a file under a temporary name in the same directory; commit() makes it appear whole.
 class AtomicWriter {
  public:
@@ -140,11 +140,10 @@ class AtomicWriter {
   int fd_ = -1;
   bool committed_ = false;
 };
-}  // namespace impl_formats
-using namespace impl_formats;
+}  // namespace formats
 
 COMB_INLINE void write_file_atomic(const std::string& path, const std::string& bytes, unsigned mode) {
-  AtomicWriter writer(path, mode);
+  detail::formats::AtomicWriter writer(path, mode);
   writer.write(bytes.data(), bytes.size());
   writer.commit();
 }
@@ -155,7 +154,7 @@ COMB_INLINE void write_file_atomic(const std::string& path, const std::string& b
 // GGUF
 // ================================================================================================
 
-namespace impl_formats {  // this file's own helpers
+namespace detail::formats {  // this file's own helpers
 
 // A tensor of `stored` elements read from mapped bytes and converted to `dtype`, always a copy.
 // Bytes not aligned to their element (GGUF general.alignment 1 or 2, a safetensors offset) are
@@ -312,8 +311,7 @@ COMB_INLINE void dequantize(uint32_t type, const uint8_t* src, float* dst, int64
   });
 }
 
-}  // namespace impl_formats
-using namespace impl_formats;
+}  // namespace detail::formats
 
 COMB_INLINE std::string ggml_type_name(uint32_t type) {
   switch (static_cast<GgmlType>(type)) {
@@ -331,7 +329,7 @@ COMB_INLINE std::string ggml_type_name(uint32_t type) {
 }
 
 COMB_INLINE GgufFile::GgufFile(const std::string& path) : file_(std::make_unique<detail::MappedFile>(path)) {
-  Cursor c{file_->data(), file_->size(), 0, path};
+  detail::formats::Cursor c{file_->data(), file_->size(), 0, path};
   c.need(4, "the magic number");
   COMB_CHECK(std::memcmp(file_->data(), "GGUF", 4) == 0,
              "'{}' is not a GGUF file: expected the magic 'GGUF' at offset 0, found bytes {:02x} {:02x} {:02x} {:02x}",
@@ -348,7 +346,7 @@ COMB_INLINE GgufFile::GgufFile(const std::string& path) : file_(std::make_unique
   for (uint64_t i = 0; i < n_kv; ++i) {
     std::string key = c.read_string(fmt::format("metadata key {}", i));
     uint32_t type = c.read<uint32_t>(key + " (type)");
-    metadata_[key] = read_gguf_value(c, type, key);
+    metadata_[key] = detail::formats::read_gguf_value(c, type, key);
   }
   c.need_items(n_tensors, 24, fmt::format("{} tensor descriptions", n_tensors));
   entries_.reserve(n_tensors);
@@ -383,7 +381,7 @@ COMB_INLINE GgufFile::GgufFile(const std::string& path) : file_(std::make_unique
   const uint64_t size = file_->size();
   const uint64_t data_start = (c.pos + alignment - 1) / alignment * alignment;
   for (auto& e : entries_) {
-    const auto [block, block_bytes] = ggml_block(e.type);
+    const auto [block, block_bytes] = detail::formats::ggml_block(e.type);
     COMB_CHECK(e.offset % alignment == 0, "'{}': tensor '{}' offset {} is not a multiple of the alignment {}", path,
                e.info.name, e.offset, alignment);
     if (block == 0) continue;  // unknown type: its size is unknown, reading it is refused later
@@ -448,19 +446,20 @@ COMB_INLINE at::Tensor GgufFile::load(const std::string& name, c10::ScalarType d
   auto it = index_.find(name);
   COMB_CHECK(it != index_.end(), "'{}': no tensor named '{}'", file_->path(), name);
   const Entry& e = entries_[it->second];
-  const int64_t block = ggml_block(e.type).first;
+  const int64_t block = detail::formats::ggml_block(e.type).first;
   COMB_CHECK(block > 0, "'{}': tensor '{}' has type {}, which comb cannot read (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)",
              file_->path(), name, e.info.dtype);
   void* src = const_cast<uint8_t*>(file_->data() + e.offset);
   auto type = static_cast<GgmlType>(e.type);
   if (type == GgmlType::F32 || type == GgmlType::F16 || type == GgmlType::BF16) {
     auto stored = type == GgmlType::F32 ? at::kFloat : type == GgmlType::F16 ? at::kHalf : at::kBFloat16;
-    at::Tensor out = tensor_from_bytes(static_cast<const uint8_t*>(src), e.n_bytes, e.info.shape, stored, dtype);
+    at::Tensor out =
+        detail::formats::tensor_from_bytes(static_cast<const uint8_t*>(src), e.n_bytes, e.info.shape, stored, dtype);
     file_->release(static_cast<const uint8_t*>(src), e.n_bytes);
     return out;
   }
   at::Tensor out = at::empty(e.info.shape, at::kFloat);
-  dequantize(e.type, static_cast<const uint8_t*>(src), out.data_ptr<float>(), out.numel() / block);
+  detail::formats::dequantize(e.type, static_cast<const uint8_t*>(src), out.data_ptr<float>(), out.numel() / block);
   file_->release(static_cast<const uint8_t*>(src), e.n_bytes);
   return dtype == at::kFloat ? out : out.to(dtype);
 }
@@ -475,7 +474,8 @@ COMB_INLINE std::optional<GroupedWeights> GgufFile::load_grouped(const std::stri
   if ((type != GgmlType::Q4_0 && type != GgmlType::Q4_1 && type != GgmlType::Q8_0) || e.info.shape.size() != 2)
     return std::nullopt;
   const int64_t rows = e.info.shape[0], cols = e.info.shape[1], groups = cols / 32;
-  const int64_t block_bytes = ggml_block(e.type).second;  // a local the lambda below may capture (C++17)
+  // A local the lambda below may capture (C++17).
+  const int64_t block_bytes = detail::formats::ggml_block(e.type).second;
   COMB_CHECK(cols % 32 == 0 && static_cast<uint64_t>(rows * groups * block_bytes) == e.n_bytes,
              "'{}': tensor '{}' ({}, [{}, {}]) is not whole blocks of 32", file_->path(), name, e.info.dtype, rows, cols);
   const uint8_t* src = file_->data() + e.offset;
@@ -492,13 +492,13 @@ COMB_INLINE std::optional<GroupedWeights> GgufFile::load_grouped(const std::stri
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* in = src + b * block_bytes;
       uint8_t* out = q + b * 32;
-      scale[b] = half_to_float(in);
+      scale[b] = detail::formats::half_to_float(in);
       if (type == GgmlType::Q8_0) {
         std::memcpy(out, in + 2, 32);
       } else {
         const uint8_t* nibbles = in + (type == GgmlType::Q4_1 ? 4 : 2);
         // Q4_0: w = d (q - 8) = d q - 8 d; Q4_1: w = d q + m.
-        min[b] = type == GgmlType::Q4_1 ? half_to_float(in + 2) : -8 * scale[b];
+        min[b] = type == GgmlType::Q4_1 ? detail::formats::half_to_float(in + 2) : -8 * scale[b];
         for (int j = 0; j < 16; ++j) {
           out[j] = nibbles[j] & 0xF;
           out[j + 16] = nibbles[j] >> 4;
@@ -514,7 +514,7 @@ COMB_INLINE std::optional<GroupedWeights> GgufFile::load_grouped(const std::stri
 // safetensors
 // ================================================================================================
 
-namespace impl_formats {  // this file's own helpers
+namespace detail::formats {  // this file's own helpers
 
 COMB_INLINE c10::ScalarType safetensors_dtype(const std::string& name, const std::string& path, const std::string& tensor) {
   static const std::pair<const char*, c10::ScalarType> table[] = {
@@ -543,8 +543,7 @@ COMB_INLINE const char* safetensors_dtype_name(c10::ScalarType t) {
   }
 }
 
-}  // namespace impl_formats
-using namespace impl_formats;
+}  // namespace detail::formats
 
 COMB_INLINE SafetensorsFile::SafetensorsFile(const std::string& path) : file_(std::make_unique<detail::MappedFile>(path)) {
   const size_t size = file_->size();
@@ -575,7 +574,7 @@ COMB_INLINE SafetensorsFile::SafetensorsFile(const std::string& path) : file_(st
     COMB_CHECK(value["dtype"].is_string(), "'{}': tensor '{}' dtype should be a string, found {}", path, name,
                value["dtype"].type_name());
     e.info.dtype = value["dtype"].get<std::string>();
-    e.type = safetensors_dtype(e.info.dtype, path, name);
+    e.type = detail::formats::safetensors_dtype(e.info.dtype, path, name);
     const auto& shape = value["shape"];
     COMB_CHECK(shape.is_array() && shape.size() <= 8, "'{}': tensor '{}' shape should be a list of at most 8 sizes, found {}",
                path, name, shape.is_array() ? fmt::format("{} entries", shape.size()) : std::string(shape.type_name()));
@@ -635,7 +634,8 @@ COMB_INLINE at::Tensor SafetensorsFile::load(const std::string& name, c10::Scala
   auto it = index_.find(name);
   COMB_CHECK(it != index_.end(), "'{}': no tensor named '{}'", file_->path(), name);
   const Entry& e = entries_[it->second];
-  at::Tensor out = tensor_from_bytes(file_->data() + e.begin, e.end - e.begin, e.info.shape, e.type, dtype);
+  at::Tensor out =
+      detail::formats::tensor_from_bytes(file_->data() + e.begin, e.end - e.begin, e.info.shape, e.type, dtype);
   file_->release(file_->data() + e.begin, e.end - e.begin);
   return out;
 }
@@ -691,7 +691,7 @@ COMB_INLINE void save_safetensors(const std::string& path, const std::vector<std
                name);
     at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
     uint64_t n = t.numel() * t.element_size();
-    header[name] = {{"dtype", safetensors_dtype_name(t.scalar_type())},
+    header[name] = {{"dtype", detail::formats::safetensors_dtype_name(t.scalar_type())},
                     {"shape", t.sizes().vec()},
                     {"data_offsets", {offset, offset + n}}};
     offset += n;
@@ -700,7 +700,7 @@ COMB_INLINE void save_safetensors(const std::string& path, const std::vector<std
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
   uint64_t n = text.size();
-  detail::AtomicWriter writer(path);
+  detail::formats::AtomicWriter writer(path);
   writer.write(&n, 8);
   writer.write(text.data(), text.size());
   for (const auto& t : data) writer.write(t.data_ptr(), t.numel() * t.element_size());

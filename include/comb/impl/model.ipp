@@ -37,7 +37,7 @@ COMB_INLINE c10::ScalarType parse_dtype(const std::string& name) {
   COMB_FAIL("unknown dtype '{}' (expected float32, bfloat16 or float16)", name);
 }
 
-namespace impl_model {  // this file's own helpers
+namespace detail::model {  // this file's own helpers
 COMB_INLINE c10::Device parse_device(const std::string& name) {
   try {
     return c10::Device(name);
@@ -51,11 +51,10 @@ COMB_INLINE std::vector<int32_t> bos_before(const Tokenizer& tok, const std::str
   if (tok.add_bos() && bos && text.rfind(tok.token_bytes(*bos), 0) != 0) return {*bos};
   return {};
 }
-}  // namespace impl_model
-using namespace impl_model;
+}  // namespace detail::model
 
 COMB_INLINE Model Model::load(const std::string& path, const Options& options) {
-  c10::Device device = parse_device(options.device);
+  c10::Device device = detail::model::parse_device(options.device);
   c10::ScalarType dtype = parse_dtype(options.dtype);
   COMB_CHECK(!(device.is_cpu() && dtype == at::kHalf), "float16 is supported on CUDA only; use float32 or bfloat16 on CPU");
   if (device.is_cuda())
@@ -399,7 +398,7 @@ COMB_INLINE const ChatTemplate& Model::chat_template() const {
 
 COMB_INLINE std::vector<int32_t> Model::chat_prompt(const std::string& user_message) const {
   std::string text = chat_template().apply({{"user", user_message}}, true);
-  std::vector<int32_t> ids = bos_before(*tokenizer_, text);
+  std::vector<int32_t> ids = detail::model::bos_before(*tokenizer_, text);
   auto body = tokenizer_->encode(text);
   ids.insert(ids.end(), body.begin(), body.end());
   return ids;
@@ -413,7 +412,7 @@ COMB_INLINE std::vector<int32_t> Model::chat_prompt(const std::vector<ChatMessag
   std::vector<ChatMessage> marked;
   for (size_t i = 0; i < messages.size(); ++i) marked.push_back({messages[i].role, fmt::format("\x1f{}\x1f", i)});
   const std::string text = chat_template().apply(marked, add_generation_prompt);
-  std::vector<int32_t> ids = bos_before(tok, text);
+  std::vector<int32_t> ids = detail::model::bos_before(tok, text);
   size_t at = 0;
   for (size_t i = 0; i < messages.size(); ++i) {
     const std::string marker = fmt::format("\x1f{}\x1f", i);

@@ -74,12 +74,11 @@ COMB_INLINE std::vector<int32_t> PicRequest::tokens() const {
   return out;
 }
 
-namespace impl_pic {  // this file's own helpers
+namespace detail::pic {  // this file's own helpers
 COMB_INLINE at::Tensor ids_of(const std::vector<int32_t>& tokens, int64_t begin, int64_t end) {
   return at::tensor(std::vector<int64_t>(tokens.begin() + begin, tokens.begin() + end), at::kLong).unsqueeze(0);
 }
-}  // namespace impl_pic
-using namespace impl_pic;
+}  // namespace detail::pic
 
 // ================================================================================================
 // PrefixCache
@@ -256,7 +255,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PicEngine::decoder_kv(const std::v
   const Decoder& dec = model_.decoder();
   const int64_t n = static_cast<int64_t>(tokens.size());
   KVCache cache = dec.make_cache(1, n);
-  dec.forward(ids_of(tokens, 0, n), cache);
+  dec.forward(detail::pic::ids_of(tokens, 0, n), cache);
   DocumentKV kv;
   kv.n_tokens = n;
   for (int64_t l = 0; l < cache.n_layers(); ++l) {
@@ -318,7 +317,7 @@ COMB_INLINE bool PicEngine::continue_document(DocumentWork& w, int64_t max_token
     store_->put(w.key, model_.cached_form(Plugin::finish_encoding(w.keys, w.values, n), store_.get()));
   } else {
     if (!w.cache) w.cache.emplace(dec.make_cache(1, n));
-    dec.forward(ids_of(w.tokens, from, to), *w.cache);
+    dec.forward(detail::pic::ids_of(w.tokens, from, to), *w.cache);
     w.done = to;
     if (to < n) return false;
     DocumentKV kv;
@@ -365,13 +364,13 @@ COMB_INLINE at::Tensor PicEngine::recompute(const std::vector<int32_t>& tokens, 
   const Decoder& dec = model_.decoder();
   const int64_t n_keys = static_cast<int64_t>(tokens.size());
   at::Tensor pos = at::tensor(positions, at::kLong);
-  if (!hidden.defined()) hidden = dec.embed(ids_of(tokens, 0, n_keys).index_select(1, pos));
+  if (!hidden.defined()) hidden = dec.embed(detail::pic::ids_of(tokens, 0, n_keys).index_select(1, pos));
   for (int64_t i = from_layer; i < dec.config().n_layer; ++i) hidden = dec.layer_at(i, hidden, pos, out.cache, n_keys);
   out.cache.set_length(n_keys);
   return dec.logits(hidden, LogitsMode::last)[0][-1];
 }
 
-namespace impl_pic {  // this file's own helpers
+namespace detail::pic {  // this file's own helpers
 // Prefix-cache blocks a request reads, held until it is done with them, failure included: a block
 // left referenced could never be evicted.
 struct HeldBlocks {
@@ -384,8 +383,7 @@ struct HeldBlocks {
     }
   }
 };
-}  // namespace impl_pic
-using namespace impl_pic;
+}  // namespace detail::pic
 
 COMB_INLINE PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_tokens) {
   PicPrefill out = start(r, max_new_tokens);
@@ -398,8 +396,8 @@ COMB_INLINE bool PicEngine::advance(PicPrefill& out, int64_t max_tokens) {
   COMB_CHECK(max_tokens > 0 || out.pending() == 0, "advance() by {} tokens", max_tokens);
   c10::InferenceMode guard;
   const int64_t from = out.cache.length(), to = std::min(out.n_prompt, from + std::max<int64_t>(max_tokens, 1));
-  at::Tensor logits =
-      model_.forward(ids_of(out.tokens, from, to), out.cache, out.documents.empty() ? nullptr : &out.documents);
+  at::Tensor logits = model_.forward(detail::pic::ids_of(out.tokens, from, to), out.cache,
+                                     out.documents.empty() ? nullptr : &out.documents);
   out.computed += to - from;
   if (to < out.n_prompt) return false;
   out.logits = logits[0][-1];
@@ -438,7 +436,7 @@ COMB_INLINE void PicEngine::prefill_full(const std::vector<int32_t>&, PicPrefill
 // rest computed (at least one token; pending) and its whole blocks cached when done.
 COMB_INLINE void PicEngine::prefill_prefix(const std::vector<int32_t>& tokens, PicPrefill& out) {
   const int64_t n = static_cast<int64_t>(tokens.size());
-  HeldBlocks held{*prefix_, prefix_->acquire(tokens, out.tenant)};
+  detail::pic::HeldBlocks held{*prefix_, prefix_->acquire(tokens, out.tenant)};
   while (!held.blocks.empty() && static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens() >= n) {
     prefix_->release({held.blocks.back()});  // keep at least one token to compute
     held.blocks.pop_back();
@@ -483,7 +481,7 @@ COMB_INLINE void PicEngine::prefill_cacheblend(const PicRequest& r, const std::v
   const int64_t n_context = out.cache.length();
   // Every token runs the layers before the check layer (their K/V replace the reused ones there).
   at::Tensor pos = at::arange(n, at::kLong);
-  at::Tensor hidden = dec.embed(ids_of(tokens, 0, n));
+  at::Tensor hidden = dec.embed(detail::pic::ids_of(tokens, 0, n));
   for (int64_t i = 0; i < options_.check_layer; ++i) hidden = dec.layer_at(i, hidden, pos, out.cache, n);
   std::vector<int64_t> chosen = cacheblend_selection(hidden, pos, spans, n_context, n, out);
   at::Tensor chosen_pos = at::tensor(chosen, at::kLong).to(dec.device());
@@ -525,7 +523,7 @@ COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<
     // blocks come from the prefix cache and a warm request computes the question alone.
     const int64_t p = static_cast<int64_t>(r.prefix.size());
     anchor = p;
-    HeldBlocks held{*prefix_, prefix_->acquire(r.prefix, out.tenant)};
+    detail::pic::HeldBlocks held{*prefix_, prefix_->acquire(r.prefix, out.tenant)};
     const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
     prefix_->fill(held.blocks, out.cache);
     out.cache.set_length(m);
@@ -552,8 +550,8 @@ COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<
   std::vector<bool> cached;
   const int64_t from = out.cache.length();
   at::Tensor logits = model_.documents_and_prompt(r.documents, store_.get(), out.tenant, &cached,
-                                                  ids_of(out.tokens, from, out.n_prompt), out.cache, anchor,
-                                                  out.documents);
+                                                  detail::pic::ids_of(out.tokens, from, out.n_prompt), out.cache,
+                                                  anchor, out.documents);
   for (size_t i = 0; i < r.documents.size(); ++i)
     (cached[i] ? out.reused : out.computed) += static_cast<int64_t>(r.documents[i].size());
   if (!logits.defined()) return;  // the prompt pending

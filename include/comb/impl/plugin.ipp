@@ -50,14 +50,13 @@ COMB_INLINE nlohmann::json PluginConfig::to_json() const {
   return j;
 }
 
-namespace impl_plugin {  // this file's own helpers
+namespace detail::plugin {  // this file's own helpers
 // What PluginConfig::cache_dtype may be set from: "float32" (kept as "", the dtype as computed),
 // "bfloat16", "float16", "int8".
 COMB_INLINE bool is_cache_dtype_name(const std::string& name) {
   return name == "float32" || name == "bfloat16" || name == "float16" || name == "int8";
 }
-}  // namespace impl_plugin
-using namespace impl_plugin;
+}  // namespace detail::plugin
 
 COMB_INLINE PluginConfig PluginConfig::from_json(const nlohmann::json& j, const std::string& where) {
   PluginConfig c;
@@ -100,7 +99,7 @@ COMB_INLINE PluginConfig PluginConfig::from_json(const nlohmann::json& j, const 
   c.consecutive_documents = flag("consecutive_documents", false);
   if (j.contains("cache_dtype")) {
     const auto& v = j["cache_dtype"];
-    COMB_CHECK(v.is_string() && is_cache_dtype_name(v.get<std::string>()),
+    COMB_CHECK(v.is_string() && detail::plugin::is_cache_dtype_name(v.get<std::string>()),
                "{}: plug-in config 'cache_dtype' should be float32, bfloat16, float16 or int8, found {}", where,
                v.dump());
     c.cache_dtype = v == "float32" ? "" : v.get<std::string>();
@@ -108,25 +107,23 @@ COMB_INLINE PluginConfig PluginConfig::from_json(const nlohmann::json& j, const 
   return c;
 }
 
-namespace impl_plugin {  // this file's own helpers
+namespace detail::plugin {  // this file's own helpers
 COMB_INLINE std::string hex128(XXH128_hash_t h) { return fmt::format("{:016x}{:016x}", h.high64, h.low64); }
 
 COMB_INLINE void hash_tensor(XXH3_state_t* state, const at::Tensor& t) {
   at::Tensor c = t.detach().to(at::kCPU).contiguous();
   XXH3_128bits_update(state, c.data_ptr(), c.numel() * c.element_size());
 }
-}  // namespace impl_plugin
-using namespace impl_plugin;
+}  // namespace detail::plugin
 
-namespace impl_plugin {  // this file's own helpers
+namespace detail::plugin {  // this file's own helpers
 // A decoder layer's weights as new float tensors (dequantized when kept quantized): a plug-in's
 // starting point is its own copy.
 COMB_INLINE LayerWeights dense_copy(const LayerWeights& l) {
   return {l.attn_norm.clone(), dense_matrix(l, Proj::qkv).clone(), dense_matrix(l, Proj::o).clone(), l.ffn_norm.clone(),
           dense_matrix(l, Proj::gate_up).clone(), dense_matrix(l, Proj::down).clone(), nullptr};
 }
-}  // namespace impl_plugin
-using namespace impl_plugin;
+}  // namespace detail::plugin
 
 COMB_INLINE BaseFingerprint::BaseFingerprint(const ModelConfig& c) {
   XXH3_state_t* state = XXH3_createState();
@@ -139,9 +136,13 @@ COMB_INLINE BaseFingerprint::BaseFingerprint(const ModelConfig& c) {
 
 COMB_INLINE BaseFingerprint::~BaseFingerprint() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
 
-COMB_INLINE void BaseFingerprint::add(const at::Tensor& t) { hash_tensor(static_cast<XXH3_state_t*>(state_), t.to(at::kBFloat16)); }
+COMB_INLINE void BaseFingerprint::add(const at::Tensor& t) {
+  detail::plugin::hash_tensor(static_cast<XXH3_state_t*>(state_), t.to(at::kBFloat16));
+}
 
-COMB_INLINE std::string BaseFingerprint::finish() { return hex128(XXH3_128bits_digest(static_cast<XXH3_state_t*>(state_))); }
+COMB_INLINE std::string BaseFingerprint::finish() {
+  return detail::plugin::hex128(XXH3_128bits_digest(static_cast<XXH3_state_t*>(state_)));
+}
 
 COMB_INLINE std::string base_fingerprint(const Decoder& base) {
   const auto& w = base.weights();
@@ -155,7 +156,7 @@ COMB_INLINE std::string base_fingerprint(const Decoder& base) {
 // Plugin
 // ================================================================================================
 
-namespace impl_plugin {  // this file's own helpers
+namespace detail::plugin {  // this file's own helpers
 COMB_INLINE void check_layout(const PluginConfig& p, const ModelConfig& c) {
   const auto& layers = p.cross_layers;
   COMB_CHECK(!layers.empty(), "a plug-in needs at least one cross block");
@@ -186,8 +187,7 @@ COMB_INLINE void check_layout(const PluginConfig& p, const ModelConfig& c) {
              "an encoder of the base's layers can have at most its {} layers, found {}", c.n_layer,
              p.n_encoder_layers());
 }
-}  // namespace impl_plugin
-using namespace impl_plugin;
+}  // namespace detail::plugin
 
 COMB_INLINE Plugin::Plugin(PluginConfig config, PluginWeights weights, const Decoder& base)
     : config_(std::move(config)),
@@ -195,7 +195,7 @@ COMB_INLINE Plugin::Plugin(PluginConfig config, PluginWeights weights, const Dec
       base_config_(base.config()),
       rope_cos_(base.rope_cos()),
       rope_sin_(base.rope_sin()) {
-  check_layout(config_, base_config_);
+  detail::plugin::check_layout(config_, base_config_);
   if (config_.max_document_tokens <= 0) config_.max_document_tokens = base_config_.n_ctx;
   // A plug-in that does not name its base (a merged checkpoint's) is bound to this one, so its
   // fingerprint, and with it every cache key of its documents, depends on the base.
@@ -208,7 +208,7 @@ COMB_INLINE Plugin::Plugin(PluginConfig config, PluginWeights weights, const Dec
 }
 
 COMB_INLINE void Plugin::set_cache_dtype(const std::string& dtype) {
-  COMB_CHECK(dtype.empty() || is_cache_dtype_name(dtype),
+  COMB_CHECK(dtype.empty() || detail::plugin::is_cache_dtype_name(dtype),
              "a plug-in's cache dtype is float32, bfloat16, float16 or int8, found '{}'", dtype);
   config_.cache_dtype = dtype == "float32" ? "" : dtype;
   refresh_fingerprint();
@@ -221,9 +221,9 @@ COMB_INLINE void Plugin::refresh_fingerprint() {
   XXH3_128bits_update(state, c.data(), c.size());
   for (const auto& [name, t] : named_tensors()) {
     XXH3_128bits_update(state, name.data(), name.size());
-    hash_tensor(state, t);
+    detail::plugin::hash_tensor(state, t);
   }
-  fingerprint_ = hex128(XXH3_128bits_digest(state));
+  fingerprint_ = detail::plugin::hex128(XXH3_128bits_digest(state));
   XXH3_freeState(state);
 }
 
@@ -233,7 +233,7 @@ COMB_INLINE int64_t Plugin::block_before(int64_t layer) const {
   return -1;
 }
 
-namespace impl_plugin {  // this file's own helpers
+namespace detail::plugin {  // this file's own helpers
 // Per head, the median log-sum-exp of decoder layer `layer`'s causal attention scores over the
 // probes' positions after the first 8: how much a head attends to its own context there.
 COMB_INLINE std::vector<at::Tensor> self_attention_lse(const Decoder& base, const std::vector<int64_t>& layers,
@@ -267,8 +267,7 @@ COMB_INLINE std::vector<at::Tensor> self_attention_lse(const Decoder& base, cons
   for (auto& parts : per_layer) out.push_back(std::get<0>(at::cat(parts, 1).median(1)));  // [H]
   return out;
 }
-}  // namespace impl_plugin
-using namespace impl_plugin;
+}  // namespace detail::plugin
 
 COMB_INLINE Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o) {
   const auto& c = base.config();
@@ -291,9 +290,9 @@ COMB_INLINE Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o
     config.encoder_prefix = o.encoder_prefix;
     config.max_document_tokens = c.n_ctx - static_cast<int64_t>(o.encoder_prefix.size());
     config.base_fingerprint = base_fingerprint(base);
-    check_layout(config, c);
+    detail::plugin::check_layout(config, c);
     std::vector<at::Tensor> lse;
-    if (!o.joint_attention) lse = self_attention_lse(base, config.cross_layers, o.probes);
+    if (!o.joint_attention) lse = detail::plugin::self_attention_lse(base, config.cross_layers, o.probes);
     auto opts = at::TensorOptions().dtype(base.dtype()).device(base.device());
     PluginWeights w;
     for (size_t k = 0; k < config.cross_layers.size(); ++k) {
@@ -324,7 +323,7 @@ COMB_INLINE Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o
     for (int64_t k = 0; k < o.n_encoder_layers; ++k)
       config.cross_layers.push_back(o.first_layers ? k + 1 : (k + 1) * c.n_layer / o.n_encoder_layers - 1);
   }
-  check_layout(config, c);
+  detail::plugin::check_layout(config, c);
   config.max_document_tokens = c.n_ctx;
   config.base_fingerprint = base_fingerprint(base);
   auto gen = at::detail::createCPUGenerator(o.seed);
@@ -341,7 +340,7 @@ COMB_INLINE Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o
     at::Tensor cos = base.rope_cos().narrow(0, 0, 64), sin = base.rope_sin().narrow(0, 0, 64);
     for (size_t k = 0; k < config.cross_layers.size(); ++k) {
       const LayerWeights& src = bw.layers.at(k);
-      w.encoder.push_back(dense_copy(src));
+      w.encoder.push_back(detail::plugin::dense_copy(src));
       // The RMS of encoder states after this layer on a probe sequence, to scale V to the decoder's.
       h = llama_layer(h, src, c, cos, sin, /*causal=*/false);
       const double rms = h.to(at::kFloat).pow(2).mean().sqrt().item<double>();
@@ -361,7 +360,7 @@ COMB_INLINE Plugin Plugin::fresh(const Decoder& base, const PluginInitOptions& o
     const LayerWeights& src = bw.layers.at(layer);
     auto qkv = dense_matrix(src, Proj::qkv).split_with_sizes({c.q_dim(), c.kv_dim(), c.kv_dim()}, 0);
     if (o.copy_decoder_layers) {
-      w.encoder.push_back(dense_copy(src));
+      w.encoder.push_back(detail::plugin::dense_copy(src));
       w.wk.push_back(qkv[1].clone());
       w.wv.push_back(qkv[2].clone());
       w.cross.push_back({src.attn_norm.clone(), qkv[0].clone(), ones(c.head_dim), ones(c.head_dim), dense_matrix(src, Proj::o).clone(),
@@ -425,7 +424,7 @@ COMB_INLINE std::vector<std::pair<std::string, at::Tensor>> Plugin::named_tensor
 
 COMB_INLINE Plugin Plugin::from_checkpoint(const TensorSource& source, const PluginConfig& config, const Decoder& base) {
   const auto& c = base.config();
-  check_layout(config, c);
+  detail::plugin::check_layout(config, c);
   WeightReader r(source, base.dtype(), base.device());
   PluginWeights w;
   w.tok_embd = r.get("chunk_model.embed_tokens.weight", {c.n_vocab, c.n_embd}, /*required=*/false);

@@ -25,7 +25,7 @@ COMB_INLINE const char* const kQaInstruction =
     "Write a high-quality answer for the given question using only the provided documents (some of which might be "
     "irrelevant).";
 
-namespace impl_qa {  // this file's own helpers
+namespace detail::qa {  // this file's own helpers
 // Calls fn(line number, object) for each non-blank line of a JSON Lines file (gzip or plain) until
 // fn returns false. A line that is not a JSON object, a damaged gzip stream and a JSON type error
 // in fn are errors naming the file and line; so is input beyond DataLimits (a line too long, too
@@ -101,16 +101,15 @@ COMB_INLINE void each_json_line(const std::string& path, const std::function<boo
             : found.is_structured() ? fmt::format("{} of {} entries", found.type_name(), found.size())
                                     : std::string(found.type_name()) + " " + found.dump().substr(0, 60));
 }
-}  // namespace impl_qa
-using namespace impl_qa;
+}  // namespace detail::qa
 
 COMB_INLINE std::vector<QaItem> read_qa_items(const std::string& path, int64_t limit, const DataLimits& limits) {
   std::vector<QaItem> items;
   static const nlohmann::json missing;  // what an absent document field is reported as
-  each_json_line(path, [&](int64_t number, const nlohmann::json& j) {
+  detail::qa::each_json_line(path, [&](int64_t number, const nlohmann::json& j) {
     // Callers test first, so field names are formatted only for the message.
     auto bad = [&](const std::string& field, const std::string& expected, const nlohmann::json& found) {
-      refuse(path, number, field, expected, found);
+      detail::qa::refuse(path, number, field, expected, found);
     };
     for (const char* key : {"id", "question", "answers", "documents"})
       COMB_CHECK(j.contains(key), "'{}' line {}: missing '{}' (expected id, question, answers, documents)", path,
@@ -164,11 +163,10 @@ COMB_INLINE std::vector<QaItem> read_qa_items(const std::string& path, int64_t l
 // Data sets made from their public source files
 // ------------------------------------------------------------------------------------------------
 
-namespace impl_qa {  // this file's own helpers
+namespace detail::qa {  // this file's own helpers
 // rng() % n: the same draws on every platform (std::uniform_int_distribution is not).
 COMB_INLINE size_t draw(std::mt19937_64& rng, size_t n) { return static_cast<size_t>(rng() % n); }
-}  // namespace impl_qa
-using namespace impl_qa;
+}  // namespace detail::qa
 
 COMB_INLINE std::vector<QaItem> nq_multidoc_items(const std::string& source, const NqMultidocOptions& o) {
   COMB_CHECK(o.documents >= 1, "an nq-multidoc item needs at least one document (the gold one), found {}", o.documents);
@@ -178,9 +176,9 @@ COMB_INLINE std::vector<QaItem> nq_multidoc_items(const std::string& source, con
     QaDocument gold;
   };
   std::vector<Question> questions;
-  each_json_line(source, [&](int64_t number, const nlohmann::json& j) {
+  detail::qa::each_json_line(source, [&](int64_t number, const nlohmann::json& j) {
     auto bad = [&](const std::string& field, const std::string& expected, const nlohmann::json& found) {
-      refuse(source, number, field, expected, found);
+      detail::qa::refuse(source, number, field, expected, found);
     };
     static const nlohmann::json missing;
     auto field = [&](const nlohmann::json& obj, const std::string& key) -> const nlohmann::json& {
@@ -243,7 +241,7 @@ COMB_INLINE std::vector<QaItem> nq_multidoc_items(const std::string& source, con
     for (size_t k = 0; k < order.size(); ++k) order[k] = k;
     std::vector<QaDocument> distractors;
     for (size_t k = 0; k < order.size() && static_cast<int64_t>(distractors.size()) + 1 < o.documents; ++k) {
-      std::swap(order[k], order[k + draw(rng, order.size() - k)]);
+      std::swap(order[k], order[k + detail::qa::draw(rng, order.size() - k)]);
       const QaDocument& d = pool[order[k]];
       if ((d.title == q.gold.title && d.text == q.gold.text) || answer_correct(pool_text[order[k]], q.answers)) continue;
       distractors.push_back(d);
@@ -255,7 +253,7 @@ COMB_INLINE std::vector<QaItem> nq_multidoc_items(const std::string& source, con
     item.id = fmt::format("{}-{:04d}", o.id_prefix, i);
     item.question = q.question;
     item.answers = q.answers;
-    item.gold_index = static_cast<int64_t>(draw(rng, o.documents));
+    item.gold_index = static_cast<int64_t>(detail::qa::draw(rng, o.documents));
     item.documents = std::move(distractors);
     item.documents.insert(item.documents.begin() + item.gold_index, q.gold);
     items.push_back(std::move(item));
@@ -267,7 +265,7 @@ COMB_INLINE std::vector<QaItem> kv_retrieval_items(const std::string& source, co
   COMB_CHECK(o.pairs_per_document >= 1, "a key-value document holds at least one pair, found {}",
              o.pairs_per_document);
   std::vector<QaItem> items;
-  each_json_line(source, [&](int64_t number, const nlohmann::json& j) {
+  detail::qa::each_json_line(source, [&](int64_t number, const nlohmann::json& j) {
     static const nlohmann::json missing;
     auto field = [&](const std::string& key) -> const nlohmann::json& {
       auto at = j.find(key);
@@ -275,9 +273,9 @@ COMB_INLINE std::vector<QaItem> kv_retrieval_items(const std::string& source, co
     };
     const auto& records = field("ordered_kv_records");
     if (!records.is_array() || records.empty())
-      refuse(source, number, "ordered_kv_records", "a non-empty list of [key, value] pairs", records);
+      detail::qa::refuse(source, number, "ordered_kv_records", "a non-empty list of [key, value] pairs", records);
     for (const char* k : {"key", "value"})
-      if (!field(k).is_string()) refuse(source, number, k, "a string", field(k));
+      if (!field(k).is_string()) detail::qa::refuse(source, number, k, "a string", field(k));
     const std::string key = j["key"].get<std::string>(), value = j["value"].get<std::string>();
     QaItem item;
     item.id = fmt::format("{}-{:04d}", o.id_prefix, items.size());
@@ -296,7 +294,8 @@ COMB_INLINE std::vector<QaItem> kv_retrieval_items(const std::string& source, co
     for (size_t r = 0; r < records.size(); ++r) {
       const auto& pair = records[r];
       if (!pair.is_array() || pair.size() != 2 || !pair[0].is_string() || !pair[1].is_string())
-        refuse(source, number, fmt::format("ordered_kv_records[{}]", r), "a [key, value] pair of strings", pair);
+        detail::qa::refuse(source, number, fmt::format("ordered_kv_records[{}]", r), "a [key, value] pair of strings",
+                           pair);
       // Written as a JSON object: {"key": "value", "key": "value"}.
       text += (in_doc == 0 ? "{" : ", ") + nlohmann::json(pair[0]).dump() + ": " + nlohmann::json(pair[1]).dump();
       if (pair[0] == key) {
@@ -463,7 +462,7 @@ COMB_INLINE std::vector<int32_t> qa_document_tokens(const Model& model, const Qa
   return model.tokenizer().encode("Title: " + d.title + "\n" + d.text + "\n\n", false);
 }
 
-namespace impl_qa {  // this file's own helpers
+namespace detail::qa {  // this file's own helpers
 // The chat template around one user message: what comes before it and after it.
 COMB_INLINE std::pair<std::string, std::string> user_turn(const Model& model) {
   const std::string marker = "\x01";
@@ -472,12 +471,11 @@ COMB_INLINE std::pair<std::string, std::string> user_turn(const Model& model) {
   COMB_CHECK(at != std::string::npos, "the chat template drops the user's message (rendered: '{}')", rendered);
   return {rendered.substr(0, at), rendered.substr(at + marker.size())};
 }
-}  // namespace impl_qa
-using namespace impl_qa;
+}  // namespace detail::qa
 
 COMB_INLINE std::vector<int32_t> qa_prefix(const Model& model) {
   const Tokenizer& tok = model.tokenizer();
-  std::vector<int32_t> prefix = tok.encode(user_turn(model).first + kQaInstruction + "\n\n");
+  std::vector<int32_t> prefix = tok.encode(detail::qa::user_turn(model).first + kQaInstruction + "\n\n");
   if (tok.add_bos() && tok.bos_id()) prefix.insert(prefix.begin(), *tok.bos_id());
   return prefix;
 }
@@ -487,7 +485,7 @@ COMB_INLINE std::vector<int32_t> qa_suffix(const Model& model, const std::string
   // template's own tail is read for control tokens.
   const Tokenizer& tok = model.tokenizer();
   std::vector<int32_t> ids = tok.encode("Question: " + question, false);
-  std::vector<int32_t> tail = tok.encode(user_turn(model).second);
+  std::vector<int32_t> tail = tok.encode(detail::qa::user_turn(model).second);
   ids.insert(ids.end(), tail.begin(), tail.end());
   return ids;
 }

@@ -25,7 +25,7 @@ __attribute__((weak)) void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor
 
 namespace comb {
 
-namespace impl_quantized {  // this file's own helpers
+namespace detail::quantized {  // this file's own helpers
 // Past kKernelRows: output rows dequantized at a time (a layer's matrices whole; the 49,152-row head
 // of the default model in 12 chunks of 9 MB).
 COMB_INLINE constexpr int64_t kChunkRows = 4096;
@@ -45,8 +45,7 @@ COMB_INLINE at::Tensor plain_onednn(int64_t rows, int64_t cols, float** data) {
   *data = static_cast<float*>(at::native::data_ptr_from_mkldnn(t));
   return t;
 }
-}  // namespace impl_quantized
-using namespace impl_quantized;
+}  // namespace detail::quantized
 
 COMB_INLINE at::Tensor GroupedWeights::dequantize() const {
   const int64_t groups = cols() / QuantizedMatrix::kGroup;
@@ -110,7 +109,7 @@ COMB_INLINE GroupedWeights GroupedWeights::quantize(const at::Tensor& weights, K
   return g;
 }
 
-namespace impl_quantized {  // this file's own helpers
+namespace detail::quantized {  // this file's own helpers
 class QuantizingSource : public TensorSource {
  public:
   QuantizingSource(std::unique_ptr<TensorSource> inner, GroupedWeights::Kind kind) : inner_(std::move(inner)), kind_(kind) {
@@ -146,11 +145,10 @@ class QuantizingSource : public TensorSource {
   GroupedWeights::Kind kind_;
   std::map<std::string, TensorInfo> infos_;
 };
-}  // namespace impl_quantized
-using namespace impl_quantized;
+}  // namespace detail::quantized
 
 COMB_INLINE std::unique_ptr<TensorSource> quantizing_source(std::unique_ptr<TensorSource> source, GroupedWeights::Kind kind) {
-  return std::make_unique<QuantizingSource>(std::move(source), kind);
+  return std::make_unique<detail::quantized::QuantizingSource>(std::move(source), kind);
 }
 
 COMB_INLINE QuantizedMatrix QuantizedMatrix::from(const GroupedWeights& w) {
@@ -224,12 +222,12 @@ COMB_INLINE at::Tensor QuantizedMatrix::apply(const at::Tensor& x) const {
     // oneDNN's GEMM over the dequantized floats in their plain layout: the float path's own prefill
     // GEMM (Decoder::prepack_onednn), so the same numbers there too when a matrix fits one chunk.
     // The weights are dequantized straight into a oneDNN tensor (no copy) where LibTorch allows.
-    const int64_t chunk = std::min(rows_, kChunkRows);
+    const int64_t chunk = std::min(rows_, detail::quantized::kChunkRows);
     at::Tensor in_onednn = at::hasMKLDNN() ? in.to_mkldnn() : at::Tensor();
     for (int64_t r = 0; r < rows_; r += chunk) {
       const int64_t len = std::min(chunk, rows_ - r);
       float* data = nullptr;
-      at::Tensor w = plain_onednn(len, cols_, &data), y;
+      at::Tensor w = detail::quantized::plain_onednn(len, cols_, &data), y;
       if (w.defined()) {
         dequantize_rows(r, r + len, data);
         y = at::mkldnn_linear(in_onednn, w).to_dense();

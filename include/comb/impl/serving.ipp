@@ -109,15 +109,14 @@ struct ServeEngine::Sequence {
   ServeResult result;
 };
 
-namespace impl_serving {  // this file's own helpers
+namespace detail::serving {  // this file's own helpers
 COMB_INLINE double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 COMB_INLINE std::vector<double> latency_bounds() {
   return {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
 }
-}  // namespace impl_serving
-using namespace impl_serving;
+}  // namespace detail::serving
 
 COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
     : model_(model), options_(std::move(options)) {
@@ -160,8 +159,8 @@ COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
       const auto& b = p->weights().cross.at(k).doc_bias;
       doc_bias_.push_back(b.defined() ? b.to(at::kFloat).contiguous() : at::Tensor());
     }
-  stats_.ttft = Histogram(latency_bounds());
-  stats_.inter_token = Histogram(latency_bounds());
+  stats_.ttft = Histogram(detail::serving::latency_bounds());
+  stats_.inter_token = Histogram(detail::serving::latency_bounds());
   stats_.batch_size = Histogram({1, 2, 4, 8, 16, 32, 64});
   engine(options_.method);  // checks the default method's options now
   const int threads = at::get_num_threads();
@@ -310,10 +309,10 @@ COMB_INLINE bool ServeEngine::warm_document(const std::vector<int32_t>& tokens, 
           try {
             complete = engine(method).continue_document(*work, asked);
           } catch (...) {
-            owe_decoding(seconds_since(t0) * 1e3);
+            owe_decoding(detail::serving::seconds_since(t0) * 1e3);
             throw;
           }
-          const double ms = seconds_since(t0) * 1e3;
+          const double ms = detail::serving::seconds_since(t0) * 1e3;
           rate.record(asked, work->done - before, ms);
           owe_decoding(ms);
         },
@@ -347,7 +346,7 @@ COMB_INLINE void ServeEngine::admit(std::unique_lock<std::mutex>&) {
     if (blocks.empty()) break;
     s.blocks = std::move(blocks);
     in_flight_ += s.reserve;
-    s.result.queue_ms = seconds_since(s.submitted) * 1e3;
+    s.result.queue_ms = detail::serving::seconds_since(s.submitted) * 1e3;
     prefilling_.push_back(std::move(queue_.front()));
     queue_.pop_front();
   }
@@ -451,16 +450,16 @@ COMB_INLINE void ServeEngine::loop() {
         // start(), which for EPIC and CacheBlend is their whole recomputation, not split) go on in
         // the same turn, up to a piece that computes tokens or the end of the prompt.
         for (int64_t tokens = 0; tokens == 0 && !first->done && first->next < 0 &&
-                                 seconds_since(t0) * 1e3 <= std::max(1.0, options_.piece_ms);) {
+                                 detail::serving::seconds_since(t0) * 1e3 <= std::max(1.0, options_.piece_ms);) {
           const auto t1 = Sequence::clock::now();
           tokens = prefill_step(*first);
           if (tokens > 0) first->started = true;
-          first->rate.record(first->piece_asked, tokens, seconds_since(t1) * 1e3);
+          first->rate.record(first->piece_asked, tokens, detail::serving::seconds_since(t1) * 1e3);
         }
       } catch (const std::exception& e) {
         finish(*first, "error", e.what());
       }
-      const double ms = seconds_since(t0) * 1e3;
+      const double ms = detail::serving::seconds_since(t0) * 1e3;
       if (under_way) last_continued_ = Sequence::clock::now();
       {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -488,7 +487,7 @@ COMB_INLINE void ServeEngine::loop() {
       try {
         const auto t0 = Sequence::clock::now();
         decode_step();
-        owed_ms_ = std::max(0.0, owed_ms_ - seconds_since(t0) * 1e3);
+        owed_ms_ = std::max(0.0, owed_ms_ - detail::serving::seconds_since(t0) * 1e3);
       } catch (const std::exception& e) {
         std::vector<Sequence*> rows;
         {
@@ -518,7 +517,7 @@ COMB_INLINE bool ServeEngine::may_continue() const {
   // Work under way waits at most one full piece's worth of decoding, however many new requests'
   // first pieces keep the decoding steps owed time.
   const double cap = std::max(options_.piece_ms, 1.0) / options_.prefill_share;
-  return seconds_since(last_continued_) * 1e3 >= cap;
+  return detail::serving::seconds_since(last_continued_) * 1e3 >= cap;
 }
 
 COMB_INLINE void ServeEngine::owe_decoding(double ms) {
@@ -619,7 +618,7 @@ COMB_INLINE bool ServeEngine::emit(Sequence& s, const at::Tensor& logits) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (s.result.tokens.empty()) {
-      s.result.ttft_ms = seconds_since(s.submitted) * 1e3;
+      s.result.ttft_ms = detail::serving::seconds_since(s.submitted) * 1e3;
       stats_.ttft.add(s.result.ttft_ms / 1e3);
     } else {
       stats_.inter_token.add(std::chrono::duration<double>(now - s.last_token).count());
@@ -685,7 +684,7 @@ COMB_INLINE void ServeEngine::finish(Sequence& s, const std::string& reason, con
   if (reason != "cancelled" && reason != "error") s.result.text += s.stream->flush();
   s.result.finish_reason = reason;
   s.result.error = error;
-  s.result.total_ms = seconds_since(s.submitted) * 1e3;
+  s.result.total_ms = detail::serving::seconds_since(s.submitted) * 1e3;
   // Everything the request holds goes back before its callbacks run (they may fail).
   unpin_all(s);
   s.prefill.reset();
@@ -743,7 +742,7 @@ COMB_INLINE void ServeEngine::decode_step() {
   at::Tensor logits = batched_forward(rows);  // [rows, n_vocab]
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const double dt = seconds_since(t0);
+    const double dt = detail::serving::seconds_since(t0);
     ++stats_.decode_steps;
     stats_.decode_seconds += dt;
     stats_.batch_size.add(static_cast<double>(rows.size()));

@@ -51,7 +51,7 @@ COMB_INLINE int64_t DocumentKV::storage_bytes(c10::ScalarType dtype, int64_t n_b
   return elements + 2 * n_blocks * n_head_kv * (key_scales + n_tokens);
 }
 
-namespace impl_store {
+namespace detail::store {  // this file's own helpers
 // A scale from the largest magnitude it covers: amax / 127 (1 where all are 0), at least 2^-14 (the
 // smallest normal float16), kept in float16; the codes are computed with that float16 value.
 COMB_INLINE at::Half int8_scale(float amax) {
@@ -106,7 +106,7 @@ COMB_INLINE std::array<at::Tensor, 4> quantize_int8_cpu(const at::Tensor& k, con
   }
   return {kq, ks, vq, vs};
 }
-}  // namespace impl_store
+}  // namespace detail::store
 
 COMB_INLINE void dequantize_linked(std::vector<std::vector<at::Tensor>>& keys,
                                    std::vector<std::vector<at::Tensor>>& values,
@@ -148,7 +148,7 @@ COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype)
     }
     if (dtype == at::kChar && k.device().is_cpu() && k.scalar_type() == at::kFloat && k.dim() == 3 &&
         v.sizes() == k.sizes() && v.scalar_type() == at::kFloat) {
-      auto [kq, ks, vq, vs] = impl_store::quantize_int8_cpu(k.contiguous(), v.contiguous());
+      auto [kq, ks, vq, vs] = detail::store::quantize_int8_cpu(k.contiguous(), v.contiguous());
       out.keys.push_back(kq);
       out.values.push_back(vq);
       out.key_scales.push_back(ks);
@@ -201,7 +201,7 @@ COMB_INLINE CacheKey PICacheStore::key(const std::vector<int32_t>& tokens, const
   return {h.high64, h.low64};
 }
 
-namespace impl_store {  // this file's own helpers
+namespace detail::store {  // this file's own helpers
 
 struct KeyHash {
   size_t operator()(const CacheKey& k) const { return static_cast<size_t>(k.low ^ (k.high * 0x9E3779B97F4A7C15ull)); }
@@ -366,17 +366,16 @@ struct MemoryTier {
   }
 };
 
-}  // namespace impl_store
-using namespace impl_store;
+}  // namespace detail::store
 
 struct PICacheStore::Impl {
   StoreOptions options;
   mutable std::mutex mutex;
-  std::vector<MemoryTier> memory;  // [0] device (when CUDA), then host
+  std::vector<detail::store::MemoryTier> memory;  // [0] device (when CUDA), then host
   // Disk tier: files "<key hex>.kv"; LRU order and sizes kept here.
   TierStats disk;
   std::list<CacheKey> disk_lru;
-  std::unordered_map<CacheKey, std::pair<std::list<CacheKey>::iterator, int64_t>, KeyHash> disk_files;
+  std::unordered_map<CacheKey, std::pair<std::list<CacheKey>::iterator, int64_t>, detail::store::KeyHash> disk_files;
   int64_t corrupt = 0, write_errors = 0;
   // Remote tier (Redis): its own locking; the store's mutex is never held across a network call.
   std::unique_ptr<detail::RedisTier> remote;
@@ -390,7 +389,7 @@ struct PICacheStore::Impl {
   // Returns the entry as stored (converted to its tier's device), or as given if no tier took it.
   std::shared_ptr<const DocumentKV> insert(size_t t, const CacheKey& key, std::shared_ptr<const DocumentKV> kv) {
     for (; t < memory.size(); ++t) {
-      MemoryTier& tier = memory[t];
+      detail::store::MemoryTier& tier = memory[t];
       // Storage bytes are known before any copy: an entry this tier cannot hold beside its pinned
       // ones is neither copied to its device nor allowed to evict anything.
       const int64_t bytes = storage_bytes(*kv);
@@ -426,7 +425,7 @@ struct PICacheStore::Impl {
                                      k.size(1));
   }
   // Whether `tier` can hold `bytes` beside its pinned entries (evicting unpinned ones as needed).
-  static bool fits(const MemoryTier& tier, int64_t bytes) {
+  static bool fits(const detail::store::MemoryTier& tier, int64_t bytes) {
     if (!tier.enabled()) return false;
     int64_t pinned = 0;
     for (const auto& [k, slot] : tier.slots)
@@ -436,7 +435,7 @@ struct PICacheStore::Impl {
 
   void disk_write(const CacheKey& key, const DocumentKV& kv) {
     if (!disk_enabled() || disk_files.count(key)) return;
-    std::string bytes = serialize(key, kv);
+    std::string bytes = detail::store::serialize(key, kv);
     const int64_t size = static_cast<int64_t>(bytes.size());
     if (size > options.disk_bytes) return;
     try {
@@ -498,7 +497,8 @@ struct PICacheStore::Impl {
 };
 
 COMB_INLINE PICacheStore::PICacheStore(StoreOptions options) : impl_(std::make_unique<Impl>()) {
-  if (options.dtype != c10::ScalarType::Undefined) dtype_code(options.dtype);  // validates (Undefined: auto)
+  if (options.dtype != c10::ScalarType::Undefined)
+    detail::store::dtype_code(options.dtype);  // validates (Undefined: auto)
   COMB_CHECK(options.device_bytes >= 0 && options.host_bytes >= 0 && options.disk_bytes >= 0,
              "cache budgets must be >= 0 (device {}, host {}, disk {})", options.device_bytes, options.host_bytes,
              options.disk_bytes);
@@ -506,12 +506,12 @@ COMB_INLINE PICacheStore::PICacheStore(StoreOptions options) : impl_(std::make_u
   impl_->options = options;
   if (options.device.is_cuda()) {
     load_cuda_backend();  // before anything asks LibTorch about CUDA
-    MemoryTier device;
+    detail::store::MemoryTier device;
     device.budget = options.device_bytes;
     device.device = options.device;
     impl_->memory.push_back(std::move(device));
   }
-  MemoryTier host;
+  detail::store::MemoryTier host;
   host.budget = options.host_bytes;
   impl_->memory.push_back(std::move(host));
   if (impl_->disk_enabled()) impl_->scan_disk();
@@ -542,10 +542,10 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& 
   std::string why;
   std::optional<DocumentKV> kv;
   bool found = false;
-  impl_->remote->read(remote_key(key), [&](const char* data, size_t size) {
+  impl_->remote->read(detail::store::remote_key(key), [&](const char* data, size_t size) {
     found = true;
     try {  // straight from the reply's buffer: one copy, into the entry's tensors
-      kv = deserialize(reinterpret_cast<const uint8_t*>(data), size, key, why);
+      kv = detail::store::deserialize(reinterpret_cast<const uint8_t*>(data), size, key, why);
     } catch (const std::exception& e) {
       why = e.what();
     }
@@ -557,7 +557,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& 
     if (found) {  // there, but not an entry of this key: dropped, to be computed and written again
       ++impl_->corrupt;
       log(LogLevel::warning, "cache store: dropped corrupt Redis entry {} ({})", key.hex(), why);
-      impl_->remote->remove(remote_key(key));
+      impl_->remote->remove(detail::store::remote_key(key));
     }
     return nullptr;
   }
@@ -595,7 +595,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::Impl::get_local(cons
       std::string why;
       std::optional<DocumentKV> kv;
       try {
-        kv = deserialize(path_of(key), key, why);
+        kv = detail::store::deserialize(path_of(key), key, why);
       } catch (const std::exception& e) {  // comb::Error, c10::Error, std::bad_alloc: a bad file, not a crash
         why = e.what();
       }
@@ -629,7 +629,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& 
   // Converted on the first tier that can hold it (the device tier only when it fits there).
   const int64_t bytes = impl_->storage_bytes(kv);
   auto top = std::find_if(impl_->memory.begin(), impl_->memory.end(),
-                          [&](const MemoryTier& t) { return Impl::fits(t, bytes); });
+                          [&](const detail::store::MemoryTier& t) { return Impl::fits(t, bytes); });
   c10::Device where = top == impl_->memory.end() ? c10::Device(c10::kCPU) : top->device;
   auto entry = std::make_shared<const DocumentKV>(kv.to(where, impl_->dtype_for(kv)));
   impl_->disk_write(key, *entry);
@@ -639,8 +639,9 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& 
       if (auto it = tier.slots.find(key); it != tier.slots.end()) it->second.pinned = true;
   lock.unlock();
   if (impl_->remote)  // serialized and written by the tier's thread: put() waits for neither
-    impl_->remote->put_lazy(remote_key(key), static_cast<int64_t>(sizeof(DiskHeader)) + entry->bytes(),
-                            [key, entry] { return serialize(key, *entry); });
+    impl_->remote->put_lazy(detail::store::remote_key(key),
+                            static_cast<int64_t>(sizeof(detail::store::DiskHeader)) + entry->bytes(),
+                            [key, entry] { return detail::store::serialize(key, *entry); });
   return stored;
 }
 
@@ -660,7 +661,7 @@ COMB_INLINE void PICacheStore::unpin(const CacheKey& key) {
 COMB_INLINE StoreStats PICacheStore::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   StoreStats s;
-  auto fill = [](const MemoryTier& t) {
+  auto fill = [](const detail::store::MemoryTier& t) {
     TierStats out = t.stats;
     out.entries = static_cast<int64_t>(t.slots.size());
     out.budget = t.budget;

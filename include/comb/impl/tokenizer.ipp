@@ -26,7 +26,7 @@ namespace fs = std::filesystem;
 
 namespace comb {
 
-namespace impl_tokenizer {  // this file's own helpers
+namespace detail::tokenizer {  // this file's own helpers
 
 // The split patterns of the supported pre-tokenizers.
 COMB_INLINE constexpr const char* kGpt2Pattern =
@@ -161,8 +161,7 @@ COMB_INLINE std::string byte_level_decode(const std::string& token) {
 
 COMB_INLINE uint64_t pair_key(int32_t a, int32_t b) { return (static_cast<uint64_t>(a) << 32) | static_cast<uint32_t>(b); }
 
-}  // namespace impl_tokenizer
-using namespace impl_tokenizer;
+}  // namespace detail::tokenizer
 
 // ================================================================================================
 // Tokenizer
@@ -176,7 +175,7 @@ struct Tokenizer::Impl {
   std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;  // (a, b) -> (rank, merged)
   std::vector<std::pair<int32_t, int32_t>> merge_list;               // in rank order
   std::vector<int32_t> added;       // added tokens, matched in raw text, longest first
-  std::vector<PreStep> steps;
+  std::vector<detail::tokenizer::PreStep> steps;
   bool ignore_merges = false;
   std::optional<int32_t> bos, eos;
   bool add_bos = false;
@@ -190,7 +189,7 @@ struct Tokenizer::Impl {
     bytes.resize(tokens.size());
     special.resize(tokens.size(), false);
     for (size_t i = 0; i < tokens.size(); ++i) {
-      if (bytes[i].empty()) bytes[i] = byte_level_decode(tokens[i]);
+      if (bytes[i].empty()) bytes[i] = detail::tokenizer::byte_level_decode(tokens[i]);
       vocab.emplace(tokens[i], static_cast<int32_t>(i));
     }
     std::sort(added.begin(), added.end(),
@@ -201,7 +200,7 @@ struct Tokenizer::Impl {
     auto ia = vocab.find(a), ib = vocab.find(b), im = vocab.find(a + b);
     COMB_CHECK(ia != vocab.end() && ib != vocab.end() && im != vocab.end(),
                "{}: merge {} of '{}' + '{}' names a token the vocabulary lacks", where, rank, a, b);
-    merges.emplace(pair_key(ia->second, ib->second), std::make_pair(rank, im->second));
+    merges.emplace(detail::tokenizer::pair_key(ia->second, ib->second), std::make_pair(rank, im->second));
     merge_list.emplace_back(ia->second, ib->second);
   }
 
@@ -228,7 +227,7 @@ struct Tokenizer::Impl {
     auto push = [&](int32_t i) {
       const int32_t j = next[i];
       if (j < 0) return;
-      auto it = merges.find(pair_key(symbols[i], symbols[j]));
+      auto it = merges.find(detail::tokenizer::pair_key(symbols[i], symbols[j]));
       if (it != merges.end()) heap.push({it->second.first, i, symbols[i], symbols[j], it->second.second});
     };
     for (int32_t i = 0; i + 1 < n; ++i) push(i);
@@ -265,7 +264,7 @@ struct Tokenizer::Impl {
       }
     }
     std::vector<int32_t> symbols;
-    for (auto ch : utf8_chars(word)) {
+    for (auto ch : detail::tokenizer::utf8_chars(word)) {
       auto it = vocab.find(std::string(ch));
       COMB_CHECK(it != vocab.end(), "{}: the vocabulary has no token for character '{}'", where, std::string(ch));
       symbols.push_back(it->second);
@@ -295,7 +294,7 @@ struct Tokenizer::Impl {
       }
       pieces = std::move(next);
     }
-    const auto& table = byte_table();
+    const auto& table = detail::tokenizer::byte_table();
     std::string word;
     for (auto [b, e] : pieces) {
       word.clear();
@@ -310,7 +309,7 @@ COMB_INLINE Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 COMB_INLINE Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 COMB_INLINE Tokenizer::~Tokenizer() = default;
 
-namespace impl_tokenizer {  // this file's own helpers
+namespace detail::tokenizer {  // this file's own helpers
 COMB_INLINE std::vector<PreStep> gguf_pre_steps(const std::string& pre, const std::string& where) {
   auto gpt2 = std::make_shared<Regex>(kGpt2Pattern);
   if (pre == "gpt2" || pre == "default" || pre == "mpt" || pre == "olmo") return {{gpt2}};
@@ -321,8 +320,7 @@ COMB_INLINE std::vector<PreStep> gguf_pre_steps(const std::string& pre, const st
   COMB_FAIL("{}: pre-tokenizer '{}' is not supported (supported: gpt2, smollm, starcoder, llama-bpe, llama3)", where,
             pre);
 }
-}  // namespace impl_tokenizer
-using namespace impl_tokenizer;
+}  // namespace detail::tokenizer
 
 COMB_INLINE Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
   auto impl = std::make_unique<Impl>();
@@ -355,8 +353,8 @@ COMB_INLINE Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
       }
     }
   }
-  impl->steps = gguf_pre_steps(gguf.has("tokenizer.ggml.pre") ? gguf.get_string("tokenizer.ggml.pre") : "default",
-                               gguf.where());
+  impl->steps = detail::tokenizer::gguf_pre_steps(
+      gguf.has("tokenizer.ggml.pre") ? gguf.get_string("tokenizer.ggml.pre") : "default", gguf.where());
   impl->finish();
   if (gguf.has("tokenizer.ggml.merges")) {
     int32_t rank = 0;
@@ -386,7 +384,7 @@ COMB_INLINE Tokenizer Tokenizer::from_gguf(const GgufFile& gguf) {
   return Tokenizer(std::move(impl));
 }
 
-namespace impl_tokenizer {  // this file's own helpers
+namespace detail::tokenizer {  // this file's own helpers
 COMB_INLINE void parse_pre_tokenizer(const nlohmann::json& p, std::vector<PreStep>& steps, const std::string& where) {
   if (p.is_null()) return;
   std::string type = p.value("type", "");
@@ -416,8 +414,7 @@ COMB_INLINE void parse_pre_tokenizer(const nlohmann::json& p, std::vector<PreSte
     COMB_FAIL("{}: pre-tokenizer '{}' is not supported (supported: Sequence, ByteLevel, Digits, Split)", where, type);
   }
 }
-}  // namespace impl_tokenizer
-using namespace impl_tokenizer;
+}  // namespace detail::tokenizer
 
 COMB_INLINE Tokenizer Tokenizer::from_hf_json(const nlohmann::json& j, const std::string& where) {
   auto impl = std::make_unique<Impl>();
@@ -455,7 +452,7 @@ COMB_INLINE Tokenizer Tokenizer::from_hf_json(const nlohmann::json& j, const std
     }
   }
   impl->ignore_merges = model.value("ignore_merges", false);
-  parse_pre_tokenizer(j.value("pre_tokenizer", nlohmann::json()), impl->steps, where);
+  detail::tokenizer::parse_pre_tokenizer(j.value("pre_tokenizer", nlohmann::json()), impl->steps, where);
   impl->finish();
   int32_t rank = 0;
   for (const auto& m : model.at("merges")) {

@@ -34,7 +34,7 @@ namespace comb {
 // Examples
 // ================================================================================================
 
-namespace impl_train {  // this file's own helpers
+namespace detail::train {  // this file's own helpers
 COMB_INLINE std::string uuid(std::mt19937_64& rng) {
   static const char* hex = "0123456789abcdef";
   std::string s;
@@ -48,8 +48,7 @@ COMB_INLINE std::string uuid(std::mt19937_64& rng) {
 COMB_INLINE int64_t uniform(std::mt19937_64& rng, int64_t lo, int64_t hi) {  // [lo, hi]
   return lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(hi - lo + 1));
 }
-}  // namespace impl_train
-using namespace impl_train;
+}  // namespace detail::train
 
 COMB_INLINE std::shared_ptr<const std::vector<int32_t>> TrainData::document(const QaDocument& d) const {
   auto t = qa_document_tokens(model_, d);
@@ -111,7 +110,7 @@ COMB_INLINE TrainExample TrainData::finish(std::vector<std::shared_ptr<const std
                                std::mt19937_64& rng) const {
   // A random subset (the answer's document always in it) in a random order.
   const int64_t n = static_cast<int64_t>(documents.size());
-  int64_t k = uniform(rng, std::min(options_.min_documents, n), std::min(options_.max_documents, n));
+  int64_t k = detail::train::uniform(rng, std::min(options_.min_documents, n), std::min(options_.max_documents, n));
   std::vector<int64_t> others;
   for (int64_t i = 0; i < n; ++i)
     if (i != gold) others.push_back(i);
@@ -129,14 +128,15 @@ COMB_INLINE TrainExample TrainData::finish(std::vector<std::shared_ptr<const std
 
 COMB_INLINE TrainExample TrainData::generated_kv(std::mt19937_64& rng) const {
   // As kv-75: documents of 5 pairs of UUIDs as JSON objects, a key to look up.
-  const int64_t n_docs = uniform(rng, 2, std::max<int64_t>(2, std::min<int64_t>(15, options_.max_documents)));
-  const int64_t gold = uniform(rng, 0, n_docs - 1), slot = uniform(rng, 0, 4);
+  const int64_t n_docs =
+      detail::train::uniform(rng, 2, std::max<int64_t>(2, std::min<int64_t>(15, options_.max_documents)));
+  const int64_t gold = detail::train::uniform(rng, 0, n_docs - 1), slot = detail::train::uniform(rng, 0, 4);
   std::string key, value;
   std::vector<std::shared_ptr<const std::vector<int32_t>>> docs;
   for (int64_t d = 0; d < n_docs; ++d) {
     std::string text = "{";
     for (int p = 0; p < 5; ++p) {
-      std::string k = uuid(rng), v = uuid(rng);
+      std::string k = detail::train::uuid(rng), v = detail::train::uuid(rng);
       if (d == gold && p == slot) key = k, value = v;
       text += fmt::format("{}\"{}\": \"{}\"", p ? ", " : "", k, v);
     }
@@ -151,7 +151,7 @@ COMB_INLINE TrainExample TrainData::generated_kv(std::mt19937_64& rng) const {
 COMB_INLINE TrainExample TrainData::generated_needle(std::mt19937_64& rng) const {
   // A fact hidden in one of several filler paragraphs (needle_item, qa.hpp), over the essays'
   // train split and with train keys, so `comb make-data --kind needle --split test` stays unseen.
-  const int64_t n_docs = uniform(rng, 2, std::max<int64_t>(2, options_.max_documents));
+  const int64_t n_docs = detail::train::uniform(rng, 2, std::max<int64_t>(2, options_.max_documents));
   QaItem item = needle_item(paragraphs_, n_docs, false, rng);
   std::vector<std::shared_ptr<const std::vector<int32_t>>> docs;
   for (const auto& d : item.documents) docs.push_back(document(d));
@@ -233,7 +233,7 @@ COMB_INLINE TrainBatch make_train_batch(const std::vector<TrainExample>& example
   return out;
 }
 
-namespace impl_train {  // this file's own helpers
+namespace detail::train {  // this file's own helpers
 // The decoder over tokens [batch, n] at positions 0..n-1, causal, without a cache; `hook` runs
 // before each layer (the cross blocks). Returns the final-normed hidden state [batch, n, n_embd].
 COMB_INLINE at::Tensor decoder_hidden(const Decoder& base, const at::Tensor& tokens,
@@ -256,8 +256,7 @@ COMB_INLINE at::Tensor head_logits(const Decoder& base, const at::Tensor& hidden
   at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).index_select(0, rows);
   return at::linear(h, base.weights().output).to(at::kFloat);
 }
-}  // namespace impl_train
-using namespace impl_train;
+}  // namespace detail::train
 
 COMB_INLINE at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const PluginWeights& pw,
                                const TrainBatch& batch) {
@@ -281,19 +280,19 @@ COMB_INLINE at::Tensor plugin_train_logits(const Decoder& base, const Plugin& pl
       anchor = batch.prefix_tokens;
     }
     std::vector<JointKV> joint = plugin.joint_kv(pw, doc_keys, doc_values, batch.doc_counts, anchor);
-    return head_logits(base,
-                       decoder_hidden(base, batch.tokens, nullptr,
-                                      [&](int64_t layer) -> const JointKV* {
-                                        int64_t k = plugin.block_before(layer);
-                                        return k < 0 ? nullptr : &joint[k];
-                                      }),
-                       batch.target_rows);
+    return detail::train::head_logits(base,
+                                      detail::train::decoder_hidden(base, batch.tokens, nullptr,
+                                                                    [&](int64_t layer) -> const JointKV* {
+                                                                      int64_t k = plugin.block_before(layer);
+                                                                      return k < 0 ? nullptr : &joint[k];
+                                                                    }),
+                                      batch.target_rows);
   }
   auto hook = [&](int64_t layer, const at::Tensor& x) -> at::Tensor {
     int64_t k = plugin.block_before(layer);
     return k < 0 ? x : plugin.cross_block(pw, k, x, doc_keys[k], doc_values[k], batch.doc_counts);
   };
-  return head_logits(base, decoder_hidden(base, batch.tokens, hook), batch.target_rows);
+  return detail::train::head_logits(base, detail::train::decoder_hidden(base, batch.tokens, hook), batch.target_rows);
 }
 
 COMB_INLINE at::Tensor full_context_logits(const Decoder& base, const std::vector<TrainExample>& examples, c10::Device device) {
@@ -317,24 +316,23 @@ COMB_INLINE at::Tensor full_context_logits(const Decoder& base, const std::vecto
   }
   at::Tensor t = at::from_blob(tokens.data(), {static_cast<int64_t>(seqs.size()), max_n}, at::kLong).clone().to(device);
   at::Tensor r = at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).clone().to(device);
-  return head_logits(base, decoder_hidden(base, t, nullptr), r);
+  return detail::train::head_logits(base, detail::train::decoder_hidden(base, t, nullptr), r);
 }
 
 // ================================================================================================
 // Self-distillation: teacher answers and their file
 // ================================================================================================
 
-namespace impl_train {  // this file's own helpers
+namespace detail::train {  // this file's own helpers
 COMB_INLINE std::vector<int32_t> full_prompt(const TrainExample& e) {
   std::vector<int32_t> s = e.prefix;
   for (const auto& d : e.documents) s.insert(s.end(), d->begin(), d->end());
   s.insert(s.end(), e.suffix.begin(), e.suffix.end());
   return s;
 }
-}  // namespace impl_train
-using namespace impl_train;
+}  // namespace detail::train
 
-namespace impl_train {  // this file's own helpers
+namespace detail::train {  // this file's own helpers
 // The top-k log-probabilities of the decoder at every answer token of `with` (answers set), in one
 // teacher-forced forward, into answers[i] (one per example, in order).
 COMB_INLINE void add_top_k(const Decoder& base, const std::vector<TrainExample>& with, int64_t top_k,
@@ -353,8 +351,7 @@ COMB_INLINE void add_top_k(const Decoder& base, const std::vector<TrainExample>&
       answers[i]->top_logprobs.emplace_back(v + row * k, v + (row + 1) * k);
     }
 }
-}  // namespace impl_train
-using namespace impl_train;
+}  // namespace detail::train
 
 COMB_INLINE TeacherAnswer teacher_answer(const Model& model, const TrainExample& example, int64_t max_tokens, int64_t top_k) {
   COMB_CHECK(max_tokens >= 1 && top_k >= 1, "a teacher answer needs max tokens >= 1 and top-k >= 1 (found {}, {})",
@@ -362,7 +359,7 @@ COMB_INLINE TeacherAnswer teacher_answer(const Model& model, const TrainExample&
   c10::AutoGradMode no_grad(false);
   GenerateOptions g;
   g.max_tokens = max_tokens;
-  GenerationResult r = model.generate(full_prompt(example), g);  // no documents: the bare decoder
+  GenerationResult r = model.generate(detail::train::full_prompt(example), g);  // no documents: the bare decoder
   TeacherAnswer t;
   t.answer = r.tokens;
   if (r.stop_reason == "stop_token") {
@@ -373,7 +370,7 @@ COMB_INLINE TeacherAnswer teacher_answer(const Model& model, const TrainExample&
   if (t.answer.empty()) return t;  // the decoder ended at once and has no end-of-turn token
   TrainExample with = example;
   with.answer = t.answer;
-  add_top_k(model.decoder(), {with}, top_k, {&t});
+  detail::train::add_top_k(model.decoder(), {with}, top_k, {&t});
   return t;
 }
 
@@ -395,7 +392,7 @@ COMB_INLINE std::vector<TeacherAnswer> teacher_answers(const Model& model, const
   std::vector<TeacherAnswer> out(n);
   std::vector<size_t> open;
   for (size_t i = 0; i < n; ++i) {
-    seqs[i] = full_prompt(examples[i]);
+    seqs[i] = detail::train::full_prompt(examples[i]);
     COMB_CHECK(static_cast<int64_t>(seqs[i].size()) + max_tokens <= base.config().n_ctx,
                "a teacher prompt of {} tokens and {} answer tokens exceed the context ({})", seqs[i].size(), max_tokens,
                base.config().n_ctx);
@@ -412,7 +409,8 @@ COMB_INLINE std::vector<TeacherAnswer> teacher_answers(const Model& model, const
     }
     at::Tensor t = at::from_blob(tokens.data(), {static_cast<int64_t>(open.size()), width}, at::kLong).clone().to(device);
     at::Tensor r = at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).clone().to(device);
-    at::Tensor next = head_logits(base, decoder_hidden(base, t, nullptr), r).argmax(-1).to(at::kCPU);
+    at::Tensor next =
+        detail::train::head_logits(base, detail::train::decoder_hidden(base, t, nullptr), r).argmax(-1).to(at::kCPU);
     const int64_t* nx = next.data_ptr<int64_t>();
     std::vector<size_t> still;
     for (size_t b = 0; b < open.size(); ++b) {
@@ -440,7 +438,7 @@ COMB_INLINE std::vector<TeacherAnswer> teacher_answers(const Model& model, const
   if (with.empty()) return out;
   std::vector<TeacherAnswer*> answers;
   for (size_t i : which) answers.push_back(&out[i]);
-  add_top_k(base, with, top_k, answers);
+  detail::train::add_top_k(base, with, top_k, answers);
   return out;
 }
 
@@ -600,7 +598,7 @@ COMB_INLINE std::vector<std::pair<std::string, at::Tensor*>> plugin_parameters(c
   return out;
 }
 
-namespace impl_train {  // this file's own helpers
+namespace detail::train {  // this file's own helpers
 COMB_INLINE double lr_at(const TrainOptions& o, int64_t step) {  // step: 0-based optimizer step
   if (step < o.warmup_steps) return o.lr * (step + 1) / o.warmup_steps;
   double span = std::max<int64_t>(1, o.steps - o.warmup_steps);
@@ -629,8 +627,7 @@ COMB_INLINE std::ofstream open_step_log(const fs::path& path, const std::string&
   out.flush();
   return out;
 }
-}  // namespace impl_train
-using namespace impl_train;
+}  // namespace detail::train
 
 COMB_INLINE TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& data, const TrainOptions& o) {
   COMB_CHECK(o.steps > 0 && o.batch_size > 0 && o.accumulation > 0,
@@ -688,13 +685,14 @@ COMB_INLINE TrainResult train_plugin(const Model& model, Plugin& plugin, const T
       v.push_back(at::zeros_like(*p).detach());
     }
   // Loss log: keep rows of steps already done (a resumed run rewrites the rest).
-  std::ofstream csv =
-      open_step_log(csv_path, "step,loss,ce,kl,lr,grad_norm,tokens_per_s,attn_gate_mean,mlp_gate_mean,ce_swapped", step);
+  std::ofstream csv = detail::train::open_step_log(
+      csv_path, "step,loss,ce,kl,lr,grad_norm,tokens_per_s,attn_gate_mean,mlp_gate_mean,ce_swapped", step);
   // The dev log, kept the same way; opened only when there is a dev check.
   COMB_CHECK(o.dev_every >= 0, "dev checks every {} steps: expected >= 0 (0: none)", o.dev_every);
   const bool dev_checks = o.dev_check && o.dev_every > 0;
   std::ofstream dev_csv;
-  if (dev_checks) dev_csv = open_step_log(fs::path(o.dir) / "dev.csv", "step,accuracy,items,seconds", step);
+  if (dev_checks)
+    dev_csv = detail::train::open_step_log(fs::path(o.dir) / "dev.csv", "step,accuracy,items,seconds", step);
   auto dev_check = [&](int64_t at_step) {
     auto started = std::chrono::steady_clock::now();
     Plugin snapshot = plugin;  // tensors shared; detached below in the copy only
@@ -840,7 +838,7 @@ COMB_INLINE TrainResult train_plugin(const Model& model, Plugin& plugin, const T
         if (p->grad().defined()) sq.push_back(p->grad().pow(2).sum());
       norm = sq.empty() ? 0.0 : std::sqrt(at::stack(sq).sum().item<double>());
       double clip_scale = (o.clip > 0 && norm > o.clip) ? o.clip / (norm + 1e-6) : 1.0;
-      const double lr = lr_at(o, step);
+      const double lr = detail::train::lr_at(o, step);
       const double bc1 = 1 - std::pow(b1, step + 1), bc2 = 1 - std::pow(b2, step + 1);
       for (size_t i = 0; i < params.size(); ++i) {
         at::Tensor& p = *params[i].second;
@@ -881,15 +879,15 @@ COMB_INLINE TrainResult train_plugin(const Model& model, Plugin& plugin, const T
       result.last_loss = window_loss / window_steps;
       const double ce_swapped = window_swapped_steps ? window_swapped / window_swapped_steps : std::nan("");
       csv << fmt::format("{},{:.5f},{:.5f},{:.5f},{:.3e},{:.4f},{:.0f},{:.4f},{:.4f},{:.5f}\n", step + 1,
-                         result.last_loss, window_ce / window_steps, window_kl / window_steps, lr_at(o, step), norm, tps,
-                         attn_gate, mlp_gate, ce_swapped);
+                         result.last_loss, window_ce / window_steps, window_kl / window_steps,
+                         detail::train::lr_at(o, step), norm, tps, attn_gate, mlp_gate, ce_swapped);
       csv.flush();
       if (o.on_progress) {
         TrainProgress pr;
         pr.step = step + 1;
         pr.steps = o.steps;
         pr.loss = result.last_loss;
-        pr.lr = lr_at(o, step);
+        pr.lr = detail::train::lr_at(o, step);
         pr.grad_norm = norm;
         pr.tokens_per_s = tps;
         pr.attn_gate = attn_gate;

@@ -16,7 +16,7 @@
 
 namespace comb {
 
-namespace impl_weights {  // this file's own helpers
+namespace detail::weights {  // this file's own helpers
 
 enum class Dim { vocab, embd, ff, q, kv, half_head };
 enum class Slot { tok_embd, output_norm, output, rope_freqs, attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down };
@@ -76,24 +76,25 @@ COMB_INLINE at::Tensor unpermute_heads(const at::Tensor& w, int64_t n_heads) {
   return w.reshape({n_heads, rows / n_heads / 2, 2, cols}).transpose(1, 2).reshape({rows, cols}).contiguous();
 }
 
-}  // namespace impl_weights
-using namespace impl_weights;
+}  // namespace detail::weights
 
 COMB_INLINE LlamaWeights load_llama_weights(const TensorSource& source, const ModelConfig& config, c10::ScalarType dtype,
                                 c10::Device device, const std::string& hf_prefix, bool keep_quantized) {
   COMB_CHECK(!keep_quantized || (device.is_cpu() && dtype == at::kFloat),
              "weights kept quantized run on the CPU in float32 only (asked: {} {})", device.str(), c10::toString(dtype));
+  using Slot = detail::weights::Slot;  // the helper enum, named once for this function
   struct Found {
-    const WeightSpec* spec;
+    const detail::weights::WeightSpec* spec;
     int64_t layer;
     std::string name;
     bool gguf_layout;
   };
   std::vector<Found> found;
   std::vector<std::string> problems;
-  for (const auto& spec : llama_table()) {
+  for (const auto& spec : detail::weights::llama_table()) {
     for (int64_t layer = 0; layer < (spec.per_layer ? config.n_layer : 1); ++layer) {
-      std::string gguf = name_for(spec.gguf, layer), hf = spec.hf[0] ? hf_prefix + name_for(spec.hf, layer) : "";
+      std::string gguf = detail::weights::name_for(spec.gguf, layer),
+                  hf = spec.hf[0] ? hf_prefix + detail::weights::name_for(spec.hf, layer) : "";
       const TensorInfo* info = source.find(gguf);
       bool gguf_layout = info != nullptr;
       if (!info && !hf.empty()) info = source.find(hf);
@@ -102,7 +103,7 @@ COMB_INLINE LlamaWeights load_llama_weights(const TensorSource& source, const Mo
         continue;
       }
       std::vector<int64_t> want;
-      for (Dim d : spec.shape) want.push_back(dim_size(d, config));
+      for (detail::weights::Dim d : spec.shape) want.push_back(detail::weights::dim_size(d, config));
       if (info->shape != want) {
         problems.push_back(fmt::format("'{}' has shape [{}], expected [{}]", info->name, fmt::join(info->shape, ", "),
                                        fmt::join(want, ", ")));
@@ -159,8 +160,8 @@ COMB_INLINE LlamaWeights load_llama_weights(const TensorSource& source, const Mo
   // A tensor as the float load reads it: converted to `dt`, q and k rows in rotate-half order.
   auto read_dense = [&](const Found& f, c10::ScalarType dt) {
     at::Tensor t = source.load(f.name, dt);
-    if (f.gguf_layout && f.spec->slot == Slot::wq) t = unpermute_heads(t, config.n_head);
-    if (f.gguf_layout && f.spec->slot == Slot::wk) t = unpermute_heads(t, config.n_head_kv);
+    if (f.gguf_layout && f.spec->slot == Slot::wq) t = detail::weights::unpermute_heads(t, config.n_head);
+    if (f.gguf_layout && f.spec->slot == Slot::wk) t = detail::weights::unpermute_heads(t, config.n_head_kv);
     return t;
   };
   auto pack_layer = [&](int64_t i) {
@@ -181,9 +182,10 @@ COMB_INLINE LlamaWeights load_llama_weights(const TensorSource& source, const Mo
       try {
         GroupedWeights g = *source.load_grouped(f.name);
         if (f.gguf_layout && (f.spec->slot == Slot::wq || f.spec->slot == Slot::wk)) {
-          at::Tensor order = unpermute_heads(at::arange(g.rows(), at::kLong).unsqueeze(1),
-                                             f.spec->slot == Slot::wq ? config.n_head : config.n_head_kv)
-                                 .squeeze(1);
+          at::Tensor order =
+              detail::weights::unpermute_heads(at::arange(g.rows(), at::kLong).unsqueeze(1),
+                                               f.spec->slot == Slot::wq ? config.n_head : config.n_head_kv)
+                  .squeeze(1);
           g = g.select_rows(order);
         }
         if (f.spec->slot == Slot::tok_embd) {
@@ -318,7 +320,7 @@ COMB_INLINE const QuantizedMatrix& quantized_matrix(const QuantizedLayer& q, Pro
   }
 }
 
-namespace impl_weights {  // this file's own helpers
+namespace detail::weights {  // this file's own helpers
 COMB_INLINE const at::Tensor& layer_matrix(const LayerWeights& l, Proj p) {
   switch (p) {
     case Proj::qkv: return l.wqkv;
@@ -327,16 +329,15 @@ COMB_INLINE const at::Tensor& layer_matrix(const LayerWeights& l, Proj p) {
     default: return l.w_down;
   }
 }
-}  // namespace impl_weights
-using namespace impl_weights;
+}  // namespace detail::weights
 
 COMB_INLINE at::Tensor project(const LayerWeights& l, Proj p, const at::Tensor& x) {
   if (l.quantized) return quantized_matrix(*l.quantized, p).apply(x);
-  return at::linear(x, layer_matrix(l, p));
+  return at::linear(x, detail::weights::layer_matrix(l, p));
 }
 
 COMB_INLINE at::Tensor dense_matrix(const LayerWeights& l, Proj p) {
-  return l.quantized ? quantized_matrix(*l.quantized, p).dequantize() : layer_matrix(l, p);
+  return l.quantized ? quantized_matrix(*l.quantized, p).dequantize() : detail::weights::layer_matrix(l, p);
 }
 
 COMB_INLINE int64_t LlamaWeights::bytes() const {
