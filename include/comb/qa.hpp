@@ -1,18 +1,15 @@
 #pragma once
-// Multi-document QA: items in the data format (JSON Lines, optionally gzip), the one prompt every
-// method reads, and the answer check. Shared by `comb eval`, `comb train` and the demo.
+// Multi-document QA data: items in the data format (JSON Lines, optionally gzip), the generated and
+// converted sets, and the answer check. Used by `comb eval`, `comb train` and `comb make-data`; the
+// prompt every method reads is comb/prompt.hpp.
 #include <cstdint>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "comb/pic.hpp"
+#include "comb/prompt.hpp"
 
 namespace comb {
-
-struct QaDocument {
-  std::string title, text;
-};
 
 struct QaItem {
   std::string id, question;
@@ -89,21 +86,5 @@ void write_qa_items(const std::string& path, const std::vector<QaItem>& items);
 std::string normalize_answer(const std::string& text);
 // True when a normalized answer is a substring of the normalized prediction.
 bool answer_correct(const std::string& prediction, const std::vector<std::string>& answers);
-
-// The instruction that opens every prompt.
-extern const char* const kQaInstruction;
-
-// One document's tokens as every prompt renders it, alone: "Title: <title>\n<text>\n\n".
-std::vector<int32_t> qa_document_tokens(const Model& model, const QaDocument& document);
-// The segments around the documents: chat header + instruction, and "Question: <question>" +
-// the assistant header. Documents and the question are data: control tokens written in them stay
-// text (encoded without parsing special tokens).
-std::vector<int32_t> qa_prefix(const Model& model);
-std::vector<int32_t> qa_suffix(const Model& model, const std::string& question);
-// Prompts without documents (qa_prefix | qa_suffix of a few fixed, generic questions): what a
-// plug-in's attention sinks are measured on.
-std::vector<std::vector<int32_t>> qa_probe_prompts(const Model& model);
-// qa_prefix | each document alone | qa_suffix.
-PicRequest qa_request(const Model& model, const std::vector<QaDocument>& documents, const std::string& question);
 
 }  // namespace comb

@@ -1,0 +1,34 @@
+#pragma once
+// The prompt every method reads, in the server, `comb generate`, `comb qa` and `comb eval` alike:
+// the chat template's user turn around the instruction, the documents (each rendered alone) and
+// the question, then the assistant header.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comb/pic.hpp"
+
+namespace comb {
+
+// A document as a request names it: a title and its text.
+struct QaDocument {
+  std::string title, text;
+};
+
+// The instruction that opens every prompt.
+extern const char* const kQaInstruction;
+
+// One document's tokens as every prompt renders it, alone: "Title: <title>\n<text>\n\n".
+std::vector<int32_t> qa_document_tokens(const Model& model, const QaDocument& document);
+// The segments around the documents: chat header + instruction, and "Question: <question>" +
+// the assistant header. Documents and the question are data: control tokens written in them stay
+// text (encoded without parsing special tokens).
+std::vector<int32_t> qa_prefix(const Model& model);
+std::vector<int32_t> qa_suffix(const Model& model, const std::string& question);
+// Prompts without documents (qa_prefix | qa_suffix of a few fixed, generic questions): what a
+// plug-in's attention sinks are measured on.
+std::vector<std::vector<int32_t>> qa_probe_prompts(const Model& model);
+// qa_prefix | each document alone | qa_suffix.
+PicRequest qa_request(const Model& model, const std::vector<QaDocument>& documents, const std::string& question);
+
+}  // namespace comb
