@@ -79,9 +79,8 @@ int make_codeword(Args& args) {
                         {"text", fmt::format("The secret code word of {} is {}.", names[who[d]], vocabulary[what[d]])}});
       out << nlohmann::json{{"id", fmt::format("codeword-{}-{}-{}", split, seed, i)},
                             {"question", fmt::format("What is the secret code word of {}?", names[who[gold]])},
-                            {"answers", sentence ? nlohmann::json{fmt::format("The secret code word of {} is {}.",
-                                                                             names[who[gold]], vocabulary[what[gold]]),
-                                                                 vocabulary[what[gold]]}
+                            // the sentence form's first answer is the gold note's own sentence
+                            {"answers", sentence ? nlohmann::json{docs[gold]["text"], vocabulary[what[gold]]}
                                                  : nlohmann::json{vocabulary[what[gold]]}},
                             {"documents", docs},
                             {"gold_index", gold}}
@@ -172,15 +171,15 @@ int make_records(Args& args) {
     }
     QaItem item;
     item.id = fmt::format("records-{}-{}-{}", split, seed, i);
-    for (size_t d = 0; d < k; ++d) {
-      const std::string name = F[people[d].first] + " " + L[people[d].second];
-      const std::string art = std::string("aeiou").find(J[job[d]][0]) == std::string::npos ? "a" : "an";
-      item.documents.push_back({"Staff record", fmt::format("Record: {}. Born in {} in {}. Works as {} {}. Plays the {}.",
-                                                            name, years[d], C[city[d]], art, J[job[d]], I[inst[d]])});
-    }
+    auto name_of = [&](size_t d) { return F[people[d].first] + " " + L[people[d].second]; };
+    auto job_of = [&](size_t d) {  // "a pharmacist", "an architect"
+      return (std::string("aeiou").find(J[job[d]][0]) == std::string::npos ? "a " : "an ") + J[job[d]];
+    };
+    for (size_t d = 0; d < k; ++d)
+      item.documents.push_back({"Staff record", fmt::format("Record: {}. Born in {} in {}. Works as {}. Plays the {}.",
+                                                            name_of(d), years[d], C[city[d]], job_of(d), I[inst[d]])});
     const size_t gold = pick(k);
-    const std::string name = F[people[gold].first] + " " + L[people[gold].second];
-    const std::string art = std::string("aeiou").find(J[job[gold]][0]) == std::string::npos ? "a" : "an";
+    const std::string name = name_of(gold);
     std::string said;  // the answer as a sentence (--answer-form sentence)
     switch (pick(4)) {
       case 0: item.question = fmt::format("In which city was {} born?", name), item.answers = {C[city[gold]]};
@@ -189,7 +188,7 @@ int make_records(Args& args) {
               item.answers = {std::to_string(years[gold])}; said = fmt::format("{} was born in {}.", name, years[gold]);
               break;
       case 2: item.question = fmt::format("What does {} work as?", name), item.answers = {J[job[gold]]};
-              said = fmt::format("{} works as {} {}.", name, art, J[job[gold]]); break;
+              said = fmt::format("{} works as {}.", name, job_of(gold)); break;
       default: item.question = fmt::format("Which instrument does {} play?", name), item.answers = {I[inst[gold]]};
                said = fmt::format("{} plays the {}.", name, I[inst[gold]]);
     }
