@@ -127,6 +127,58 @@ TEST_CASE("incremental decoding with the KV cache equals a full forward", "[deco
   }
 }
 
+// Every forward runs the one layer (detail::decoder::layer_body) with its own kernels and attention:
+// training's differentiable pass, the cached forward and the server's paged step agree.
+TEST_CASE("one layer on three paths: training's pass, the cached forward and the paged step agree", "[decoder]") {
+  c10::InferenceMode guard;
+  const Model& model = default_model();
+  const Decoder& dec = model.decoder();
+  REQUIRE(dec.cpu_kernels());
+  const std::vector<std::vector<int32_t>> prompts = {model.chat_prompt("Name three rivers of Europe."),
+                                                     model.chat_prompt("What is two plus two?")};
+  std::vector<KVCache> caches;
+  std::vector<std::vector<int32_t>> blocks;
+  BlockPool pool(dec.config(), 16, 16);
+  std::vector<Decoder::PagedRow> rows;
+  for (const auto& p : prompts) {
+    const int64_t n = static_cast<int64_t>(p.size());
+    at::Tensor ids = ids_tensor(p);
+    // Training's pass (generic ops, no cache) against the cached forward (fused kernels).
+    at::Tensor hidden = dec.hidden(ids);  // [1, n, n_embd]
+    CHECK(hidden.size(1) == n);
+    at::Tensor trained = at::linear(hidden[0], dec.weights().output).to(at::kFloat);
+    at::Tensor full = full_logits(dec, ids);
+    CHECK((trained - full).abs().max().item<double>() <= kPathTolerance);
+    caches.push_back(dec.make_cache(1, n + 8));
+    at::Tensor last = dec.forward(ids, caches.back())[0][-1];
+    blocks.push_back(pool.allocate(pool.blocks_for(n + 8)));
+    REQUIRE(!blocks.back().empty());
+    pool.load(caches.back(), n, blocks.back());
+    rows.push_back({last.argmax().item<int64_t>(), n, nullptr, nullptr});
+  }
+  for (size_t r = 0; r < rows.size(); ++r) rows[r].blocks = &blocks[r];
+  for (int step = 0; step < 6; ++step) {
+    at::Tensor paged = dec.step_paged(pool, rows);  // [2, n_vocab]
+    REQUIRE(paged.size(0) == 2);
+    for (size_t r = 0; r < rows.size(); ++r) {
+      at::Tensor alone = dec.forward(at::full({1, 1}, rows[r].token, at::kLong), caches[r])[0][0];
+      INFO("step " << step << " row " << r);
+      CHECK((paged[r] - alone).abs().max().item<double>() <= kPathTolerance);
+      CHECK(paged[r].argmax().item<int64_t>() == alone.argmax().item<int64_t>());
+      rows[r].token = alone.argmax().item<int64_t>();
+      ++rows[r].position;
+    }
+  }
+  // A row alone is the same as in the batch: row-wise kernels.
+  at::Tensor both = dec.step_paged(pool, rows);
+  at::Tensor first = dec.step_paged(pool, {rows[0]});
+  CHECK(at::equal(both[0], first[0]));
+  // A position past the row's blocks is refused with what was found.
+  Decoder::PagedRow past = rows[0];
+  past.position = static_cast<int64_t>(blocks[0].size()) * pool.block_tokens();
+  CHECK_THROWS_WITH(dec.step_paged(pool, {past}), Catch::Contains("past the row's"));
+}
+
 TEST_CASE("a chunk after cached positions equals the same rows of one forward, on both CPU paths", "[decoder]") {
   // A chunk after a cache attends to the cached keys and to its own keys apart and merges the two
   // (exact): it must give the logits of the same rows in one causal forward.

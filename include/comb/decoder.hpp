@@ -44,6 +44,31 @@ class KVCache {
   int64_t length_ = 0;
 };
 
+// A paged K/V cache for many sequences at once (the server's running requests): per layer, keys
+// and values [n_blocks, n_head_kv, block_tokens, head_dim] (float32), allocated once; a sequence
+// holds whole blocks, listed in its block table.
+class BlockPool {
+ public:
+  BlockPool(const ModelConfig& config, int64_t n_blocks, int64_t block_tokens);
+  // `n` free blocks, or an empty list (and nothing taken) when fewer are free.
+  std::vector<int32_t> allocate(int64_t n);
+  void release(const std::vector<int32_t>& blocks);
+  // Copies positions [0, n) of a one-sequence cache into `blocks` (enough of them for n).
+  void load(const KVCache& cache, int64_t n, const std::vector<int32_t>& blocks);
+  const at::Tensor& keys(int64_t layer) const { return k_[layer]; }
+  const at::Tensor& values(int64_t layer) const { return v_[layer]; }
+  int64_t block_tokens() const { return block_tokens_; }
+  int64_t n_blocks() const { return n_blocks_; }
+  int64_t n_free() const { return static_cast<int64_t>(free_.size()); }
+  int64_t bytes() const;  // of the whole pool
+  int64_t blocks_for(int64_t tokens) const { return (tokens + block_tokens_ - 1) / block_tokens_; }
+
+ private:
+  std::vector<at::Tensor> k_, v_;
+  std::vector<int32_t> free_;
+  int64_t n_blocks_, block_tokens_;
+};
+
 // Which positions get logits.
 enum class LogitsMode { last, all };
 
@@ -69,6 +94,40 @@ at::Tensor swiglu_mlp(const at::Tensor& x, const LayerWeights& l);
 struct JointKV {
   at::Tensor keys, values, valid, bias;
   int64_t anchor = 0;  // prompt positions before it do not read the joined keys
+};
+
+// Keys and values one row of a paged step (Decoder::step_paged) reads beside its own positions, in
+// the same softmax: segments of float32 [n_head_kv, n, head_dim], contiguous, read in order, and a
+// bias [n_head] (float32) added to each of their scores, or null.
+struct JointSegments {
+  std::vector<const float*> keys, values;
+  std::vector<int64_t> lengths;
+  const float* bias = nullptr;
+};
+
+// What a forward reads besides its own tokens, layer by layer: a plug-in's documents
+// (plugin.hpp's DocumentReads is the one implementation). Every forward of the decoder calls it:
+// the cached one (Decoder::forward), training's differentiable one (Decoder::hidden) and the
+// server's paged decoding step (Decoder::step_paged).
+class LayerReads {
+ public:
+  virtual ~LayerReads() = default;
+  // The state layer `layer` reads, from x [batch, n, n_embd] whose first row is at prompt
+  // position `start` (a residual cross block before the layer), or x itself.
+  virtual at::Tensor before(int64_t layer, const at::Tensor& x, int64_t start) const {
+    (void)layer, (void)start;
+    return x;
+  }
+  // What layer `layer`'s attention reads beside its context (joint_attention()), or nullptr.
+  virtual const JointKV* joint(int64_t layer) const {
+    (void)layer;
+    return nullptr;
+  }
+  // The same as segments for one row of a paged step (none by default).
+  virtual JointSegments segments(int64_t layer) const {
+    (void)layer;
+    return {};
+  }
 };
 // Grouped-query attention of q [batch, n_head, n, head_dim] (RoPE applied) over `joint`'s keys and
 // its own context keys, values [batch, n_head_kv, start + n, head_dim], query j seeing context keys
@@ -125,16 +184,31 @@ class Decoder {
   // request's documents (through the encoder, the base's own layers) and its prompt use it.
   std::vector<at::Tensor> layer_parts(int64_t i, const std::vector<LayerPart>& parts) const;
 
-  // Runs on the hidden state [batch, n, n_embd] before decoder layer `layer` (the plug-in's
-  // cross blocks); returns the state the layer reads.
-  using LayerHook = std::function<at::Tensor(int64_t layer, const at::Tensor& x)>;
-  // What layer `layer`'s attention reads beside its context (joint_attention()), or nullptr.
-  using JointHook = std::function<const JointKV*(int64_t layer)>;
-
   // Runs `tokens` [batch, n] (int64) at positions cache.length() .. + n, appends their K/V to
-  // `cache`, and returns float32 logits [batch, n or 1, n_vocab].
+  // `cache`, and returns float32 logits [batch, n or 1, n_vocab]. `reads`: what the layers read
+  // besides the tokens (documents), or nothing.
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache, LogitsMode mode = LogitsMode::last,
-                     const LayerHook& before_layer = nullptr, const JointHook& joint = nullptr) const;
+                     const LayerReads* reads = nullptr) const;
+
+  // Training's pass: `tokens` [batch, n] at positions 0..n-1, causal, without a cache, through the
+  // generic (differentiable) layer; returns the final-normed hidden state [batch, n, n_embd].
+  at::Tensor hidden(const at::Tensor& tokens, const LayerReads* reads = nullptr) const;
+
+  // One row of a paged decoding step: `token` fed at `position`, its K/V written into the blocks of
+  // `blocks` (which hold positions [0, position]); `reads`: its documents, or nullptr.
+  struct PagedRow {
+    int64_t token = 0;
+    int64_t position = 0;
+    const std::vector<int32_t>* blocks = nullptr;
+    const LayerReads* reads = nullptr;
+  };
+  // Runs fn(0) .. fn(n - 1), in parallel where it can (which thread runs which must not matter).
+  using ParallelFor = std::function<void(int64_t n, const std::function<void(int64_t)>& fn)>;
+  // One decoding step of several sequences whose K/V lie in `pool`: returns float32 logits [rows,
+  // n_vocab]. Row-wise kernels throughout, so a row's numbers do not depend on the other rows (a
+  // request's greedy output is the same in a batch of any size). The fused CPU path only
+  // (cpu_kernels()). `run` (null: at::parallel_for) runs its loops.
+  at::Tensor step_paged(BlockPool& pool, const std::vector<PagedRow>& rows, const ParallelFor& run = nullptr) const;
 
   // The steps of forward(), for wrappers that add blocks between layers.
   at::Tensor embed(const at::Tensor& tokens) const;                                    // -> [batch, n, n_embd]
@@ -166,8 +240,9 @@ class Decoder {
 
  private:
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
-  at::Tensor attention(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint = nullptr) const;
-  at::Tensor feed_forward(int64_t i, const at::Tensor& x) const;
+  // The generic path's attention of layer i from its projection qkv [batch, n, q_dim + 2 kv_dim]:
+  // RoPE at the cache's positions, K/V appended, [batch, n, q_dim] before the output projection.
+  at::Tensor attention(int64_t i, const at::Tensor& qkv, KVCache& cache, const JointKV* joint = nullptr) const;
   // `joint`: read through joint_attention_merged (no gradients, float32, no padded joined keys).
   at::Tensor layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint = nullptr) const;
   at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w) const;

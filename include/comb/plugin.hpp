@@ -326,4 +326,40 @@ class Plugin {
   std::string fingerprint_;
 };
 
+// How the decoder reads a request's linked documents through a plug-in: the LayerReads every forward
+// takes (Model::forward, training's Decoder::hidden, the server's Decoder::step_paged). Before
+// each layer with a block: a residual cross block (Plugin::cross_block) on the state, or, for a
+// joint-attention plug-in, the block's keys read in the layer's own attention. The plug-in and
+// the weights must outlive it.
+class DocumentReads final : public LayerReads {
+ public:
+  // Residual blocks over linked K/V [block][document] (see Linker) and their requests' document
+  // counts, with weights `w` (the plug-in's own, or training's).
+  static DocumentReads residual(const Plugin& plugin, const PluginWeights& w, std::vector<std::vector<at::Tensor>> keys,
+                                std::vector<std::vector<at::Tensor>> values, std::vector<int64_t> doc_counts);
+  // Joint blocks reading joint[block] (Plugin::joint_kv). For a paged step (segments()), each
+  // block's keys and values float32, contiguous, batch 1.
+  static DocumentReads joined(const Plugin& plugin, std::vector<JointKV> joint);
+  // Joint blocks whose documents a paged step reads as linked, one segment a document (float32
+  // [n_head_kv, len, head_dim], contiguous): documents neither anchored after a prefix nor
+  // consecutive, whose keys need no turn.
+  static DocumentReads segmented(const Plugin& plugin, std::vector<std::vector<at::Tensor>> keys,
+                                 std::vector<std::vector<at::Tensor>> values);
+
+  at::Tensor before(int64_t layer, const at::Tensor& x, int64_t start) const override;
+  const JointKV* joint(int64_t layer) const override;
+  JointSegments segments(int64_t layer) const override;
+
+ private:
+  enum class Mode { residual, joined, segmented };
+  DocumentReads(const Plugin& plugin, const PluginWeights& w, Mode mode);
+  const Plugin* plugin_;
+  const PluginWeights* weights_;
+  Mode mode_;
+  std::vector<std::vector<at::Tensor>> keys_, values_;  // [block][document]: residual, segmented
+  std::vector<int64_t> doc_counts_;                     // residual
+  std::vector<JointKV> joint_;                          // joined: [block]
+  std::vector<at::Tensor> bias_;                        // joined, segmented: [block] float32 [n_head], or undefined
+};
+
 }  // namespace comb

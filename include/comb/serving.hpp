@@ -28,30 +28,6 @@
 
 namespace comb {
 
-// K/V of running sequences: per layer, keys and values [n_blocks, n_head_kv, block_tokens,
-// head_dim] (float32), allocated once; a sequence holds whole blocks.
-class BlockPool {
- public:
-  BlockPool(const ModelConfig& config, int64_t n_blocks, int64_t block_tokens);
-  // `n` free blocks, or an empty list (and nothing taken) when fewer are free.
-  std::vector<int32_t> allocate(int64_t n);
-  void release(const std::vector<int32_t>& blocks);
-  // Copies positions [0, n) of a one-sequence cache into `blocks` (enough of them for n).
-  void load(const KVCache& cache, int64_t n, const std::vector<int32_t>& blocks);
-  const at::Tensor& keys(int64_t layer) const { return k_[layer]; }
-  const at::Tensor& values(int64_t layer) const { return v_[layer]; }
-  int64_t block_tokens() const { return block_tokens_; }
-  int64_t n_blocks() const { return n_blocks_; }
-  int64_t n_free() const { return static_cast<int64_t>(free_.size()); }
-  int64_t bytes() const;  // of the whole pool
-  int64_t blocks_for(int64_t tokens) const { return (tokens + block_tokens_ - 1) / block_tokens_; }
-
- private:
-  std::vector<at::Tensor> k_, v_;
-  std::vector<int32_t> free_;
-  int64_t n_blocks_, block_tokens_;
-};
-
 struct ServeOptions {
   Method method = Method::comb;  // the default caching method (a request may name another)
   PicOptions pic;                // the methods' options; cache_bytes: the document store's memory
@@ -206,7 +182,6 @@ class ServeEngine {
   std::map<Method, std::unique_ptr<PicEngine>> engines_;
   std::unique_ptr<BlockPool> pool_;
   std::vector<int32_t> stop_tokens_;
-  std::vector<at::Tensor> doc_bias_;  // per plug-in block: [n_head] float32, or undefined
   std::unique_ptr<detail::SpinPool> workers_;  // the scheduler thread's, for the decoding step
 
   std::map<std::pair<uint64_t, uint64_t>, int> pins_;  // scheduler thread only

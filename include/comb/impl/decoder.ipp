@@ -280,19 +280,50 @@ COMB_INLINE at::Tensor joint_attention(const at::Tensor& q, const at::Tensor& ke
   return at::matmul(at::softmax(scores, -1).to(dt), v).view({batch, n_head, n, head_dim});
 }
 
+namespace detail::decoder {  // this file's own helpers
+// How a layer's norms, matrices and activation are computed; its attention is the caller's.
+struct LayerMath {
+  std::function<at::Tensor(const at::Tensor& t, const at::Tensor& weight)> norm;
+  std::function<at::Tensor(const at::Tensor& t, Proj p)> linear;
+  std::function<at::Tensor(const at::Tensor& gate_up)> act;  // [.., 2 n_ff] -> [.., n_ff]
+};
+
+// The one Llama layer every path runs: RMSNorm, the fused QKV projection, `attend` (from qkv [..,
+// q_dim + 2 kv_dim] to the heads' output [.., q_dim]: RoPE, K/V stored, attention), the output
+// projection and residual, RMSNorm, SwiGLU and residual. The paths differ in `math` (generic ATen
+// ops and differentiable; fused CPU kernels; row-wise kernels) and in `attend` (no cache, a cache,
+// explicit positions, several caches, a block pool).
+COMB_INLINE at::Tensor layer_body(const at::Tensor& x, const LayerWeights& l, const LayerMath& math,
+                                  const std::function<at::Tensor(const at::Tensor& qkv)>& attend) {
+  at::Tensor h = x + math.linear(attend(math.linear(math.norm(x, l.attn_norm), Proj::qkv)), Proj::o);
+  return h + math.linear(math.act(math.linear(math.norm(h, l.ffn_norm), Proj::gate_up)), Proj::down);
+}
+
+// Generic ATen ops (any device and dtype, differentiable).
+COMB_INLINE LayerMath generic_math(const LayerWeights& l, const ModelConfig& c) {
+  return {[eps = c.rms_eps](const at::Tensor& t, const at::Tensor& w) { return comb::rms_norm(t, w, eps); },
+          [&l](const at::Tensor& t, Proj p) { return project(l, p, t); },
+          [](const at::Tensor& gate_up) {
+            auto parts = gate_up.chunk(2, -1);
+            return at::silu(parts[0]) * parts[1];
+          }};
+}
+}  // namespace detail::decoder
+
 COMB_INLINE at::Tensor llama_layer(const at::Tensor& x, const LayerWeights& l, const ModelConfig& c, const at::Tensor& cos,
                        const at::Tensor& sin, bool causal, const at::Tensor& mask, const JointKV* joint) {
   const int64_t batch = x.size(0), n = x.size(1);
-  auto [q, k, v] = split_qkv(project(l, Proj::qkv, rms_norm(x, l.attn_norm, c.rms_eps)), c);
   COMB_CHECK(!joint || (causal && !mask.defined()), "a layer reads joined keys only when causal and unmasked");
-  q = apply_rope(q, cos, sin);
-  k = apply_rope(k, cos, sin);
-  at::Tensor attn = joint ? joint_attention(q, k, v, 0, *joint)
-                          : at::scaled_dot_product_attention(q, k, v,
-                                                             mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
-                                                             0.0, causal, std::nullopt, /*enable_gqa=*/true);
-  at::Tensor h = x + project(l, Proj::o, attn.transpose(1, 2).reshape({batch, n, c.q_dim()}));
-  return h + swiglu_mlp(rms_norm(h, l.ffn_norm, c.rms_eps), l);
+  return detail::decoder::layer_body(x, l, detail::decoder::generic_math(l, c), [&](const at::Tensor& qkv) {
+    auto [q, k, v] = split_qkv(qkv, c);
+    q = apply_rope(q, cos, sin);
+    k = apply_rope(k, cos, sin);
+    at::Tensor attn =
+        joint ? joint_attention(q, k, v, 0, *joint)
+              : at::scaled_dot_product_attention(q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+                                                 0.0, causal, std::nullopt, /*enable_gqa=*/true);
+    return attn.transpose(1, 2).reshape({batch, n, c.q_dim()});
+  });
 }
 
 COMB_INLINE at::Tensor visible_keys(const at::Tensor& positions, int64_t n_keys) {
@@ -382,10 +413,10 @@ COMB_INLINE at::Tensor Decoder::rms_norm(const at::Tensor& x, const at::Tensor& 
   return comb::rms_norm(x, weight, config_.rms_eps);
 }
 
-COMB_INLINE at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
+COMB_INLINE at::Tensor Decoder::attention(int64_t i, const at::Tensor& qkv, KVCache& cache, const JointKV* joint) const {
   const auto& c = config_;
-  const int64_t batch = x.size(0), n = x.size(1), start = cache.length();
-  auto [q, k, v] = split_qkv(project(weights_.layers[i], Proj::qkv, x), c);
+  const int64_t batch = qkv.size(0), n = qkv.size(1), start = cache.length();
+  auto [q, k, v] = split_qkv(qkv, c);
   at::Tensor cos = rope_cos_.narrow(0, start, n), sin = rope_sin_.narrow(0, start, n);
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
@@ -398,12 +429,7 @@ COMB_INLINE at::Tensor Decoder::attention(int64_t i, const at::Tensor& x, KVCach
   } else {  // query j sees keys [0, start + j]
     out = detail::decoder::attend_after_cache(q, keys, values, start);
   }
-  out = out.transpose(1, 2).reshape({batch, n, c.q_dim()});
-  return project(weights_.layers[i], Proj::o, out);
-}
-
-COMB_INLINE at::Tensor Decoder::feed_forward(int64_t i, const at::Tensor& x) const {
-  return swiglu_mlp(x, weights_.layers[i]);
+  return out.transpose(1, 2).reshape({batch, n, c.q_dim()});
 }
 
 COMB_INLINE at::Tensor Decoder::keys_at(int64_t i, const at::Tensor& x, const at::Tensor& positions) const {
@@ -422,22 +448,23 @@ COMB_INLINE at::Tensor Decoder::layer_at(int64_t i, const at::Tensor& x, const a
              positions.numel());
   COMB_CHECK(n_keys <= cache.capacity(), "layer_at: {} keys past the cache capacity {}", n_keys, cache.capacity());
   at::Tensor pos = positions.to(device_, at::kLong);
-  auto [q, k, v] = split_qkv(project(w, Proj::qkv, rms_norm(x, w.attn_norm)), c);
-  at::Tensor cos = rope_cos_.index_select(0, pos), sin = rope_sin_.index_select(0, pos);
-  q = apply_rope(q, cos, sin);
-  k = apply_rope(k, cos, sin);
-  cache.keys(i).index_copy_(2, pos, k.to(cache.keys(i).scalar_type()));
-  cache.values(i).index_copy_(2, pos, v.to(cache.values(i).scalar_type()));
-  at::Tensor keys = cache.keys(i).narrow(2, 0, n_keys), values = cache.values(i).narrow(2, 0, n_keys);
-  // Rows that are the last m of the n_keys positions, in order (CacheBlend's pass below its check
-  // layer, EPIC when it recomputes a whole tail), are a prefill after `start` cached positions.
-  const int64_t start = n_keys - m;
-  const at::Tensor cpu_positions = positions.cpu().to(at::kLong);
-  at::Tensor attn = start >= 0 && at::equal(cpu_positions, at::arange(start, n_keys, at::kLong))
-                        ? detail::decoder::attend_after_cache(q, keys, values, start)
-                        : detail::decoder::attend_at_positions(q, keys, values, pos);
-  at::Tensor h = x + project(w, Proj::o, attn.transpose(1, 2).reshape({1, m, c.q_dim()}));
-  return h + feed_forward(i, rms_norm(h, w.ffn_norm));
+  return detail::decoder::layer_body(x, w, detail::decoder::generic_math(w, c), [&](const at::Tensor& qkv) {
+    auto [q, k, v] = split_qkv(qkv, c);
+    at::Tensor cos = rope_cos_.index_select(0, pos), sin = rope_sin_.index_select(0, pos);
+    q = apply_rope(q, cos, sin);
+    k = apply_rope(k, cos, sin);
+    cache.keys(i).index_copy_(2, pos, k.to(cache.keys(i).scalar_type()));
+    cache.values(i).index_copy_(2, pos, v.to(cache.values(i).scalar_type()));
+    at::Tensor keys = cache.keys(i).narrow(2, 0, n_keys), values = cache.values(i).narrow(2, 0, n_keys);
+    // Rows that are the last m of the n_keys positions, in order (CacheBlend's pass below its check
+    // layer, EPIC when it recomputes a whole tail), are a prefill after `start` cached positions.
+    const int64_t start = n_keys - m;
+    const at::Tensor cpu_positions = positions.cpu().to(at::kLong);
+    at::Tensor attn = start >= 0 && at::equal(cpu_positions, at::arange(start, n_keys, at::kLong))
+                          ? detail::decoder::attend_after_cache(q, keys, values, start)
+                          : detail::decoder::attend_at_positions(q, keys, values, pos);
+    return attn.transpose(1, 2).reshape({1, m, c.q_dim()});
+  });
 }
 
 COMB_INLINE at::Tensor Decoder::embed(const at::Tensor& tokens) const {
@@ -514,74 +541,76 @@ COMB_INLINE std::vector<at::Tensor> Decoder::layer_parts(int64_t i, const std::v
   // (prefill): oneDNN GEMMs (packed at load) and SDPA (after cached rows: attend_after_cache),
   // fused RoPE.
   const bool few = rows <= detail::decoder::kFusedMaxRows;
-  auto norm = [&](const at::Tensor& t, const at::Tensor& weight) {
+  detail::decoder::LayerMath math;
+  math.norm = [&](const at::Tensor& t, const at::Tensor& weight) {
     return few ? rms_norm_cpu(t, weight) : at::rms_norm(t, {c.n_embd}, weight, c.rms_eps);
   };
-  auto linear = [&](const at::Tensor& t, const at::Tensor& weight, int slot) {  // t [rows, in]
-    if (w.quantized) return project(w, static_cast<Proj>(slot), t);
+  math.linear = [&](const at::Tensor& t, Proj p) {  // t [rows, in]
+    if (w.quantized) return project(w, p, t);
+    const at::Tensor weight = dense_matrix(w, p);  // the layer's own tensor (a new handle)
     if (rows <= detail::decoder::kGemvMaxRows) return linear_cpu(t, weight);
     if (onednn_.empty()) return at::linear(t, weight);
-    return at::mkldnn_linear(t.contiguous().to_mkldnn(), onednn_[i][slot]).to_dense();
+    return at::mkldnn_linear(t.contiguous().to_mkldnn(), onednn_[i][static_cast<int>(p)]).to_dense();
+  };
+  math.act = [&](const at::Tensor& gate_up) {
+    if (!few) {
+      auto halves = gate_up.chunk(2, -1);
+      return at::silu(halves[0]).mul_(halves[1]);
+    }
+    RECORD_FUNCTION("comb::silu_mul", std::vector<c10::IValue>());
+    at::Tensor act = at::empty({rows, c.n_ff}, gate_up.options());
+    detail::cpu::silu_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), c.n_ff, 0, rows);
+    return act;
   };
   std::vector<at::Tensor> flat;
   for (size_t j = 0; j < parts.size(); ++j) flat.push_back(parts[j].x.reshape({row_counts[j], c.n_embd}));
   at::Tensor x = flat.size() == 1 ? flat[0] : at::cat(flat, 0);  // [rows, n_embd]
-  at::Tensor qkv = linear(norm(x, w.attn_norm), w.wqkv, 0).contiguous();  // [rows, q_dim + 2 kv_dim]
-  std::vector<at::Tensor> attn_parts;
-  int64_t offset = 0;
-  for (size_t j = 0; j < parts.size(); ++j) {
-    const LayerPart& part = parts[j];
-    KVCache& cache = *part.cache;
-    const int64_t batch = part.x.size(0), n = part.x.size(1), start = cache.length(), part_rows = row_counts[j];
-    at::Tensor part_qkv = qkv.narrow(0, offset, part_rows);
-    offset += part_rows;
-    at::Tensor q = at::empty({batch, n, c.n_head, c.head_dim}, x.options());
-    detail::cpu::AttentionShape shape{n, start, c.n_head, c.n_head_kv, c.head_dim, cache.capacity()};
-    float* k_cache = cache.keys(i).data_ptr<float>();
-    float* v_cache = cache.values(i).data_ptr<float>();
-    {
-      RECORD_FUNCTION("comb::rope_and_store_kv", std::vector<c10::IValue>());
-      at::parallel_for(0, part_rows, 16, [&](int64_t b, int64_t e) {
-        detail::cpu::rope_and_store(part_qkv.data_ptr<float>(), rope_cos_.data_ptr<float>(),
-                                    rope_sin_.data_ptr<float>(), shape, q.data_ptr<float>(), k_cache, v_cache, b, e);
-      });
+  at::Tensor h = detail::decoder::layer_body(x, w, math, [&](const at::Tensor& qkv_rows) {
+    at::Tensor qkv = qkv_rows.contiguous();  // [rows, q_dim + 2 kv_dim]
+    std::vector<at::Tensor> attn_parts;
+    int64_t offset = 0;
+    for (size_t j = 0; j < parts.size(); ++j) {
+      const LayerPart& part = parts[j];
+      KVCache& cache = *part.cache;
+      const int64_t batch = part.x.size(0), n = part.x.size(1), start = cache.length(), part_rows = row_counts[j];
+      at::Tensor part_qkv = qkv.narrow(0, offset, part_rows);
+      offset += part_rows;
+      at::Tensor q = at::empty({batch, n, c.n_head, c.head_dim}, x.options());
+      detail::cpu::AttentionShape shape{n, start, c.n_head, c.n_head_kv, c.head_dim, cache.capacity()};
+      float* k_cache = cache.keys(i).data_ptr<float>();
+      float* v_cache = cache.values(i).data_ptr<float>();
+      {
+        RECORD_FUNCTION("comb::rope_and_store_kv", std::vector<c10::IValue>());
+        at::parallel_for(0, part_rows, 16, [&](int64_t b, int64_t e) {
+          detail::cpu::rope_and_store(part_qkv.data_ptr<float>(), rope_cos_.data_ptr<float>(),
+                                      rope_sin_.data_ptr<float>(), shape, q.data_ptr<float>(), k_cache, v_cache, b, e);
+        });
+      }
+      at::Tensor attn;
+      if (part.joint && n <= detail::decoder::kJointRowsMax && merged_attention_applies(*part.joint)) {
+        // A warm request's question or a decoding step: one softmax per row by the fused kernel.
+        attn = joint_attention_rows(q, cache.keys(i), cache.values(i), start, *part.joint);
+      } else if (part.joint) {  // the documents' keys beside the context's
+        at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
+        attn = joint_attention_merged(q.transpose(1, 2), keys, values, start, *part.joint).transpose(1, 2);
+      } else if (few) {
+        RECORD_FUNCTION("comb::attention", std::vector<c10::IValue>());
+        attn = at::empty({batch, n, c.q_dim()}, x.options());
+        at::parallel_for(0, batch * c.n_head, 1, [&](int64_t b, int64_t e) {
+          std::vector<float> scratch(start + n);
+          detail::cpu::attention_rows(q.data_ptr<float>(), k_cache, v_cache, shape, attn.data_ptr<float>(),
+                                      scratch.data(), b, e);
+        });
+      } else {
+        at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
+        attn = detail::decoder::attend_after_cache(q.transpose(1, 2), keys, values, start).transpose(1, 2);
+      }
+      attn_parts.push_back(attn.reshape({part_rows, c.q_dim()}));
     }
-    at::Tensor attn;
-    if (part.joint && n <= detail::decoder::kJointRowsMax && merged_attention_applies(*part.joint)) {
-      // A warm request's question or a decoding step: one softmax per row by the fused kernel.
-      attn = joint_attention_rows(q, cache.keys(i), cache.values(i), start, *part.joint);
-    } else if (part.joint) {  // the documents' keys beside the context's
-      at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
-      attn = joint_attention_merged(q.transpose(1, 2), keys, values, start, *part.joint).transpose(1, 2);
-    } else if (few) {
-      RECORD_FUNCTION("comb::attention", std::vector<c10::IValue>());
-      attn = at::empty({batch, n, c.q_dim()}, x.options());
-      at::parallel_for(0, batch * c.n_head, 1, [&](int64_t b, int64_t e) {
-        std::vector<float> scratch(start + n);
-        detail::cpu::attention_rows(q.data_ptr<float>(), k_cache, v_cache, shape, attn.data_ptr<float>(),
-                                    scratch.data(), b, e);
-      });
-    } else {
-      at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
-      attn = detail::decoder::attend_after_cache(q.transpose(1, 2), keys, values, start).transpose(1, 2);
-    }
-    attn_parts.push_back(attn.reshape({part_rows, c.q_dim()}));
-  }
-  at::Tensor attn = attn_parts.size() == 1 ? attn_parts[0] : at::cat(attn_parts, 0);
-  at::Tensor h = x + linear(attn, w.wo, 1);
-  at::Tensor gate_up = linear(norm(h, w.ffn_norm), w.w_gate_up, 2);  // [rows, 2 n_ff]
-  at::Tensor act;
-  if (few) {
-    RECORD_FUNCTION("comb::silu_mul", std::vector<c10::IValue>());
-    act = at::empty({rows, c.n_ff}, x.options());
-    detail::cpu::silu_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), c.n_ff, 0, rows);
-  } else {
-    auto halves = gate_up.chunk(2, -1);
-    act = at::silu(halves[0]).mul_(halves[1]);
-  }
-  h.add_(linear(act, w.w_down, 3));
+    return attn_parts.size() == 1 ? attn_parts[0] : at::cat(attn_parts, 0);
+  });
   std::vector<at::Tensor> out;
-  offset = 0;
+  int64_t offset = 0;
   for (size_t j = 0; j < parts.size(); ++j) {
     out.push_back(h.narrow(0, offset, row_counts[j]).view({parts[j].x.size(0), parts[j].x.size(1), c.n_embd}));
     offset += row_counts[j];
@@ -597,8 +626,9 @@ COMB_INLINE at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& c
   // a warm request's question was 8% faster or 9% slower than naive reuse's from one process to the
   // next (`comb bench --pic-data`, code words); on the fused path, as naive reuse, it is steady.
   if (cpu_kernels() && (!joint || merged_attention_applies(*joint))) return layer_cpu(i, x, cache, joint);
-  at::Tensor h = x + attention(i, rms_norm(x, weights_.layers[i].attn_norm), cache, joint);
-  return h + feed_forward(i, rms_norm(h, weights_.layers[i].ffn_norm));
+  const auto& w = weights_.layers[i];
+  return detail::decoder::layer_body(x, w, detail::decoder::generic_math(w, config_),
+                                     [&](const at::Tensor& qkv) { return attention(i, qkv, cache, joint); });
 }
 
 COMB_INLINE at::Tensor Decoder::logits(const at::Tensor& x, LogitsMode mode) const {
@@ -614,19 +644,161 @@ COMB_INLINE at::Tensor Decoder::logits(const at::Tensor& x, LogitsMode mode) con
 }
 
 COMB_INLINE at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache, LogitsMode mode,
-                            const LayerHook& before_layer, const JointHook& joint) const {
+                                        const LayerReads* reads) const {
   COMB_CHECK(tokens.dim() == 2 && tokens.size(1) > 0, "decoder input should be [batch, n>0] token ids, found shape [{}]",
              fmt::join(tokens.sizes(), ", "));
   COMB_CHECK(tokens.size(0) == cache.batch(), "decoder input batch {} does not match the KV cache batch {}",
              tokens.size(0), cache.batch());
-  const int64_t n = tokens.size(1);
-  COMB_CHECK(cache.length() + n <= config_.n_ctx, "{} positions exceed the model's context of {} tokens",
-             cache.length() + n, config_.n_ctx);
+  const int64_t n = tokens.size(1), start = cache.length();
+  COMB_CHECK(start + n <= config_.n_ctx, "{} positions exceed the model's context of {} tokens", start + n,
+             config_.n_ctx);
   at::Tensor x = embed(tokens);
   for (int64_t i = 0; i < config_.n_layer; ++i)
-    x = layer(i, before_layer ? before_layer(i, x) : x, cache, joint ? joint(i) : nullptr);
+    x = reads ? layer(i, reads->before(i, x, start), cache, reads->joint(i)) : layer(i, x, cache);
   cache.advance(n);
   return logits(x, mode);
+}
+
+COMB_INLINE at::Tensor Decoder::hidden(const at::Tensor& tokens, const LayerReads* reads) const {
+  const auto& c = config_;
+  const int64_t n = tokens.size(1);
+  COMB_CHECK(tokens.dim() == 2 && n > 0, "decoder input should be [batch, n>0] token ids, found shape [{}]",
+             fmt::join(tokens.sizes(), ", "));
+  COMB_CHECK(n <= c.n_ctx, "a sequence of {} tokens; the context holds {}", n, c.n_ctx);
+  at::Tensor x = embed(tokens);
+  at::Tensor cos = rope_cos_.narrow(0, 0, n), sin = rope_sin_.narrow(0, 0, n);
+  for (int64_t i = 0; i < c.n_layer; ++i)
+    x = reads ? llama_layer(reads->before(i, x, 0), weights_.layers[i], c, cos, sin, /*causal=*/true, {}, reads->joint(i))
+              : llama_layer(x, weights_.layers[i], c, cos, sin, /*causal=*/true);
+  return comb::rms_norm(x, weights_.output_norm, c.rms_eps);
+}
+
+// ---- The paged, batched decoding step -------------------------------------------------------------
+
+COMB_INLINE at::Tensor Decoder::step_paged(BlockPool& pool, const std::vector<PagedRow>& rows,
+                                           const ParallelFor& run) const {
+  namespace cpu = detail::cpu;
+  const auto& c = config_;
+  COMB_CHECK(cpu_kernels(), "step_paged: the fused CPU path (a float32 decoder on the CPU with cpu_kernels on)");
+  COMB_CHECK(!rows.empty(), "step_paged: no row");
+  const int64_t B = static_cast<int64_t>(rows.size()), E = c.n_embd, hd = c.head_dim;
+  const int64_t q_dim = c.q_dim(), kv_dim = c.kv_dim(), qkv_dim = q_dim + 2 * kv_dim, bt = pool.block_tokens();
+  for (const auto& r : rows)
+    COMB_CHECK(r.blocks && r.position >= 0 && r.position < c.n_ctx &&
+                   r.position / bt < static_cast<int64_t>(r.blocks->size()),
+               "step_paged: position {} past the row's {} blocks of {} tokens (or the context of {})", r.position,
+               r.blocks ? r.blocks->size() : 0, bt, c.n_ctx);
+  ParallelFor each = run ? run : ParallelFor([](int64_t n, const std::function<void(int64_t)>& fn) {
+    at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) fn(j);
+    });
+  });
+  std::vector<int64_t> ids(B);
+  for (int64_t b = 0; b < B; ++b) ids[b] = rows[b].token;
+  at::Tensor x = embed(at::tensor(ids, at::kLong).view({B, 1})).view({B, E}).to(at::kFloat).contiguous();
+  // Row-wise kernels: every row alone through the norms, the matrices (weight rows in chunks of 64
+  // over the pool: a chunk's results do not depend on who computes it) and the activation.
+  detail::decoder::LayerMath math;
+  math.norm = [&](const at::Tensor& t, const at::Tensor& w) {  // w: float32, as the decoder's dtype
+    at::Tensor in = t.contiguous(), out = at::empty_like(in);
+    cpu::rms_norm_rows(in.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), E,
+                       static_cast<float>(c.rms_eps), 0, B);
+    return out;
+  };
+  auto gemv = [&](const float* in, const float* w, int64_t k, float* out, int64_t n_out) {
+    constexpr int64_t chunk = 64;
+    each((n_out + chunk - 1) / chunk,
+         [&](int64_t j) { cpu::gemv_rows(in, B, w, k, out, n_out, j * chunk, std::min(n_out, (j + 1) * chunk)); });
+  };
+  // The same over kept-quantized weights: the row kernels, kKernelRows rows of the batch at a time.
+  auto gemv_quantized = [&](const at::Tensor& t, const QuantizedMatrix& m) {
+    constexpr int64_t chunk = 64;
+    const int64_t k = t.size(-1), n_out = m.rows();
+    at::Tensor out = at::empty({B, n_out}, t.options());
+    for (int64_t r = 0; r < B; r += QuantizedMatrix::kKernelRows) {
+      const int64_t n = std::min(QuantizedMatrix::kKernelRows, B - r);
+      const float* in = t.data_ptr<float>() + r * k;
+      float* o = out.data_ptr<float>() + r * n_out;
+      each((n_out + chunk - 1) / chunk,
+           [&](int64_t j) { m.apply_rows(in, n, o, j * chunk, std::min(n_out, (j + 1) * chunk)); });
+    }
+    return out;
+  };
+  math.act = [&](const at::Tensor& gate_up) {
+    at::Tensor act = at::empty({B, c.n_ff}, gate_up.options());
+    cpu::silu_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), c.n_ff, 0, B);
+    return act;
+  };
+  const cpu::PagedShape shape{c.n_head, c.n_head_kv, hd, bt};
+  const float* cos = rope_cos_.data_ptr<float>();
+  const float* sin = rope_sin_.data_ptr<float>();
+  const int64_t group = c.n_head / c.n_head_kv, block_stride = c.n_head_kv * bt * hd;
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    const auto& w = weights_.layers[i];
+    math.linear = [&](const at::Tensor& t, Proj p) -> at::Tensor {
+      at::Tensor in = t.contiguous();
+      if (w.quantized) return gemv_quantized(in, quantized_matrix(*w.quantized, p));
+      const at::Tensor weight = dense_matrix(w, p);  // the layer's own tensor (a new handle)
+      const int64_t k = in.size(-1), n_out = weight.size(0);
+      at::Tensor out = at::empty({B, n_out}, in.options());
+      gemv(in.data_ptr<float>(), weight.data_ptr<float>(), k, out.data_ptr<float>(), n_out);
+      return out;
+    };
+    for (int64_t b = 0; b < B; ++b)  // a residual cross block before the layer, row by row
+      if (rows[b].reads) {
+        at::Tensor row = x[b].view({1, 1, E});
+        at::Tensor read = rows[b].reads->before(i, row, rows[b].position);
+        if (!read.is_same(row)) x[b].copy_(read.view({E}));
+      }
+    x = detail::decoder::layer_body(x, w, math, [&](const at::Tensor& qkv_rows) {
+      at::Tensor qkv = qkv_rows.contiguous();  // [B, qkv_dim]
+      at::Tensor q = at::empty({B, q_dim}, x.options()), attn = at::empty({B, q_dim}, x.options());
+      float* kp = pool.keys(i).data_ptr<float>();
+      float* vp = pool.values(i).data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b) {  // RoPE; the row's K/V into its block
+        const int64_t pos = rows[b].position;
+        const int32_t block = (*rows[b].blocks)[pos / bt];
+        const float* row = qkv.data_ptr<float>() + b * qkv_dim;
+        const float* cp = cos + pos * hd;
+        const float* sp = sin + pos * hd;
+        cpu::rotate_rows(row, hd, cp, sp, hd, c.n_head, q.data_ptr<float>() + b * q_dim, hd);
+        float* kb = kp + int64_t(block) * block_stride + (pos % bt) * hd;
+        float* vb = vp + int64_t(block) * block_stride + (pos % bt) * hd;
+        cpu::rotate_rows(row + q_dim, hd, cp, sp, hd, c.n_head_kv, kb, bt * hd);
+        for (int64_t h = 0; h < c.n_head_kv; ++h)
+          std::copy(row + q_dim + kv_dim + h * hd, row + q_dim + kv_dim + (h + 1) * hd, vb + h * bt * hd);
+      }
+      // What each row's attention reads beside its own positions (a joint-attention plug-in's documents).
+      std::vector<JointSegments> seg(B);
+      for (int64_t b = 0; b < B; ++b)
+        if (rows[b].reads) seg[b] = rows[b].reads->segments(i);
+      each(B * c.n_head_kv, [&](int64_t item) {  // one KV head and the query heads that share it
+        const int64_t b = item / c.n_head_kv, kvh = item % c.n_head_kv;
+        const PagedRow& r = rows[b];
+        const JointSegments& sg = seg[b];
+        int64_t n_joint = 0;
+        for (int64_t n : sg.lengths) n_joint += n;
+        thread_local std::vector<float> scratch;
+        scratch.resize(group * (n_joint + r.position + 1));
+        const int64_t n_seg = static_cast<int64_t>(sg.lengths.size());
+        float* o = attn.data_ptr<float>() + b * q_dim;
+        const float* qb = q.data_ptr<float>() + b * q_dim;
+        if (!cpu::paged_attention_grouped(qb, kp, vp, r.blocks->data(), r.position + 1, sg.keys.data(),
+                                          sg.values.data(), sg.lengths.data(), n_seg, sg.bias, shape, o,
+                                          scratch.data(), kvh))
+          cpu::paged_attention(qb, kp, vp, r.blocks->data(), r.position + 1, sg.keys.data(), sg.values.data(),
+                               sg.lengths.data(), n_seg, sg.bias, shape, o, scratch.data(), kvh * group,
+                               (kvh + 1) * group);
+      });
+      return attn;
+    });
+  }
+  at::Tensor h = math.norm(x, weights_.output_norm);
+  if (weights_.output_q) return gemv_quantized(h, *weights_.output_q);
+  const int64_t n_vocab = weights_.output.size(0);
+  at::Tensor out = at::empty({B, n_vocab}, h.options());
+  gemv(h.data_ptr<float>(), weights_.output.data_ptr<float>(), E, out.data_ptr<float>(), n_vocab);
+  return out;
 }
 
 }  // namespace comb

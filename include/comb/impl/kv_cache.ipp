@@ -1,4 +1,4 @@
-// comb::KVCache and the RoPE tables.
+// comb::KVCache, comb::BlockPool and the RoPE tables (see comb/decoder.hpp).
 // Compiled into libcomb (src/kv_cache.cpp), or inline in every translation unit that
 // defines COMB_HEADER_ONLY (comb::header_only); COMB_INLINE is `inline` there.
 #pragma once
@@ -80,6 +80,51 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> rope_tables(const ModelConfig& c, 
   at::Tensor freqs = at::outer(at::arange(n_pos, at::kFloat), inv_freq);       // [n_pos, head_dim / 2]
   at::Tensor emb = at::cat({freqs, freqs}, -1);                                // [n_pos, head_dim]
   return {emb.cos().to(device, dtype), emb.sin().to(device, dtype)};
+}
+
+// ---- BlockPool ------------------------------------------------------------------------------
+
+COMB_INLINE BlockPool::BlockPool(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens)
+    : n_blocks_(n_blocks), block_tokens_(block_tokens) {
+  COMB_CHECK(block_tokens > 0, "block size must be > 0 tokens, found {}", block_tokens);
+  COMB_CHECK(n_blocks > 0 && n_blocks < (int64_t(1) << 31), "a pool of {} blocks (expected 1 to 2^31 - 1)", n_blocks);
+  for (int64_t l = 0; l < c.n_layer; ++l) {
+    k_.push_back(at::zeros({n_blocks, c.n_head_kv, block_tokens, c.head_dim}, at::kFloat));
+    v_.push_back(at::zeros({n_blocks, c.n_head_kv, block_tokens, c.head_dim}, at::kFloat));
+  }
+  free_.reserve(n_blocks);
+  for (int64_t b = n_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
+}
+
+COMB_INLINE std::vector<int32_t> BlockPool::allocate(int64_t n) {
+  if (n <= 0 || n > n_free()) return {};
+  std::vector<int32_t> out(free_.end() - n, free_.end());
+  free_.resize(free_.size() - n);
+  return out;
+}
+
+COMB_INLINE void BlockPool::release(const std::vector<int32_t>& blocks) {
+  free_.insert(free_.end(), blocks.begin(), blocks.end());
+}
+
+COMB_INLINE int64_t BlockPool::bytes() const {
+  int64_t b = 0;
+  for (size_t l = 0; l < k_.size(); ++l) b += 2 * k_[l].numel() * int64_t(sizeof(float));
+  return b;
+}
+
+COMB_INLINE void BlockPool::load(const KVCache& cache, int64_t n, const std::vector<int32_t>& blocks) {
+  COMB_CHECK(cache.batch() == 1 && n <= cache.capacity() && blocks_for(n) <= static_cast<int64_t>(blocks.size()),
+             "block pool: {} positions of a cache of batch {} into {} blocks of {}", n, cache.batch(), blocks.size(),
+             block_tokens_);
+  for (int64_t l = 0; l < cache.n_layers(); ++l) {
+    at::Tensor k = cache.keys(l)[0], v = cache.values(l)[0];  // [n_head_kv, capacity, head_dim]
+    for (int64_t p0 = 0, j = 0; p0 < n; p0 += block_tokens_, ++j) {
+      const int64_t len = std::min(block_tokens_, n - p0);
+      k_[l][blocks[j]].narrow(1, 0, len).copy_(k.narrow(1, p0, len));
+      v_[l][blocks[j]].narrow(1, 0, len).copy_(v.narrow(1, p0, len));
+    }
+  }
 }
 
 }  // namespace comb

@@ -342,21 +342,16 @@ COMB_INLINE at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, 
       }
       joint = joined.blocks;  // tensors are shared, not copied
     }
-    return decoder_->forward(tokens, cache, mode, nullptr, [&](int64_t layer) -> const JointKV* {
-      int64_t k = plugin_->block_before(layer);
-      return k < 0 ? nullptr : &joint[k];
-    });
+    DocumentReads reads = DocumentReads::joined(*plugin_, std::move(joint));
+    return decoder_->forward(tokens, cache, mode, &reads);
   }
   COMB_CHECK(documents->anchor == 0, "documents anchored after a prefix need a plug-in with documents_after_prefix");
   COMB_CHECK(documents->key_scales.empty(),
              "documents linked int8 (Linker with keep_int8) are read by joint-attention plug-ins only; link them "
              "with Linker(device) for this plug-in");
-  const int64_t start = cache.length();  // the prompt position of the first new token
-  return decoder_->forward(tokens, cache, mode, [&](int64_t layer, const at::Tensor& x) {
-    int64_t k = plugin_->block_before(layer);
-    return k < 0 ? x
-                 : plugin_->cross_block(k, x, documents->keys[k], documents->values[k], documents->doc_counts, start);
-  });
+  DocumentReads reads = DocumentReads::residual(*plugin_, plugin_->weights(), documents->keys, documents->values,
+                                                documents->doc_counts);
+  return decoder_->forward(tokens, cache, mode, &reads);
 }
 
 COMB_INLINE void Model::save(const std::string& dir) const {

@@ -50,6 +50,90 @@ COMB_INLINE nlohmann::json PluginConfig::to_json() const {
   return j;
 }
 
+// ---- DocumentReads ---------------------------------------------------------------------------
+
+COMB_INLINE DocumentReads::DocumentReads(const Plugin& plugin, const PluginWeights& w, Mode mode)
+    : plugin_(&plugin), weights_(&w), mode_(mode) {
+  if (mode == Mode::residual) return;
+  COMB_CHECK(plugin.config().joint_attention, "joined documents are read by joint-attention plug-ins only");
+  for (int64_t k = 0; k < plugin.config().n_blocks(); ++k) {
+    const at::Tensor& b = w.cross.at(k).doc_bias;
+    bias_.push_back(b.defined() ? b.to(at::kFloat).contiguous() : at::Tensor());
+  }
+}
+
+COMB_INLINE DocumentReads DocumentReads::residual(const Plugin& plugin, const PluginWeights& w,
+                                                  std::vector<std::vector<at::Tensor>> keys,
+                                                  std::vector<std::vector<at::Tensor>> values,
+                                                  std::vector<int64_t> doc_counts) {
+  COMB_CHECK(!plugin.config().joint_attention,
+             "this plug-in's blocks join their layers' attention: read its documents with DocumentReads::joined");
+  COMB_CHECK(static_cast<int64_t>(keys.size()) == plugin.config().n_blocks() && keys.size() == values.size(),
+             "linked documents have {} blocks of keys and {} of values, the plug-in {}", keys.size(), values.size(),
+             plugin.config().n_blocks());
+  DocumentReads r(plugin, w, Mode::residual);
+  r.keys_ = std::move(keys);
+  r.values_ = std::move(values);
+  r.doc_counts_ = std::move(doc_counts);
+  return r;
+}
+
+COMB_INLINE DocumentReads DocumentReads::joined(const Plugin& plugin, std::vector<JointKV> joint) {
+  COMB_CHECK(static_cast<int64_t>(joint.size()) == plugin.config().n_blocks(), "{} joined blocks, the plug-in has {}",
+             joint.size(), plugin.config().n_blocks());
+  DocumentReads r(plugin, plugin.weights(), Mode::joined);
+  r.joint_ = std::move(joint);
+  return r;
+}
+
+COMB_INLINE DocumentReads DocumentReads::segmented(const Plugin& plugin, std::vector<std::vector<at::Tensor>> keys,
+                                                   std::vector<std::vector<at::Tensor>> values) {
+  COMB_CHECK(static_cast<int64_t>(keys.size()) == plugin.config().n_blocks() && keys.size() == values.size(),
+             "linked documents have {} blocks of keys and {} of values, the plug-in {}", keys.size(), values.size(),
+             plugin.config().n_blocks());
+  DocumentReads r(plugin, plugin.weights(), Mode::segmented);
+  r.keys_ = std::move(keys);
+  r.values_ = std::move(values);
+  return r;
+}
+
+COMB_INLINE at::Tensor DocumentReads::before(int64_t layer, const at::Tensor& x, int64_t start) const {
+  if (mode_ != Mode::residual) return x;
+  const int64_t k = plugin_->block_before(layer);
+  return k < 0 ? x : plugin_->cross_block(*weights_, k, x, keys_[k], values_[k], doc_counts_, start);
+}
+
+COMB_INLINE const JointKV* DocumentReads::joint(int64_t layer) const {
+  if (mode_ != Mode::joined) return nullptr;
+  const int64_t k = plugin_->block_before(layer);
+  return k < 0 ? nullptr : &joint_[k];
+}
+
+COMB_INLINE JointSegments DocumentReads::segments(int64_t layer) const {
+  JointSegments s;
+  const int64_t k = mode_ == Mode::residual ? -1 : plugin_->block_before(layer);
+  if (k < 0) return s;
+  auto add = [&](const at::Tensor& keys, const at::Tensor& values, int64_t n) {
+    COMB_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat && keys.is_contiguous() &&
+                   values.is_contiguous() && keys.device().is_cpu(),
+               "a paged step reads documents as contiguous float32 CPU tensors, found {} on {}",
+               c10::toString(keys.scalar_type()), keys.device().str());
+    s.keys.push_back(keys.data_ptr<float>());
+    s.values.push_back(values.data_ptr<float>());
+    s.lengths.push_back(n);
+  };
+  if (mode_ == Mode::joined) {
+    const JointKV& j = joint_[k];
+    COMB_CHECK(j.keys.size(0) == 1, "a paged step reads one request's joined documents, found a batch of {}",
+               j.keys.size(0));
+    add(j.keys, j.values, j.keys.size(2));
+  } else {
+    for (size_t d = 0; d < keys_[k].size(); ++d) add(keys_[k][d], values_[k][d], keys_[k][d].size(1));
+  }
+  if (bias_[k].defined()) s.bias = bias_[k].data_ptr<float>();
+  return s;
+}
+
 namespace detail::plugin {  // this file's own helpers
 // What PluginConfig::cache_dtype may be set from: "float32" (kept as "", the dtype as computed),
 // "bfloat16", "float16", "int8".

@@ -1,4 +1,4 @@
-// comb::ServeEngine and comb::BlockPool (see comb/serving.hpp). Compiled into libcomb
+// comb::ServeEngine (see comb/serving.hpp). Compiled into libcomb
 // (src/serving.cpp), or inline in every translation unit that defines COMB_HEADER_ONLY.
 #pragma once
 #include "comb/detail/inline.hpp"
@@ -18,53 +18,6 @@
 #include "comb/serving.hpp"
 
 namespace comb {
-
-// ================================================================================================
-// BlockPool
-// ================================================================================================
-
-COMB_INLINE BlockPool::BlockPool(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens)
-    : n_blocks_(n_blocks), block_tokens_(block_tokens) {
-  COMB_CHECK(block_tokens > 0, "block size must be > 0 tokens, found {}", block_tokens);
-  COMB_CHECK(n_blocks > 0 && n_blocks < (int64_t(1) << 31), "a pool of {} blocks (expected 1 to 2^31 - 1)", n_blocks);
-  for (int64_t l = 0; l < c.n_layer; ++l) {
-    k_.push_back(at::zeros({n_blocks, c.n_head_kv, block_tokens, c.head_dim}, at::kFloat));
-    v_.push_back(at::zeros({n_blocks, c.n_head_kv, block_tokens, c.head_dim}, at::kFloat));
-  }
-  free_.reserve(n_blocks);
-  for (int64_t b = n_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
-}
-
-COMB_INLINE std::vector<int32_t> BlockPool::allocate(int64_t n) {
-  if (n <= 0 || n > n_free()) return {};
-  std::vector<int32_t> out(free_.end() - n, free_.end());
-  free_.resize(free_.size() - n);
-  return out;
-}
-
-COMB_INLINE void BlockPool::release(const std::vector<int32_t>& blocks) {
-  free_.insert(free_.end(), blocks.begin(), blocks.end());
-}
-
-COMB_INLINE int64_t BlockPool::bytes() const {
-  int64_t b = 0;
-  for (size_t l = 0; l < k_.size(); ++l) b += 2 * k_[l].numel() * int64_t(sizeof(float));
-  return b;
-}
-
-COMB_INLINE void BlockPool::load(const KVCache& cache, int64_t n, const std::vector<int32_t>& blocks) {
-  COMB_CHECK(cache.batch() == 1 && n <= cache.capacity() && blocks_for(n) <= static_cast<int64_t>(blocks.size()),
-             "block pool: {} positions of a cache of batch {} into {} blocks of {}", n, cache.batch(), blocks.size(),
-             block_tokens_);
-  for (int64_t l = 0; l < cache.n_layers(); ++l) {
-    at::Tensor k = cache.keys(l)[0], v = cache.values(l)[0];  // [n_head_kv, capacity, head_dim]
-    for (int64_t p0 = 0, j = 0; p0 < n; p0 += block_tokens_, ++j) {
-      const int64_t len = std::min(block_tokens_, n - p0);
-      k_[l][blocks[j]].narrow(1, 0, len).copy_(k.narrow(1, p0, len));
-      v_[l][blocks[j]].narrow(1, 0, len).copy_(v.narrow(1, p0, len));
-    }
-  }
-}
 
 COMB_INLINE void Histogram::add(double seconds) {
   size_t i = 0;
@@ -99,8 +52,8 @@ struct ServeEngine::Sequence {
   // Decoding
   int64_t length = 0;          // positions held in `blocks`
   int32_t next = -1;           // the token to feed at position `length`
-  LinkedDocuments documents;   // comb
-  bool joined = false;         // comb, documents after the prefix or consecutive: read documents.joined (rotated keys)
+  LinkedDocuments documents;   // comb: the linked entries it holds
+  std::unique_ptr<DocumentReads> reads;  // comb: what its decoding steps read of them
   std::unique_ptr<Sampler> sampler;
   std::unique_ptr<StreamDecoder> stream;
   size_t emitted = 0;          // bytes of result.text handed to on_text
@@ -154,11 +107,6 @@ COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
     if (auto eot = tok.find_token(model.chat_template().end_of_turn())) stop_tokens_.push_back(*eot);
   } catch (const Error&) {  // a model without a chat template: EOS only
   }
-  if (const Plugin* p = model.plugin())
-    for (int64_t k = 0; k < p->config().n_blocks(); ++k) {
-      const auto& b = p->weights().cross.at(k).doc_bias;
-      doc_bias_.push_back(b.defined() ? b.to(at::kFloat).contiguous() : at::Tensor());
-    }
   stats_.ttft = Histogram(detail::serving::latency_bounds());
   stats_.inter_token = Histogram(detail::serving::latency_bounds());
   stats_.batch_size = Histogram({1, 2, 4, 8, 16, 32, 64});
@@ -579,23 +527,37 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
   s.result.cached_tokens = f.reused;
   s.result.computed_tokens = f.computed;
   if (!f.documents.empty()) {
+    // What its decoding steps read: the rotated keys of documents after the prefix or consecutive
+    // (joined by the prompt's forward), or else each document's K/V as linked; float32.
     s.documents = std::move(f.documents);
-    s.joined = s.documents.anchor > 0 || model_.plugin()->config().consecutive_documents;
-    if (s.joined) {  // the rotated keys the decoding step reads, as float32
-      for (auto& j : s.documents.joined->blocks) {
+    const Plugin& plugin = *model_.plugin();
+    LinkedDocuments& l = s.documents;
+    if (!plugin.config().joint_attention) {
+      s.reads = std::make_unique<DocumentReads>(
+          DocumentReads::residual(plugin, plugin.weights(), l.keys, l.values, l.doc_counts));
+    } else if (l.anchor > 0 || plugin.config().consecutive_documents) {
+      std::vector<JointKV> blocks;
+      {
+        std::lock_guard<std::mutex> lock(l.joined->mutex);
+        blocks = l.joined->blocks;
+      }
+      l.joined = std::make_shared<LinkedDocuments::Joined>();  // the float32 copy below is what decoding reads
+      for (auto& j : blocks) {
         j.keys = j.keys.to(at::kFloat).contiguous();
         j.values = j.values.to(at::kFloat).contiguous();
       }
+      s.reads = std::make_unique<DocumentReads>(DocumentReads::joined(plugin, std::move(blocks)));
     } else {
-      s.documents.joined = std::make_shared<LinkedDocuments::Joined>();  // its copy is not read by decoding
-      LinkedDocuments& l = s.documents;
-      dequantize_linked(l.keys, l.values, l.key_scales, l.value_scales);  // int8 ones linked as stored
-      l.key_scales.clear();
-      l.value_scales.clear();
-      for (auto& block : l.keys)
+      l.joined = std::make_shared<LinkedDocuments::Joined>();  // not read by decoding
+      std::vector<std::vector<at::Tensor>> keys = std::move(l.keys), values = std::move(l.values);
+      std::vector<std::vector<at::Tensor>> key_scales = std::move(l.key_scales), value_scales = std::move(l.value_scales);
+      l.keys.clear(), l.values.clear(), l.key_scales.clear(), l.value_scales.clear();
+      dequantize_linked(keys, values, key_scales, value_scales);  // int8 ones linked as stored
+      for (auto& block : keys)
         for (auto& t : block) t = t.to(at::kFloat).contiguous();
-      for (auto& block : l.values)
+      for (auto& block : values)
         for (auto& t : block) t = t.to(at::kFloat).contiguous();
+      s.reads = std::make_unique<DocumentReads>(DocumentReads::segmented(plugin, std::move(keys), std::move(values)));
     }
   }
   at::Tensor logits = f.logits;
@@ -688,6 +650,7 @@ COMB_INLINE void ServeEngine::finish(Sequence& s, const std::string& reason, con
   // Everything the request holds goes back before its callbacks run (they may fail).
   unpin_all(s);
   s.prefill.reset();
+  s.reads.reset();
   s.documents = LinkedDocuments();
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -757,138 +720,15 @@ COMB_INLINE void ServeEngine::decode_step() {
   }
 }
 
-// One decoding step of every row: token s.next at position s.length, K/V written into its blocks.
-// Each row's numbers do not depend on the other rows (row-wise kernels throughout), so a request's
-// greedy output is the same in a batch of any size.
+// One decoding step of every row: token s.next at position s.length, K/V written into its blocks,
+// computed by the decoder (Decoder::step_paged) with its documents' reads.
 COMB_INLINE at::Tensor ServeEngine::batched_forward(const std::vector<Sequence*>& rows) {
-  namespace cpu = detail::cpu;
-  const Decoder& dec = model_.decoder();
-  const auto& c = dec.config();
-  const auto& W = dec.weights();
-  const Plugin* plugin = model_.plugin();
-  const int64_t B = static_cast<int64_t>(rows.size()), E = c.n_embd, hd = c.head_dim;
-  const int64_t q_dim = c.q_dim(), kv_dim = c.kv_dim(), qkv_dim = q_dim + 2 * kv_dim;
-  std::vector<int64_t> ids(B);
-  for (int64_t b = 0; b < B; ++b) ids[b] = rows[b]->next;
-  at::Tensor x = dec.embed(at::tensor(ids, at::kLong).view({B, 1})).view({B, E}).to(at::kFloat).contiguous();
-  auto norm = [&](const at::Tensor& t, const at::Tensor& w) {  // w: float32, as the decoder's dtype
-    at::Tensor out = at::empty_like(t);
-    cpu::rms_norm_rows(t.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), E, static_cast<float>(c.rms_eps),
-                       0, B);
-    return out;
-  };
-  // Weight rows in chunks of 64 over the pool (a chunk's results do not depend on who computes it).
-  auto gemv = [&](const float* in, const float* w, int64_t k, float* out, int64_t n_out) {
-    constexpr int64_t chunk = 64;
-    workers_->run((n_out + chunk - 1) / chunk, [&](int64_t c) {
-      cpu::gemv_rows(in, B, w, k, out, n_out, c * chunk, std::min(n_out, (c + 1) * chunk));
-    });
-  };
-  // The same over kept-quantized weights: the row kernels, kKernelRows rows of the batch at a time.
-  auto gemv_quantized = [&](const at::Tensor& t, const QuantizedMatrix& m) {
-    constexpr int64_t chunk = 64;
-    const int64_t k = t.size(-1), n_out = m.rows();
-    at::Tensor out = at::empty({B, n_out}, t.options());
-    for (int64_t r = 0; r < B; r += QuantizedMatrix::kKernelRows) {
-      const int64_t n = std::min(QuantizedMatrix::kKernelRows, B - r);
-      const float* in = t.data_ptr<float>() + r * k;
-      float* o = out.data_ptr<float>() + r * n_out;
-      workers_->run((n_out + chunk - 1) / chunk,
-                    [&](int64_t c) { m.apply_rows(in, n, o, c * chunk, std::min(n_out, (c + 1) * chunk)); });
-    }
-    return out;
-  };
-  auto linear = [&](const LayerWeights& l, Proj p, const at::Tensor& weight, const at::Tensor& t) -> at::Tensor {
-    if (l.quantized) return gemv_quantized(t.contiguous(), quantized_matrix(*l.quantized, p));
-    const int64_t k = t.size(-1), n_out = weight.size(0);
-    at::Tensor out = at::empty({B, n_out}, t.options());
-    gemv(t.data_ptr<float>(), weight.data_ptr<float>(), k, out.data_ptr<float>(), n_out);
-    return out;
-  };
-  const cpu::PagedShape shape{c.n_head, c.n_head_kv, hd, pool_->block_tokens()};
-  const float* cos = dec.rope_cos().data_ptr<float>();
-  const float* sin = dec.rope_sin().data_ptr<float>();
-  at::Tensor q = at::empty({B, q_dim}, x.options()), attn = at::empty({B, q_dim}, x.options());
-  for (int64_t i = 0; i < c.n_layer; ++i) {
-    const auto& w = W.layers[i];
-    const int64_t block = plugin ? plugin->block_before(i) : -1;
-    if (block >= 0 && !plugin->config().joint_attention) {  // a cross block before the layer, row by row
-      for (int64_t b = 0; b < B; ++b) {
-        Sequence& s = *rows[b];
-        if (s.documents.empty()) continue;
-        x[b].copy_(plugin
-                       ->cross_block(block, x[b].view({1, 1, E}), s.documents.keys[block], s.documents.values[block],
-                                     s.documents.doc_counts, s.length)
-                       .view({E}));
-      }
-    }
-    at::Tensor qkv = linear(w, Proj::qkv, w.wqkv, norm(x, w.attn_norm));  // [B, qkv_dim]
-    float* kp = pool_->keys(i).data_ptr<float>();
-    float* vp = pool_->values(i).data_ptr<float>();
-    const int64_t bt = pool_->block_tokens(), block_stride = c.n_head_kv * bt * hd;
-    for (int64_t b = 0; b < B; ++b) {
-      const Sequence& s = *rows[b];
-      const int64_t pos = s.length;
-      const float* row = qkv.data_ptr<float>() + b * qkv_dim;
-      const float* cp = cos + pos * hd;
-      const float* sp = sin + pos * hd;
-      cpu::rotate_rows(row, hd, cp, sp, hd, c.n_head, q.data_ptr<float>() + b * q_dim, hd);
-      float* kb = kp + int64_t(s.blocks[pos / bt]) * block_stride + (pos % bt) * hd;
-      float* vb = vp + int64_t(s.blocks[pos / bt]) * block_stride + (pos % bt) * hd;
-      cpu::rotate_rows(row + q_dim, hd, cp, sp, hd, c.n_head_kv, kb, bt * hd);
-      for (int64_t h = 0; h < c.n_head_kv; ++h)
-        std::copy(row + q_dim + kv_dim + h * hd, row + q_dim + kv_dim + (h + 1) * hd, vb + h * bt * hd);
-    }
-    // What each row's attention reads beside its own positions (a joint-attention plug-in's documents).
-    std::vector<std::vector<const float*>> seg_k(B), seg_v(B);
-    std::vector<std::vector<int64_t>> seg_n(B);
-    std::vector<const float*> bias(B, nullptr);
-    if (block >= 0 && plugin->config().joint_attention)
-      for (int64_t b = 0; b < B; ++b) {
-        Sequence& s = *rows[b];
-        if (s.documents.empty()) continue;
-        if (s.joined) {
-          const JointKV& j = s.documents.joined->blocks.at(block);
-          seg_k[b].push_back(j.keys.data_ptr<float>());
-          seg_v[b].push_back(j.values.data_ptr<float>());
-          seg_n[b].push_back(j.keys.size(2));
-        } else {
-          for (size_t d = 0; d < s.documents.keys[block].size(); ++d) {
-            seg_k[b].push_back(s.documents.keys[block][d].data_ptr<float>());
-            seg_v[b].push_back(s.documents.values[block][d].data_ptr<float>());
-            seg_n[b].push_back(s.documents.keys[block][d].size(1));
-          }
-        }
-        if (doc_bias_.at(block).defined()) bias[b] = doc_bias_[block].data_ptr<float>();
-      }
-    const int64_t group = c.n_head / c.n_head_kv;
-    workers_->run(B * c.n_head_kv, [&](int64_t item) {  // one KV head and the query heads that share it
-      const int64_t b = item / c.n_head_kv, kvh = item % c.n_head_kv;
-      const Sequence& s = *rows[b];
-      int64_t n_joint = 0;
-      for (int64_t n : seg_n[b]) n_joint += n;
-      thread_local std::vector<float> scratch;
-      scratch.resize(group * (n_joint + s.length + 1));
-      const int64_t n_seg = static_cast<int64_t>(seg_n[b].size());
-      float* o = attn.data_ptr<float>() + b * q_dim;
-      const float* qb = q.data_ptr<float>() + b * q_dim;
-      if (!cpu::paged_attention_grouped(qb, kp, vp, s.blocks.data(), s.length + 1, seg_k[b].data(), seg_v[b].data(),
-                                        seg_n[b].data(), n_seg, bias[b], shape, o, scratch.data(), kvh))
-        cpu::paged_attention(qb, kp, vp, s.blocks.data(), s.length + 1, seg_k[b].data(), seg_v[b].data(),
-                             seg_n[b].data(), n_seg, bias[b], shape, o, scratch.data(), kvh * group, (kvh + 1) * group);
-    });
-    x.add_(linear(w, Proj::o, w.wo, attn));
-    at::Tensor gate_up = linear(w, Proj::gate_up, w.w_gate_up, norm(x, w.ffn_norm));  // [B, 2 n_ff]
-    at::Tensor act = at::empty({B, c.n_ff}, x.options());
-    cpu::silu_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), c.n_ff, 0, B);
-    x.add_(linear(w, Proj::down, w.w_down, act));
-  }
-  at::Tensor h = norm(x, W.output_norm);
-  if (W.output_q) return gemv_quantized(h, *W.output_q);
-  const int64_t n_vocab = W.output.size(0);
-  at::Tensor out = at::empty({B, n_vocab}, h.options());
-  gemv(h.data_ptr<float>(), W.output.data_ptr<float>(), E, out.data_ptr<float>(), n_vocab);
-  return out;
+  std::vector<Decoder::PagedRow> paged;
+  paged.reserve(rows.size());
+  for (const Sequence* s : rows) paged.push_back({s->next, s->length, &s->blocks, s->reads.get()});
+  return model_.decoder().step_paged(*pool_, paged, [this](int64_t n, const std::function<void(int64_t)>& fn) {
+    workers_->run(n, fn);
+  });
 }
 
 }  // namespace comb

@@ -234,22 +234,12 @@ COMB_INLINE TrainBatch make_train_batch(const std::vector<TrainExample>& example
 }
 
 namespace detail::train {  // this file's own helpers
-// The decoder over tokens [batch, n] at positions 0..n-1, causal, without a cache; `hook` runs
-// before each layer (the cross blocks). Returns the final-normed hidden state [batch, n, n_embd].
-COMB_INLINE at::Tensor decoder_hidden(const Decoder& base, const at::Tensor& tokens,
-                          const std::function<at::Tensor(int64_t, const at::Tensor&)>& hook,
-                          const Decoder::JointHook& joint = nullptr) {
-  const auto& c = base.config();
-  const auto& w = base.weights();
-  const int64_t n = tokens.size(1);
-  COMB_CHECK(!w.quantized(), "training differentiates through the decoder's float weights; load the model without "
-             "--quantize (weights kept quantized have no gradient kernels)");
-  COMB_CHECK(n <= c.n_ctx, "a training sequence has {} tokens; the context holds {}", n, c.n_ctx);
-  at::Tensor x = at::embedding(w.tok_embd, tokens);
-  at::Tensor cos = base.rope_cos().narrow(0, 0, n), sin = base.rope_sin().narrow(0, 0, n);
-  for (int64_t i = 0; i < c.n_layer; ++i)
-    x = llama_layer(hook ? hook(i, x) : x, w.layers[i], c, cos, sin, /*causal=*/true, {}, joint ? joint(i) : nullptr);
-  return rms_norm(x, w.output_norm, c.rms_eps);
+// The decoder over tokens [batch, n] at positions 0..n-1 (Decoder::hidden, differentiable), reading
+// `reads` (the documents) or nothing; the final-normed hidden state [batch, n, n_embd].
+COMB_INLINE at::Tensor decoder_hidden(const Decoder& base, const at::Tensor& tokens, const LayerReads* reads) {
+  COMB_CHECK(!base.weights().quantized(), "training differentiates through the decoder's float weights; load the "
+             "model without --quantize (weights kept quantized have no gradient kernels)");
+  return base.hidden(tokens, reads);
 }
 
 COMB_INLINE at::Tensor head_logits(const Decoder& base, const at::Tensor& hidden, const at::Tensor& rows) {
@@ -279,20 +269,13 @@ COMB_INLINE at::Tensor plugin_train_logits(const Decoder& base, const Plugin& pl
                  "a plug-in with documents after the prefix trains on examples whose prefixes have one length");
       anchor = batch.prefix_tokens;
     }
-    std::vector<JointKV> joint = plugin.joint_kv(pw, doc_keys, doc_values, batch.doc_counts, anchor);
-    return detail::train::head_logits(base,
-                                      detail::train::decoder_hidden(base, batch.tokens, nullptr,
-                                                                    [&](int64_t layer) -> const JointKV* {
-                                                                      int64_t k = plugin.block_before(layer);
-                                                                      return k < 0 ? nullptr : &joint[k];
-                                                                    }),
+    DocumentReads reads =
+        DocumentReads::joined(plugin, plugin.joint_kv(pw, doc_keys, doc_values, batch.doc_counts, anchor));
+    return detail::train::head_logits(base, detail::train::decoder_hidden(base, batch.tokens, &reads),
                                       batch.target_rows);
   }
-  auto hook = [&](int64_t layer, const at::Tensor& x) -> at::Tensor {
-    int64_t k = plugin.block_before(layer);
-    return k < 0 ? x : plugin.cross_block(pw, k, x, doc_keys[k], doc_values[k], batch.doc_counts);
-  };
-  return detail::train::head_logits(base, detail::train::decoder_hidden(base, batch.tokens, hook), batch.target_rows);
+  DocumentReads reads = DocumentReads::residual(plugin, pw, std::move(doc_keys), std::move(doc_values), batch.doc_counts);
+  return detail::train::head_logits(base, detail::train::decoder_hidden(base, batch.tokens, &reads), batch.target_rows);
 }
 
 COMB_INLINE at::Tensor full_context_logits(const Decoder& base, const std::vector<TrainExample>& examples, c10::Device device) {
