@@ -52,6 +52,11 @@ inline at::Tensor ids_tensor(const std::vector<int32_t>& ids) {
   return at::tensor(std::vector<int64_t>(ids.begin(), ids.end()), at::kLong).unsqueeze(0);
 }
 
+// The owner of documents over a store the test keeps (not owned), or over none.
+inline Documents documents_in(const Model& model, PICacheStore* store) {
+  return Documents(model, std::shared_ptr<PICacheStore>(store, [](PICacheStore*) {}));
+}
+
 inline void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));

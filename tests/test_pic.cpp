@@ -293,7 +293,7 @@ TEST_CASE("the QA prompt is the documented segments, and its data never become c
   const std::string head = rendered.substr(0, rendered.find('\x01')), tail = rendered.substr(rendered.find('\x01') + 1);
   REQUIRE(tail.rfind("<|im_end|>", 0) == 0);  // the default template: the tail opens with a control token
   CHECK(tok.decode(qa_prefix(model)) == head + kQaInstruction + "\n\n");
-  CHECK(tok.decode(qa_document_tokens(model, {"Tower", "It is 330 m tall."})) == "Title: Tower\nIt is 330 m tall.\n\n");
+  CHECK(tok.decode(Documents::tokens(model, {"Tower", "It is 330 m tall."})) == "Title: Tower\nIt is 330 m tall.\n\n");
   // An ordinary question: the tokens of the whole suffix read at once, as before the question was
   // encoded on its own (here the tail opens with a control token, which splits the text anyway).
   const std::string question = "How tall is the tower?";
@@ -307,7 +307,7 @@ TEST_CASE("the QA prompt is the documented segments, and its data never become c
   CHECK(count(suffix, im_end) == count(tok.encode(tail), im_end));
   CHECK(count(suffix, im_start) == count(tok.encode(tail), im_start));
   CHECK(tok.decode(suffix) == "Question: " + injected + tail);
-  std::vector<int32_t> document = qa_document_tokens(model, {"T", injected});
+  std::vector<int32_t> document = Documents::tokens(model, {"T", injected});
   CHECK(count(document, im_end) == 0);
   CHECK(count(document, im_start) == 0);
 }

@@ -36,7 +36,7 @@ std::vector<std::shared_ptr<const DocumentKV>> documents_of(const Model& model,
                                                             const std::vector<std::vector<int32_t>>& tokens,
                                                             PICacheStore* store = nullptr) {
   std::vector<std::shared_ptr<const DocumentKV>> out;
-  for (const auto& d : tokens) out.push_back(model.document(d, store));
+  for (const auto& d : tokens) out.push_back(documents_in(model, store).get(d));
   return out;
 }
 
@@ -120,7 +120,7 @@ TEST_CASE("the shipped plug-in: off is the bare decoder bit for bit; in any docu
   std::vector<std::shared_ptr<const DocumentKV>> docs;
   for (const char* name : {"eiffel-tower", "mount-everest", "mariana-trench"}) {
     std::string text = read_bytes(dir + name + ".txt");
-    docs.push_back(with.document(qa_document_tokens(with, {name, text})));
+    docs.push_back(Documents(with).get(Documents::tokens(with, {name, text})));
   }
   std::vector<int32_t> prompt = qa_prefix(with);
   const auto suffix = qa_suffix(with, "How high is the summit of Mount Everest above sea level?");
@@ -173,7 +173,7 @@ TEST_CASE("the shipped plug-in: off is the bare decoder bit for bit; in any docu
     std::vector<std::shared_ptr<const DocumentKV>> notes;
     std::string word;
     for (const auto& [name, w] : item.notes) {
-      notes.push_back(with.document(qa_document_tokens(
+      notes.push_back(Documents(with).get(Documents::tokens(
           with, {"Note about " + name, "The secret code word of " + name + " is " + w + "."})));
       if (name == item.who) word = w;
     }
@@ -237,19 +237,19 @@ TEST_CASE("a plug-in's cache dtype: its documents kept so under a store of dtype
   auto tokens = sample_documents(2, 20, 4);
   // No store, a store of dtype auto: int8 (what a cache would hand a later request); a store
   // given float32 keeps float32.
-  CHECK(model.documents(tokens)[0]->quantized());
+  CHECK(Documents(model).get(tokens)[0]->quantized());
   PICacheStore auto_store{StoreOptions{}};
-  auto kept = model.documents(tokens, &auto_store);
+  auto kept = documents_in(model, &auto_store).get(tokens);
   CHECK(kept[1]->quantized());
   std::vector<bool> from_cache;
-  auto again = model.documents(tokens, &auto_store, "", &from_cache);
+  auto again = documents_in(model, &auto_store).get(tokens, "", &from_cache);
   CHECK(from_cache == std::vector<bool>{true, true});
   CHECK(again[0].get() == kept[0].get());
   StoreOptions f32;
   f32.dtype = at::kFloat;
   PICacheStore float_store(f32);
-  CHECK(model.documents(tokens, &float_store)[0]->keys[0].scalar_type() == at::kFloat);
-  CHECK_FALSE(model.documents(tokens, &float_store)[0]->quantized());
+  CHECK(documents_in(model, &float_store).get(tokens)[0]->keys[0].scalar_type() == at::kFloat);
+  CHECK_FALSE(documents_in(model, &float_store).get(tokens)[0]->quantized());
 }
 
 TEST_CASE("linked caches from every tier equal fresh encodings", "[plugin][store]") {
@@ -367,13 +367,13 @@ TEST_CASE("bad plug-ins and documents get clear errors", "[plugin][errors]") {
                     Catch::Contains("'chunk_model.k_proj.1.weight' has shape [7, 64], expected [32, 64]"));
   save_safetensors(dir + "/plain.safetensors", {{"w", at::ones({2})}});
   CHECK_THROWS_WITH(Plugin::load(dir + "/plain.safetensors", model.decoder()), Catch::Contains("not a comb plug-in"));
-  CHECK_THROWS_WITH(model.document({1, 2, 3}), Catch::Contains("need a plug-in"));
+  CHECK_THROWS_WITH(Documents(model).get({1, 2, 3}), Catch::Contains("need a plug-in"));
 
   model.set_plugin(plugin);
-  CHECK_THROWS_WITH(model.document({}), Catch::Contains("empty"));
+  CHECK_THROWS_WITH(Documents(model).get(std::vector<int32_t>{}), Catch::Contains("empty"));
   std::vector<int32_t> too_long(plugin->config().max_document_tokens + 1, 1000);
-  CHECK_THROWS_WITH(model.document(too_long), Catch::Contains("at most 1024"));
-  CHECK_THROWS_WITH(model.document({1, -5}), Catch::Contains("outside the vocabulary"));
+  CHECK_THROWS_WITH(Documents(model).get(too_long), Catch::Contains("at most 1024"));
+  CHECK_THROWS_WITH(Documents(model).get({1, -5}), Catch::Contains("outside the vocabulary"));
   PluginInitOptions init;
   init.cross_layers = {2, 1};
   CHECK_THROWS_WITH(Plugin::fresh(model.decoder(), init), Catch::Contains("must increase"));
@@ -849,7 +849,7 @@ TEST_CASE("a cold request's documents and prompt in one pass: encoding first, th
     auto run = [&](PICacheStore& store, std::vector<bool>& cached, LinkedDocuments& linked, KVCache& cache) {
       cache = model.decoder().make_cache(1, ids.size(1) + 1);
       model.decoder().forward(prefix, cache);  // the instruction, as the prefix cache gives it
-      return model.documents_and_prompt(tokens, &store, "", &cached, rest, cache, anchor, linked);
+      return documents_in(model, &store).get_with_prompt(tokens, "", &cached, rest, cache, anchor, linked);
     };
     // In one pass.
     PICacheStore together{StoreOptions{}};
@@ -864,7 +864,7 @@ TEST_CASE("a cold request's documents and prompt in one pass: encoding first, th
     CHECK(linked.keys[0][0].scalar_type() == (dtype.empty() ? at::kFloat : at::kChar));
     // Encoding first (Model::documents), then the prompt reading them.
     PICacheStore apart_store{StoreOptions{}};
-    auto docs = model.documents(tokens, &apart_store);
+    auto docs = documents_in(model, &apart_store).get(tokens);
     LinkedDocuments apart = Linker(c10::kCPU, true).link(docs);
     apart.anchor = anchor;
     KVCache apart_cache = model.decoder().make_cache(1, ids.size(1) + 1);
@@ -873,7 +873,7 @@ TEST_CASE("a cold request's documents and prompt in one pass: encoding first, th
     CHECK((once - twice).abs().max().item<double>() < 1e-4);
     // The caches stored: the same up to rounding (int8: one step of a code at most).
     for (size_t i = 0; i < 3; ++i) {
-      auto a = together.get(model.document_key(tokens[i])), b = apart_store.get(model.document_key(tokens[i]));
+      auto a = together.get(Documents(model).key(tokens[i])), b = apart_store.get(Documents(model).key(tokens[i]));
       REQUIRE(a);
       REQUIRE(b);
       DocumentKV af = a->to(c10::kCPU, at::kFloat), bf = b->to(c10::kCPU, at::kFloat);
@@ -898,7 +898,7 @@ TEST_CASE("a cold request's documents and prompt in one pass: encoding first, th
     CHECK((warm_logits - once).abs().max().item<double>() < 1e-5);
     // One document cached, the others new: the pass reads the cached one as stored.
     PICacheStore mixed{StoreOptions{}};
-    model.documents({tokens[1]}, &mixed);
+    documents_in(model, &mixed).get(std::vector<std::vector<int32_t>>{tokens[1]});
     std::vector<bool> mixed_cached;
     LinkedDocuments mixed_linked;
     KVCache mixed_cache = model.decoder().make_cache(1, 1);
@@ -1084,7 +1084,7 @@ TEST_CASE("joint blocks with the documents after the prefix: the prefix reads no
   held.decoder().forward(at::tensor(std::vector<int64_t>(r.prefix.begin(), r.prefix.end()), at::kLong).unsqueeze(0),
                          full_prompt);
   LinkedDocuments unused;
-  at::Tensor computed = held.documents_and_prompt(r.documents, nullptr, "", nullptr,
+  at::Tensor computed = Documents(held).get_with_prompt(r.documents, "", nullptr,
                                                   at::tensor(std::vector<int64_t>(r.suffix.begin(), r.suffix.end()),
                                                              at::kLong).unsqueeze(0),
                                                   full_prompt, 20, unused);
@@ -1182,12 +1182,12 @@ TEST_CASE("documents encoded together equal each encoded alone; a request's orde
   // Through the model and a store: each document once, the same caches in any order.
   PICacheStore store(StoreOptions{});
   std::vector<bool> cached;
-  auto first = model.documents(docs, &store, "", &cached);
+  auto first = documents_in(model, &store).get(docs, "", &cached);
   CHECK(store.stats().host.entries == 6);
   CHECK(cached == std::vector<bool>{false, false, false, false, false, false, true});  // the repeat: not computed again
   CHECK(first[6] == first[1]);
   std::vector<std::vector<int32_t>> reversed(docs.rbegin(), docs.rend());
-  auto second = model.documents(reversed, nullptr);
+  auto second = Documents(model).get(reversed);
   for (size_t i = 0; i < docs.size(); ++i)
     for (size_t b = 0; b < first[i]->keys.size(); ++b) {
       CHECK(second[docs.size() - 1 - i]->keys[b].equal(first[i]->keys[b]));

@@ -201,7 +201,7 @@ TEST_CASE("the shipped plug-in on a quantized decoder: off is the bare decoder, 
   // With a document that holds a word the model cannot guess, the answer copies it.
   auto doc = with.tokenizer().encode("The code word for the blue door is 'marzipan'.", false);
   PICacheStore store(StoreOptions{});
-  auto linked = Linker(with.decoder().device()).link({with.document(doc, &store)});
+  auto linked = Linker(with.decoder().device()).link({documents_in(with, &store).get(doc)});
   g.max_tokens = 20;
   // The question asked as comb qa asks it; a plug-in that reads documents after the instruction
   // prefix has them end there.

@@ -205,7 +205,7 @@ TEST_CASE("serving: a long document is computed in pieces, and other requests an
   const Model& m = model_with_plugin();
   std::string text;
   for (int i = 0; i < 30; ++i) text += fmt::format("Line {}: the tide tables of the northern harbor were revised. ", i);
-  const std::vector<int32_t> long_doc = qa_document_tokens(m, {"Tides", text});
+  const std::vector<int32_t> long_doc = Documents::tokens(m, {"Tides", text});
   REQUIRE(long_doc.size() > 400);
   // In pieces or whole, the same cache (naive: the decoder's K/V; comb: the encoder's, if the
   // shipped plug-in takes a document this long, else a shorter one).

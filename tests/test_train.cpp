@@ -121,7 +121,7 @@ TEST_CASE("the training forward equals the inference path, document by document"
   std::vector<at::Tensor> want;
   for (const auto& e : examples) {
     std::vector<std::shared_ptr<const DocumentKV>> docs;
-    for (const auto& d : e.documents) docs.push_back(model.document(*d));
+    for (const auto& d : e.documents) docs.push_back(Documents(model).get(*d));
     LinkedDocuments linked = Linker(c10::kCPU).link(docs);
     if (layout == 3) linked.anchor = static_cast<int64_t>(e.prefix.size());
     std::vector<int32_t> seq = e.prefix;

@@ -14,7 +14,6 @@
 #include "comb/decoder.hpp"
 #include "comb/plugin.hpp"
 #include "comb/sampler.hpp"
-#include "comb/store.hpp"
 #include "comb/tokenizer.hpp"
 
 namespace comb {
@@ -79,38 +78,11 @@ class Model {
   // The plug-in, or nullptr. A plug-in must have been built for this base decoder.
   const Plugin* plugin() const { return plugin_.get(); }
   void set_plugin(std::shared_ptr<const Plugin> plugin);
-  // One document's encoder K/V: from `store` when it holds them (key: tokens, plug-in, tenant),
-  // else encoded now (and put into `store`, if given). `from_cache` tells which, if given.
-  std::shared_ptr<const DocumentKV> document(const std::vector<int32_t>& tokens, PICacheStore* store = nullptr,
-                                            const std::string& tenant = "", bool* from_cache = nullptr) const;
   // The plug-in's encoder prefix states, computed once through all of the decoder's layers (the
   // encoder reads its own first layers; a prompt that starts with the same tokens, as the QA
   // instruction does, takes the rest instead of computing them). nullptr unless
   // Plugin::encoder_is_base().
   const KVCache* encoder_prefix_states() const;
-  // Several documents, in order: those `store` lacks are encoded together (Plugin::encode_many)
-  // and put into it. `from_cache`, if given, receives which came from the store.
-  std::vector<std::shared_ptr<const DocumentKV>> documents(const std::vector<std::vector<int32_t>>& documents,
-                                                           PICacheStore* store = nullptr, const std::string& tenant = "",
-                                                           std::vector<bool>* from_cache = nullptr) const;
-  // A request's documents and its prompt: documents() and, where the plug-in allows
-  // (Plugin::encodes_alongside) and a document is to be encoded, the prompt's `tokens` after
-  // `cache` computed in the same pass (Plugin::encode_alongside: each layer's weights read once for
-  // the documents and the prompt). `linked` receives the documents linked as PicEngine links them
-  // (`anchor` set, the joined keys built where the pass computed them). Returns forward()'s logits
-  // when the prompt was computed (`cache` advanced), else an undefined tensor and the prompt is left
-  // to compute (forward() with `linked`). What is stored, and read, is what documents() stores.
-  at::Tensor documents_and_prompt(const std::vector<std::vector<int32_t>>& documents, PICacheStore* store,
-                                  const std::string& tenant, std::vector<bool>* from_cache, const at::Tensor& tokens,
-                                  KVCache& cache, int64_t anchor, LinkedDocuments& linked,
-                                  LogitsMode mode = LogitsMode::last) const;
-  // Encoder K/V as a document cache keeps them: in the plug-in's cache dtype
-  // (PluginConfig::cache_dtype) when `store` is absent or keeps each entry as it comes
-  // (StoreOptions::dtype Undefined, "auto"), else unchanged (the store converts). A request that
-  // computes a document reads what a later request will read from the cache.
-  DocumentKV cached_form(DocumentKV kv, const PICacheStore* store) const;
-  // The store's key of that document's encoder K/V (tokens, plug-in and weights, tenant).
-  CacheKey document_key(const std::vector<int32_t>& tokens, const std::string& tenant = "") const;
   // The decoder's forward with linked documents read by the cross blocks; without documents (or
   // without a plug-in) exactly Decoder::forward.
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache, const LinkedDocuments* documents = nullptr,
@@ -128,17 +100,6 @@ class Model {
   void save(const std::string& dir) const;
 
  private:
-  // The store's entries of a request's documents (nullptr where it has none) and the documents to
-  // encode, each once however often it is linked: source[i] is document i's index in `missing`,
-  // -1 for an entry from the store. `from_cache` as documents() gives it.
-  struct Lookup {
-    std::vector<std::shared_ptr<const DocumentKV>> entries;
-    std::vector<std::vector<int32_t>> missing;
-    std::vector<int64_t> source;
-  };
-  Lookup look_up(const std::vector<std::vector<int32_t>>& documents, PICacheStore* store, const std::string& tenant,
-                 std::vector<bool>* from_cache) const;
-
   std::shared_ptr<Decoder> decoder_;
   std::shared_ptr<const Plugin> plugin_;
   // The plug-in's encoder prefix through the decoder's layers (Plugin::encoder_prefix_states):

@@ -8,7 +8,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "comb/documents.hpp"
 #include "comb/model.hpp"
+#include "comb/store.hpp"
 
 namespace comb {
 
@@ -123,9 +125,10 @@ struct DocumentWork {
 class PicEngine {
  public:
   PicEngine(const Model& model, Method method, PicOptions options = {});
-  // Engines of several methods sharing one document store and one prefix cache (a server's):
-  // naive, EPIC and CacheBlend read the same decoder-K/V entries. options.cache_* are then unused.
-  PicEngine(const Model& model, Method method, PicOptions options, std::shared_ptr<PICacheStore> store,
+  // Engines of several methods sharing one owner of documents (its store) and one prefix cache (a
+  // server's): naive, EPIC and CacheBlend read the same decoder-K/V entries. options.cache_* are
+  // then unused.
+  PicEngine(const Model& model, Method method, PicOptions options, std::shared_ptr<Documents> documents,
             std::shared_ptr<PrefixCache> prefix);
   ~PicEngine();
 
@@ -155,6 +158,8 @@ class PicEngine {
   CacheKey document_key(const std::vector<int32_t>& document, const std::string& tenant) const;
   Method method() const { return method_; }
   PICacheStore& store() { return *store_; }
+  // The owner of its documents' caches (the plug-in's; the decoder-K/V entries share its store).
+  Documents& documents() { return *documents_; }
   PrefixCache& prefix_cache() { return *prefix_; }
   // Bytes one cached document token takes for this method (0 for full).
   double cache_bytes_per_token() const;
@@ -186,7 +191,8 @@ class PicEngine {
   const Model& model_;
   Method method_;
   PicOptions options_;
-  std::shared_ptr<PICacheStore> store_;
+  std::shared_ptr<Documents> documents_;
+  std::shared_ptr<PICacheStore> store_;  // documents_'s
   std::shared_ptr<PrefixCache> prefix_;
   std::string decoder_fingerprint_;
 };

@@ -6,20 +6,20 @@
 #include <string>
 #include <vector>
 
+#include "comb/documents.hpp"
 #include "comb/pic.hpp"
 
 namespace comb {
 
-// A document as a request names it: a title and its text.
-struct QaDocument {
-  std::string title, text;
-};
 
 // The instruction that opens every prompt.
 extern const char* const kQaInstruction;
 
-// One document's tokens as every prompt renders it, alone: "Title: <title>\n<text>\n\n".
-std::vector<int32_t> qa_document_tokens(const Model& model, const QaDocument& document);
+// One document as every prompt holds it, alone: "Title: <title>\n<text>\n\n" (its tokens:
+// Documents::tokens; a client that sends the whole prompt as text, comb loadgen's, writes this).
+std::string qa_document_text(const QaDocument& document);
+// The question as every prompt holds it, after the documents: "Question: <question>".
+std::string qa_question_text(const std::string& question);
 // The segments around the documents: chat header + instruction, and "Question: <question>" +
 // the assistant header. Documents and the question are data: control tokens written in them stay
 // text (encoded without parsing special tokens).

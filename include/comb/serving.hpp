@@ -138,6 +138,8 @@ class ServeEngine {
   // One document's cache computed (or found) now for `method` and `tenant`: true when computed.
   bool warm_document(const std::vector<int32_t>& tokens, Method method, const std::string& tenant);
   ServeStats stats() const;
+  // The owner of every request's documents: their tokens (Documents::tokens), caches and pins.
+  const Documents& documents() const { return *documents_; }
   const ServeOptions& options() const { return options_; }
   const Model& model() const { return model_; }
 
@@ -169,7 +171,7 @@ class ServeEngine {
   bool emit(Sequence& s, const at::Tensor& logits);
   void hand_out(Sequence& s, size_t upto);
   void finish(Sequence& s, const std::string& reason, const std::string& error = "");
-  // Store pins counted per document across requests (the store's own pin is on or off).
+  // A document pinned for the request while it reads it (Documents counts pins across requests).
   void pin(Sequence& s, const CacheKey& key);
   void unpin_all(Sequence& s);
   PicEngine& engine(Method m);
@@ -178,13 +180,13 @@ class ServeEngine {
   const Model& model_;
   ServeOptions options_;
   std::shared_ptr<PICacheStore> store_;
+  std::shared_ptr<Documents> documents_;  // the owner of every request's documents (over store_): pins
   std::shared_ptr<PrefixCache> prefix_;
   std::map<Method, std::unique_ptr<PicEngine>> engines_;
   std::unique_ptr<BlockPool> pool_;
   std::vector<int32_t> stop_tokens_;
   std::unique_ptr<detail::SpinPool> workers_;  // the scheduler thread's, for the decoding step
 
-  std::map<std::pair<uint64_t, uint64_t>, int> pins_;  // scheduler thread only
   mutable std::mutex mutex_;
   std::mutex join_mutex_;
   std::condition_variable wake_, job_done_;

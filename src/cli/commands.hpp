@@ -63,6 +63,9 @@ PicOptions pic_method_options(Args& args, PicOptions o = {});
 std::string clock_text(double seconds);
 // "nq-multidoc-10.dev" for ".../nq-multidoc-10.dev.jsonl.gz".
 std::string data_name(const std::string& path);
+// A --document FILE as a QaDocument: its title from the file name, its text without trailing
+// blanks (refused when empty).
+QaDocument read_document(const std::string& path);
 // One request timed cold (nothing cached, to its first token only: decoding on would repeat the
 // warm answer) and warm (the documents already cached). Warm follows a priming
 // request (the same documents in another order, another question) when `prime_all` is set or

@@ -156,4 +156,17 @@ nlohmann::json summarize_eval(const std::vector<nlohmann::json>& rows, const std
           {"cache_bytes_per_token", rows[0].at("cache_bytes_per_token")}};
 }
 
+// A --document FILE: its title from the file name ("mount-everest.txt": "Mount everest"), its text
+// without trailing blanks.
+QaDocument read_document(const std::string& path) {
+  std::string title = std::filesystem::path(path).stem().string();
+  std::replace(title.begin(), title.end(), '-', ' ');
+  std::replace(title.begin(), title.end(), '_', ' ');
+  if (!title.empty() && title[0] >= 'a' && title[0] <= 'z') title[0] = static_cast<char>(title[0] - 'a' + 'A');
+  QaDocument d{title, detail::read_text_file(path)};
+  while (!d.text.empty() && (d.text.back() == '\n' || d.text.back() == ' ')) d.text.pop_back();
+  COMB_CHECK(!d.text.empty(), "document '{}' is empty", path);
+  return d;
+}
+
 }  // namespace comb::cli

@@ -34,7 +34,7 @@ int cmd_generate(Args& args) {
   comb::LinkedDocuments linked;
   // Outlives the generation: its Redis writes (in the background) overlap it, and the process
   // waits for them only at the end.
-  std::optional<comb::PICacheStore> store;
+  std::shared_ptr<comb::PICacheStore> store;
   if (!document_paths.empty()) {
     comb::StoreOptions store_options;
     store_options.host_bytes = cache_mb << 20;
@@ -45,35 +45,35 @@ int cmd_generate(Args& args) {
     store_options.remote_url = cache_url;
     store_options.dtype = cache_dtype;
     store_options.remote_ttl_s = cache_ttl;
-    store.emplace(store_options);
+    store = std::make_shared<comb::PICacheStore>(store_options);
+    // The documents as every prompt holds them (title and text), found in the store or encoded.
+    comb::Documents docs(model, store);
     std::vector<std::vector<int32_t>> texts;
     int64_t n_tokens = 0;
     auto t0 = std::chrono::steady_clock::now();
     for (const auto& path : document_paths) {
-      std::string text = comb::detail::read_text_file(path);
-      auto tokens = model.tokenizer().encode(text, /*parse_special=*/false);
-      if (tokens.empty()) throw Error("document '" + path + "' is empty");
-      n_tokens += static_cast<int64_t>(tokens.size());
-      texts.push_back(std::move(tokens));
+      texts.push_back(docs.tokens(read_document(path)));
+      n_tokens += static_cast<int64_t>(texts.back().size());
     }
-    std::vector<std::shared_ptr<const comb::DocumentKV>> documents = model.documents(texts, &*store);
+    std::vector<std::shared_ptr<const comb::DocumentKV>> documents = docs.get(texts);
     double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     auto stats = store->stats();
     const int64_t hits = stats.host.hits + stats.disk.hits + stats.remote.hits;
     fmt::print(stderr, "[comb] {} documents, {} tokens: {} from the cache, {} encoded, in {:.1f} ms{}\n",
                documents.size(), n_tokens, hits, documents.size() - hits, ms,
                cache_url.empty() ? "" : fmt::format(" ({} from Redis)", stats.remote.hits));
-    linked = comb::Linker(model.decoder().device(), model.plugin()->config().joint_attention).link(documents);
+    int64_t anchor = 0;
     if (model.plugin()->config().documents_after_prefix) {
       // The plug-in reads documents placed between the instruction prefix and the question, as
       // comb qa and serve place them: the prompt becomes that question.
       COMB_CHECK(!raw, "--raw: this plug-in reads documents after the instruction prefix of a question; give the "
                  "prompt without --raw");
       ids = comb::qa_prefix(model);
-      linked.anchor = static_cast<int64_t>(ids.size());
+      anchor = static_cast<int64_t>(ids.size());
       const auto q = comb::qa_suffix(model, prompt);
       ids.insert(ids.end(), q.begin(), q.end());
     }
+    linked = docs.link(documents, anchor);
   }
   comb::GenerationResult r = model.generate(ids, options, linked.empty() ? nullptr : &linked);
   if (json) {

@@ -162,8 +162,8 @@ int cmd_loadgen(Args& args) {
               {"stream_options", {{"include_usage", true}}}};
     if (in_prompt) {  // the text comb's QA prompt holds, in one user message: instruction, documents, question
       std::string text = std::string(kQaInstruction) + "\n\n";
-      for (const auto& doc : docs) text += "Title: " + doc.title + "\n" + doc.text + "\n\n";
-      text += "Question: " + item.question;
+      for (const auto& doc : docs) text += qa_document_text(doc);
+      text += qa_question_text(item.question);
       j["messages"] = json::array({{{"role", "user"}, {"content", text}}});
     } else {
       json d = json::array();

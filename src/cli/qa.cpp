@@ -3,14 +3,6 @@
 
 namespace comb::cli {
 
-std::string document_title(const std::string& path) {
-  std::string t = std::filesystem::path(path).stem().string();
-  std::replace(t.begin(), t.end(), '-', ' ');
-  std::replace(t.begin(), t.end(), '_', ' ');
-  if (!t.empty() && t[0] >= 'a' && t[0] <= 'z') t[0] = static_cast<char>(t[0] - 'a' + 'A');
-  return t;
-}
-
 int cmd_qa(Args& args, Model& model) {
   const std::vector<std::string> paths = args.all("document");
   const std::string question = args.str("question");
@@ -34,15 +26,10 @@ int cmd_qa(Args& args, Model& model) {
   args.check_all_used();
 
   std::vector<QaDocument> documents;
-  int64_t n_document_tokens = 0;
-  for (const auto& path : paths) {
-    QaDocument d{document_title(path), detail::read_text_file(path)};
-    while (!d.text.empty() && (d.text.back() == '\n' || d.text.back() == ' ')) d.text.pop_back();
-    COMB_CHECK(!d.text.empty(), "document '{}' is empty", path);
-    n_document_tokens += static_cast<int64_t>(qa_document_tokens(model, d).size());
-    documents.push_back(std::move(d));
-  }
+  for (const auto& path : paths) documents.push_back(read_document(path));
   const PicRequest request = qa_request(model, documents, question);
+  int64_t n_document_tokens = 0;
+  for (const auto& d : request.documents) n_document_tokens += static_cast<int64_t>(d.size());
   // What warms the caches: the same documents in reverse order with another question.
   std::vector<QaDocument> reversed(documents.rbegin(), documents.rend());
   const PicRequest other = qa_request(model, reversed, "Which of these documents is the longest?");

@@ -399,7 +399,7 @@ class Api {
                                         docs_.size()), "", "too_many_documents");
     }
     StoredDocument d;
-    d.tokens = qa_document_tokens(model_, {u.title, u.text});
+    d.tokens = engine_.documents().tokens({u.title, u.text});
     if (method == Method::comb && model_.plugin()->config().max_document_tokens > 0 &&
         static_cast<int64_t>(d.tokens.size()) > model_.plugin()->config().max_document_tokens)
       throw ApiError(400, fmt::format("the document has {} tokens; the plug-in's encoder takes at most {}",
@@ -494,7 +494,7 @@ class Api {
                          fmt::format("documents[{}].id", i), "document_not_found");
         r.prompt.documents.push_back(it->second.tokens);
       } else {
-        r.prompt.documents.push_back(qa_document_tokens(model_, {ref.title, ref.text}));
+        r.prompt.documents.push_back(engine_.documents().tokens({ref.title, ref.text}));
       }
     }
     int64_t document_tokens = 0;

@@ -195,7 +195,7 @@ COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions o
     : PicEngine(model, method, options, nullptr, nullptr) {}
 
 COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions options,
-                                 std::shared_ptr<PICacheStore> shared_store, std::shared_ptr<PrefixCache> shared_prefix)
+                                 std::shared_ptr<Documents> shared_documents, std::shared_ptr<PrefixCache> shared_prefix)
     : model_(model), method_(method), options_(std::move(options)) {
   COMB_CHECK(options_.blend_ratio >= 0 && options_.blend_ratio <= 1, "CacheBlend ratio must be in [0, 1], found {}",
              options_.blend_ratio);
@@ -207,7 +207,10 @@ COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions o
   COMB_CHECK(options_.epic_k >= 0, "EPIC k must be >= 0, found {}", options_.epic_k);
   COMB_CHECK(options_.prefix_block > 0, "prefix block must be > 0, found {}", options_.prefix_block);
   if (method == Method::comb) COMB_CHECK(model.plugin(), "--method comb needs a plug-in (--plugin FILE; the default model has a shipped one)");
-  store_ = shared_store ? std::move(shared_store) : std::make_shared<PICacheStore>(options_.store_options());
+  documents_ = shared_documents ? std::move(shared_documents)
+                                : std::make_shared<Documents>(model, std::make_shared<PICacheStore>(options_.store_options()));
+  COMB_CHECK(documents_->store(), "a PicEngine keeps its documents' caches in a store: give Documents one");
+  store_ = documents_->shared_store();
   prefix_ = shared_prefix ? std::move(shared_prefix)
                           : std::make_shared<PrefixCache>(options_.prefix_block, options_.cache_bytes);
   // Decoder-KV entries share the store with COMB entries: a distinct fingerprint keeps them apart.
@@ -217,7 +220,8 @@ COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions o
 COMB_INLINE PicEngine::~PicEngine() = default;
 
 COMB_INLINE void PicEngine::clear() {
-  store_ = std::make_shared<PICacheStore>(store_->options());
+  documents_ = std::make_shared<Documents>(model_, std::make_shared<PICacheStore>(store_->options()));
+  store_ = documents_->shared_store();
   prefix_->clear();
 }
 
@@ -267,7 +271,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PicEngine::decoder_kv(const std::v
 }
 
 COMB_INLINE CacheKey PicEngine::document_key(const std::vector<int32_t>& document, const std::string& tenant) const {
-  return method_ == Method::comb ? model_.document_key(document, tenant)
+  return method_ == Method::comb ? documents_->key(document, tenant)
                                  : PICacheStore::key(document, decoder_fingerprint_, tenant);
 }
 
@@ -280,7 +284,7 @@ COMB_INLINE bool PicEngine::warm(const std::vector<int32_t>& document, const std
     case Method::prefix: return false;  // no per-document cache
     case Method::comb: {
       bool cached = false;
-      model_.document(document, store_.get(), tenant, &cached);
+      documents_->get(document, tenant, &cached);
       return !cached;
     }
     default: decoder_kv(document, tenant, &computed); return computed;
@@ -308,13 +312,13 @@ COMB_INLINE bool PicEngine::continue_document(DocumentWork& w, int64_t max_token
     const Plugin& plugin = *model_.plugin();
     if (!plugin.encoder_is_base()) {  // not resumable: the whole document now
       w.done = n;
-      return store_->put(w.key, model_.cached_form(plugin.encode(dec, w.tokens), store_.get())) != nullptr;
+      return documents_->put(w.key, plugin.encode(dec, w.tokens)) != nullptr;
     }
     if (!w.cache) w.cache.emplace(plugin.begin_encoding(dec, w.tokens, *model_.encoder_prefix_states()));
     plugin.encode_piece(dec, w.tokens, from, to, *w.cache, w.keys, w.values);
     w.done = to;
     if (to < n) return false;
-    store_->put(w.key, model_.cached_form(Plugin::finish_encoding(w.keys, w.values, n), store_.get()));
+    documents_->put(w.key, Plugin::finish_encoding(w.keys, w.values, n));
   } else {
     if (!w.cache) w.cache.emplace(dec.make_cache(1, n));
     dec.forward(detail::pic::ids_of(w.tokens, from, to), *w.cache);
@@ -549,9 +553,9 @@ COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<
   // weights read once for both), else left pending.
   std::vector<bool> cached;
   const int64_t from = out.cache.length();
-  at::Tensor logits = model_.documents_and_prompt(r.documents, store_.get(), out.tenant, &cached,
-                                                  detail::pic::ids_of(out.tokens, from, out.n_prompt), out.cache,
-                                                  anchor, out.documents);
+  at::Tensor logits = documents_->get_with_prompt(r.documents, out.tenant, &cached,
+                                                 detail::pic::ids_of(out.tokens, from, out.n_prompt), out.cache,
+                                                 anchor, out.documents);
   for (size_t i = 0; i < r.documents.size(); ++i)
     (cached[i] ? out.reused : out.computed) += static_cast<int64_t>(r.documents[i].size());
   if (!logits.defined()) return;  // the prompt pending

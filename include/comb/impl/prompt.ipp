@@ -16,9 +16,9 @@ COMB_INLINE const char* const kQaInstruction =
     "Write a high-quality answer for the given question using only the provided documents (some of which might be "
     "irrelevant).";
 
-COMB_INLINE std::vector<int32_t> qa_document_tokens(const Model& model, const QaDocument& d) {
-  return model.tokenizer().encode("Title: " + d.title + "\n" + d.text + "\n\n", false);
-}
+COMB_INLINE std::string qa_document_text(const QaDocument& d) { return "Title: " + d.title + "\n" + d.text + "\n\n"; }
+
+COMB_INLINE std::string qa_question_text(const std::string& question) { return "Question: " + question; }
 
 namespace detail::prompt {  // this file's own helpers
 // The chat template around one user message: what comes before it and after it.
@@ -42,7 +42,7 @@ COMB_INLINE std::vector<int32_t> qa_suffix(const Model& model, const std::string
   // The question is data, like a document: "<|im_end|>" written in it stays text. Only the
   // template's own tail is read for control tokens.
   const Tokenizer& tok = model.tokenizer();
-  std::vector<int32_t> ids = tok.encode("Question: " + question, false);
+  std::vector<int32_t> ids = tok.encode(qa_question_text(question), false);
   std::vector<int32_t> tail = tok.encode(detail::prompt::user_turn(model).second);
   ids.insert(ids.end(), tail.begin(), tail.end());
   return ids;
@@ -51,7 +51,7 @@ COMB_INLINE std::vector<int32_t> qa_suffix(const Model& model, const std::string
 COMB_INLINE PicRequest qa_request(const Model& model, const std::vector<QaDocument>& documents, const std::string& question) {
   PicRequest r;
   r.prefix = qa_prefix(model);
-  for (const auto& d : documents) r.documents.push_back(qa_document_tokens(model, d));
+  for (const auto& d : documents) r.documents.push_back(Documents::tokens(model, d));
   r.suffix = qa_suffix(model, question);
   return r;
 }

@@ -94,6 +94,7 @@ COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
   so.disk_dir = options_.cache_dir;
   so.disk_bytes = options_.cache_dir.empty() ? 0 : options_.cache_disk_bytes;
   store_ = std::make_shared<PICacheStore>(so);
+  documents_ = std::make_shared<Documents>(model, store_);
   prefix_ = std::make_shared<PrefixCache>(options_.pic.prefix_block, options_.pic.cache_bytes);
   const int64_t block_bytes = 2 * c.n_layer * c.n_head_kv * options_.block_tokens * c.head_dim * int64_t(sizeof(float));
   const int64_t n_blocks = options_.kv_bytes / block_bytes;
@@ -128,7 +129,7 @@ COMB_INLINE ServeEngine::~ServeEngine() {
 
 COMB_INLINE PicEngine& ServeEngine::engine(Method m) {
   auto& e = engines_[m];
-  if (!e) e = std::make_unique<PicEngine>(model_, m, options_.pic, store_, prefix_);
+  if (!e) e = std::make_unique<PicEngine>(model_, m, options_.pic, documents_, prefix_);
   return *e;
 }
 
@@ -673,23 +674,11 @@ COMB_INLINE void ServeEngine::finish(Sequence& s, const std::string& reason, con
 }
 
 COMB_INLINE void ServeEngine::pin(Sequence& s, const CacheKey& key) {
-  int& n = pins_[{key.high, key.low}];
-  if (n == 0 && !store_->pin(key)) {  // not in a memory tier (no host tier, or too small): nothing to hold
-    pins_.erase({key.high, key.low});
-    return;
-  }
-  ++n;
-  s.pinned.push_back(key);
+  if (documents_->pin(key)) s.pinned.push_back(key);  // else not in a memory tier: nothing to hold
 }
 
 COMB_INLINE void ServeEngine::unpin_all(Sequence& s) {
-  for (const auto& key : s.pinned) {
-    auto it = pins_.find({key.high, key.low});
-    if (it != pins_.end() && --it->second == 0) {
-      store_->unpin(key);
-      pins_.erase(it);
-    }
-  }
+  for (const auto& key : s.pinned) documents_->unpin(key);
   s.pinned.clear();
 }
 

@@ -687,7 +687,7 @@ COMB_INLINE StoreStats PICacheStore::stats() const {
 }
 
 // ================================================================================================
-// Linker
+// Linker (declared in plugin.hpp, beside DocumentKV, whose storage code is here too)
 // ================================================================================================
 
 COMB_INLINE LinkedDocuments Linker::link(const std::vector<std::shared_ptr<const DocumentKV>>& documents) const {

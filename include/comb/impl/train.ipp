@@ -51,7 +51,7 @@ COMB_INLINE int64_t uniform(std::mt19937_64& rng, int64_t lo, int64_t hi) {  // 
 }  // namespace detail::train
 
 COMB_INLINE std::shared_ptr<const std::vector<int32_t>> TrainData::document(const QaDocument& d) const {
-  auto t = qa_document_tokens(model_, d);
+  auto t = Documents::tokens(model_, d);
   if (static_cast<int64_t>(t.size()) > options_.max_document_tokens) t.resize(options_.max_document_tokens);
   return std::make_shared<const std::vector<int32_t>>(std::move(t));
 }

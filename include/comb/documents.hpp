@@ -1,0 +1,101 @@
+#pragma once
+// The one owner of a request's documents: comb::Documents renders a document's tokens, finds its
+// encoder K/V in the store or encodes them (and stores them), pins them in memory while a request
+// reads them, and links a request's documents in its order for the decoder. The server, `comb
+// generate`, `comb qa` and `comb eval` (through PicEngine) all go through it; Model knows no store.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comb/decoder.hpp"
+#include "comb/plugin.hpp"
+#include "comb/store.hpp"
+
+namespace comb {
+
+class Model;
+
+// A document as a request names it: a title and its text.
+struct QaDocument {
+  std::string title, text;
+};
+
+class Documents {
+ public:
+  // `store`: where document caches are kept and found (nullptr: none; each is encoded when asked).
+  explicit Documents(const Model& model, std::shared_ptr<PICacheStore> store = nullptr);
+
+  // A document's tokens as every prompt holds it, alone ("Title: <title>\n<text>\n\n", read as
+  // data: control tokens written in it stay text).
+  std::vector<int32_t> tokens(const QaDocument& document) const;
+  static std::vector<int32_t> tokens(const Model& model, const QaDocument& document);
+
+  // The store's key of a document's encoder K/V (its tokens, the plug-in and weights, the tenant).
+  CacheKey key(const std::vector<int32_t>& tokens, const std::string& tenant = "") const;
+  // Documents' encoder K/V in order: from the store where it holds them, the others encoded
+  // together (Plugin::encode_many, each once however often it is listed) and stored. `from_cache`,
+  // if given, receives which came from the store.
+  std::vector<std::shared_ptr<const DocumentKV>> get(const std::vector<std::vector<int32_t>>& documents,
+                                                     const std::string& tenant = "",
+                                                     std::vector<bool>* from_cache = nullptr) const;
+  std::shared_ptr<const DocumentKV> get(const std::vector<int32_t>& tokens, const std::string& tenant = "",
+                                        bool* from_cache = nullptr) const;
+  // A request's documents and its prompt: get() and, where the plug-in allows
+  // (Plugin::encodes_alongside) and a document is to be encoded, the prompt's `tokens` after
+  // `cache` computed in the same pass (each layer's weights read once for the documents and the
+  // prompt). `linked` receives the documents linked (link(), the joined keys built where the pass
+  // computed them). Returns the prompt's logits when it was computed (`cache` advanced), else an
+  // undefined tensor and the prompt is left to compute (Model::forward with `linked`). What is
+  // stored, and read, is what get() stores.
+  at::Tensor get_with_prompt(const std::vector<std::vector<int32_t>>& documents, const std::string& tenant,
+                             std::vector<bool>* from_cache, const at::Tensor& tokens, KVCache& cache, int64_t anchor,
+                             LinkedDocuments& linked, LogitsMode mode = LogitsMode::last) const;
+  // Encoder K/V as a document cache keeps them: in the plug-in's cache dtype
+  // (PluginConfig::cache_dtype) when there is no store or it keeps each entry as it comes
+  // (StoreOptions::dtype Undefined, "auto"), else unchanged (the store converts). A request that
+  // computes a document reads what a later request will read from the cache.
+  DocumentKV cached_form(DocumentKV kv) const;
+  // Stores a document's encoder K/V computed elsewhere (in pieces) under its key, in cached_form.
+  std::shared_ptr<const DocumentKV> put(const CacheKey& key, DocumentKV kv) const;
+
+  // A request's documents linked in its order for the decoder's blocks; `anchor`: the prompt
+  // position they end at for a plug-in with documents_after_prefix (the instruction prefix's
+  // length), else 0.
+  LinkedDocuments link(const std::vector<std::shared_ptr<const DocumentKV>>& entries, int64_t anchor = 0) const;
+
+  // Pins `key`'s entry in the store's memory while a request reads it (counted: the last unpin()
+  // releases it). False, and nothing held, when no memory tier holds it.
+  bool pin(const CacheKey& key) const;
+  void unpin(const CacheKey& key) const;
+
+  const Model& model() const { return model_; }
+  // The store (nullptr: none).
+  PICacheStore* store() const { return store_.get(); }
+  const std::shared_ptr<PICacheStore>& shared_store() const { return store_; }
+
+ private:
+  // The store's entries of a request's documents (nullptr where it has none) and the documents to
+  // encode, each once however often it is linked: source[i] is document i's index in `missing`,
+  // -1 for an entry from the store.
+  struct Lookup {
+    std::vector<std::shared_ptr<const DocumentKV>> entries;
+    std::vector<std::vector<int32_t>> missing;
+    std::vector<int64_t> source;
+  };
+  Lookup look_up(const std::vector<std::vector<int32_t>>& documents, const std::string& tenant,
+                 std::vector<bool>* from_cache) const;
+  const Plugin& plugin() const;
+
+  const Model& model_;
+  std::shared_ptr<PICacheStore> store_;
+  mutable std::mutex pins_mutex_;
+  mutable std::map<std::pair<uint64_t, uint64_t>, int> pins_;
+};
+
+}  // namespace comb

@@ -1,0 +1,225 @@
+// comb::Documents (see comb/documents.hpp): a request's documents rendered, found or encoded,
+// pinned and linked. Compiled into libcomb (src/documents.cpp), or inline in every translation
+// unit that defines COMB_HEADER_ONLY (comb::header_only); COMB_INLINE is `inline` there.
+#pragma once
+#include "comb/detail/inline.hpp"
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+
+#include "comb/documents.hpp"
+#include "comb/error.hpp"
+#include "comb/model.hpp"
+#include "comb/prompt.hpp"
+
+namespace comb {
+
+COMB_INLINE Documents::Documents(const Model& model, std::shared_ptr<PICacheStore> store)
+    : model_(model), store_(std::move(store)) {}
+
+COMB_INLINE std::vector<int32_t> Documents::tokens(const Model& model, const QaDocument& d) {
+  return model.tokenizer().encode(qa_document_text(d), /*parse_special=*/false);
+}
+
+COMB_INLINE std::vector<int32_t> Documents::tokens(const QaDocument& d) const { return tokens(model_, d); }
+
+COMB_INLINE const Plugin& Documents::plugin() const {
+  COMB_CHECK(model_.plugin(), "documents need a plug-in: load one with Options::plugin (--plugin FILE)");
+  return *model_.plugin();
+}
+
+COMB_INLINE CacheKey Documents::key(const std::vector<int32_t>& tokens, const std::string& tenant) const {
+  return PICacheStore::key(tokens, plugin().fingerprint() + model_.decoder().weights().cache_tag(), tenant);
+}
+
+COMB_INLINE Documents::Lookup Documents::look_up(const std::vector<std::vector<int32_t>>& documents,
+                                                 const std::string& tenant, std::vector<bool>* from_cache) const {
+  Lookup l;
+  l.entries.resize(documents.size());
+  l.source.assign(documents.size(), -1);
+  if (from_cache) from_cache->assign(documents.size(), false);
+  for (size_t i = 0; i < documents.size(); ++i) {
+    if (store_)
+      if (auto hit = store_->get(key(documents[i], tenant))) {
+        l.entries[i] = std::move(hit);
+        if (from_cache) (*from_cache)[i] = true;
+        continue;
+      }
+    auto same = std::find(l.missing.begin(), l.missing.end(), documents[i]);
+    if (same == l.missing.end()) {
+      same = l.missing.insert(l.missing.end(), documents[i]);
+    } else if (from_cache) {  // linked again: computed once, for its first place
+      (*from_cache)[i] = true;
+    }
+    l.source[i] = same - l.missing.begin();
+  }
+  return l;
+}
+
+COMB_INLINE std::shared_ptr<const DocumentKV> Documents::get(const std::vector<int32_t>& tokens,
+                                                             const std::string& tenant, bool* from_cache) const {
+  std::vector<bool> cached;
+  auto out = get(std::vector<std::vector<int32_t>>{tokens}, tenant, &cached);
+  if (from_cache) *from_cache = cached[0];
+  return out[0];
+}
+
+COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Documents::get(
+    const std::vector<std::vector<int32_t>>& documents, const std::string& tenant,
+    std::vector<bool>* from_cache) const {
+  const Plugin& p = plugin();
+  c10::InferenceMode guard;
+  Lookup l = look_up(documents, tenant, from_cache);
+  if (l.missing.empty()) return l.entries;
+  std::vector<DocumentKV> encoded = p.encode_many(model_.decoder(), l.missing, model_.encoder_prefix_states());
+  for (size_t j = 0; j < l.missing.size(); ++j) {
+    auto kv = put(key(l.missing[j], tenant), std::move(encoded[j]));
+    for (size_t i = 0; i < documents.size(); ++i)
+      if (l.source[i] == static_cast<int64_t>(j)) l.entries[i] = kv;
+  }
+  return l.entries;
+}
+
+COMB_INLINE DocumentKV Documents::cached_form(DocumentKV kv) const {
+  const Plugin* p = model_.plugin();
+  if (!p || p->config().cache_dtype.empty()) return kv;
+  if (store_ && store_->options().dtype != c10::ScalarType::Undefined) return kv;
+  const c10::ScalarType want = parse_cache_dtype(p->config().cache_dtype);  // checked when it loaded
+  if (kv.keys.empty() || kv.keys[0].scalar_type() == want) return kv;
+  return kv.to(kv.keys[0].device(), want);
+}
+
+COMB_INLINE std::shared_ptr<const DocumentKV> Documents::put(const CacheKey& key, DocumentKV kv) const {
+  DocumentKV kept = cached_form(std::move(kv));
+  return store_ ? store_->put(key, kept) : std::make_shared<const DocumentKV>(std::move(kept));
+}
+
+COMB_INLINE LinkedDocuments Documents::link(const std::vector<std::shared_ptr<const DocumentKV>>& entries,
+                                           int64_t anchor) const {
+  LinkedDocuments linked = Linker(model_.decoder().device(), plugin().config().joint_attention).link(entries);
+  linked.anchor = anchor;
+  return linked;
+}
+
+COMB_INLINE bool Documents::pin(const CacheKey& key) const {
+  if (!store_) return false;
+  std::lock_guard<std::mutex> lock(pins_mutex_);
+  int& n = pins_[{key.high, key.low}];
+  if (n == 0 && !store_->pin(key)) {  // not in a memory tier (no host tier, or too small): nothing to hold
+    pins_.erase({key.high, key.low});
+    return false;
+  }
+  ++n;
+  return true;
+}
+
+COMB_INLINE void Documents::unpin(const CacheKey& key) const {
+  if (!store_) return;
+  std::lock_guard<std::mutex> lock(pins_mutex_);
+  auto it = pins_.find({key.high, key.low});
+  if (it != pins_.end() && --it->second == 0) {
+    store_->unpin(key);
+    pins_.erase(it);
+  }
+}
+
+COMB_INLINE at::Tensor Documents::get_with_prompt(const std::vector<std::vector<int32_t>>& documents,
+                                                  const std::string& tenant, std::vector<bool>* from_cache,
+                                                  const at::Tensor& tokens, KVCache& cache, int64_t anchor,
+                                                  LinkedDocuments& linked, LogitsMode mode) const {
+  const Plugin& plugin = this->plugin();
+  c10::InferenceMode guard;
+  const Decoder& decoder = model_.decoder();
+  if (!plugin.encodes_alongside(decoder) || tokens.size(0) != 1 || documents.empty()) {
+    linked = link(get(documents, tenant, from_cache), anchor);
+    return at::Tensor();
+  }
+  COMB_CHECK(!plugin.config().documents_after_prefix || anchor > 0,
+             "this plug-in reads its documents after the instruction prefix: anchor them at the prefix's length");
+  // The store's entries; each document to encode once, however often it is linked.
+  Lookup l = look_up(documents, tenant, from_cache);
+  std::vector<std::shared_ptr<const DocumentKV>>& entries = l.entries;
+  const std::vector<std::vector<int32_t>>& missing = l.missing;
+  const std::vector<int64_t>& source = l.source;
+  if (missing.empty()) {
+    linked = link(entries, anchor);
+    return at::Tensor();
+  }
+  // What the store will keep (and a later request read): its own dtype, else the plug-in's.
+  c10::ScalarType keep = c10::ScalarType::Undefined;
+  if (store_ && store_->options().dtype != c10::ScalarType::Undefined)
+    keep = store_->options().dtype;
+  else if (!plugin.config().cache_dtype.empty())
+    keep = parse_cache_dtype(plugin.config().cache_dtype);
+  const int64_t n_blocks = plugin.config().n_blocks();
+  std::vector<DocumentKV> fresh(missing.size());
+  for (size_t j = 0; j < missing.size(); ++j) {
+    fresh[j].n_tokens = static_cast<int64_t>(missing[j].size());
+    fresh[j].keys.resize(n_blocks);
+    fresh[j].values.resize(n_blocks);
+  }
+  std::vector<JointKV> joined(n_blocks);
+  auto join = [&](int64_t k, std::vector<at::Tensor> keys, std::vector<at::Tensor> values) -> const JointKV* {
+    RECORD_FUNCTION("comb::join", std::vector<c10::IValue>());
+    // The new documents' block-k K/V as they will be kept...
+    for (size_t j = 0; j < missing.size(); ++j) {
+      DocumentKV one;
+      one.n_tokens = fresh[j].n_tokens;
+      one.keys = {keys[j]};
+      one.values = {values[j]};
+      one = one.to(decoder.device(), keep == c10::ScalarType::Undefined ? keys[j].scalar_type() : keep);
+      fresh[j].keys[k] = one.keys[0];
+      fresh[j].values[k] = one.values[0];
+      if (one.quantized()) {
+        fresh[j].key_scales.resize(n_blocks);
+        fresh[j].value_scales.resize(n_blocks);
+        fresh[j].key_scales[k] = one.key_scales[0];
+        fresh[j].value_scales[k] = one.value_scales[0];
+      }
+    }
+    // ...and every linked document's, in the request's order, read as a later request reads them.
+    std::vector<std::vector<at::Tensor>> ks(1), vs(1), kss(1), vss(1);
+    for (size_t i = 0; i < documents.size(); ++i) {
+      const DocumentKV& d = source[i] < 0 ? *entries[i] : fresh[source[i]];
+      at::Tensor key = d.keys[k], value = d.values[k], key_scale, value_scale;
+      if (d.quantized() && key.device() == decoder.device()) {
+        key_scale = d.key_scales[k];
+        value_scale = d.value_scales[k];
+      } else if (d.quantized()) {
+        key = key.to(decoder.device(), at::kFloat) * d.key_scales[k].to(decoder.device());
+        value = value.to(decoder.device(), at::kFloat) * d.value_scales[k].to(decoder.device());
+      } else {
+        key = key.to(decoder.device(), at::kFloat).contiguous();
+        value = value.to(decoder.device(), at::kFloat).contiguous();
+      }
+      ks[0].push_back(key);
+      vs[0].push_back(value);
+      kss[0].push_back(key_scale);
+      vss[0].push_back(value_scale);
+    }
+    auto one = plugin.joint_kv_direct(plugin.weights(), ks, vs, {static_cast<int64_t>(documents.size())}, anchor, kss,
+                                      vss, k);
+    COMB_CHECK(one.has_value(), "documents_and_prompt: block {}'s documents could not be joined", k);
+    joined[k] = std::move((*one)[0]);
+    return &joined[k];
+  };
+  at::Tensor hidden = plugin.encode_alongside(decoder, missing, *model_.encoder_prefix_states(), tokens, cache, join);
+  for (size_t j = 0; j < missing.size(); ++j) {
+    auto kv = store_ ? store_->put(key(missing[j], tenant), fresh[j])
+                     : std::make_shared<const DocumentKV>(std::move(fresh[j]));
+    for (size_t i = 0; i < documents.size(); ++i)
+      if (source[i] == static_cast<int64_t>(j)) entries[i] = kv;
+  }
+  linked = link(entries, anchor);
+  {
+    std::lock_guard<std::mutex> lock(linked.joined->mutex);  // decoding steps read these
+    linked.joined->blocks = std::move(joined);
+    linked.joined->plugin = plugin.fingerprint();
+    linked.joined->anchor = anchor;
+  }
+  return decoder.logits(hidden, mode);
+}
+
+}  // namespace comb
