@@ -31,3 +31,8 @@ class ChatTemplate {
 };
 
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/chat_template.ipp"
+#endif

@@ -2,9 +2,12 @@
 // The whole public API of comb.
 #include "comb/allocator.hpp"
 #include "comb/chat_template.hpp"
+#include "comb/checkpoint.hpp"
 #include "comb/config.hpp"
+#include "comb/kv_cache.hpp"
 #include "comb/cuda_backend.hpp"
 #include "comb/decoder.hpp"
+#include "comb/document_kv.hpp"
 #include "comb/error.hpp"
 #include "comb/gguf.hpp"
 #include "comb/log.hpp"
@@ -26,23 +29,5 @@
 #include "comb/version.hpp"
 #include "comb/weights.hpp"
 
-// Header-only use (comb::header_only, which defines COMB_HEADER_ONLY): the implementation, inline.
-#ifdef COMB_HEADER_ONLY
-#include "comb/impl/formats.ipp"
-#include "comb/impl/config.ipp"
-#include "comb/impl/weights.ipp"
-#include "comb/impl/kv_cache.ipp"
-#include "comb/impl/decoder.ipp"
-#include "comb/impl/sampler.ipp"
-#include "comb/impl/model.ipp"
-#include "comb/impl/documents.ipp"
-#include "comb/impl/pic.ipp"
-#include "comb/impl/plugin.ipp"
-#include "comb/impl/prompt.ipp"
-#include "comb/impl/qa.ipp"
-#include "comb/impl/quantized.ipp"
-#include "comb/impl/serving.ipp"
-#include "comb/impl/store.ipp"
-#include "comb/impl/tokenizer.ipp"
-#include "comb/impl/train.ipp"
-#endif
+// Header-only use (comb::header_only, which defines COMB_HEADER_ONLY): each header above brings its
+// own definitions (include/comb/impl/<header>.ipp), inline.

@@ -2,6 +2,8 @@
 // ModelConfig: the decoder's hyper-parameters, read in one place from GGUF metadata or config.json.
 #include <nlohmann/json.hpp>
 
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
 #include <string>
 
@@ -48,4 +50,12 @@ struct ModelConfig {
   nlohmann::json to_hf_json() const;
 };
 
+// Parses "float32" / "fp32" / "bfloat16" / "bf16" / "float16" / "fp16"; throws on anything else.
+c10::ScalarType parse_dtype(const std::string& name);
+
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/config.ipp"
+#endif

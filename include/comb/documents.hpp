@@ -31,8 +31,10 @@ class Documents {
   // `store`: where document caches are kept and found (nullptr: none; each is encoded when asked).
   explicit Documents(const Model& model, std::shared_ptr<PICacheStore> store = nullptr);
 
-  // A document's tokens as every prompt holds it, alone ("Title: <title>\n<text>\n\n", read as
-  // data: control tokens written in it stay text).
+  // A document as every prompt holds it, alone: "Title: <title>\n<text>\n\n" (a client that
+  // sends the whole prompt as text, comb loadgen's, writes this).
+  static std::string text(const QaDocument& document);
+  // Its tokens (text() read as data: control tokens written in it stay text).
   std::vector<int32_t> tokens(const QaDocument& document) const;
   static std::vector<int32_t> tokens(const Model& model, const QaDocument& document);
 
@@ -99,3 +101,8 @@ class Documents {
 };
 
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/documents.ipp"
+#endif

@@ -59,3 +59,8 @@ class GgufFile : public TensorSource {
 };
 
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/gguf.ipp"
+#endif

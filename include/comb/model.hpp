@@ -114,7 +114,10 @@ class Model {
   std::shared_ptr<ChatTemplate> chat_template_;
 };
 
-// Parses "float32" / "fp32" / "bfloat16" / "bf16" / "float16" / "fp16"; throws on anything else.
-c10::ScalarType parse_dtype(const std::string& name);
 
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/model.ipp"
+#endif

@@ -16,9 +16,6 @@ namespace comb {
 
 enum class Method { full, prefix, naive, cacheblend, epic, comb };
 Method parse_method(const std::string& name);  // throws comb::Error on an unknown name
-// A cache storage dtype: parse_dtype()'s names and "int8"; throws comb::Error on anything else.
-c10::ScalarType parse_cache_dtype(const std::string& name);
-std::string cache_dtype_name(c10::ScalarType dtype);
 std::string method_name(Method method);
 
 // A request in segments, each tokenized on its own, so that a document's tokens never depend on
@@ -198,3 +195,8 @@ class PicEngine {
 };
 
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/pic.ipp"
+#endif

@@ -15,9 +15,6 @@ namespace comb {
 // The instruction that opens every prompt.
 extern const char* const kQaInstruction;
 
-// One document as every prompt holds it, alone: "Title: <title>\n<text>\n\n" (its tokens:
-// Documents::tokens; a client that sends the whole prompt as text, comb loadgen's, writes this).
-std::string qa_document_text(const QaDocument& document);
 // The question as every prompt holds it, after the documents: "Question: <question>".
 std::string qa_question_text(const std::string& question);
 // The segments around the documents: chat header + instruction, and "Question: <question>" +
@@ -32,3 +29,8 @@ std::vector<std::vector<int32_t>> qa_probe_prompts(const Model& model);
 PicRequest qa_request(const Model& model, const std::vector<QaDocument>& documents, const std::string& question);
 
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/prompt.ipp"
+#endif

@@ -88,3 +88,8 @@ std::string normalize_answer(const std::string& text);
 bool answer_correct(const std::string& prediction, const std::vector<std::string>& answers);
 
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/qa.ipp"
+#endif

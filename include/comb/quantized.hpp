@@ -78,3 +78,8 @@ class QuantizedMatrix {
 };
 
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/quantized.ipp"
+#endif

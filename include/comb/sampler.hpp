@@ -39,3 +39,8 @@ struct TokenLogprob {
 TokenLogprob token_logprob(const at::Tensor& logits, int32_t token, int64_t top);
 
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/sampler.ipp"
+#endif

@@ -209,3 +209,8 @@ class ServeEngine {
 };
 
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/serving.ipp"
+#endif

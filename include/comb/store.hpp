@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "comb/plugin.hpp"
+#include "comb/document_kv.hpp"
 
 namespace comb {
 
@@ -89,4 +89,13 @@ class PICacheStore {
   std::unique_ptr<Impl> impl_;
 };
 
+// A cache storage dtype: parse_dtype()'s names and "int8"; throws comb::Error on anything else.
+c10::ScalarType parse_cache_dtype(const std::string& name);
+std::string cache_dtype_name(c10::ScalarType dtype);
+
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/store.ipp"
+#endif

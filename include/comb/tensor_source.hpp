@@ -35,8 +35,9 @@ class TensorSource {
   virtual std::string where() const = 0;
 };
 
-// Opens a checkpoint by path: a .gguf file, a .safetensors file, a sharded
-// model.safetensors.index.json, or a directory holding one of the latter two.
-std::unique_ptr<TensorSource> open_tensor_source(const std::string& path);
-
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/tensor_source.ipp"
+#endif

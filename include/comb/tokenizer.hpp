@@ -68,3 +68,8 @@ class StreamDecoder {
 };
 
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/tokenizer.ipp"
+#endif

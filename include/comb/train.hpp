@@ -210,3 +210,8 @@ TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& da
 std::vector<std::pair<std::string, at::Tensor*>> plugin_parameters(const PluginConfig& config, PluginWeights& weights);
 
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/train.ipp"
+#endif

@@ -97,4 +97,25 @@ class WeightReader {
 std::vector<std::pair<std::string, at::Tensor>> llama_weights_hf_named(const LlamaWeights& weights,
                                                                        const ModelConfig& config);
 
+// A fingerprint of a base decoder (base_fingerprint(), decoder.hpp) fed piece by piece: the
+// embedding, the final norm, layer 0's attention norm and q|k|v rows, float as the checkpoint defines them (a tensor may come in row chunks: the hash is over
+// its bytes in order).
+class BaseFingerprint {
+ public:
+  explicit BaseFingerprint(const ModelConfig& config);
+  ~BaseFingerprint();
+  BaseFingerprint(const BaseFingerprint&) = delete;
+  BaseFingerprint& operator=(const BaseFingerprint&) = delete;
+  void add(const at::Tensor& t);  // hashed as bfloat16
+  std::string finish();
+
+ private:
+  void* state_ = nullptr;
+};
+
 }  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/weights.ipp"
+#endif

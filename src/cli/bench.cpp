@@ -99,6 +99,267 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
 }
 }  // namespace
 
+// What every measurement of `comb bench` (without --pic-data) shares: the model, the options,
+// the prompts' random source (drawn in the order the measurements run) and the output.
+struct Bench {
+  const comb::Model& model;
+  const comb::Decoder& dec;
+  int repeat;
+  bool json;
+  std::mt19937_64 rng{1234};
+  // Deterministic prompts of ordinary tokens (ids past the special ones at the start of the vocabulary).
+  at::Tensor prompt(int64_t n) {
+    std::uniform_int_distribution<int64_t> pick(1000, model.config().n_vocab - 1);
+    std::vector<int64_t> ids(n);
+    for (auto& id : ids) id = pick(rng);
+    return at::tensor(ids, at::kLong).unsqueeze(0);
+  }
+  static std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
+  void report(const std::string& what, int64_t tokens, double tps, int64_t after = 0) const {
+    if (json) {
+      nlohmann::json line{{"bench", what}, {"tokens", tokens}, {"tokens_per_s", tps}};
+      if (what == "prefill") line["cached"] = after;
+      std::cout << line.dump() << std::endl;
+    } else if (after > 0) {
+      fmt::print("{:<8} {:>6} tokens  {:>10.1f} tokens/s  after {} cached\n", what, tokens, tps, after);
+    } else {
+      fmt::print("{:<8} {:>6} tokens  {:>10.1f} tokens/s\n", what, tokens, tps);
+    }
+  }
+};
+
+// The weights' format and bytes.
+void bench_weights(Bench& b) {
+  const comb::Decoder& dec = b.dec;
+  const bool json = b.json;
+  const auto& w = dec.weights();
+  std::string format = w.quantized() ? "kept quantized (" : std::string(c10::toString(dec.dtype()));
+  if (w.quantized()) {
+    std::vector<std::string> parts;
+    if (!w.layers.empty() && w.layers[0].quantized) parts.push_back(std::string("layers ") + w.layers[0].quantized->wqkv.format_name());
+    if (w.output_q) parts.push_back(std::string("head ") + w.output_q->format_name());
+    format += fmt::format("{})", fmt::join(parts, ", "));
+  }
+  const double weights_mb = w.bytes() / 1048576.0;
+  if (json)
+    std::cout << nlohmann::json{{"bench", "weights"}, {"format", format}, {"weight_bytes", w.bytes()}}.dump() << std::endl;
+  else
+    fmt::print("weights  {}, {:.1f} MiB\n", format, weights_mb);
+}
+
+// Prefill throughput of each length, after `cached` positions computed untimed.
+void bench_prefill(Bench& b, const std::string& lengths, int64_t cached) {
+  const comb::Model& model = b.model;
+  const comb::Decoder& dec = b.dec;
+  auto prompt = [&](int64_t n) { return b.prompt(n); };
+  auto now = &Bench::now;
+  const int repeat = b.repeat;
+  at::Tensor before = prompt(cached);
+  for (int64_t n : comb::cli::parse_int_list(lengths, "prompt-tokens")) {
+    if (n <= 0) throw Error("--prompt-tokens: expected lengths > 0, found " + std::to_string(n));
+    if (cached + n > model.config().n_ctx)
+      throw Error(fmt::format("--prompt-tokens: {} tokens after {} cached exceed the model's context ({})", n, cached,
+                              model.config().n_ctx));
+    at::Tensor ids = prompt(n);
+    std::vector<double> times;
+    for (int r = 0; r <= repeat; ++r) {  // the first run warms up
+      comb::KVCache cache = dec.make_cache(1, cached + n);
+      if (cached > 0) dec.forward(before, cache);  // not timed
+      auto t0 = now();
+      at::Tensor logits = dec.forward(ids, cache);
+      logits.cpu();
+      if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
+    }
+    b.report("prefill", n, n / median(times), cached);
+  }
+}
+
+// Decode throughput after a 128-token prompt, and with `profile` the time per step by operation.
+void bench_decode(Bench& b, int64_t n_decode, bool profile) {
+  const comb::Decoder& dec = b.dec;
+  auto prompt = [&](int64_t n) { return b.prompt(n); };
+  auto now = &Bench::now;
+  const int repeat = b.repeat;
+  const bool json = b.json;
+  // A 128-token prompt (not timed), then `run` with the call that decodes n_decode tokens after it.
+  auto after_prompt = [&](const auto& run) {
+    comb::KVCache cache = dec.make_cache(1, 128 + n_decode);
+    int64_t token = dec.forward(prompt(128), cache)[0][-1].argmax().item<int64_t>();
+    run([&] {
+      for (int64_t i = 0; i < n_decode; ++i)
+        token = dec.forward(at::full({1, 1}, token, at::kLong), cache)[0][-1].argmax().item<int64_t>();
+    });
+  };
+  std::vector<double> rates;
+  for (int r = 0; r <= repeat; ++r)
+    after_prompt([&](const auto& decode) {
+      auto t0 = now();
+      decode();
+      if (r > 0) rates.push_back(n_decode / std::chrono::duration<double>(now() - t0).count());
+    });
+  b.report("decode", n_decode, median(rates));
+  if (profile) {
+    double step_us = 0;
+    op_profile::stats.clear();
+    op_profile::top_level_ns = 0;
+    after_prompt([&](const auto& decode) {
+      auto handle = at::addThreadLocalCallback(
+          at::RecordFunctionCallback(op_profile::enter, op_profile::leave).needsInputs(false).scopes(
+              {at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE}));
+      const int64_t t0 = op_profile::now_ns();
+      decode();
+      step_us = (op_profile::now_ns() - t0) / 1e3 / n_decode;
+      at::removeCallback(handle);
+    });
+    std::vector<std::pair<std::string, op_profile::Stat>> rows(op_profile::stats.begin(), op_profile::stats.end());
+    std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.self_ns > b.second.self_ns; });
+    const double outside_us = step_us - op_profile::top_level_ns / 1e3 / n_decode;
+    if (json) {
+      for (const auto& [name, st] : rows)
+        std::cout << nlohmann::json{{"bench", "decode_profile"}, {"op", name}, {"calls_per_step", double(st.calls) / n_decode},
+                                    {"self_us_per_step", st.self_ns / 1e3 / n_decode}}.dump() << std::endl;
+      std::cout << nlohmann::json{{"bench", "decode_profile"}, {"op", "(outside every operation)"},
+                                  {"self_us_per_step", outside_us}, {"step_us", step_us}}.dump() << std::endl;
+    } else {
+      fmt::print("decode profile, {} steps (profiled: {:.0f} us a step)\n", n_decode, step_us);
+      fmt::print("  {:<44} {:>10} {:>12} {:>7}\n", "operation", "calls/step", "own us/step", "share");
+      double shown = 0;
+      for (size_t r = 0; r < rows.size() && r < 16; ++r) {
+        const double us = rows[r].second.self_ns / 1e3 / n_decode;
+        shown += us;
+        fmt::print("  {:<44} {:>10.1f} {:>12.1f} {:>6.1f}%\n", rows[r].first, double(rows[r].second.calls) / n_decode, us,
+                   100 * us / step_us);
+      }
+      const double rest = op_profile::top_level_ns / 1e3 / n_decode - shown;
+      fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(every other operation)", "", rest, 100 * rest / step_us);
+      fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(outside every operation)", "", outside_us, 100 * outside_us / step_us);
+    }
+  }
+}
+
+// The serving engine's batched decoding step with B sequences running: B requests of 128 prompt
+// tokens each, decoding `n_decode` past end-of-sequence; the steps that ran all B. The batch sizes
+// take turns, --repeat rounds, and each figure is the median of its rounds.
+void bench_batch_decode(Bench& bench, const std::string& batch_decode, int64_t n_decode) {
+  const comb::Model& model = bench.model;
+  auto prompt = [&](int64_t n) { return bench.prompt(n); };
+  const int repeat = bench.repeat;
+  const bool json = bench.json;
+  const std::vector<int64_t> sizes = comb::cli::parse_int_list(batch_decode, "batch-decode");
+  for (int64_t b : sizes)
+    if (b <= 0) throw Error("--batch-decode: expected batch sizes > 0, found " + std::to_string(b));
+  std::map<int64_t, std::vector<double>> rates, step_ms;
+  for (int r = 0; r < repeat; ++r)
+    for (int64_t b : sizes) {
+      comb::ServeOptions o;
+      o.method = comb::Method::full;
+      o.max_running = b;
+      o.prefill_share = 0;  // prompts between every two steps: all B soon decode together
+      o.kv_bytes = std::max<int64_t>(o.kv_bytes, b * (128 + n_decode + 16) * 2 * model.config().n_layer *
+                                                     model.config().kv_dim() * int64_t(sizeof(float)));
+      comb::ServeEngine engine(model, o);
+      std::vector<std::promise<void>> done(static_cast<size_t>(b));
+      for (int64_t i = 0; i < b; ++i) {
+        comb::ServeRequest req;
+        at::Tensor ids = prompt(128);
+        req.prompt.suffix.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+        req.max_tokens = n_decode;
+        req.ignore_eos = true;
+        req.on_done = [&done, i](const comb::ServeResult&) { done[static_cast<size_t>(i)].set_value(); };
+        engine.submit(std::move(req));
+      }
+      for (auto& d : done) d.get_future().wait();
+      const auto st = engine.stats();
+      auto it = st.steps_by_batch.find(b);
+      if (it == st.steps_by_batch.end() || it->second.first == 0)
+        throw Error(fmt::format("--batch-decode {}: no decoding step ran all {} sequences (raise --decode-tokens)", b, b));
+      rates[b].push_back(double(b) * double(it->second.first) / it->second.second);
+      step_ms[b].push_back(1e3 * it->second.second / double(it->second.first));
+    }
+  const double one = rates.count(1) ? median(rates[1]) : 0;
+  std::vector<int64_t> reported;
+  for (int64_t b : sizes) {
+    if (std::find(reported.begin(), reported.end(), b) != reported.end()) continue;  // a size given twice
+    reported.push_back(b);
+    const double tps = median(rates[b]), ms = median(step_ms[b]);
+    if (json)
+      std::cout << nlohmann::json{{"bench", "batch_decode"}, {"batch", b}, {"rounds", rates[b].size()},
+                                  {"step_ms", ms}, {"tokens_per_s", tps}, {"vs_batch_1", one > 0 ? tps / one : 0.0}}
+                       .dump()
+                << std::endl;
+    else
+      fmt::print("batch {:>3}  {:>8.2f} ms/step  {:>9.1f} tokens/s  (median of {}){}\n", b, ms, tps, rates[b].size(),
+                 one > 0 && b != 1 ? fmt::format("  {:.2f}x batch 1", tps / one) : "");
+  }
+}
+
+// Placing `n_place` cached tokens, in documents of 64 moved to where they land (keys rotated).
+void bench_place(Bench& b, int64_t n_place) {
+  const comb::Decoder& dec = b.dec;
+  auto prompt = [&](int64_t n) { return b.prompt(n); };
+  auto now = &Bench::now;
+  const int repeat = b.repeat;
+  const int64_t doc_len = std::min<int64_t>(64, n_place);
+  comb::KVCache doc = dec.make_cache(1, doc_len);
+  dec.forward(prompt(doc_len), doc);  // one document's K/V at positions [0, doc_len), reused throughout
+  std::vector<double> times;
+  for (int r = 0; r <= repeat; ++r) {
+    comb::KVCache cache = dec.make_cache(1, n_place);
+    auto t0 = now();
+    for (int64_t pos = 0; pos < n_place; pos += doc_len) {
+      const int64_t m = std::min(doc_len, n_place - pos);
+      for (int64_t l = 0; l < cache.n_layers(); ++l)
+        dec.place(l, cache, pos, doc.keys(l).narrow(2, 0, m), doc.values(l).narrow(2, 0, m));
+    }
+    if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
+  }
+  b.report("place", n_place, n_place / median(times));
+}
+
+// The tokenizer on one word of `n_tokenize` random letters, a new one each run.
+void bench_tokenize(Bench& b, int64_t n_tokenize) {
+  const comb::Model& model = b.model;
+  auto now = &Bench::now;
+  const int repeat = b.repeat;
+  const bool json = b.json;
+  std::mt19937_64& rng = b.rng;
+  std::uniform_int_distribution<int> letter('a', 'z');
+  std::vector<double> times;
+  size_t n_ids = 0;
+  for (int r = 0; r <= repeat; ++r) {
+    std::string word(static_cast<size_t>(n_tokenize), 'a');
+    for (auto& ch : word) ch = static_cast<char>(letter(rng));  // a new word: the piece cache cannot answer
+    auto t0 = now();
+    n_ids = model.tokenizer().encode(word, /*parse_special=*/false).size();
+    if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
+  }
+  const double cps = n_tokenize / median(times);
+  if (json)
+    std::cout << nlohmann::json{{"bench", "tokenize"}, {"chars", n_tokenize}, {"tokens", n_ids}, {"chars_per_s", cps}}.dump()
+              << std::endl;
+  else
+    fmt::print("{:<8} {:>6} chars   {:>10.1f} chars/s  ({} tokens)\n", "tokenize", n_tokenize, cps, n_ids);
+}
+
+// Resident memory now and at its peak (the whole process: LibTorch, the model, the runs above).
+void bench_memory(const Bench& b) {
+  const bool json = b.json;
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  const double peak_mb = usage.ru_maxrss / 1024.0;  // Linux: KiB
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  const double resident_mb = resident * static_cast<double>(::sysconf(_SC_PAGESIZE)) / 1048576.0;
+  if (json)
+    std::cout << nlohmann::json{{"bench", "memory"}, {"resident_mib", resident_mb}, {"peak_resident_mib", peak_mb}}.dump()
+              << std::endl;
+  else
+    fmt::print("memory   resident {:.1f} MiB, peak {:.1f} MiB\n", resident_mb, peak_mb);
+}
+
 int cmd_bench(Args& args) {
   const std::string pic_data = args.str("pic-data");
   comb::Model model = load_model(args, /*shipped_plugin=*/!pic_data.empty(), /*as_stored=*/true);
@@ -131,218 +392,14 @@ int cmd_bench(Args& args) {
   args.str("json");
   args.check_all_used();
   c10::InferenceMode guard;
-  const comb::Decoder& dec = model.decoder();
-  {
-    const auto& w = dec.weights();
-    std::string format = w.quantized() ? "kept quantized (" : std::string(c10::toString(dec.dtype()));
-    if (w.quantized()) {
-      std::vector<std::string> parts;
-      if (!w.layers.empty() && w.layers[0].quantized) parts.push_back(std::string("layers ") + w.layers[0].quantized->wqkv.format_name());
-      if (w.output_q) parts.push_back(std::string("head ") + w.output_q->format_name());
-      format += fmt::format("{})", fmt::join(parts, ", "));
-    }
-    const double weights_mb = w.bytes() / 1048576.0;
-    if (json)
-      std::cout << nlohmann::json{{"bench", "weights"}, {"format", format}, {"weight_bytes", w.bytes()}}.dump() << std::endl;
-    else
-      fmt::print("weights  {}, {:.1f} MiB\n", format, weights_mb);
-  }
-  // Deterministic prompts of ordinary tokens (ids past the special ones at the start of the vocabulary).
-  std::mt19937_64 rng(1234);
-  auto prompt = [&](int64_t n) {
-    std::uniform_int_distribution<int64_t> pick(1000, model.config().n_vocab - 1);
-    std::vector<int64_t> ids(n);
-    for (auto& id : ids) id = pick(rng);
-    return at::tensor(ids, at::kLong).unsqueeze(0);
-  };
-  auto now = [] { return std::chrono::steady_clock::now(); };
-  auto report = [&](const std::string& what, int64_t tokens, double tps, int64_t after = 0) {
-    if (json) {
-      nlohmann::json line{{"bench", what}, {"tokens", tokens}, {"tokens_per_s", tps}};
-      if (what == "prefill") line["cached"] = after;
-      std::cout << line.dump() << std::endl;
-    } else if (after > 0) {
-      fmt::print("{:<8} {:>6} tokens  {:>10.1f} tokens/s  after {} cached\n", what, tokens, tps, after);
-    } else {
-      fmt::print("{:<8} {:>6} tokens  {:>10.1f} tokens/s\n", what, tokens, tps);
-    }
-  };
-  at::Tensor before = prompt(cached);
-  for (int64_t n : comb::cli::parse_int_list(lengths, "prompt-tokens")) {
-    if (n <= 0) throw Error("--prompt-tokens: expected lengths > 0, found " + std::to_string(n));
-    if (cached + n > model.config().n_ctx)
-      throw Error(fmt::format("--prompt-tokens: {} tokens after {} cached exceed the model's context ({})", n, cached,
-                              model.config().n_ctx));
-    at::Tensor ids = prompt(n);
-    std::vector<double> times;
-    for (int r = 0; r <= repeat; ++r) {  // the first run warms up
-      comb::KVCache cache = dec.make_cache(1, cached + n);
-      if (cached > 0) dec.forward(before, cache);  // not timed
-      auto t0 = now();
-      at::Tensor logits = dec.forward(ids, cache);
-      logits.cpu();
-      if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
-    }
-    report("prefill", n, n / median(times), cached);
-  }
-  if (n_decode > 0) {
-    // A 128-token prompt (not timed), then `run` with the call that decodes n_decode tokens after it.
-    auto after_prompt = [&](const auto& run) {
-      comb::KVCache cache = dec.make_cache(1, 128 + n_decode);
-      int64_t token = dec.forward(prompt(128), cache)[0][-1].argmax().item<int64_t>();
-      run([&] {
-        for (int64_t i = 0; i < n_decode; ++i)
-          token = dec.forward(at::full({1, 1}, token, at::kLong), cache)[0][-1].argmax().item<int64_t>();
-      });
-    };
-    std::vector<double> rates;
-    for (int r = 0; r <= repeat; ++r)
-      after_prompt([&](const auto& decode) {
-        auto t0 = now();
-        decode();
-        if (r > 0) rates.push_back(n_decode / std::chrono::duration<double>(now() - t0).count());
-      });
-    report("decode", n_decode, median(rates));
-    if (profile) {
-      double step_us = 0;
-      op_profile::stats.clear();
-      op_profile::top_level_ns = 0;
-      after_prompt([&](const auto& decode) {
-        auto handle = at::addThreadLocalCallback(
-            at::RecordFunctionCallback(op_profile::enter, op_profile::leave).needsInputs(false).scopes(
-                {at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE}));
-        const int64_t t0 = op_profile::now_ns();
-        decode();
-        step_us = (op_profile::now_ns() - t0) / 1e3 / n_decode;
-        at::removeCallback(handle);
-      });
-      std::vector<std::pair<std::string, op_profile::Stat>> rows(op_profile::stats.begin(), op_profile::stats.end());
-      std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.self_ns > b.second.self_ns; });
-      const double outside_us = step_us - op_profile::top_level_ns / 1e3 / n_decode;
-      if (json) {
-        for (const auto& [name, st] : rows)
-          std::cout << nlohmann::json{{"bench", "decode_profile"}, {"op", name}, {"calls_per_step", double(st.calls) / n_decode},
-                                      {"self_us_per_step", st.self_ns / 1e3 / n_decode}}.dump() << std::endl;
-        std::cout << nlohmann::json{{"bench", "decode_profile"}, {"op", "(outside every operation)"},
-                                    {"self_us_per_step", outside_us}, {"step_us", step_us}}.dump() << std::endl;
-      } else {
-        fmt::print("decode profile, {} steps (profiled: {:.0f} us a step)\n", n_decode, step_us);
-        fmt::print("  {:<44} {:>10} {:>12} {:>7}\n", "operation", "calls/step", "own us/step", "share");
-        double shown = 0;
-        for (size_t r = 0; r < rows.size() && r < 16; ++r) {
-          const double us = rows[r].second.self_ns / 1e3 / n_decode;
-          shown += us;
-          fmt::print("  {:<44} {:>10.1f} {:>12.1f} {:>6.1f}%\n", rows[r].first, double(rows[r].second.calls) / n_decode, us,
-                     100 * us / step_us);
-        }
-        const double rest = op_profile::top_level_ns / 1e3 / n_decode - shown;
-        fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(every other operation)", "", rest, 100 * rest / step_us);
-        fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(outside every operation)", "", outside_us, 100 * outside_us / step_us);
-      }
-    }
-  }
-  if (!batch_decode.empty()) {
-    // The serving engine's batched decoding step with B sequences running: B requests of 128
-    // prompt tokens each, decoding --decode-tokens past end-of-sequence; the steps that ran all B.
-    // The batch sizes take turns, --repeat rounds, and each figure is the median of its rounds.
-    const std::vector<int64_t> sizes = comb::cli::parse_int_list(batch_decode, "batch-decode");
-    for (int64_t b : sizes)
-      if (b <= 0) throw Error("--batch-decode: expected batch sizes > 0, found " + std::to_string(b));
-    std::map<int64_t, std::vector<double>> rates, step_ms;
-    for (int r = 0; r < repeat; ++r)
-      for (int64_t b : sizes) {
-        comb::ServeOptions o;
-        o.method = comb::Method::full;
-        o.max_running = b;
-        o.prefill_share = 0;  // prompts between every two steps: all B soon decode together
-        o.kv_bytes = std::max<int64_t>(o.kv_bytes, b * (128 + n_decode + 16) * 2 * model.config().n_layer *
-                                                       model.config().kv_dim() * int64_t(sizeof(float)));
-        comb::ServeEngine engine(model, o);
-        std::vector<std::promise<void>> done(static_cast<size_t>(b));
-        for (int64_t i = 0; i < b; ++i) {
-          comb::ServeRequest req;
-          at::Tensor ids = prompt(128);
-          req.prompt.suffix.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
-          req.max_tokens = n_decode;
-          req.ignore_eos = true;
-          req.on_done = [&done, i](const comb::ServeResult&) { done[static_cast<size_t>(i)].set_value(); };
-          engine.submit(std::move(req));
-        }
-        for (auto& d : done) d.get_future().wait();
-        const auto st = engine.stats();
-        auto it = st.steps_by_batch.find(b);
-        if (it == st.steps_by_batch.end() || it->second.first == 0)
-          throw Error(fmt::format("--batch-decode {}: no decoding step ran all {} sequences (raise --decode-tokens)", b, b));
-        rates[b].push_back(double(b) * double(it->second.first) / it->second.second);
-        step_ms[b].push_back(1e3 * it->second.second / double(it->second.first));
-      }
-    const double one = rates.count(1) ? median(rates[1]) : 0;
-    std::vector<int64_t> reported;
-    for (int64_t b : sizes) {
-      if (std::find(reported.begin(), reported.end(), b) != reported.end()) continue;  // a size given twice
-      reported.push_back(b);
-      const double tps = median(rates[b]), ms = median(step_ms[b]);
-      if (json)
-        std::cout << nlohmann::json{{"bench", "batch_decode"}, {"batch", b}, {"rounds", rates[b].size()},
-                                    {"step_ms", ms}, {"tokens_per_s", tps}, {"vs_batch_1", one > 0 ? tps / one : 0.0}}
-                         .dump()
-                  << std::endl;
-      else
-        fmt::print("batch {:>3}  {:>8.2f} ms/step  {:>9.1f} tokens/s  (median of {}){}\n", b, ms, tps, rates[b].size(),
-                   one > 0 && b != 1 ? fmt::format("  {:.2f}x batch 1", tps / one) : "");
-    }
-  }
-  if (n_place > 0) {
-    const int64_t doc_len = std::min<int64_t>(64, n_place);
-    comb::KVCache doc = dec.make_cache(1, doc_len);
-    dec.forward(prompt(doc_len), doc);  // one document's K/V at positions [0, doc_len), reused throughout
-    std::vector<double> times;
-    for (int r = 0; r <= repeat; ++r) {
-      comb::KVCache cache = dec.make_cache(1, n_place);
-      auto t0 = now();
-      for (int64_t pos = 0; pos < n_place; pos += doc_len) {
-        const int64_t m = std::min(doc_len, n_place - pos);
-        for (int64_t l = 0; l < cache.n_layers(); ++l)
-          dec.place(l, cache, pos, doc.keys(l).narrow(2, 0, m), doc.values(l).narrow(2, 0, m));
-      }
-      if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
-    }
-    report("place", n_place, n_place / median(times));
-  }
-  if (n_tokenize > 0) {
-    std::uniform_int_distribution<int> letter('a', 'z');
-    std::vector<double> times;
-    size_t n_ids = 0;
-    for (int r = 0; r <= repeat; ++r) {
-      std::string word(static_cast<size_t>(n_tokenize), 'a');
-      for (auto& ch : word) ch = static_cast<char>(letter(rng));  // a new word: the piece cache cannot answer
-      auto t0 = now();
-      n_ids = model.tokenizer().encode(word, /*parse_special=*/false).size();
-      if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
-    }
-    const double cps = n_tokenize / median(times);
-    if (json)
-      std::cout << nlohmann::json{{"bench", "tokenize"}, {"chars", n_tokenize}, {"tokens", n_ids}, {"chars_per_s", cps}}.dump()
-                << std::endl;
-    else
-      fmt::print("{:<8} {:>6} chars   {:>10.1f} chars/s  ({} tokens)\n", "tokenize", n_tokenize, cps, n_ids);
-  }
-  // Resident memory now and at its peak (the whole process: LibTorch, the model, the runs above).
-  rusage usage{};
-  ::getrusage(RUSAGE_SELF, &usage);
-  const double peak_mb = usage.ru_maxrss / 1024.0;  // Linux: KiB
-  long pages = 0, resident = 0;
-  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
-    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
-    std::fclose(f);
-  }
-  const double resident_mb = resident * static_cast<double>(::sysconf(_SC_PAGESIZE)) / 1048576.0;
-  if (json)
-    std::cout << nlohmann::json{{"bench", "memory"}, {"resident_mib", resident_mb}, {"peak_resident_mib", peak_mb}}.dump()
-              << std::endl;
-  else
-    fmt::print("memory   resident {:.1f} MiB, peak {:.1f} MiB\n", resident_mb, peak_mb);
+  Bench b{model, model.decoder(), repeat, json};
+  bench_weights(b);
+  bench_prefill(b, lengths, cached);
+  if (n_decode > 0) bench_decode(b, n_decode, profile);
+  if (!batch_decode.empty()) bench_batch_decode(b, batch_decode, n_decode);
+  if (n_place > 0) bench_place(b, n_place);
+  if (n_tokenize > 0) bench_tokenize(b, n_tokenize);
+  bench_memory(b);
   return 0;
 }
-
 }  // namespace comb::cli

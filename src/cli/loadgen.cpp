@@ -162,7 +162,7 @@ int cmd_loadgen(Args& args) {
               {"stream_options", {{"include_usage", true}}}};
     if (in_prompt) {  // the text comb's QA prompt holds, in one user message: instruction, documents, question
       std::string text = std::string(kQaInstruction) + "\n\n";
-      for (const auto& doc : docs) text += qa_document_text(doc);
+      for (const auto& doc : docs) text += Documents::text(doc);
       text += qa_question_text(item.question);
       j["messages"] = json::array({{{"role", "user"}, {"content", text}}});
     } else {

@@ -12,7 +12,6 @@
 #include "comb/error.hpp"
 #include "comb/gguf.hpp"
 #include "comb/config.hpp"
-#include "comb/weights.hpp"
 
 namespace comb {
 
@@ -135,6 +134,13 @@ COMB_INLINE nlohmann::json ModelConfig::to_hf_json() const {
                          {"high_freq_factor", rope_scaling.high_freq_factor},
                          {"original_max_position_embeddings", rope_scaling.original_max_position}};
   return j;
+}
+
+COMB_INLINE c10::ScalarType parse_dtype(const std::string& name) {
+  if (name == "float32" || name == "fp32") return at::kFloat;
+  if (name == "bfloat16" || name == "bf16") return at::kBFloat16;
+  if (name == "float16" || name == "fp16") return at::kHalf;
+  COMB_FAIL("unknown dtype '{}' (expected float32, bfloat16 or float16)", name);
 }
 
 }  // namespace comb

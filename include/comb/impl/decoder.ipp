@@ -801,4 +801,12 @@ COMB_INLINE at::Tensor Decoder::step_paged(BlockPool& pool, const std::vector<Pa
   return out;
 }
 
+COMB_INLINE std::string base_fingerprint(const Decoder& base) {
+  const auto& w = base.weights();
+  if (!w.fingerprint.empty()) return w.fingerprint;  // weights kept quantized: computed on load
+  BaseFingerprint f(base.config());
+  for (const at::Tensor* t : {&w.tok_embd, &w.output_norm, &w.layers[0].attn_norm, &w.layers[0].wqkv}) f.add(*t);
+  return f.finish();
+}
+
 }  // namespace comb

@@ -12,15 +12,16 @@
 #include "comb/documents.hpp"
 #include "comb/error.hpp"
 #include "comb/model.hpp"
-#include "comb/prompt.hpp"
 
 namespace comb {
 
 COMB_INLINE Documents::Documents(const Model& model, std::shared_ptr<PICacheStore> store)
     : model_(model), store_(std::move(store)) {}
 
+COMB_INLINE std::string Documents::text(const QaDocument& d) { return "Title: " + d.title + "\n" + d.text + "\n\n"; }
+
 COMB_INLINE std::vector<int32_t> Documents::tokens(const Model& model, const QaDocument& d) {
-  return model.tokenizer().encode(qa_document_text(d), /*parse_special=*/false);
+  return model.tokenizer().encode(text(d), /*parse_special=*/false);
 }
 
 COMB_INLINE std::vector<int32_t> Documents::tokens(const QaDocument& d) const { return tokens(model_, d); }

@@ -1,4 +1,4 @@
-// comb::KVCache, comb::BlockPool and the RoPE tables (see comb/decoder.hpp).
+// comb::KVCache, comb::BlockPool and the RoPE tables (see comb/kv_cache.hpp).
 // Compiled into libcomb (src/kv_cache.cpp), or inline in every translation unit that
 // defines COMB_HEADER_ONLY (comb::header_only); COMB_INLINE is `inline` there.
 #pragma once
@@ -9,8 +9,7 @@
 #include <cmath>
 
 #include "comb/error.hpp"
-#include "comb/decoder.hpp"
-#include "comb/weights.hpp"
+#include "comb/kv_cache.hpp"
 
 namespace comb {
 

@@ -15,13 +15,13 @@
 #include <optional>
 #include <filesystem>
 
+#include "comb/checkpoint.hpp"
 #include "comb/cuda_backend.hpp"
 #include "comb/detail/mapped_file.hpp"
 #include "comb/detail/json.hpp"
 #include "comb/error.hpp"
 #include "comb/gguf.hpp"
 #include "comb/model.hpp"
-#include "comb/pic.hpp"  // parse_cache_dtype
 #include "comb/plugin.hpp"
 #include "comb/safetensors.hpp"
 #include "comb/weights.hpp"
@@ -30,12 +30,6 @@ namespace fs = std::filesystem;
 
 namespace comb {
 
-COMB_INLINE c10::ScalarType parse_dtype(const std::string& name) {
-  if (name == "float32" || name == "fp32") return at::kFloat;
-  if (name == "bfloat16" || name == "bf16") return at::kBFloat16;
-  if (name == "float16" || name == "fp16") return at::kHalf;
-  COMB_FAIL("unknown dtype '{}' (expected float32, bfloat16 or float16)", name);
-}
 
 namespace detail::model {  // this file's own helpers
 COMB_INLINE c10::Device parse_device(const std::string& name) {

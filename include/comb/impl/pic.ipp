@@ -37,26 +37,7 @@ COMB_INLINE std::string method_name(Method m) {
   return "?";
 }
 
-COMB_INLINE c10::ScalarType parse_cache_dtype(const std::string& name) {
-  if (name == "auto") return c10::ScalarType::Undefined;
-  if (name == "int8") return at::kChar;
-  try {
-    return parse_dtype(name);
-  } catch (const Error&) {
-    COMB_FAIL("unknown cache dtype '{}' (expected auto, float32, bfloat16, float16 or int8)", name);
-  }
-}
 
-COMB_INLINE std::string cache_dtype_name(c10::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat: return "float32";
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    case at::kChar: return "int8";
-    case c10::ScalarType::Undefined: return "auto";
-    default: return c10::toString(dtype);
-  }
-}
 
 COMB_INLINE StoreOptions PicOptions::store_options() const {
   StoreOptions store;

@@ -19,6 +19,7 @@
 #include "comb/detail/json.hpp"
 #include "comb/error.hpp"
 #include "comb/ops.hpp"
+#include "comb/detail/hash.hpp"
 #include "comb/plugin.hpp"
 #include "comb/safetensors.hpp"
 
@@ -192,15 +193,6 @@ COMB_INLINE PluginConfig PluginConfig::from_json(const nlohmann::json& j, const 
 }
 
 namespace detail::plugin {  // this file's own helpers
-COMB_INLINE std::string hex128(XXH128_hash_t h) { return fmt::format("{:016x}{:016x}", h.high64, h.low64); }
-
-COMB_INLINE void hash_tensor(XXH3_state_t* state, const at::Tensor& t) {
-  at::Tensor c = t.detach().to(at::kCPU).contiguous();
-  XXH3_128bits_update(state, c.data_ptr(), c.numel() * c.element_size());
-}
-}  // namespace detail::plugin
-
-namespace detail::plugin {  // this file's own helpers
 // A decoder layer's weights as new float tensors (dequantized when kept quantized): a plug-in's
 // starting point is its own copy.
 COMB_INLINE LayerWeights dense_copy(const LayerWeights& l) {
@@ -208,33 +200,6 @@ COMB_INLINE LayerWeights dense_copy(const LayerWeights& l) {
           dense_matrix(l, Proj::gate_up).clone(), dense_matrix(l, Proj::down).clone(), nullptr};
 }
 }  // namespace detail::plugin
-
-COMB_INLINE BaseFingerprint::BaseFingerprint(const ModelConfig& c) {
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_128bits_reset(state);
-  std::string dims = fmt::format("{} {} {} {} {} {} {} {} {}", c.architecture, c.n_vocab, c.n_embd, c.n_ff, c.n_layer,
-                                 c.n_head, c.n_head_kv, c.head_dim, c.rope_theta);
-  XXH3_128bits_update(state, dims.data(), dims.size());
-  state_ = state;
-}
-
-COMB_INLINE BaseFingerprint::~BaseFingerprint() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
-
-COMB_INLINE void BaseFingerprint::add(const at::Tensor& t) {
-  detail::plugin::hash_tensor(static_cast<XXH3_state_t*>(state_), t.to(at::kBFloat16));
-}
-
-COMB_INLINE std::string BaseFingerprint::finish() {
-  return detail::plugin::hex128(XXH3_128bits_digest(static_cast<XXH3_state_t*>(state_)));
-}
-
-COMB_INLINE std::string base_fingerprint(const Decoder& base) {
-  const auto& w = base.weights();
-  if (!w.fingerprint.empty()) return w.fingerprint;  // weights kept quantized: computed on load
-  BaseFingerprint f(base.config());
-  for (const at::Tensor* t : {&w.tok_embd, &w.output_norm, &w.layers[0].attn_norm, &w.layers[0].wqkv}) f.add(*t);
-  return f.finish();
-}
 
 // ================================================================================================
 // Plugin
@@ -305,9 +270,9 @@ COMB_INLINE void Plugin::refresh_fingerprint() {
   XXH3_128bits_update(state, c.data(), c.size());
   for (const auto& [name, t] : named_tensors()) {
     XXH3_128bits_update(state, name.data(), name.size());
-    detail::plugin::hash_tensor(state, t);
+    detail::hash::hash_tensor(state, t);
   }
-  fingerprint_ = detail::plugin::hex128(XXH3_128bits_digest(state));
+  fingerprint_ = detail::hash::hex128(XXH3_128bits_digest(state));
   XXH3_freeState(state);
 }
 

@@ -2,6 +2,7 @@
 // the documents and the question.
 // Compiled into libcomb (src/prompt.cpp), or inline in every translation unit that
 // defines COMB_HEADER_ONLY (comb::header_only); COMB_INLINE is `inline` there.
+#pragma once
 #include "comb/detail/inline.hpp"
 
 #include <string>
@@ -15,8 +16,6 @@ namespace comb {
 COMB_INLINE const char* const kQaInstruction =
     "Write a high-quality answer for the given question using only the provided documents (some of which might be "
     "irrelevant).";
-
-COMB_INLINE std::string qa_document_text(const QaDocument& d) { return "Title: " + d.title + "\n" + d.text + "\n\n"; }
 
 COMB_INLINE std::string qa_question_text(const std::string& question) { return "Question: " + question; }
 

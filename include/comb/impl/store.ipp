@@ -1,4 +1,4 @@
-// PICacheStore (tiers, LRU, pinning, disk format with checksums) and Linker.
+// PICacheStore: tiers, LRU, pinning, disk format with checksums (see comb/store.hpp).
 // Compiled into libcomb (src/store.cpp), or inline in every translation unit that
 // defines COMB_HEADER_ONLY (comb::header_only); COMB_INLINE is `inline` there.
 #pragma once
@@ -24,158 +24,6 @@
 namespace fs = std::filesystem;
 
 namespace comb {
-
-COMB_INLINE int64_t DocumentKV::bytes() const {
-  int64_t n = 0;
-  for (const auto* list : {&keys, &values, &key_scales, &value_scales})
-    for (const auto& t : *list) n += t.numel() * t.element_size();
-  return n;
-}
-
-COMB_INLINE c10::ScalarType DocumentKV::dtype() const {
-  COMB_CHECK(!keys.empty(), "a document cache with no blocks has no dtype");
-  return keys[0].scalar_type();
-}
-
-COMB_INLINE bool DocumentKV::keys_per_channel(int64_t n_tokens, int64_t head_dim) {
-  return 2 * n_tokens >= head_dim;
-}
-
-COMB_INLINE int64_t DocumentKV::storage_bytes(c10::ScalarType dtype, int64_t n_blocks, int64_t n_head_kv,
-                                              int64_t head_dim, int64_t n_tokens) {
-  const int64_t elements = 2 * n_blocks * n_head_kv * head_dim * n_tokens;
-  if (dtype != at::kChar) return elements * static_cast<int64_t>(c10::elementSize(dtype));
-  // int8 elements and float16 scales: one per value row (one head, one token); keys one per
-  // channel over the document's tokens, or per row for documents under head_dim / 2 tokens.
-  const int64_t key_scales = keys_per_channel(n_tokens, head_dim) ? head_dim : n_tokens;
-  return elements + 2 * n_blocks * n_head_kv * (key_scales + n_tokens);
-}
-
-namespace detail::store {  // this file's own helpers
-// A scale from the largest magnitude it covers: amax / 127 (1 where all are 0), at least 2^-14 (the
-// smallest normal float16), kept in float16; the codes are computed with that float16 value.
-COMB_INLINE at::Half int8_scale(float amax) {
-  const float s = amax / 127.0f;
-  return at::Half(s > 0 ? std::max(s, 6.103515625e-05f) : 1.0f);
-}
-
-// NOTE: the tensor-op quantization below runs about ten ops per K and per V of every block; a cold
-// request converts each new document's 28 blocks one at a time, so on short documents the ops'
-// overhead outweighs the work. One pass each here, with the same arithmetic (the float16 scale,
-// float32 division by it, round half to even, clamp), so the codes and scales are those of the
-// tensor ops.
-COMB_INLINE std::array<at::Tensor, 4> quantize_int8_cpu(const at::Tensor& k, const at::Tensor& v) {
-  const int64_t heads = k.size(0), n = k.size(1), d = k.size(2);
-  const bool per_channel = DocumentKV::keys_per_channel(n, d);
-  at::Tensor kq = at::empty({heads, n, d}, at::kChar), vq = at::empty({heads, n, d}, at::kChar);
-  at::Tensor ks = per_channel ? at::empty({heads, 1, d}, at::kHalf) : at::empty({heads, n, 1}, at::kHalf);
-  at::Tensor vs = at::empty({heads, n, 1}, at::kHalf);
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  int8_t* kqp = kq.data_ptr<int8_t>();
-  int8_t* vqp = vq.data_ptr<int8_t>();
-  at::Half* ksp = ks.data_ptr<at::Half>();
-  at::Half* vsp = vs.data_ptr<at::Half>();
-  auto code = [](float x, float scale) {
-    const float q = std::nearbyint(x / scale);
-    return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
-  };
-  auto row = [&](const float* x, int8_t* q, at::Half* scale) {  // one head, one token
-    float m = 0.0f;
-    for (int64_t j = 0; j < d; ++j) m = std::max(m, std::fabs(x[j]));
-    *scale = int8_scale(m);
-    const float s = static_cast<float>(*scale);
-    for (int64_t j = 0; j < d; ++j) q[j] = code(x[j], s);
-  };
-  for (int64_t r = 0; r < heads * n; ++r) row(vp + r * d, vqp + r * d, vsp + r);
-  if (!per_channel) {
-    for (int64_t r = 0; r < heads * n; ++r) row(kp + r * d, kqp + r * d, ksp + r);
-    return {kq, ks, vq, vs};
-  }
-  std::vector<float> m(d), scale(d);
-  for (int64_t h = 0; h < heads; ++h) {  // keys: a scale per channel over the tokens
-    std::fill(m.begin(), m.end(), 0.0f);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < d; ++j) m[j] = std::max(m[j], std::fabs(kp[(h * n + t) * d + j]));
-    for (int64_t j = 0; j < d; ++j) {
-      ksp[h * d + j] = int8_scale(m[j]);
-      scale[j] = static_cast<float>(ksp[h * d + j]);
-    }
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < d; ++j) kqp[(h * n + t) * d + j] = code(kp[(h * n + t) * d + j], scale[j]);
-  }
-  return {kq, ks, vq, vs};
-}
-}  // namespace detail::store
-
-COMB_INLINE void dequantize_linked(std::vector<std::vector<at::Tensor>>& keys,
-                                   std::vector<std::vector<at::Tensor>>& values,
-                                   const std::vector<std::vector<at::Tensor>>& key_scales,
-                                   const std::vector<std::vector<at::Tensor>>& value_scales) {
-  COMB_CHECK(key_scales.size() == value_scales.size() && (key_scales.empty() || key_scales.size() == keys.size()) &&
-                 values.size() == keys.size(),
-             "linked documents: scales for {} and {} blocks, K/V for {} and {}", key_scales.size(), value_scales.size(),
-             keys.size(), values.size());
-  for (size_t b = 0; b < key_scales.size(); ++b) {
-    COMB_CHECK(key_scales[b].size() == keys[b].size() && value_scales[b].size() == keys[b].size() &&
-                   values[b].size() == keys[b].size(),
-               "linked documents: block {} has {} documents but {} and {} scales", b, keys[b].size(),
-               key_scales[b].size(), value_scales[b].size());
-    for (size_t d = 0; d < keys[b].size(); ++d)
-      if (key_scales[b][d].defined()) {
-        keys[b][d] = keys[b][d].to(at::kFloat) * key_scales[b][d];
-        values[b][d] = values[b][d].to(at::kFloat) * value_scales[b][d];
-      }
-  }
-}
-
-COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype) const {
-  DocumentKV out;
-  out.n_tokens = n_tokens;
-  const bool from_int8 = quantized();
-  for (size_t b = 0; b < keys.size(); ++b) {
-    at::Tensor k = keys[b].to(device), v = values[b].to(device);
-    if (from_int8 && dtype == at::kChar) {  // already int8: the same codes and scales, moved
-      out.keys.push_back(k.contiguous());
-      out.values.push_back(v.contiguous());
-      out.key_scales.push_back(key_scales.at(b).to(device).contiguous());
-      out.value_scales.push_back(value_scales.at(b).to(device).contiguous());
-      continue;
-    }
-    if (from_int8) {  // back to float32 first
-      k = k.to(at::kFloat) * key_scales.at(b).to(device);
-      v = v.to(at::kFloat) * value_scales.at(b).to(device);
-    }
-    if (dtype == at::kChar && k.device().is_cpu() && k.scalar_type() == at::kFloat && k.dim() == 3 &&
-        v.sizes() == k.sizes() && v.scalar_type() == at::kFloat) {
-      auto [kq, ks, vq, vs] = detail::store::quantize_int8_cpu(k.contiguous(), v.contiguous());
-      out.keys.push_back(kq);
-      out.values.push_back(vq);
-      out.key_scales.push_back(ks);
-      out.value_scales.push_back(vs);
-      continue;
-    }
-    if (dtype == at::kChar) {
-      k = k.to(at::kFloat);
-      v = v.to(at::kFloat);
-      // As quantize_int8_cpu: float16 scales of amax / 127 (at least 2^-14; 1 for all zeros).
-      auto scales = [](const at::Tensor& amax) {
-        at::Tensor s = amax / 127.0;
-        return at::where(s > 0, s.clamp_min(6.103515625e-05), at::ones_like(s)).to(at::kHalf);
-      };
-      const bool per_channel = keys_per_channel(k.size(1), k.size(2));
-      at::Tensor ks = scales(k.abs().amax(per_channel ? 1 : 2, /*keepdim=*/true)), vs = scales(v.abs().amax(2, true));
-      out.keys.push_back((k / ks.to(at::kFloat)).round().clamp(-127, 127).to(at::kChar).contiguous());
-      out.values.push_back((v / vs.to(at::kFloat)).round().clamp(-127, 127).to(at::kChar).contiguous());
-      out.key_scales.push_back(ks.contiguous());
-      out.value_scales.push_back(vs.contiguous());
-      continue;
-    }
-    out.keys.push_back(k.to(dtype).contiguous());
-    out.values.push_back(v.to(dtype).contiguous());
-  }
-  return out;
-}
 
 COMB_INLINE std::string CacheKey::hex() const { return fmt::format("{:016x}{:016x}", high, low); }
 
@@ -686,52 +534,25 @@ COMB_INLINE StoreStats PICacheStore::stats() const {
   return s;
 }
 
-// ================================================================================================
-// Linker (declared in plugin.hpp, beside DocumentKV, whose storage code is here too)
-// ================================================================================================
-
-COMB_INLINE LinkedDocuments Linker::link(const std::vector<std::shared_ptr<const DocumentKV>>& documents) const {
-  return link_batch({documents});
+COMB_INLINE c10::ScalarType parse_cache_dtype(const std::string& name) {
+  if (name == "auto") return c10::ScalarType::Undefined;
+  if (name == "int8") return at::kChar;
+  try {
+    return parse_dtype(name);
+  } catch (const Error&) {
+    COMB_FAIL("unknown cache dtype '{}' (expected auto, float32, bfloat16, float16 or int8)", name);
+  }
 }
 
-COMB_INLINE LinkedDocuments Linker::link_batch(const std::vector<std::vector<std::shared_ptr<const DocumentKV>>>& documents) const {
-  LinkedDocuments out;
-  size_t n_blocks = 0;
-  for (const auto& request : documents)
-    for (const auto& d : request) {
-      COMB_CHECK(d && !d->keys.empty(), "a linked document is empty");
-      COMB_CHECK(n_blocks == 0 || d->keys.size() == n_blocks,
-                 "linked documents come from different plug-ins ({} and {} cross blocks)", n_blocks, d->keys.size());
-      n_blocks = d->keys.size();
-    }
-  out.keys.resize(n_blocks);
-  out.values.resize(n_blocks);
-  if (keep_int8_) {
-    out.key_scales.resize(n_blocks);
-    out.value_scales.resize(n_blocks);
+COMB_INLINE std::string cache_dtype_name(c10::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kChar: return "int8";
+    case c10::ScalarType::Undefined: return "auto";
+    default: return c10::toString(dtype);
   }
-  for (const auto& request : documents) {
-    out.doc_counts.push_back(static_cast<int64_t>(request.size()));
-    for (auto d : request) {
-      // A host-tier entry for a GPU decoder: one copy; an int8 entry: read as float32 (the store
-      // keeps the int8 one), or linked as it is (keep_int8).
-      const bool as_stored = keep_int8_ && d->quantized() && d->keys[0].device() == device_;
-      if (d->quantized() && !as_stored)
-        d = std::make_shared<const DocumentKV>(d->to(device_, at::kFloat));
-      else if (d->keys[0].device() != device_)
-        d = std::make_shared<const DocumentKV>(d->to(device_, d->keys[0].scalar_type()));
-      for (size_t b = 0; b < n_blocks; ++b) {
-        out.keys[b].push_back(d->keys[b]);
-        out.values[b].push_back(d->values[b]);
-        if (keep_int8_) {
-          out.key_scales[b].push_back(as_stored ? d->key_scales.at(b) : at::Tensor());
-          out.value_scales[b].push_back(as_stored ? d->value_scales.at(b) : at::Tensor());
-        }
-      }
-      out.held.push_back(std::move(d));
-    }
-  }
-  return out;
 }
 
 }  // namespace comb

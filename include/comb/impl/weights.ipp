@@ -3,6 +3,7 @@
 // defines COMB_HEADER_ONLY (comb::header_only); COMB_INLINE is `inline` there.
 #pragma once
 #include "comb/detail/inline.hpp"
+#include <xxhash.h>
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -11,7 +12,7 @@
 #include <optional>
 
 #include "comb/error.hpp"
-#include "comb/plugin.hpp"  // BaseFingerprint: the weights' fingerprint, which plug-ins check
+#include "comb/detail/hash.hpp"
 #include "comb/weights.hpp"
 
 namespace comb {
@@ -380,5 +381,27 @@ COMB_INLINE std::vector<std::pair<std::string, at::Tensor>> llama_weights_hf_nam
   if (!c.tie_embeddings) out.emplace_back("lm_head.weight", w.output_q ? w.output_q->dequantize() : w.output);
   return out;
 }
+
+// ---- The base fingerprint ------------------------------------------------------------------
+
+COMB_INLINE BaseFingerprint::BaseFingerprint(const ModelConfig& c) {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_128bits_reset(state);
+  std::string dims = fmt::format("{} {} {} {} {} {} {} {} {}", c.architecture, c.n_vocab, c.n_embd, c.n_ff, c.n_layer,
+                                 c.n_head, c.n_head_kv, c.head_dim, c.rope_theta);
+  XXH3_128bits_update(state, dims.data(), dims.size());
+  state_ = state;
+}
+
+COMB_INLINE BaseFingerprint::~BaseFingerprint() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+
+COMB_INLINE void BaseFingerprint::add(const at::Tensor& t) {
+  detail::hash::hash_tensor(static_cast<XXH3_state_t*>(state_), t.to(at::kBFloat16));
+}
+
+COMB_INLINE std::string BaseFingerprint::finish() {
+  return detail::hash::hex128(XXH3_128bits_digest(static_cast<XXH3_state_t*>(state_)));
+}
+
 
 }  // namespace comb

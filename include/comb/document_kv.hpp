@@ -1,0 +1,94 @@
+#pragma once
+// A document's cached K/V (DocumentKV: per block, float or int8 with scales), as a store keeps it,
+// and a request's documents linked in order for the decoder (LinkedDocuments, Linker).
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "comb/decoder.hpp"  // JointKV
+
+namespace comb {
+
+// Stored as float32, bfloat16, float16 or int8. int8 (symmetric, round to nearest) keeps float16
+// scales: one per value row ([n_head_kv, n_tokens, 1]) and, for keys, one per channel over the
+// document's tokens ([n_head_kv, 1, head_dim]: keys have outlier channels) or, for documents of
+// fewer than head_dim / 2 tokens, one per row (where per-channel scales would cost more than the
+// codes' savings); the element is q * scale. Entries written with float32 scales per key channel
+// (disk dtype 3) are still read as they are.
+struct DocumentKV {
+  std::vector<at::Tensor> keys;    // per block: [n_head_kv, n_tokens, head_dim]
+  std::vector<at::Tensor> values;  // per block: [n_head_kv, n_tokens, head_dim]
+  std::vector<at::Tensor> key_scales, value_scales;  // per block, int8 only (else empty)
+  int64_t n_tokens = 0;
+  bool quantized() const { return !key_scales.empty(); }
+  c10::ScalarType dtype() const;   // the storage dtype (kChar for int8)
+  int64_t bytes() const;           // scales included
+  // A copy on `device` in `dtype` (kChar: quantized to int8; from int8: dequantized).
+  DocumentKV to(c10::Device device, c10::ScalarType dtype) const;
+  // Whether int8 keys of a document of `n_tokens` are scaled per channel (else per row).
+  static bool keys_per_channel(int64_t n_tokens, int64_t head_dim);
+  // Bytes a document of `n_tokens` takes in `dtype` with `n_blocks` blocks of [n_head_kv, head_dim].
+  static int64_t storage_bytes(c10::ScalarType dtype, int64_t n_blocks, int64_t n_head_kv, int64_t head_dim,
+                               int64_t n_tokens);
+};
+
+// Documents linked int8 as stored (Linker with keep_int8): keys and values [block][document], the
+// scales beside them (undefined for a document of another dtype; empty: none). Each int8 one is
+// read as float32 in place (q * scale), as DocumentKV::to does.
+void dequantize_linked(std::vector<std::vector<at::Tensor>>& keys, std::vector<std::vector<at::Tensor>>& values,
+                       const std::vector<std::vector<at::Tensor>>& key_scales,
+                       const std::vector<std::vector<at::Tensor>>& value_scales);
+
+// Documents linked for the decoder's cross-attention: per cross block, the documents of every
+// request in order, without copying them into one tensor.
+struct LinkedDocuments {
+  std::vector<std::vector<at::Tensor>> keys;    // [block][document]: [n_head_kv, len, head_dim]
+  std::vector<std::vector<at::Tensor>> values;  // [block][document]
+  std::vector<int64_t> doc_counts;              // [batch]: documents of each request
+  // Linker with keep_int8: int8 entries are linked as stored, their scales here [block][document]
+  // (undefined for a document of another dtype); only joint-attention plug-ins read them so.
+  // Empty otherwise (every linked K/V is float).
+  std::vector<std::vector<at::Tensor>> key_scales, value_scales;
+  std::vector<std::shared_ptr<const DocumentKV>> held;  // keeps every linked entry alive
+  // A plug-in with documents_after_prefix: the prompt position the documents end at (the length
+  // of the instruction prefix); positions before it do not read them. 0: every position does.
+  int64_t anchor = 0;
+  bool empty() const { return held.empty(); }
+  // A joint-attention plug-in's view of them (Plugin::joint_kv), built by the first
+  // Model::forward that reads them and reused by every decoding step after it.
+  struct Joined {
+    std::mutex mutex;
+    std::string plugin;  // the fingerprint of the plug-in that built `blocks`
+    int64_t anchor = 0;  // and the anchor they were built for
+    std::vector<JointKV> blocks;
+  };
+  std::shared_ptr<Joined> joined = std::make_shared<Joined>();
+};
+
+class Linker {
+ public:
+  // keep_int8: int8 entries on `device` linked as stored, with their scales (a joint-attention
+  // plug-in reads them so, dequantizing while it places them); otherwise read as float32.
+  explicit Linker(c10::Device device, bool keep_int8 = false) : device_(device), keep_int8_(keep_int8) {}
+  // One request's documents, in the order given.
+  LinkedDocuments link(const std::vector<std::shared_ptr<const DocumentKV>>& documents) const;
+  // A batch of requests, each with its own documents.
+  LinkedDocuments link_batch(const std::vector<std::vector<std::shared_ptr<const DocumentKV>>>& documents) const;
+
+ private:
+  c10::Device device_;
+  bool keep_int8_ = false;
+};
+
+}  // namespace comb
+
+// Header-only use (COMB_HEADER_ONLY, comb::header_only): the definitions, inline.
+#ifdef COMB_HEADER_ONLY
+#include "comb/impl/document_kv.ipp"
+#endif

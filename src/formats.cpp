@@ -1,2 +1,0 @@
-// The compiled form of include/comb/impl/formats.ipp (comb::comb).
-#include "comb/impl/formats.ipp"
