@@ -612,6 +612,278 @@ COMB_INLINE std::ofstream open_step_log(const fs::path& path, const std::string&
 }
 }  // namespace detail::train
 
+namespace detail::train {  // this file's own helpers
+
+// ---- Optimizer and checkpoint -----------------------------------------------------------------
+
+// AdamW over the plug-in's float32 masters (plugin_parameters()), its moments kept beside the
+// checkpoint: `dir`/checkpoint.safetensors (the plug-in) and `dir`/optimizer.safetensors (m, v and
+// the step), written so that the two agree whenever both exist.
+struct Optimizer {
+  static constexpr double b1 = 0.9, b2 = 0.95, eps = 1e-8;
+  fs::path ckpt, optim;
+  std::vector<std::pair<std::string, at::Tensor*>> params;
+  std::vector<at::Tensor> m, v;
+
+  explicit Optimizer(const std::string& dir)
+      : ckpt(fs::path(dir) / "checkpoint.safetensors"), optim(fs::path(dir) / "optimizer.safetensors") {}
+
+  // The step to start from: the checkpoint's (and `plugin` replaced by it) when `resume` finds one, else 0.
+  int64_t resume(bool resume, Plugin& plugin, const Decoder& base) {
+    params = plugin_parameters(plugin.config(), plugin.mutable_weights());
+    if (!resume || !fs::exists(ckpt) || !fs::exists(optim)) return 0;
+    Plugin saved = Plugin::load(ckpt.string(), base);
+    COMB_CHECK(saved.config().cross_layers == plugin.config().cross_layers,
+               "'{}' holds a plug-in with cross blocks before layers [{}], not [{}]: use another --dir", ckpt.string(),
+               fmt::join(saved.config().cross_layers, ", "), fmt::join(plugin.config().cross_layers, ", "));
+    plugin = saved;
+    params = plugin_parameters(plugin.config(), plugin.mutable_weights());
+    SafetensorsFile f(optim.string());
+    auto it = f.metadata().find("step");
+    COMB_CHECK(it != f.metadata().end(), "'{}' has no 'step' metadata", optim.string());
+    const int64_t step = std::stoll(it->second);
+    WeightReader r(f, at::kFloat, base.device());
+    for (auto& [name, p] : params) {
+      m.push_back(r.get("m." + name, p->sizes().vec()));
+      v.push_back(r.get("v." + name, p->sizes().vec()));
+    }
+    r.finish(fmt::format("'{}' does not match the plug-in", optim.string()));
+    return step;
+  }
+
+  // The masters made float32 on `device` and taking gradients; fresh moments where none were read.
+  void start(c10::Device device) {
+    for (auto& [name, p] : params) {
+      at::Tensor t = p->detach().to(device, at::kFloat).clone();
+      t.set_requires_grad(true);
+      *p = t;
+    }
+    if (m.empty())
+      for (auto& [name, p] : params) {
+        m.push_back(at::zeros_like(*p).detach());
+        v.push_back(at::zeros_like(*p).detach());
+      }
+  }
+
+  // One update from the accumulated gradients (0-based optimizer step `step`): the global norm,
+  // clipping, AdamW (no decay on vectors, the gates' own learning rate). Returns the norm.
+  double update(const TrainOptions& o, int64_t step) {
+    c10::AutoGradMode no_grad(false);
+    std::vector<at::Tensor> sq;
+    for (auto& [name, p] : params)
+      if (p->grad().defined()) sq.push_back(p->grad().pow(2).sum());
+    const double norm = sq.empty() ? 0.0 : std::sqrt(at::stack(sq).sum().item<double>());
+    double clip_scale = (o.clip > 0 && norm > o.clip) ? o.clip / (norm + 1e-6) : 1.0;
+    const double lr = lr_at(o, step);
+    const double bc1 = 1 - std::pow(b1, step + 1), bc2 = 1 - std::pow(b2, step + 1);
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor& p = *params[i].second;
+      if (!p.grad().defined()) continue;
+      at::Tensor g = p.grad();
+      if (clip_scale != 1.0) g = g * clip_scale;
+      const bool is_gate = params[i].first.find("gate") != std::string::npos && p.dim() == 1 && p.numel() == 1;
+      const bool decay = p.dim() >= 2;
+      const double plr = lr * (is_gate ? o.gate_lr_scale : 1.0);
+      m[i].mul_(b1).add_(g, 1 - b1);
+      v[i].mul_(b2).addcmul_(g, g, 1 - b2);
+      if (decay && o.weight_decay > 0) p.data().mul_(1 - plr * o.weight_decay);
+      p.data().addcdiv_(m[i] / bc1, (v[i] / bc2).sqrt_().add_(eps), -plr);
+      p.mutable_grad().reset();
+    }
+    return norm;
+  }
+
+  // The plug-in and the moments after `at_step` steps, written whole or not at all.
+  void save(Plugin& plugin, int64_t at_step, uint64_t seed) {
+    plugin.refresh_fingerprint();
+    fs::path tmp = ckpt;
+    tmp += ".tmp";
+    plugin.save(tmp.string());  // written whole or not at all, then renamed after the optimizer state
+    std::vector<std::pair<std::string, at::Tensor>> state;
+    for (size_t i = 0; i < params.size(); ++i) {
+      state.emplace_back("m." + params[i].first, m[i]);
+      state.emplace_back("v." + params[i].first, v[i]);
+    }
+    save_safetensors(optim.string(), state, {{"format", "pt"}, {"step", std::to_string(at_step)}, {"seed", std::to_string(seed)}});
+    fs::rename(tmp, ckpt);  // the checkpoint last: it and the optimizer state agree when both exist
+  }
+};
+
+// ---- Data: a micro-batch's examples and their targets --------------------------------------------
+
+// The examples of (seed, step, micro-batch), fixed: a resumed run sees what it would have. With a
+// teacher, each example's target becomes the decoder's own answer (computed once, then from the
+// file); an example the decoder answers with nothing at all teaches nothing and is left out, and
+// `taught` receives each kept example's answer.
+COMB_INLINE std::vector<TrainExample> micro_batch(const Model& model, const TrainData& data, const TrainOptions& o,
+                                                  int64_t step, int64_t micro, TeacherCache* teacher,
+                                                  bool batched_teacher, std::vector<const TeacherAnswer*>& taught,
+                                                  TrainResult& result) {
+  std::mt19937_64 rng(o.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step) * 1000003ull + micro);
+  std::vector<TrainExample> examples;
+  for (int64_t i = 0; i < o.batch_size; ++i) examples.push_back(data.sample(rng));
+  taught.clear();
+  if (!teacher) return examples;
+  std::vector<TrainExample> kept;
+  if (batched_teacher) {  // the answers the file lacks, computed together first
+    std::vector<TrainExample> missing;
+    std::vector<std::string> keys;
+    for (const auto& e : examples) {
+      std::string key = TeacherCache::key(e);
+      if (!teacher->find(key) && std::find(keys.begin(), keys.end(), key) == keys.end()) {
+        missing.push_back(e);
+        keys.push_back(std::move(key));
+      }
+    }
+    if (!missing.empty()) {
+      std::vector<TeacherAnswer> got = teacher_answers(model, missing, o.teacher_tokens, o.teacher_top_k);
+      for (size_t i = 0; i < got.size(); ++i) teacher->add(keys[i], std::move(got[i]));
+      result.teacher_computed += static_cast<int64_t>(got.size());
+      result.teacher_reused -= static_cast<int64_t>(got.size());  // found below, computed here
+    }
+  }
+  for (auto& e : examples) {
+    const std::string key = TeacherCache::key(e);
+    const TeacherAnswer* t = teacher->find(key);
+    if (!t) {
+      t = &teacher->add(key, teacher_answer(model, e, o.teacher_tokens, o.teacher_top_k));
+      ++result.teacher_computed;
+    } else {
+      ++result.teacher_reused;
+    }
+    if (t->answer.empty()) continue;
+    e.answer = t->answer;
+    kept.push_back(std::move(e));
+    taught.push_back(t);
+  }
+  return kept;
+}
+
+// ---- The objective ----------------------------------------------------------------------------
+
+// One micro-batch's loss: cross-entropy of the targets, plus kl_weight times the KL divergence to
+// the teacher (its stored top-k, or with gold targets the full-context distribution), and with
+// reading_check the cross-entropy of the same targets with each example reading the next one's
+// documents (no gradient: what reading buys).
+struct MicroLoss {
+  at::Tensor loss, ce;
+  double kl = 0, ce_swapped = 0;
+  bool swapped = false;  // ce_swapped was measured
+  int64_t real_tokens = 0;
+};
+COMB_INLINE MicroLoss micro_loss(const Decoder& base, Plugin& plugin, const std::vector<TrainExample>& examples,
+                                 const std::vector<const TeacherAnswer*>& taught, bool teacher, const TrainOptions& o,
+                                 c10::Device device) {
+  MicroLoss out;
+  TrainBatch batch = make_train_batch(examples, device);
+  at::Tensor logits = plugin_train_logits(base, plugin, plugin.weights(), batch);
+  out.ce = at::cross_entropy_loss(logits, batch.targets);
+  out.loss = out.ce;
+  out.real_tokens = batch.real_tokens;
+  if (o.kl_weight > 0 && teacher) {
+    // The stored top-k of the teacher at each of its own answer tokens (rows in batch order).
+    std::vector<int64_t> ids;
+    std::vector<float> lps;
+    for (const TeacherAnswer* t : taught)
+      for (size_t r = 0; r < t->answer.size(); ++r) {
+        ids.insert(ids.end(), t->top_ids[r].begin(), t->top_ids[r].end());
+        lps.insert(lps.end(), t->top_logprobs[r].begin(), t->top_logprobs[r].end());
+      }
+    const int64_t rows = logits.size(0), k = o.teacher_top_k;
+    at::Tensor top_ids = at::from_blob(ids.data(), {rows, k}, at::kLong).clone().to(device);
+    at::Tensor top_lp = at::from_blob(lps.data(), {rows, k}, at::kFloat).clone().to(device);
+    at::Tensor kl = top_k_kl(logits, top_ids, top_lp);
+    out.loss = out.loss + o.kl_weight * kl;
+    out.kl = kl.item<double>();
+  } else if (o.kl_weight > 0) {
+    at::Tensor full = at::log_softmax(full_context_logits(base, examples, device), -1);
+    at::Tensor kl = at::kl_div(at::log_softmax(logits, -1), full, at::Reduction::None, /*log_target=*/true)
+                        .sum(-1)
+                        .mean();
+    out.loss = out.loss + o.kl_weight * kl;
+    out.kl = kl.item<double>();
+  }
+  if (o.reading_check && examples.size() >= 2) {
+    c10::AutoGradMode no_grad(false);
+    std::vector<TrainExample> swapped = examples;
+    for (size_t i = 0; i < swapped.size(); ++i) swapped[i].documents = examples[(i + 1) % examples.size()].documents;
+    TrainBatch sb = make_train_batch(swapped, device);
+    at::Tensor sl = plugin_train_logits(base, plugin, plugin.weights(), sb);
+    out.ce_swapped = at::cross_entropy_loss(sl, sb.targets).item<double>();
+    out.swapped = true;
+  }
+  return out;
+}
+
+// ---- Progress: the loss log and the dev log ---------------------------------------------------
+
+// Sums over the steps since the last log line.
+struct Window {
+  double loss = 0, ce = 0, kl = 0, tokens = 0, swapped = 0;
+  int64_t steps = 0, swapped_steps = 0;
+  std::chrono::steady_clock::time_point t0;
+};
+
+// Writes the window's line to `csv` (and on_progress), then starts a new window.
+COMB_INLINE void log_window(Window& w, const Plugin& plugin, const TrainOptions& o, int64_t step, int64_t first,
+                            double norm, std::chrono::steady_clock::time_point t0, std::ofstream& csv,
+                            TrainResult& result) {
+  auto now = std::chrono::steady_clock::now();
+  double secs = std::chrono::duration<double>(now - w.t0).count();
+  double tps = w.tokens / std::max(secs, 1e-9);
+  // Joint blocks have no gates: their column is NaN.
+  double attn_gate = plugin.config().joint_attention ? std::nan("") : 0.0, mlp_gate = 0;
+  for (const auto& b : plugin.weights().cross) {
+    if (b.attn_gate.defined()) attn_gate += std::tanh(b.attn_gate.item<double>());
+    if (b.mlp_gate.defined()) mlp_gate += std::tanh(b.mlp_gate.item<double>());
+  }
+  attn_gate /= plugin.weights().cross.size();
+  mlp_gate /= plugin.weights().cross.size();
+  result.last_loss = w.loss / w.steps;
+  const double ce_swapped = w.swapped_steps ? w.swapped / w.swapped_steps : std::nan("");
+  csv << fmt::format("{},{:.5f},{:.5f},{:.5f},{:.3e},{:.4f},{:.0f},{:.4f},{:.4f},{:.5f}\n", step + 1, result.last_loss,
+                     w.ce / w.steps, w.kl / w.steps, lr_at(o, step), norm, tps, attn_gate, mlp_gate, ce_swapped);
+  csv.flush();
+  if (o.on_progress) {
+    TrainProgress pr;
+    pr.step = step + 1;
+    pr.steps = o.steps;
+    pr.loss = result.last_loss;
+    pr.lr = lr_at(o, step);
+    pr.grad_norm = norm;
+    pr.tokens_per_s = tps;
+    pr.attn_gate = attn_gate;
+    pr.mlp_gate = mlp_gate;
+    pr.ce = w.ce / w.steps;
+    pr.ce_swapped = ce_swapped;
+    pr.elapsed_s = std::chrono::duration<double>(now - t0).count();
+    pr.eta_s = pr.elapsed_s / (step + 1 - first) * (o.steps - step - 1);
+    o.on_progress(pr);
+  }
+  w = Window{};
+  w.t0 = now;
+}
+
+// The dev check on a detached copy of the plug-in, one line of `dev_csv`.
+COMB_INLINE void dev_check(const Plugin& plugin, const TrainOptions& o, int64_t at_step, std::ofstream& dev_csv,
+                           TrainResult& result) {
+  auto started = std::chrono::steady_clock::now();
+  Plugin snapshot = plugin;  // tensors shared; detached below in the copy only
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [name, p] : plugin_parameters(snapshot.config(), snapshot.mutable_weights())) *p = p->detach();
+    snapshot.refresh_fingerprint();
+  }
+  const DevCheck d = o.dev_check(snapshot);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  dev_csv << fmt::format("{},{:.5f},{},{:.1f}\n", at_step, d.accuracy, d.items, secs);
+  dev_csv.flush();
+  result.dev_accuracy = d.accuracy;
+}
+}  // namespace detail::train
+
+// ---- The loop ---------------------------------------------------------------------------------
+
 COMB_INLINE TrainResult train_plugin(const Model& model, Plugin& plugin, const TrainData& data, const TrainOptions& o) {
   COMB_CHECK(o.steps > 0 && o.batch_size > 0 && o.accumulation > 0,
              "steps ({}), batch ({}) and accumulation ({}) must be > 0", o.steps, o.batch_size, o.accumulation);
@@ -625,85 +897,30 @@ COMB_INLINE TrainResult train_plugin(const Model& model, Plugin& plugin, const T
   const Decoder& base = model.decoder();
   const c10::Device device = base.device();
   fs::create_directories(o.dir);
-  const fs::path ckpt = fs::path(o.dir) / "checkpoint.safetensors", optim = fs::path(o.dir) / "optimizer.safetensors",
-                 csv_path = fs::path(o.dir) / "loss.csv";
   TrainResult result;
-  auto params = plugin_parameters(plugin.config(), plugin.mutable_weights());
-  // fp32 masters that take gradients; the forward casts them to the decoder's dtype.
-  std::vector<at::Tensor> m, v;
-  int64_t step = 0;
-  if (o.resume && fs::exists(ckpt) && fs::exists(optim)) {
-    Plugin saved = Plugin::load(ckpt.string(), base);
-    COMB_CHECK(saved.config().cross_layers == plugin.config().cross_layers,
-               "'{}' holds a plug-in with cross blocks before layers [{}], not [{}]: use another --dir", ckpt.string(),
-               fmt::join(saved.config().cross_layers, ", "), fmt::join(plugin.config().cross_layers, ", "));
-    plugin = saved;
-    params = plugin_parameters(plugin.config(), plugin.mutable_weights());
-    SafetensorsFile f(optim.string());
-    auto it = f.metadata().find("step");
-    COMB_CHECK(it != f.metadata().end(), "'{}' has no 'step' metadata", optim.string());
-    step = std::stoll(it->second);
-    WeightReader r(f, at::kFloat, device);
-    for (auto& [name, p] : params) {
-      m.push_back(r.get("m." + name, p->sizes().vec()));
-      v.push_back(r.get("v." + name, p->sizes().vec()));
-    }
-    r.finish(fmt::format("'{}' does not match the plug-in", optim.string()));
+  detail::train::Optimizer opt(o.dir);
+  int64_t step = opt.resume(o.resume, plugin, base);
+  if (step > 0) {
     result.resumed_from = step;
-    log(LogLevel::info, "train: resuming from step {} ({})", step, ckpt.string());
+    log(LogLevel::info, "train: resuming from step {} ({})", step, opt.ckpt.string());
   }
   COMB_CHECK(o.open_gates >= 0 && o.open_gates < 1, "open gates must be in [0, 1), found {}", o.open_gates);
   if (step == 0 && o.open_gates > 0)
     // Closed gates pass no gradient to the blocks' weights; opened a little, they learn from the start.
     for (auto& b : plugin.mutable_weights().cross)
       if (b.attn_gate.defined()) b.attn_gate = at::full_like(b.attn_gate, std::atanh(o.open_gates));
-  for (auto& [name, p] : params) {
-    at::Tensor t = p->detach().to(device, at::kFloat).clone();
-    t.set_requires_grad(true);
-    *p = t;
-  }
-  if (m.empty())
-    for (auto& [name, p] : params) {
-      m.push_back(at::zeros_like(*p).detach());
-      v.push_back(at::zeros_like(*p).detach());
-    }
+  // fp32 masters that take gradients; the forward casts them to the decoder's dtype.
+  opt.start(device);
   // Loss log: keep rows of steps already done (a resumed run rewrites the rest).
   std::ofstream csv = detail::train::open_step_log(
-      csv_path, "step,loss,ce,kl,lr,grad_norm,tokens_per_s,attn_gate_mean,mlp_gate_mean,ce_swapped", step);
+      fs::path(o.dir) / "loss.csv", "step,loss,ce,kl,lr,grad_norm,tokens_per_s,attn_gate_mean,mlp_gate_mean,ce_swapped",
+      step);
   // The dev log, kept the same way; opened only when there is a dev check.
   COMB_CHECK(o.dev_every >= 0, "dev checks every {} steps: expected >= 0 (0: none)", o.dev_every);
   const bool dev_checks = o.dev_check && o.dev_every > 0;
   std::ofstream dev_csv;
   if (dev_checks)
     dev_csv = detail::train::open_step_log(fs::path(o.dir) / "dev.csv", "step,accuracy,items,seconds", step);
-  auto dev_check = [&](int64_t at_step) {
-    auto started = std::chrono::steady_clock::now();
-    Plugin snapshot = plugin;  // tensors shared; detached below in the copy only
-    {
-      at::NoGradGuard no_grad;
-      for (auto& [name, p] : plugin_parameters(snapshot.config(), snapshot.mutable_weights())) *p = p->detach();
-      snapshot.refresh_fingerprint();
-    }
-    const DevCheck d = o.dev_check(snapshot);
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    dev_csv << fmt::format("{},{:.5f},{},{:.1f}\n", at_step, d.accuracy, d.items, secs);
-    dev_csv.flush();
-    result.dev_accuracy = d.accuracy;
-  };
-
-  auto save = [&](int64_t at_step) {
-    plugin.refresh_fingerprint();
-    fs::path tmp = ckpt;
-    tmp += ".tmp";
-    plugin.save(tmp.string());  // written whole or not at all, then renamed after the optimizer state
-    std::vector<std::pair<std::string, at::Tensor>> state;
-    for (size_t i = 0; i < params.size(); ++i) {
-      state.emplace_back("m." + params[i].first, m[i]);
-      state.emplace_back("v." + params[i].first, v[i]);
-    }
-    save_safetensors(optim.string(), state, {{"format", "pt"}, {"step", std::to_string(at_step)}, {"seed", std::to_string(o.seed)}});
-    fs::rename(tmp, ckpt);  // the checkpoint last: it and the optimizer state agree when both exist
-  };
 
   std::unique_ptr<TeacherCache> teacher;
   const bool batched_teacher = o.teacher_batched < 0 ? !device.is_cpu() : o.teacher_batched > 0;
@@ -714,181 +931,46 @@ COMB_INLINE TrainResult train_plugin(const Model& model, Plugin& plugin, const T
         teacher->size(), path);
   }
 
-  const double b1 = 0.9, b2 = 0.95, eps = 1e-8;
   auto t0 = std::chrono::steady_clock::now();
-  double window_loss = 0, window_ce = 0, window_kl = 0, window_tokens = 0, window_swapped = 0;
-  int64_t window_steps = 0, window_swapped_steps = 0;
-  auto window_t0 = t0;
+  detail::train::Window window;
+  window.t0 = t0;
   const int64_t first = step;
+  std::vector<const TeacherAnswer*> taught;
   for (; step < o.steps; ++step) {
     double step_loss = 0, step_ce = 0, step_kl = 0, step_swapped = 0;
     int64_t swapped_micro = 0;
     for (int64_t micro = 0; micro < o.accumulation; ++micro) {
-      // The examples of (seed, step, micro-batch) are fixed: a resumed run sees what it would have.
-      std::mt19937_64 rng(o.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step) * 1000003ull + micro);
-      std::vector<TrainExample> examples;
-      for (int64_t i = 0; i < o.batch_size; ++i) examples.push_back(data.sample(rng));
-      std::vector<const TeacherAnswer*> taught;
-      if (teacher) {
-        // Each example's target becomes the decoder's own answer (computed once, then from the file);
-        // an example the decoder answers with nothing at all teaches nothing and is left out.
-        std::vector<TrainExample> kept;
-        if (batched_teacher) {  // the answers the file lacks, computed together first
-          std::vector<TrainExample> missing;
-          std::vector<std::string> keys;
-          for (const auto& e : examples) {
-            std::string key = TeacherCache::key(e);
-            if (!teacher->find(key) && std::find(keys.begin(), keys.end(), key) == keys.end()) {
-              missing.push_back(e);
-              keys.push_back(std::move(key));
-            }
-          }
-          if (!missing.empty()) {
-            std::vector<TeacherAnswer> got = teacher_answers(model, missing, o.teacher_tokens, o.teacher_top_k);
-            for (size_t i = 0; i < got.size(); ++i) teacher->add(keys[i], std::move(got[i]));
-            result.teacher_computed += static_cast<int64_t>(got.size());
-            result.teacher_reused -= static_cast<int64_t>(got.size());  // found below, computed here
-          }
-        }
-        for (auto& e : examples) {
-          const std::string key = TeacherCache::key(e);
-          const TeacherAnswer* t = teacher->find(key);
-          if (!t) {
-            t = &teacher->add(key, teacher_answer(model, e, o.teacher_tokens, o.teacher_top_k));
-            ++result.teacher_computed;
-          } else {
-            ++result.teacher_reused;
-          }
-          if (t->answer.empty()) continue;
-          e.answer = t->answer;
-          kept.push_back(std::move(e));
-          taught.push_back(t);
-        }
-        examples = std::move(kept);
-        if (examples.empty()) continue;
-      }
-      TrainBatch batch = make_train_batch(examples, device);
-      at::Tensor logits = plugin_train_logits(base, plugin, plugin.weights(), batch);
-      at::Tensor ce = at::cross_entropy_loss(logits, batch.targets);
-      at::Tensor loss = ce;
-      if (o.kl_weight > 0 && teacher) {
-        // The stored top-k of the teacher at each of its own answer tokens (rows in batch order).
-        std::vector<int64_t> ids;
-        std::vector<float> lps;
-        for (const TeacherAnswer* t : taught)
-          for (size_t r = 0; r < t->answer.size(); ++r) {
-            ids.insert(ids.end(), t->top_ids[r].begin(), t->top_ids[r].end());
-            lps.insert(lps.end(), t->top_logprobs[r].begin(), t->top_logprobs[r].end());
-          }
-        const int64_t rows = logits.size(0), k = o.teacher_top_k;
-        at::Tensor top_ids = at::from_blob(ids.data(), {rows, k}, at::kLong).clone().to(device);
-        at::Tensor top_lp = at::from_blob(lps.data(), {rows, k}, at::kFloat).clone().to(device);
-        at::Tensor kl = top_k_kl(logits, top_ids, top_lp);
-        loss = loss + o.kl_weight * kl;
-        step_kl += kl.item<double>() / o.accumulation;
-      } else if (o.kl_weight > 0) {
-        at::Tensor teacher = at::log_softmax(full_context_logits(base, examples, device), -1);
-        at::Tensor kl = at::kl_div(at::log_softmax(logits, -1), teacher, at::Reduction::None, /*log_target=*/true)
-                            .sum(-1)
-                            .mean();
-        loss = loss + o.kl_weight * kl;
-        step_kl += kl.item<double>() / o.accumulation;
-      }
-      if (o.reading_check && examples.size() >= 2) {
-        // The same batch with each example reading the next example's documents: the cross-entropy
-        // of the same targets without their own documents. Its gap to `ce` is what reading buys.
-        c10::AutoGradMode no_grad(false);
-        std::vector<TrainExample> swapped = examples;
-        for (size_t i = 0; i < swapped.size(); ++i) swapped[i].documents = examples[(i + 1) % examples.size()].documents;
-        TrainBatch sb = make_train_batch(swapped, device);
-        at::Tensor sl = plugin_train_logits(base, plugin, plugin.weights(), sb);
-        step_swapped += at::cross_entropy_loss(sl, sb.targets).item<double>() / o.accumulation;
+      std::vector<TrainExample> examples = detail::train::micro_batch(model, data, o, step, micro, teacher.get(),
+                                                                      batched_teacher, taught, result);
+      if (examples.empty()) continue;
+      detail::train::MicroLoss l = detail::train::micro_loss(base, plugin, examples, taught, teacher != nullptr, o, device);
+      step_kl += l.kl / o.accumulation;
+      if (l.swapped) {
+        step_swapped += l.ce_swapped / o.accumulation;
         ++swapped_micro;
       }
-      (loss / o.accumulation).backward();
-      step_loss += loss.item<double>() / o.accumulation;
-      step_ce += ce.item<double>() / o.accumulation;
-      window_tokens += batch.real_tokens;
+      (l.loss / o.accumulation).backward();
+      step_loss += l.loss.item<double>() / o.accumulation;
+      step_ce += l.ce.item<double>() / o.accumulation;
+      window.tokens += l.real_tokens;
     }
     COMB_CHECK(std::isfinite(step_loss), "training diverged at step {} (loss {}); the last checkpoint is in '{}'",
                step, step_loss, o.dir);
-    // Global norm, clipping, AdamW.
-    double norm = 0;
-    {
-      c10::AutoGradMode no_grad(false);
-      std::vector<at::Tensor> sq;
-      for (auto& [name, p] : params)
-        if (p->grad().defined()) sq.push_back(p->grad().pow(2).sum());
-      norm = sq.empty() ? 0.0 : std::sqrt(at::stack(sq).sum().item<double>());
-      double clip_scale = (o.clip > 0 && norm > o.clip) ? o.clip / (norm + 1e-6) : 1.0;
-      const double lr = detail::train::lr_at(o, step);
-      const double bc1 = 1 - std::pow(b1, step + 1), bc2 = 1 - std::pow(b2, step + 1);
-      for (size_t i = 0; i < params.size(); ++i) {
-        at::Tensor& p = *params[i].second;
-        if (!p.grad().defined()) continue;
-        at::Tensor g = p.grad();
-        if (clip_scale != 1.0) g = g * clip_scale;
-        const bool is_gate = params[i].first.find("gate") != std::string::npos && p.dim() == 1 && p.numel() == 1;
-        const bool decay = p.dim() >= 2;
-        const double plr = lr * (is_gate ? o.gate_lr_scale : 1.0);
-        m[i].mul_(b1).add_(g, 1 - b1);
-        v[i].mul_(b2).addcmul_(g, g, 1 - b2);
-        if (decay && o.weight_decay > 0) p.data().mul_(1 - plr * o.weight_decay);
-        p.data().addcdiv_(m[i] / bc1, (v[i] / bc2).sqrt_().add_(eps), -plr);
-        p.mutable_grad().reset();
-      }
-    }
-    window_loss += step_loss;
-    window_ce += step_ce;
-    window_kl += step_kl;
+    const double norm = opt.update(o, step);
+    window.loss += step_loss;
+    window.ce += step_ce;
+    window.kl += step_kl;
     if (swapped_micro == o.accumulation) {
-      window_swapped += step_swapped;
-      ++window_swapped_steps;
+      window.swapped += step_swapped;
+      ++window.swapped_steps;
     }
-    ++window_steps;
+    ++window.steps;
     const bool last = step + 1 == o.steps;
-    if ((step + 1) % o.log_every == 0 || last) {
-      auto now = std::chrono::steady_clock::now();
-      double secs = std::chrono::duration<double>(now - window_t0).count();
-      double tps = window_tokens / std::max(secs, 1e-9);
-      // Joint blocks have no gates: their column is NaN.
-      double attn_gate = plugin.config().joint_attention ? std::nan("") : 0.0, mlp_gate = 0;
-      for (const auto& b : plugin.weights().cross) {
-        if (b.attn_gate.defined()) attn_gate += std::tanh(b.attn_gate.item<double>());
-        if (b.mlp_gate.defined()) mlp_gate += std::tanh(b.mlp_gate.item<double>());
-      }
-      attn_gate /= plugin.weights().cross.size();
-      mlp_gate /= plugin.weights().cross.size();
-      result.last_loss = window_loss / window_steps;
-      const double ce_swapped = window_swapped_steps ? window_swapped / window_swapped_steps : std::nan("");
-      csv << fmt::format("{},{:.5f},{:.5f},{:.5f},{:.3e},{:.4f},{:.0f},{:.4f},{:.4f},{:.5f}\n", step + 1,
-                         result.last_loss, window_ce / window_steps, window_kl / window_steps,
-                         detail::train::lr_at(o, step), norm, tps, attn_gate, mlp_gate, ce_swapped);
-      csv.flush();
-      if (o.on_progress) {
-        TrainProgress pr;
-        pr.step = step + 1;
-        pr.steps = o.steps;
-        pr.loss = result.last_loss;
-        pr.lr = detail::train::lr_at(o, step);
-        pr.grad_norm = norm;
-        pr.tokens_per_s = tps;
-        pr.attn_gate = attn_gate;
-        pr.mlp_gate = mlp_gate;
-        pr.ce = window_ce / window_steps;
-        pr.ce_swapped = ce_swapped;
-        pr.elapsed_s = std::chrono::duration<double>(now - t0).count();
-        pr.eta_s = pr.elapsed_s / (step + 1 - first) * (o.steps - step - 1);
-        o.on_progress(pr);
-      }
-      window_loss = window_ce = window_kl = window_tokens = window_swapped = 0;
-      window_steps = window_swapped_steps = 0;
-      window_t0 = now;
-    }
-    if ((step + 1) % o.save_every == 0 || last) save(step + 1);
-    if (dev_checks && ((step + 1) % o.dev_every == 0 || last)) dev_check(step + 1);
+    if ((step + 1) % o.log_every == 0 || last) detail::train::log_window(window, plugin, o, step, first, norm, t0, csv, result);
+    if ((step + 1) % o.save_every == 0 || last) opt.save(plugin, step + 1, o.seed);
+    if (dev_checks && ((step + 1) % o.dev_every == 0 || last)) detail::train::dev_check(plugin, o, step + 1, dev_csv, result);
   }
-  for (auto& [name, p] : params) *p = p->detach();
+  for (auto& [name, p] : opt.params) *p = p->detach();
   plugin.refresh_fingerprint();
   result.steps = step;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
