@@ -23,6 +23,9 @@
 #include "commands.hpp"
 #include "serve_api.hpp"
 #include "serve_http.hpp"
+#include "serve_metrics.hpp"
+#include "serve_stream.hpp"
+#include "serve_uploads.hpp"
 
 namespace comb::cli {
 
@@ -32,19 +35,6 @@ using json = nlohmann::json;
 using serve::ApiError;
 
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
-
-// What the engine's thread hands one request's HTTP handler.
-struct Piece {
-  std::string text;
-  std::vector<TokenLogprob> logprobs;
-};
-
-struct Channel {
-  std::mutex mutex;
-  std::condition_variable cv;
-  std::deque<Piece> pieces;
-  std::optional<ServeResult> result;
-};
 
 json bytes_json(const std::string& b) {
   json a = json::array();
@@ -83,130 +73,6 @@ json completion_logprobs(const Tokenizer& tok, const std::vector<TokenLogprob>& 
   }
   return {{"tokens", tokens}, {"token_logprobs", values}, {"top_logprobs", with_top ? tops : json(nullptr)},
           {"text_offset", offsets}};
-}
-
-struct StoredDocument {
-  std::string id, title, salt;
-  std::vector<int32_t> tokens;
-  int64_t created = 0;
-  std::vector<std::string> methods;  // whose caches were computed on upload
-};
-
-// The uploaded documents' registry kept beside the disk tier (--cache-dir), so that ids outlive a
-// restart as their caches do: a log of one JSON line per upload or delete, appended and flushed
-// before the request is answered, replayed and rewritten compact at start. A line cut short by a
-// kill is dropped; any other line that does not read is skipped with a warning.
-class Registry {
- public:
-  Registry() = default;
-  explicit Registry(std::string dir) : path_(dir.empty() ? "" : dir + "/documents.jsonl") {}
-  bool enabled() const { return !path_.empty(); }
-  const std::string& path() const { return path_; }
-
-  // Replays the log into `docs` (ids with more than `max_tokens` tokens or ids outside the
-  // vocabulary are dropped) and rewrites it with one line per document.
-  void load(std::map<std::pair<std::string, std::string>, StoredDocument>& docs, int64_t n_vocab, int64_t max_tokens,
-            int64_t max_documents) {
-    if (!enabled() || !std::filesystem::exists(path_)) return;
-    std::ifstream in(path_);
-    COMB_CHECK(in.good(), "cannot read the document registry '{}'", path_);
-    std::string line;
-    int64_t number = 0, skipped = 0;
-    while (std::getline(in, line)) {
-      ++number;
-      if (line.empty()) continue;
-      try {
-        const json j = detail::parse_json(line, fmt::format("'{}' line {}", path_, number));
-        const std::pair<std::string, std::string> key{j.at("salt").get<std::string>(), j.at("id").get<std::string>()};
-        if (j.at("op") == "delete") {
-          docs.erase(key);
-          continue;
-        }
-        StoredDocument d;
-        d.salt = key.first;
-        d.id = key.second;
-        d.title = j.at("title").get<std::string>();
-        d.created = j.at("created").get<int64_t>();
-        d.methods = j.at("methods").get<std::vector<std::string>>();
-        d.tokens = j.at("tokens").get<std::vector<int32_t>>();
-        COMB_CHECK(!d.tokens.empty() && static_cast<int64_t>(d.tokens.size()) <= max_tokens, "{} tokens", d.tokens.size());
-        for (int32_t t : d.tokens) COMB_CHECK(t >= 0 && t < n_vocab, "token {} outside the vocabulary", t);
-        if (static_cast<int64_t>(docs.size()) < max_documents || docs.count(key)) docs[key] = std::move(d);
-      } catch (const std::exception& e) {
-        ++skipped;
-        if (in.peek() != EOF)  // the last line may have been cut short by a kill: not worth a warning
-          fmt::print(stderr, "[serve] warning: '{}' line {} skipped: {}\n", path_, number, std::string(e.what()).substr(0, 200));
-      }
-    }
-    in.close();
-    compact(docs);
-    fmt::print(stderr, "[serve] {} uploaded documents from {} ({} lines skipped)\n", docs.size(), path_, skipped);
-  }
-
-  // Appends and flushes one change (`docs` already holds it); false when the registry could not be
-  // written. A log grown past twice its compact size (and 16 MiB) is rewritten compact, so that
-  // the same upload repeated cannot grow it without bound.
-  using Docs = std::map<std::pair<std::string, std::string>, StoredDocument>;
-  bool put(const StoredDocument& d, const Docs& docs) { return append(line_of(d), docs); }
-  bool erase(const std::string& salt, const std::string& id, const Docs& docs) {
-    return append(dump({{"op", "delete"}, {"salt", salt}, {"id", id}}), docs);
-  }
-
- private:
-  void compact(const Docs& docs) {
-    std::string text;
-    for (const auto& [key, d] : docs) text += line_of(d) + "\n";
-    detail::write_file_atomic(path_, text, 0600);
-    compact_bytes_ = static_cast<int64_t>(text.size());
-    appended_bytes_ = 0;
-  }
-  bool append(const std::string& line, const Docs& docs) {
-    if (!enabled()) return true;
-    appended_bytes_ += static_cast<int64_t>(line.size()) + 1;
-    // After a failed append (a line perhaps written in part) the file is rewritten whole, so that
-    // the next line does not join that fragment.
-    if (broken_ || appended_bytes_ > std::max<int64_t>(int64_t(16) << 20, 2 * compact_bytes_)) {
-      try {
-        compact(docs);
-        broken_ = false;
-        return true;
-      } catch (const Error&) {
-        broken_ = true;
-        return false;
-      }
-    }
-    broken_ = !append_line(line);
-    return !broken_;
-  }
-  int64_t compact_bytes_ = 0, appended_bytes_ = 0;
-  bool broken_ = false;
-  static std::string line_of(const StoredDocument& d) {
-    return dump({{"op", "put"}, {"salt", d.salt}, {"id", d.id}, {"title", d.title}, {"created", d.created},
-                 {"methods", d.methods}, {"tokens", d.tokens}});
-  }
-  bool append_line(const std::string& line) {
-    FILE* f = std::fopen(path_.c_str(), "a");
-    if (!f) return false;
-    const bool ok = std::fwrite(line.data(), 1, line.size(), f) == line.size() && std::fputc('\n', f) != EOF &&
-                    std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
-    return std::fclose(f) == 0 && ok;
-  }
-  std::string path_;
-};
-
-// Prometheus text: one metric's HELP/TYPE lines.
-void metric_head(std::string& out, const std::string& name, const char* type, const char* help) {
-  out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
-}
-
-void histogram_text(std::string& out, const std::string& name, const char* help, const Histogram& h) {
-  metric_head(out, name, "histogram", help);
-  uint64_t cumulative = 0;
-  for (size_t i = 0; i < h.bounds.size(); ++i) {
-    cumulative += h.counts[i];
-    out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, h.bounds[i], cumulative);
-  }
-  out += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, h.count, name, h.sum, name, h.count);
 }
 
 class Api {
@@ -338,8 +204,7 @@ class Api {
       for (const char* k : known)
         if (req.path == k) route = k;
       if (route == "other" && req.path.rfind("/v1/documents/", 0) == 0) route = "/v1/documents/{id}";
-      std::lock_guard<std::mutex> lock(counts_mutex_);
-      ++counts_[{route, res.status}];
+      metrics_.count(route, res.status);
       if (log_ && res.status >= 400) {
         const size_t cut = detail::utf8_cut(res.body, std::min<size_t>(res.body.size(), 400));
         try {
@@ -704,82 +569,7 @@ class Api {
     }
   }
 
-  std::string metrics() {
-    ServeStats s = engine_.stats();
-    std::string out;
-    {
-      std::lock_guard<std::mutex> lock(counts_mutex_);
-      metric_head(out, "comb_http_requests_total", "counter", "HTTP requests answered, by route and status");
-      for (const auto& [key, n] : counts_)
-        out += fmt::format("comb_http_requests_total{{route=\"{}\",status=\"{}\"}} {}\n", key.first, key.second, n);
-    }
-    auto gauge = [&](const char* name, const char* help, double v) {
-      metric_head(out, name, "gauge", help);
-      out += fmt::format("{} {}\n", name, v);
-    };
-    auto counter = [&](const char* name, const char* help, double v) {
-      metric_head(out, name, "counter", help);
-      out += fmt::format("{} {}\n", name, v);
-    };
-    gauge("comb_requests_running", "Requests decoding", s.running);
-    gauge("comb_requests_prefilling", "Requests whose prompt is being computed", s.prefilling);
-    gauge("comb_requests_queued", "Requests waiting for room", s.queued);
-    counter("comb_requests_finished_total", "Requests that ended with stop or length", s.finished);
-    counter("comb_requests_cancelled_total", "Requests cancelled (client gone, shutdown)", s.cancelled);
-    counter("comb_requests_failed_total", "Requests that failed inside the engine", s.failed);
-    counter("comb_requests_refused_total", "Requests refused because the queue was full or the server stopping", s.refused);
-    gauge("comb_kv_blocks_total", "Blocks of the K/V pool", s.blocks_total);
-    gauge("comb_kv_blocks_free", "Free blocks of the K/V pool", s.blocks_free);
-    gauge("comb_kv_block_tokens", "Tokens per block", s.block_tokens);
-    gauge("comb_tokens_in_flight", "Prompt and completion tokens reserved by admitted requests", s.tokens_in_flight);
-    counter("comb_prompt_tokens_total", "Prompt tokens, documents included", s.prompt_tokens);
-    counter("comb_prompt_tokens_cached_total", "Prompt tokens whose K/V came from a cache", s.cached_tokens);
-    counter("comb_prompt_tokens_computed_total", "Prompt tokens computed (decoder and encoder)", s.computed_tokens);
-    counter("comb_generation_tokens_total", "Tokens generated", s.generated_tokens);
-    counter("comb_decode_steps_total", "Batched decoding steps", s.decode_steps);
-    counter("comb_decode_seconds_total", "Time inside batched decoding steps", s.decode_seconds);
-    {
-      const auto now = std::chrono::steady_clock::now();
-      std::lock_guard<std::mutex> lock(counts_mutex_);
-      const double dt = std::chrono::duration<double>(now - last_scrape_).count();
-      const double rate = last_scrape_.time_since_epoch().count() == 0 || dt <= 0
-                              ? 0.0
-                              : (static_cast<double>(s.generated_tokens) - last_generated_) / dt;
-      last_scrape_ = now;
-      last_generated_ = static_cast<double>(s.generated_tokens);
-      gauge("comb_generation_tokens_per_second", "Tokens generated per second since the previous scrape", rate);
-    }
-    histogram_text(out, "comb_time_to_first_token_seconds", "From arrival to the first token", s.ttft);
-    histogram_text(out, "comb_inter_token_latency_seconds", "Between two tokens of a request", s.inter_token);
-    histogram_text(out, "comb_decode_batch_size", "Sequences per decoding step", s.batch_size);
-    const std::pair<const char*, const TierStats*> tiers[] = {
-        {"host", &s.store.host}, {"disk", &s.store.disk}, {"remote", &s.store.remote}, {"device", &s.store.device}};
-    metric_head(out, "comb_cache_hits_total", "counter", "Document cache hits by tier");
-    for (auto& [t, st] : tiers) out += fmt::format("comb_cache_hits_total{{tier=\"{}\"}} {}\n", t, st->hits);
-    metric_head(out, "comb_cache_misses_total", "counter", "Document cache misses by tier");
-    for (auto& [t, st] : tiers) out += fmt::format("comb_cache_misses_total{{tier=\"{}\"}} {}\n", t, st->misses);
-    metric_head(out, "comb_cache_bytes", "gauge", "Bytes held by tier");
-    for (auto& [t, st] : tiers) out += fmt::format("comb_cache_bytes{{tier=\"{}\"}} {}\n", t, st->bytes);
-    metric_head(out, "comb_cache_entries", "gauge", "Documents held by tier");
-    for (auto& [t, st] : tiers) out += fmt::format("comb_cache_entries{{tier=\"{}\"}} {}\n", t, st->entries);
-    metric_head(out, "comb_cache_evictions_total", "counter", "Documents evicted by tier");
-    for (auto& [t, st] : tiers) out += fmt::format("comb_cache_evictions_total{{tier=\"{}\"}} {}\n", t, st->evictions);
-    counter("comb_cache_corrupt_total", "Disk or Redis entries that failed their checks (dropped, recomputed)",
-            s.store.corrupt);
-    gauge("comb_prefix_cache_bytes", "Bytes of the prefix cache", s.prefix_bytes);
-    gauge("comb_prefix_cache_blocks", "Blocks of the prefix cache", s.prefix_blocks);
-    if (connections) {
-      const GuardedServer::Counts c = connections();
-      gauge("comb_http_connections_open", "Connections being served", static_cast<double>(c.open));
-      metric_head(out, "comb_http_refused_total", "counter", "Connections and requests refused before routing, by reason");
-      for (auto [reason, n] : {std::pair<const char*, int64_t>{"max_connections", c.refused_busy},
-                               {"max_per_client", c.refused_client},
-                               {"request_timeout", c.timed_out},
-                               {"request_too_large", c.too_large}})
-        out += fmt::format("comb_http_refused_total{{reason=\"{}\"}} {}\n", reason, n);
-    }
-    return out;
-  }
+  std::string metrics() { return metrics_.text(engine_.stats(), connections ? connections() : std::optional<GuardedServer::Counts>()); }
 
   static constexpr int64_t kMaxUploads = 100000;  // entries of the document registry
   const Model& model_;
@@ -792,10 +582,7 @@ class Api {
   std::mutex docs_mutex_;
   std::map<std::pair<std::string, std::string>, StoredDocument> docs_;  // (salt, id)
   Registry registry_;
-  std::mutex counts_mutex_;
-  std::map<std::pair<std::string, int>, uint64_t> counts_;
-  std::chrono::steady_clock::time_point last_scrape_{};
-  double last_generated_ = 0;
+  Metrics metrics_;
 };
 
 }  // namespace

@@ -1,0 +1,136 @@
+#pragma once
+// `comb serve`'s uploaded documents: what the server keeps of each (StoredDocument) and their
+// registry on disk beside the store's disk tier (Registry).
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "comb/detail/json.hpp"
+#include "comb/detail/mapped_file.hpp"
+#include "comb/error.hpp"
+
+namespace comb::cli {
+
+struct StoredDocument {
+  std::string id, title, salt;
+  std::vector<int32_t> tokens;
+  int64_t created = 0;
+  std::vector<std::string> methods;  // whose caches were computed on upload
+};
+
+// The uploaded documents' registry kept beside the disk tier (--cache-dir), so that ids outlive a
+// restart as their caches do: a log of one JSON line per upload or delete, appended and flushed
+// before the request is answered, replayed and rewritten compact at start. A line cut short by a
+// kill is dropped; any other line that does not read is skipped with a warning.
+class Registry {
+ public:
+  Registry() = default;
+  explicit Registry(std::string dir) : path_(dir.empty() ? "" : dir + "/documents.jsonl") {}
+  bool enabled() const { return !path_.empty(); }
+  const std::string& path() const { return path_; }
+
+  using Docs = std::map<std::pair<std::string, std::string>, StoredDocument>;
+
+  // Replays the log into `docs` (ids with more than `max_tokens` tokens or ids outside the
+  // vocabulary are dropped) and rewrites it with one line per document.
+  void load(std::map<std::pair<std::string, std::string>, StoredDocument>& docs, int64_t n_vocab, int64_t max_tokens,
+            int64_t max_documents) {
+    if (!enabled() || !std::filesystem::exists(path_)) return;
+    std::ifstream in(path_);
+    COMB_CHECK(in.good(), "cannot read the document registry '{}'", path_);
+    std::string line;
+    int64_t number = 0, skipped = 0;
+    while (std::getline(in, line)) {
+      ++number;
+      if (line.empty()) continue;
+      try {
+        const nlohmann::json j = detail::parse_json(line, fmt::format("'{}' line {}", path_, number));
+        const std::pair<std::string, std::string> key{j.at("salt").get<std::string>(), j.at("id").get<std::string>()};
+        if (j.at("op") == "delete") {
+          docs.erase(key);
+          continue;
+        }
+        StoredDocument d;
+        d.salt = key.first;
+        d.id = key.second;
+        d.title = j.at("title").get<std::string>();
+        d.created = j.at("created").get<int64_t>();
+        d.methods = j.at("methods").get<std::vector<std::string>>();
+        d.tokens = j.at("tokens").get<std::vector<int32_t>>();
+        COMB_CHECK(!d.tokens.empty() && static_cast<int64_t>(d.tokens.size()) <= max_tokens, "{} tokens", d.tokens.size());
+        for (int32_t t : d.tokens) COMB_CHECK(t >= 0 && t < n_vocab, "token {} outside the vocabulary", t);
+        if (static_cast<int64_t>(docs.size()) < max_documents || docs.count(key)) docs[key] = std::move(d);
+      } catch (const std::exception& e) {
+        ++skipped;
+        if (in.peek() != EOF)  // the last line may have been cut short by a kill: not worth a warning
+          fmt::print(stderr, "[serve] warning: '{}' line {} skipped: {}\n", path_, number, std::string(e.what()).substr(0, 200));
+      }
+    }
+    in.close();
+    compact(docs);
+    fmt::print(stderr, "[serve] {} uploaded documents from {} ({} lines skipped)\n", docs.size(), path_, skipped);
+  }
+
+  // Appends and flushes one change (`docs` already holds it); false when the registry could not be
+  // written. A log grown past twice its compact size (and 16 MiB) is rewritten compact, so that
+  // the same upload repeated cannot grow it without bound.
+  bool put(const StoredDocument& d, const Docs& docs) { return append(line_of(d), docs); }
+  bool erase(const std::string& salt, const std::string& id, const Docs& docs) {
+    return append(line_json({{"op", "delete"}, {"salt", salt}, {"id", id}}), docs);
+  }
+
+ private:
+  void compact(const Docs& docs) {
+    std::string text;
+    for (const auto& [key, d] : docs) text += line_of(d) + "\n";
+    detail::write_file_atomic(path_, text, 0600);
+    compact_bytes_ = static_cast<int64_t>(text.size());
+    appended_bytes_ = 0;
+  }
+  bool append(const std::string& line, const Docs& docs) {
+    if (!enabled()) return true;
+    appended_bytes_ += static_cast<int64_t>(line.size()) + 1;
+    // After a failed append (a line perhaps written in part) the file is rewritten whole, so that
+    // the next line does not join that fragment.
+    if (broken_ || appended_bytes_ > std::max<int64_t>(int64_t(16) << 20, 2 * compact_bytes_)) {
+      try {
+        compact(docs);
+        broken_ = false;
+        return true;
+      } catch (const Error&) {
+        broken_ = true;
+        return false;
+      }
+    }
+    broken_ = !append_line(line);
+    return !broken_;
+  }
+  int64_t compact_bytes_ = 0, appended_bytes_ = 0;
+  bool broken_ = false;
+  static std::string line_of(const StoredDocument& d) {
+    return line_json({{"op", "put"}, {"salt", d.salt}, {"id", d.id}, {"title", d.title}, {"created", d.created},
+                      {"methods", d.methods}, {"tokens", d.tokens}});
+  }
+  bool append_line(const std::string& line) {
+    FILE* f = std::fopen(path_.c_str(), "a");
+    if (!f) return false;
+    const bool ok = std::fwrite(line.data(), 1, line.size(), f) == line.size() && std::fputc('\n', f) != EOF &&
+                    std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
+    return std::fclose(f) == 0 && ok;
+  }
+  static std::string line_json(const nlohmann::json& j) {
+    return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  }
+  std::string path_;
+};
+
+}  // namespace comb::cli
