@@ -862,7 +862,7 @@ TEST_CASE("a cold request's documents and prompt in one pass: encoding first, th
     CHECK(cache.length() == ids.size(1));
     CHECK(linked.anchor == anchor);
     CHECK(linked.keys[0][0].scalar_type() == (dtype.empty() ? at::kFloat : at::kChar));
-    // Encoding first (Model::documents), then the prompt reading them.
+    // Encoding first (Documents::get), then the prompt reading them.
     PICacheStore apart_store{StoreOptions{}};
     auto docs = documents_in(model, &apart_store).get(tokens);
     LinkedDocuments apart = Linker(c10::kCPU, true).link(docs);

@@ -172,7 +172,7 @@ class Plugin {
                                     const std::vector<std::vector<at::Tensor>>& values, int64_t n_tokens);
   // Whether encode() runs the base's own cached forward (encoder_from_base, causal, the base's embedding).
   bool encoder_is_base() const;
-  // A cold request's new documents and its prompt computed together (Model::documents_and_prompt):
+  // A cold request's new documents and its prompt computed together (Documents::get_with_prompt):
   // true where that applies (joint blocks that read depths at or before their layer, an encoder of
   // the base's own layers, the base's fused CPU path, no gradients).
   bool encodes_alongside(const Decoder& base) const;
@@ -190,7 +190,7 @@ class Plugin {
                               const KVCache& prefix_states, const at::Tensor& tokens, KVCache& cache,
                               const JoinBlock& join) const;
   // The encoder prefix through the encoder's layers: the same before every document, so a caller
-  // that encodes many (Model::document) computes it once. Needs encoder_is_base(). `layers`: how
+  // that encodes many (Documents::get) computes it once. Needs encoder_is_base(). `layers`: how
   // many of the base's layers (-1: the encoder's; all of them give the decoder's own K/V of those
   // tokens, which a prompt that starts with them can take instead of computing them).
   KVCache encoder_prefix_states(const Decoder& base, int64_t layers = -1) const;

@@ -202,7 +202,7 @@ COMB_INLINE at::Tensor Documents::get_with_prompt(const std::vector<std::vector<
     }
     auto one = plugin.joint_kv_direct(plugin.weights(), ks, vs, {static_cast<int64_t>(documents.size())}, anchor, kss,
                                       vss, k);
-    COMB_CHECK(one.has_value(), "documents_and_prompt: block {}'s documents could not be joined", k);
+    COMB_CHECK(one.has_value(), "get_with_prompt: block {}'s documents could not be joined", k);
     joined[k] = std::move((*one)[0]);
     return &joined[k];
   };
