@@ -909,6 +909,51 @@ TEST_CASE("a cold request's documents and prompt in one pass: encoding first, th
   }
 }
 
+TEST_CASE("document reads: segments only from reads built for a paged step; residual reads in place equal a copy",
+          "[plugin]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  PluginInitOptions init;
+  init.reads = init.joint_attention = true;
+  init.cross_layers = {0, 1};
+  auto joint = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
+  model.set_plugin(joint);
+  LinkedDocuments linked = Linker(c10::kCPU).link(documents_of(model, sample_documents(2, 12, 21)));
+  std::vector<JointKV> blocks = joint->joint_kv(joint->weights(), linked.keys, linked.values, linked.doc_counts, 0);
+  for (auto& b : blocks) {
+    b.keys = b.keys.to(at::kFloat).contiguous();
+    b.values = b.values.to(at::kFloat).contiguous();
+  }
+  // The biases a paged step reads are built once, for reads made for it; others do not build them.
+  const DocumentReads plain = DocumentReads::joined(*joint, blocks);
+  CHECK(plain.joint(0) != nullptr);
+  CHECK_THROWS_WITH(plain.segments(0), Catch::Contains("paged = true"));
+  const DocumentReads paged = DocumentReads::joined(*joint, blocks, /*paged=*/true);
+  const JointSegments s = paged.segments(1);
+  REQUIRE(s.lengths.size() == 1);
+  CHECK(s.lengths[0] == blocks[1].keys.size(2));
+  CHECK(s.keys[0] == blocks[1].keys.data_ptr<float>());
+  REQUIRE(s.bias != nullptr);
+  CHECK(s.bias[0] == joint->weights().cross[1].doc_bias[0].item<float>());
+
+  // Residual blocks over linked documents read in place (a decoding step builds these) equal the
+  // same over a copy of the linked tensors (training's form).
+  Model residual = Model::load(oracle_dir() + "/tiny-llama");
+  auto plugin = random_plugin(residual.decoder());
+  residual.set_plugin(plugin);
+  LinkedDocuments rl = Linker(c10::kCPU).link(documents_of(residual, sample_documents(2, 12, 22)));
+  const DocumentReads in_place = DocumentReads::residual(*plugin, rl);
+  const DocumentReads copied = DocumentReads::residual(*plugin, plugin->weights(), rl.keys, rl.values, rl.doc_counts);
+  at::Tensor x = at::randn({1, 5, residual.config().n_embd});
+  int changed = 0;
+  for (int64_t l = 0; l < residual.config().n_layer; ++l) {
+    at::Tensor a = in_place.before(l, x, 3);
+    CHECK(at::equal(a, copied.before(l, x, 3)));
+    changed += !at::equal(a, x);
+  }
+  CHECK(changed == plugin->config().n_blocks());  // each block read its documents
+}
+
 TEST_CASE("joint blocks at every layer read one document exactly as the decoder reads it in context", "[plugin]") {
   c10::InferenceMode guard;
   Model model = Model::load(oracle_dir() + "/tiny-llama");

@@ -112,11 +112,12 @@ class Decoder {
   bool cpu_kernels() const { return cpu_kernels_ && device_.is_cpu() && dtype_ == c10::kFloat; }
 
   // One input of layer_parts(): x [batch, n, n_embd] after the positions `cache` holds (it writes
-  // its K/V there; the caller advances the cache after the last layer), reading `joint` if given.
+  // its K/V there; the caller advances the cache after the last layer), reading what `reads` gives
+  // the layer if given (as every forward reads documents).
   struct LayerPart {
     at::Tensor x;
     KVCache* cache = nullptr;
-    const JointKV* joint = nullptr;
+    const LayerReads* reads = nullptr;
   };
   // Layer i over several inputs with one read of its weights: all their rows go through each
   // projection and the MLP together, each attends over its own cache (and joined keys). The fused

@@ -291,9 +291,13 @@ class DocumentReads final : public LayerReads {
   // counts, with weights `w` (the plug-in's own, or training's).
   static DocumentReads residual(const Plugin& plugin, const PluginWeights& w, std::vector<std::vector<at::Tensor>> keys,
                                 std::vector<std::vector<at::Tensor>> values, std::vector<int64_t> doc_counts);
-  // Joint blocks reading joint[block] (Plugin::joint_kv). For a paged step (segments()), each
-  // block's keys and values float32, contiguous, batch 1.
-  static DocumentReads joined(const Plugin& plugin, std::vector<JointKV> joint);
+  // The same over `linked` as it stands, with the plug-in's weights; nothing copied: `linked` must
+  // outlive the reads (a decoding step builds one).
+  static DocumentReads residual(const Plugin& plugin, const LinkedDocuments& linked);
+  // Joint blocks reading joint[block] (Plugin::joint_kv). `paged`: read by a paged step
+  // (segments()): each block's keys and values float32, contiguous, batch 1, and the blocks'
+  // biases kept as float32 once here.
+  static DocumentReads joined(const Plugin& plugin, std::vector<JointKV> joint, bool paged = false);
   // Joint blocks whose documents a paged step reads as linked, one segment a document (float32
   // [n_head_kv, len, head_dim], contiguous): documents neither anchored after a prefix nor
   // consecutive, whose keys need no turn.
@@ -306,14 +310,15 @@ class DocumentReads final : public LayerReads {
 
  private:
   enum class Mode { residual, joined, segmented };
-  DocumentReads(const Plugin& plugin, const PluginWeights& w, Mode mode);
+  DocumentReads(const Plugin& plugin, const PluginWeights& w, Mode mode, bool paged);
   const Plugin* plugin_;
   const PluginWeights* weights_;
   Mode mode_;
+  const LinkedDocuments* linked_ = nullptr;             // residual over linked documents (not copied)
   std::vector<std::vector<at::Tensor>> keys_, values_;  // [block][document]: residual, segmented
   std::vector<int64_t> doc_counts_;                     // residual
   std::vector<JointKV> joint_;                          // joined: [block]
-  std::vector<at::Tensor> bias_;                        // joined, segmented: [block] float32 [n_head], or undefined
+  std::vector<at::Tensor> bias_;  // paged joined, segmented: [block] float32 [n_head], or undefined
 };
 
 }  // namespace comb

@@ -513,8 +513,21 @@ COMB_INLINE at::Tensor Decoder::linear_cpu(const at::Tensor& x, const at::Tensor
   return out;
 }
 
+namespace detail::decoder {  // this file's own helpers
+// One layer's joined keys as a LayerReads (Decoder::layer's caller gives them as such).
+class JointOnly final : public LayerReads {
+ public:
+  explicit JointOnly(const JointKV* joint) : joint_(joint) {}
+  const JointKV* joint(int64_t) const override { return joint_; }
+
+ private:
+  const JointKV* joint_;
+};
+}  // namespace detail::decoder
+
 COMB_INLINE at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
-  std::vector<LayerPart> parts{{x, &cache, joint}};
+  const detail::decoder::JointOnly reads(joint);
+  std::vector<LayerPart> parts{{x, &cache, joint ? &reads : nullptr}};
   return std::move(layer_parts(i, parts)[0]);
 }
 
@@ -563,7 +576,13 @@ COMB_INLINE std::vector<at::Tensor> Decoder::layer_parts(int64_t i, const std::v
     return act;
   };
   std::vector<at::Tensor> flat;
-  for (size_t j = 0; j < parts.size(); ++j) flat.push_back(parts[j].x.reshape({row_counts[j], c.n_embd}));
+  std::vector<const JointKV*> joints;  // what each part's attention reads beside its cache
+  for (size_t j = 0; j < parts.size(); ++j) {
+    const LayerPart& p = parts[j];
+    const at::Tensor in = p.reads ? p.reads->before(i, p.x, p.cache->length()) : p.x;
+    flat.push_back(in.reshape({row_counts[j], c.n_embd}));
+    joints.push_back(p.reads ? p.reads->joint(i) : nullptr);
+  }
   at::Tensor x = flat.size() == 1 ? flat[0] : at::cat(flat, 0);  // [rows, n_embd]
   at::Tensor h = detail::decoder::layer_body(x, w, math, [&](const at::Tensor& qkv_rows) {
     at::Tensor qkv = qkv_rows.contiguous();  // [rows, q_dim + 2 kv_dim]
@@ -587,12 +606,13 @@ COMB_INLINE std::vector<at::Tensor> Decoder::layer_parts(int64_t i, const std::v
         });
       }
       at::Tensor attn;
-      if (part.joint && n <= detail::decoder::kJointRowsMax && merged_attention_applies(*part.joint)) {
+      const JointKV* joint = joints[j];
+      if (joint && n <= detail::decoder::kJointRowsMax && merged_attention_applies(*joint)) {
         // A warm request's question or a decoding step: one softmax per row by the fused kernel.
-        attn = joint_attention_rows(q, cache.keys(i), cache.values(i), start, *part.joint);
-      } else if (part.joint) {  // the documents' keys beside the context's
+        attn = joint_attention_rows(q, cache.keys(i), cache.values(i), start, *joint);
+      } else if (joint) {  // the documents' keys beside the context's
         at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
-        attn = joint_attention_merged(q.transpose(1, 2), keys, values, start, *part.joint).transpose(1, 2);
+        attn = joint_attention_merged(q.transpose(1, 2), keys, values, start, *joint).transpose(1, 2);
       } else if (few) {
         RECORD_FUNCTION("comb::attention", std::vector<c10::IValue>());
         attn = at::empty({batch, n, c.q_dim()}, x.options());

@@ -177,8 +177,7 @@ COMB_INLINE at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, 
   COMB_CHECK(documents->key_scales.empty(),
              "documents linked int8 (Linker with keep_int8) are read by joint-attention plug-ins only; link them "
              "with Linker(device) for this plug-in");
-  DocumentReads reads = DocumentReads::residual(*plugin_, plugin_->weights(), documents->keys, documents->values,
-                                                documents->doc_counts);
+  DocumentReads reads = DocumentReads::residual(*plugin_, *documents);  // reads them in place
   return decoder_->forward(tokens, cache, mode, &reads);
 }
 

@@ -53,10 +53,19 @@ COMB_INLINE nlohmann::json PluginConfig::to_json() const {
 
 // ---- DocumentReads ---------------------------------------------------------------------------
 
-COMB_INLINE DocumentReads::DocumentReads(const Plugin& plugin, const PluginWeights& w, Mode mode)
+namespace detail::plugin {  // this file's own helpers
+COMB_INLINE void check_linked_blocks(const Plugin& plugin, size_t keys, size_t values) {
+  COMB_CHECK(static_cast<int64_t>(keys) == plugin.config().n_blocks() && keys == values,
+             "linked documents have {} blocks of keys and {} of values, the plug-in {}", keys, values,
+             plugin.config().n_blocks());
+}
+}  // namespace detail::plugin
+
+COMB_INLINE DocumentReads::DocumentReads(const Plugin& plugin, const PluginWeights& w, Mode mode, bool paged)
     : plugin_(&plugin), weights_(&w), mode_(mode) {
   if (mode == Mode::residual) return;
   COMB_CHECK(plugin.config().joint_attention, "joined documents are read by joint-attention plug-ins only");
+  if (!paged) return;  // only a paged step (segments()) reads the biases as float32
   for (int64_t k = 0; k < plugin.config().n_blocks(); ++k) {
     const at::Tensor& b = w.cross.at(k).doc_bias;
     bias_.push_back(b.defined() ? b.to(at::kFloat).contiguous() : at::Tensor());
@@ -69,30 +78,35 @@ COMB_INLINE DocumentReads DocumentReads::residual(const Plugin& plugin, const Pl
                                                   std::vector<int64_t> doc_counts) {
   COMB_CHECK(!plugin.config().joint_attention,
              "this plug-in's blocks join their layers' attention: read its documents with DocumentReads::joined");
-  COMB_CHECK(static_cast<int64_t>(keys.size()) == plugin.config().n_blocks() && keys.size() == values.size(),
-             "linked documents have {} blocks of keys and {} of values, the plug-in {}", keys.size(), values.size(),
-             plugin.config().n_blocks());
-  DocumentReads r(plugin, w, Mode::residual);
+  detail::plugin::check_linked_blocks(plugin, keys.size(), values.size());
+  DocumentReads r(plugin, w, Mode::residual, false);
   r.keys_ = std::move(keys);
   r.values_ = std::move(values);
   r.doc_counts_ = std::move(doc_counts);
   return r;
 }
 
-COMB_INLINE DocumentReads DocumentReads::joined(const Plugin& plugin, std::vector<JointKV> joint) {
+COMB_INLINE DocumentReads DocumentReads::residual(const Plugin& plugin, const LinkedDocuments& linked) {
+  COMB_CHECK(!plugin.config().joint_attention,
+             "this plug-in's blocks join their layers' attention: read its documents with DocumentReads::joined");
+  detail::plugin::check_linked_blocks(plugin, linked.keys.size(), linked.values.size());
+  DocumentReads r(plugin, plugin.weights(), Mode::residual, false);
+  r.linked_ = &linked;
+  return r;
+}
+
+COMB_INLINE DocumentReads DocumentReads::joined(const Plugin& plugin, std::vector<JointKV> joint, bool paged) {
   COMB_CHECK(static_cast<int64_t>(joint.size()) == plugin.config().n_blocks(), "{} joined blocks, the plug-in has {}",
              joint.size(), plugin.config().n_blocks());
-  DocumentReads r(plugin, plugin.weights(), Mode::joined);
+  DocumentReads r(plugin, plugin.weights(), Mode::joined, paged);
   r.joint_ = std::move(joint);
   return r;
 }
 
 COMB_INLINE DocumentReads DocumentReads::segmented(const Plugin& plugin, std::vector<std::vector<at::Tensor>> keys,
                                                    std::vector<std::vector<at::Tensor>> values) {
-  COMB_CHECK(static_cast<int64_t>(keys.size()) == plugin.config().n_blocks() && keys.size() == values.size(),
-             "linked documents have {} blocks of keys and {} of values, the plug-in {}", keys.size(), values.size(),
-             plugin.config().n_blocks());
-  DocumentReads r(plugin, plugin.weights(), Mode::segmented);
+  detail::plugin::check_linked_blocks(plugin, keys.size(), values.size());
+  DocumentReads r(plugin, plugin.weights(), Mode::segmented, true);
   r.keys_ = std::move(keys);
   r.values_ = std::move(values);
   return r;
@@ -101,7 +115,9 @@ COMB_INLINE DocumentReads DocumentReads::segmented(const Plugin& plugin, std::ve
 COMB_INLINE at::Tensor DocumentReads::before(int64_t layer, const at::Tensor& x, int64_t start) const {
   if (mode_ != Mode::residual) return x;
   const int64_t k = plugin_->block_before(layer);
-  return k < 0 ? x : plugin_->cross_block(*weights_, k, x, keys_[k], values_[k], doc_counts_, start);
+  if (k < 0) return x;
+  if (linked_) return plugin_->cross_block(*weights_, k, x, linked_->keys[k], linked_->values[k], linked_->doc_counts, start);
+  return plugin_->cross_block(*weights_, k, x, keys_[k], values_[k], doc_counts_, start);
 }
 
 COMB_INLINE const JointKV* DocumentReads::joint(int64_t layer) const {
@@ -131,6 +147,7 @@ COMB_INLINE JointSegments DocumentReads::segments(int64_t layer) const {
   } else {
     for (size_t d = 0; d < keys_[k].size(); ++d) add(keys_[k][d], values_[k][d], keys_[k][d].size(1));
   }
+  COMB_CHECK(!bias_.empty(), "a paged step reads joined documents built for it: DocumentReads::joined(..., paged = true)");
   if (bias_[k].defined()) s.bias = bias_[k].data_ptr<float>();
   return s;
 }
@@ -728,6 +745,21 @@ COMB_INLINE at::Tensor Plugin::encode_alongside(const Decoder& base, const std::
                             std::vector<std::vector<at::Tensor>>(config_.n_blocks()),
                             std::vector<std::vector<at::Tensor>>(config_.n_blocks())});
   }
+  // The prompt reads its documents as every forward does (LayerReads), the blocks joined as the
+  // pass reaches their layers.
+  class Joined final : public LayerReads {
+   public:
+    explicit Joined(const Plugin& plugin) : plugin_(plugin) {}
+    const JointKV* joint(int64_t layer) const override {
+      const int64_t k = plugin_.block_before(layer);
+      return k < 0 ? nullptr : blocks.at(static_cast<size_t>(k));
+    }
+    std::vector<const JointKV*> blocks;  // [block]: set when the pass reaches its layer
+
+   private:
+    const Plugin& plugin_;
+  } reads(*this);
+  reads.blocks.assign(config_.n_blocks(), nullptr);
   at::Tensor x = base.embed(tokens);
   for (int64_t layer = 0; layer < base.config().n_layer; ++layer) {
     // The blocks that read this depth (the documents' states after `layer` encoder layers).
@@ -736,7 +768,6 @@ COMB_INLINE at::Tensor Plugin::encode_alongside(const Decoder& base, const std::
         if (config_.read_depth(k) == layer)
           for (auto& b : batches)
             std::tie(b.keys[k], b.values[k]) = documents_kv(weights_, k, b.p.h, b.p.lens, b.p.back_cos, b.p.back_sin);
-    const JointKV* joint = nullptr;
     if (const int64_t k = block_before(layer); k >= 0) {
       std::vector<at::Tensor> keys(documents.size()), values(documents.size());
       for (const auto& b : batches)
@@ -744,12 +775,12 @@ COMB_INLINE at::Tensor Plugin::encode_alongside(const Decoder& base, const std::
           keys[b.docs[d]] = std::move(b.keys[k][d]);  // handed over
           values[b.docs[d]] = std::move(b.values[k][d]);
         }
-      joint = join(k, std::move(keys), std::move(values));
+      reads.blocks[k] = join(k, std::move(keys), std::move(values));
     }
     std::vector<Decoder::LayerPart> parts;
     if (layer < n_enc)
       for (auto& b : batches) parts.push_back({b.p.h, &b.p.cache, nullptr});
-    parts.push_back({x, &cache, joint});
+    parts.push_back({x, &cache, &reads});
     std::vector<at::Tensor> out = base.layer_parts(layer, parts);
     x = out.back();
     if (layer < n_enc)

@@ -547,7 +547,7 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
         j.keys = j.keys.to(at::kFloat).contiguous();
         j.values = j.values.to(at::kFloat).contiguous();
       }
-      s.reads = std::make_unique<DocumentReads>(DocumentReads::joined(plugin, std::move(blocks)));
+      s.reads = std::make_unique<DocumentReads>(DocumentReads::joined(plugin, std::move(blocks), /*paged=*/true));
     } else {
       l.joined = std::make_shared<LinkedDocuments::Joined>();  // not read by decoding
       std::vector<std::vector<at::Tensor>> keys = std::move(l.keys), values = std::move(l.values);
