@@ -340,6 +340,55 @@ TEST_CASE("a per-document cache does not depend on the request that filled it", 
   }
 }
 
+TEST_CASE("documents: the post-training methods' cache is the decoder's own K/V, whole or in pieces", "[pic]") {
+  c10::InferenceMode guard;
+  const Model& m = default_model();
+  const std::vector<int32_t> doc = random_tokens(45, 5);
+  PICacheStore store{StoreOptions{}};
+  Documents docs = documents_in(m, &store);
+  // The decoder's K/V of the document alone from position 0, each layer a block.
+  KVCache cache = m.decoder().make_cache(1, 45);
+  m.decoder().forward(ids_tensor(doc), cache);
+  bool computed = false;
+  auto kv = docs.decoder_kv(doc, "", &computed);
+  CHECK(computed);
+  REQUIRE(static_cast<int64_t>(kv->keys.size()) == m.config().n_layer);
+  CHECK(kv->n_tokens == 45);
+  for (int64_t l = 0; l < m.config().n_layer; ++l) {
+    CHECK(at::equal(kv->keys[l], cache.keys(l)[0].narrow(1, 0, 45)));
+    CHECK(at::equal(kv->values[l], cache.values(l)[0].narrow(1, 0, 45)));
+  }
+  CHECK(docs.decoder_kv(doc, "", &computed) == kv);  // the store's entry, not computed again
+  CHECK_FALSE(computed);
+  CHECK(docs.begin(doc, "", Documents::Cache::decoder) == nullptr);  // nothing left to compute
+  // Keys of their own: another tenant's, and never an encoder entry's.
+  CHECK_FALSE(docs.decoder_key(doc, "") == docs.decoder_key(doc, "tenant"));
+  CHECK(docs.decoder_kv(doc, "tenant", &computed) != kv);
+  CHECK(computed);
+  // In pieces of 8, into another store: the same K/V.
+  PICacheStore other{StoreOptions{}};
+  Documents pieces = documents_in(m, &other);
+  auto work = pieces.begin(doc, "", Documents::Cache::decoder);
+  REQUIRE(work);
+  int calls = 1;
+  while (!pieces.advance(*work, 8)) ++calls;
+  CHECK(calls == 6);
+  CHECK_THROWS_WITH(pieces.advance(*work, 8), Catch::Contains("the document is complete"));
+  auto stored = other.get(pieces.decoder_key(doc, ""));
+  REQUIRE(stored);
+  for (int64_t l = 0; l < m.config().n_layer; ++l) {
+    CHECK(at::allclose(stored->keys[l], kv->keys[l], 1e-5, 1e-5));
+    CHECK(at::allclose(stored->values[l], kv->values[l], 1e-5, 1e-5));
+  }
+  // With no store, computed each time.
+  Documents bare(m);
+  bare.decoder_kv(doc, "", &computed);
+  CHECK(computed);
+  bare.decoder_kv(doc, "", &computed);
+  CHECK(computed);
+  CHECK_THROWS_WITH(bare.decoder_kv({}, ""), Catch::Contains("an empty document has no cache"));
+}
+
 TEST_CASE("prefix cache eviction never frees a block a running request holds", "[pic]") {
   c10::InferenceMode guard;
   const Decoder& dec = tiny().decoder();

@@ -1,14 +1,17 @@
 #pragma once
 // The one owner of a request's documents: comb::Documents renders a document's tokens, finds its
-// encoder K/V in the store or encodes them (and stores them), pins them in memory while a request
-// reads them, and links a request's documents in its order for the decoder. The server, `comb
-// generate`, `comb qa` and `comb eval` (through PicEngine) all go through it; Model knows no store.
+// cache in the store or computes it (and stores it): the plug-in's encoder K/V, or for the
+// post-training methods (naive, EPIC, CacheBlend) the decoder's K/V of the document alone, at once
+// or a piece at a time; it pins them in memory while a request reads them, and links a request's
+// documents in its order for the decoder. The server, `comb generate`, `comb qa` and `comb eval`
+// (through PicEngine) all go through it; Model knows no store.
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,6 +27,16 @@ class Model;
 // A document as a request names it: a title and its text.
 struct QaDocument {
   std::string title, text;
+};
+
+// A document's cache being computed a piece at a time (Documents::begin).
+struct DocumentWork {
+  std::vector<int32_t> tokens;
+  CacheKey key;
+  bool decoder = false;                                // the decoder's K/V, else the encoder's
+  int64_t done = 0;                                    // tokens computed so far
+  std::optional<KVCache> cache;                        // the decoder's (or the encoder's) K/V so far
+  std::vector<std::vector<at::Tensor>> keys, values;   // encoder: per block, the pieces' K/V
 };
 
 class Documents {
@@ -71,6 +84,23 @@ class Documents {
   // length), else 0.
   LinkedDocuments link(const std::vector<std::shared_ptr<const DocumentKV>>& entries, int64_t anchor = 0) const;
 
+  // The post-training methods' cache of a document (naive, EPIC, CacheBlend): the decoder's K/V of
+  // the document computed alone from position 0 (blocks = layers), kept in the same store under
+  // keys of their own. decoder_kv() finds it or computes and stores it; `computed`, if given,
+  // receives which.
+  CacheKey decoder_key(const std::vector<int32_t>& tokens, const std::string& tenant = "") const;
+  std::shared_ptr<const DocumentKV> decoder_kv(const std::vector<int32_t>& tokens, const std::string& tenant = "",
+                                               bool* computed = nullptr) const;
+
+  // A document's cache (`kind`: the plug-in's encoder K/V or the decoder's) computed a piece at a
+  // time, so that a server runs other work between the pieces and a long document never holds
+  // it: begin() is nullptr when the store has it; each advance() computes at most `max_tokens`
+  // more and is true once the cache is computed and stored. An encoder other than the base's own
+  // layers computes the whole document in its first piece.
+  enum class Cache { encoder, decoder };
+  std::unique_ptr<DocumentWork> begin(const std::vector<int32_t>& tokens, const std::string& tenant, Cache kind) const;
+  bool advance(DocumentWork& work, int64_t max_tokens) const;
+
   // Pins `key`'s entry in the store's memory while a request reads it (counted: the last unpin()
   // releases it). False, and nothing held, when no memory tier holds it.
   bool pin(const CacheKey& key) const;
@@ -93,9 +123,16 @@ class Documents {
   Lookup look_up(const std::vector<std::vector<int32_t>>& documents, const std::string& tenant,
                  std::vector<bool>* from_cache) const;
   const Plugin& plugin() const;
+  // The dtype a document's entry is read back in: the store's (StoreOptions::dtype) where it sets
+  // one, else the plug-in's cache dtype, else Undefined (as computed).
+  c10::ScalarType kept_dtype() const;
 
   const Model& model_;
   std::shared_ptr<PICacheStore> store_;
+  // Decoder-K/V entries share the store with encoder ones: a fingerprint of their own keeps them
+  // apart (hashed from the weights on first use).
+  mutable std::once_flag decoder_fingerprint_once_;
+  mutable std::string decoder_fingerprint_;
   mutable std::mutex pins_mutex_;
   mutable std::map<std::pair<uint64_t, uint64_t>, int> pins_;
 };

@@ -110,15 +110,6 @@ struct PicPrefill {
   int64_t pending() const { return n_prompt - cache.length(); }
 };
 
-// A document's cache being computed a piece at a time (PicEngine::begin_document).
-struct DocumentWork {
-  std::vector<int32_t> tokens;
-  CacheKey key;
-  int64_t done = 0;                                    // tokens computed so far
-  std::optional<KVCache> cache;                        // the decoder's (or the encoder's) K/V so far
-  std::vector<std::vector<at::Tensor>> keys, values;   // comb: per block, the pieces' K/V
-};
-
 class PicEngine {
  public:
   PicEngine(const Model& model, Method method, PicOptions options = {});
@@ -144,18 +135,18 @@ class PicEngine {
   // One document's cache for this method (encoder K/V for comb, decoder K/V for naive, EPIC and
   // CacheBlend; none for full and prefix): found in the store, or computed now and stored (true).
   bool warm(const std::vector<int32_t>& document, const std::string& tenant);
-  // warm() a piece at a time, so that a server runs other work between the pieces and a long
-  // document never holds it: begin_document() is nullptr when there is nothing to compute (the
-  // store has the cache, or the method keeps none); each continue_document() computes at most
-  // `max_tokens` more of it and is true once the cache is computed and stored. A comb encoder
-  // other than the base's own layers computes the whole document in its first piece.
+  // warm() a piece at a time (Documents::begin and advance, this method's kind of cache):
+  // begin_document() is nullptr when there is nothing to compute (the store has the cache, or the
+  // method keeps none); each continue_document() computes at most `max_tokens` more of it and is
+  // true once the cache is computed and stored.
   std::unique_ptr<DocumentWork> begin_document(const std::vector<int32_t>& document, const std::string& tenant);
   bool continue_document(DocumentWork& work, int64_t max_tokens);
   // The store's key of that cache.
   CacheKey document_key(const std::vector<int32_t>& document, const std::string& tenant) const;
   Method method() const { return method_; }
   PICacheStore& store() { return *store_; }
-  // The owner of its documents' caches (the plug-in's; the decoder-K/V entries share its store).
+  // The owner of its documents' caches (the plug-in's encoder K/V and the post-training methods'
+  // decoder K/V, in one store).
   Documents& documents() { return *documents_; }
   PrefixCache& prefix_cache() { return *prefix_; }
   // Bytes one cached document token takes for this method (0 for full).
@@ -165,8 +156,6 @@ class PicEngine {
   struct DocSpan {
     int64_t offset, length;
   };
-  std::shared_ptr<const DocumentKV> decoder_kv(const std::vector<int32_t>& tokens, const std::string& tenant,
-                                               bool* computed);
   const std::string& tenant(const PicRequest& r) const { return r.tenant.empty() ? options_.tenant : r.tenant; }
   void fill_reused(const PicRequest& request, PicPrefill& out, std::vector<DocSpan>& spans);
   at::Tensor recompute(const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,
@@ -191,7 +180,6 @@ class PicEngine {
   std::shared_ptr<Documents> documents_;
   std::shared_ptr<PICacheStore> store_;  // documents_'s
   std::shared_ptr<PrefixCache> prefix_;
-  std::string decoder_fingerprint_;
 };
 
 }  // namespace comb

@@ -83,12 +83,17 @@ COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Documents::get(
   return l.entries;
 }
 
-COMB_INLINE DocumentKV Documents::cached_form(DocumentKV kv) const {
+COMB_INLINE c10::ScalarType Documents::kept_dtype() const {
+  if (store_ && store_->options().dtype != c10::ScalarType::Undefined) return store_->options().dtype;
   const Plugin* p = model_.plugin();
-  if (!p || p->config().cache_dtype.empty()) return kv;
-  if (store_ && store_->options().dtype != c10::ScalarType::Undefined) return kv;
-  const c10::ScalarType want = parse_cache_dtype(p->config().cache_dtype);  // checked when it loaded
-  if (kv.keys.empty() || kv.keys[0].scalar_type() == want) return kv;
+  if (!p || p->config().cache_dtype.empty()) return c10::ScalarType::Undefined;
+  return parse_cache_dtype(p->config().cache_dtype);  // checked when it loaded
+}
+
+COMB_INLINE DocumentKV Documents::cached_form(DocumentKV kv) const {
+  if (store_ && store_->options().dtype != c10::ScalarType::Undefined) return kv;  // the store converts
+  const c10::ScalarType want = kept_dtype();
+  if (want == c10::ScalarType::Undefined || kv.keys.empty() || kv.keys[0].scalar_type() == want) return kv;
   return kv.to(kv.keys[0].device(), want);
 }
 
@@ -102,6 +107,91 @@ COMB_INLINE LinkedDocuments Documents::link(const std::vector<std::shared_ptr<co
   LinkedDocuments linked = Linker(model_.decoder().device(), plugin().config().joint_attention).link(entries);
   linked.anchor = anchor;
   return linked;
+}
+
+COMB_INLINE CacheKey Documents::decoder_key(const std::vector<int32_t>& tokens, const std::string& tenant) const {
+  std::call_once(decoder_fingerprint_once_, [&] {
+    decoder_fingerprint_ = "decoder-kv:" + base_fingerprint(model_.decoder()) + model_.decoder().weights().cache_tag();
+  });
+  return PICacheStore::key(tokens, decoder_fingerprint_, tenant);
+}
+
+namespace detail::documents {  // this file's own helpers
+// The first n positions of a decoder cache of batch 1 as a document's decoder K/V.
+COMB_INLINE DocumentKV first_positions(const KVCache& cache, int64_t n) {
+  DocumentKV kv;
+  kv.n_tokens = n;
+  for (int64_t l = 0; l < cache.n_layers(); ++l) {
+    kv.keys.push_back(cache.keys(l)[0].narrow(1, 0, n));
+    kv.values.push_back(cache.values(l)[0].narrow(1, 0, n));
+  }
+  return kv;
+}
+
+COMB_INLINE at::Tensor ids_of(const std::vector<int32_t>& tokens, int64_t from, int64_t to) {
+  return at::tensor(std::vector<int64_t>(tokens.begin() + from, tokens.begin() + to), at::kLong).unsqueeze(0);
+}
+}  // namespace detail::documents
+
+COMB_INLINE std::shared_ptr<const DocumentKV> Documents::decoder_kv(const std::vector<int32_t>& tokens,
+                                                                    const std::string& tenant, bool* computed) const {
+  COMB_CHECK(!tokens.empty(), "an empty document has no cache");
+  c10::InferenceMode guard;
+  const CacheKey k = decoder_key(tokens, tenant);
+  if (store_)
+    if (auto hit = store_->get(k)) {
+      if (computed) *computed = false;
+      return hit;
+    }
+  const Decoder& dec = model_.decoder();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  KVCache cache = dec.make_cache(1, n);
+  dec.forward(detail::documents::ids_of(tokens, 0, n), cache);
+  if (computed) *computed = true;
+  DocumentKV kv = detail::documents::first_positions(cache, n);
+  return store_ ? store_->put(k, kv) : std::make_shared<const DocumentKV>(std::move(kv));
+}
+
+COMB_INLINE std::unique_ptr<DocumentWork> Documents::begin(const std::vector<int32_t>& tokens, const std::string& tenant,
+                                                          Cache kind) const {
+  COMB_CHECK(!tokens.empty(), "an empty document has no cache");
+  auto work = std::make_unique<DocumentWork>();
+  work->decoder = kind == Cache::decoder;
+  work->key = work->decoder ? decoder_key(tokens, tenant) : key(tokens, tenant);
+  if (store_ && store_->get(work->key)) return nullptr;
+  work->tokens = tokens;
+  return work;
+}
+
+COMB_INLINE bool Documents::advance(DocumentWork& w, int64_t max_tokens) const {
+  c10::InferenceMode guard;
+  const int64_t n = static_cast<int64_t>(w.tokens.size());
+  COMB_CHECK(w.done < n, "Documents::advance: the document is complete");
+  const int64_t from = w.done, to = std::min(n, from + std::max<int64_t>(max_tokens, 1));
+  const Decoder& dec = model_.decoder();
+  if (!w.decoder) {
+    const Plugin& plugin = this->plugin();
+    if (!plugin.encoder_is_base()) {  // not resumable: the whole document now
+      w.done = n;
+      return put(w.key, plugin.encode(dec, w.tokens)) != nullptr;
+    }
+    if (!w.cache) w.cache.emplace(plugin.begin_encoding(dec, w.tokens, *model_.encoder_prefix_states()));
+    plugin.encode_piece(dec, w.tokens, from, to, *w.cache, w.keys, w.values);
+    w.done = to;
+    if (to < n) return false;
+    put(w.key, Plugin::finish_encoding(w.keys, w.values, n));
+  } else {
+    if (!w.cache) w.cache.emplace(dec.make_cache(1, n));
+    dec.forward(detail::documents::ids_of(w.tokens, from, to), *w.cache);
+    w.done = to;
+    if (to < n) return false;
+    DocumentKV kv = detail::documents::first_positions(*w.cache, n);
+    if (store_) store_->put(w.key, kv);
+  }
+  w.cache.reset();
+  w.keys.clear();
+  w.values.clear();
+  return true;
 }
 
 COMB_INLINE bool Documents::pin(const CacheKey& key) const {
@@ -148,12 +238,7 @@ COMB_INLINE at::Tensor Documents::get_with_prompt(const std::vector<std::vector<
     linked = link(entries, anchor);
     return at::Tensor();
   }
-  // What the store will keep (and a later request read): its own dtype, else the plug-in's.
-  c10::ScalarType keep = c10::ScalarType::Undefined;
-  if (store_ && store_->options().dtype != c10::ScalarType::Undefined)
-    keep = store_->options().dtype;
-  else if (!plugin.config().cache_dtype.empty())
-    keep = parse_cache_dtype(plugin.config().cache_dtype);
+  const c10::ScalarType keep = kept_dtype();  // what a later request reads from the store
   const int64_t n_blocks = plugin.config().n_blocks();
   std::vector<DocumentKV> fresh(missing.size());
   for (size_t j = 0; j < missing.size(); ++j) {

@@ -194,8 +194,6 @@ COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions o
   store_ = documents_->shared_store();
   prefix_ = shared_prefix ? std::move(shared_prefix)
                           : std::make_shared<PrefixCache>(options_.prefix_block, options_.cache_bytes);
-  // Decoder-KV entries share the store with COMB entries: a distinct fingerprint keeps them apart.
-  decoder_fingerprint_ = "decoder-kv:" + base_fingerprint(model.decoder()) + model.decoder().weights().cache_tag();
 }
 
 COMB_INLINE PicEngine::~PicEngine() = default;
@@ -228,32 +226,8 @@ COMB_INLINE double PicEngine::cache_bytes_per_token() const {
   }
 }
 
-// One document's decoder K/V computed alone from position 0 (blocks = layers), from the store
-// when it has them.
-COMB_INLINE std::shared_ptr<const DocumentKV> PicEngine::decoder_kv(const std::vector<int32_t>& tokens,
-                                                                  const std::string& tenant, bool* computed) {
-  CacheKey key = PICacheStore::key(tokens, decoder_fingerprint_, tenant);
-  if (auto hit = store_->get(key)) {
-    *computed = false;
-    return hit;
-  }
-  const Decoder& dec = model_.decoder();
-  const int64_t n = static_cast<int64_t>(tokens.size());
-  KVCache cache = dec.make_cache(1, n);
-  dec.forward(detail::pic::ids_of(tokens, 0, n), cache);
-  DocumentKV kv;
-  kv.n_tokens = n;
-  for (int64_t l = 0; l < cache.n_layers(); ++l) {
-    kv.keys.push_back(cache.keys(l)[0].narrow(1, 0, n));
-    kv.values.push_back(cache.values(l)[0].narrow(1, 0, n));
-  }
-  *computed = true;
-  return store_->put(key, kv);
-}
-
 COMB_INLINE CacheKey PicEngine::document_key(const std::vector<int32_t>& document, const std::string& tenant) const {
-  return method_ == Method::comb ? documents_->key(document, tenant)
-                                 : PICacheStore::key(document, decoder_fingerprint_, tenant);
+  return method_ == Method::comb ? documents_->key(document, tenant) : documents_->decoder_key(document, tenant);
 }
 
 COMB_INLINE bool PicEngine::warm(const std::vector<int32_t>& document, const std::string& tenant) {
@@ -268,55 +242,19 @@ COMB_INLINE bool PicEngine::warm(const std::vector<int32_t>& document, const std
       documents_->get(document, tenant, &cached);
       return !cached;
     }
-    default: decoder_kv(document, tenant, &computed); return computed;
+    default: documents_->decoder_kv(document, tenant, &computed); return computed;
   }
 }
 
 COMB_INLINE std::unique_ptr<DocumentWork> PicEngine::begin_document(const std::vector<int32_t>& document,
                                                                     const std::string& tenant) {
   COMB_CHECK(!document.empty(), "an empty document has no cache");
-  if (method_ == Method::full || method_ == Method::prefix) return nullptr;
-  auto work = std::make_unique<DocumentWork>();
-  work->key = document_key(document, tenant);
-  if (store_->get(work->key)) return nullptr;
-  work->tokens = document;
-  return work;
+  if (method_ == Method::full || method_ == Method::prefix) return nullptr;  // no per-document cache
+  return documents_->begin(document, tenant, method_ == Method::comb ? Documents::Cache::encoder : Documents::Cache::decoder);
 }
 
 COMB_INLINE bool PicEngine::continue_document(DocumentWork& w, int64_t max_tokens) {
-  c10::InferenceMode guard;
-  const int64_t n = static_cast<int64_t>(w.tokens.size());
-  COMB_CHECK(w.done < n, "continue_document: the document is complete");
-  const int64_t from = w.done, to = std::min(n, from + std::max<int64_t>(max_tokens, 1));
-  const Decoder& dec = model_.decoder();
-  if (method_ == Method::comb) {
-    const Plugin& plugin = *model_.plugin();
-    if (!plugin.encoder_is_base()) {  // not resumable: the whole document now
-      w.done = n;
-      return documents_->put(w.key, plugin.encode(dec, w.tokens)) != nullptr;
-    }
-    if (!w.cache) w.cache.emplace(plugin.begin_encoding(dec, w.tokens, *model_.encoder_prefix_states()));
-    plugin.encode_piece(dec, w.tokens, from, to, *w.cache, w.keys, w.values);
-    w.done = to;
-    if (to < n) return false;
-    documents_->put(w.key, Plugin::finish_encoding(w.keys, w.values, n));
-  } else {
-    if (!w.cache) w.cache.emplace(dec.make_cache(1, n));
-    dec.forward(detail::pic::ids_of(w.tokens, from, to), *w.cache);
-    w.done = to;
-    if (to < n) return false;
-    DocumentKV kv;
-    kv.n_tokens = n;
-    for (int64_t l = 0; l < w.cache->n_layers(); ++l) {
-      kv.keys.push_back(w.cache->keys(l)[0].narrow(1, 0, n));
-      kv.values.push_back(w.cache->values(l)[0].narrow(1, 0, n));
-    }
-    store_->put(w.key, kv);
-  }
-  w.cache.reset();
-  w.keys.clear();
-  w.values.clear();
-  return true;
+  return documents_->advance(w, max_tokens);
 }
 
 // Fills the cache with the prefix and every document reused as is (naive), each document's keys
@@ -326,7 +264,7 @@ COMB_INLINE void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, st
   int64_t pos = 0;
   auto place = [&](const std::vector<int32_t>& tokens, bool is_document) {
     bool computed = false;
-    auto kv = decoder_kv(tokens, out.tenant, &computed);
+    auto kv = documents_->decoder_kv(tokens, out.tenant, &computed);
     if (kv->quantized()) kv = std::make_shared<const DocumentKV>(kv->to(dec.device(), dec.dtype()));
     const int64_t n = static_cast<int64_t>(tokens.size());
     (computed ? out.computed : out.reused) += n;
