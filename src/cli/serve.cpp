@@ -3,22 +3,18 @@
 #include <httplib.h>
 #include <pthread.h>
 #include <signal.h>
-#include <xxhash.h>
 
 #include <unistd.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <ctime>
-#include <deque>
 #include <mutex>
 #include <thread>
 
 #include "comb/detail/json.hpp"
-#include "comb/detail/mapped_file.hpp"
 #include "comb/detail/utf8.hpp"
 #include "commands.hpp"
 #include "serve_api.hpp"
@@ -36,54 +32,14 @@ using serve::ApiError;
 
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
-json bytes_json(const std::string& b) {
-  json a = json::array();
-  for (unsigned char c : b) a.push_back(static_cast<int>(c));
-  return a;
-}
-
-// OpenAI's chat form: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": null}.
-json chat_logprobs(const Tokenizer& tok, const std::vector<TokenLogprob>& lps) {
-  json content = json::array();
-  for (const auto& lp : lps) {
-    const std::string b = tok.token_bytes(lp.token);
-    json top = json::array();
-    for (const auto& [id, v] : lp.top) {
-      const std::string tb = tok.token_bytes(id);
-      top.push_back({{"token", tb}, {"logprob", v}, {"bytes", bytes_json(tb)}});
-    }
-    content.push_back({{"token", b}, {"logprob", lp.logprob}, {"bytes", bytes_json(b)}, {"top_logprobs", top}});
-  }
-  return {{"content", content}, {"refusal", nullptr}};
-}
-
-// The completions form: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"};
-// `offset`: the completion's bytes before these tokens (advanced past them).
-json completion_logprobs(const Tokenizer& tok, const std::vector<TokenLogprob>& lps, int64_t& offset, bool with_top) {
-  json tokens = json::array(), values = json::array(), tops = json::array(), offsets = json::array();
-  for (const auto& lp : lps) {
-    const std::string b = tok.token_bytes(lp.token);
-    tokens.push_back(b);
-    values.push_back(lp.logprob);
-    offsets.push_back(offset);
-    offset += static_cast<int64_t>(b.size());
-    json top = json::object();
-    for (const auto& [id, v] : lp.top) top[tok.token_bytes(id)] = v;
-    tops.push_back(top);
-  }
-  return {{"tokens", tokens}, {"token_logprobs", values}, {"top_logprobs", with_top ? tops : json(nullptr)},
-          {"text_offset", offsets}};
-}
-
 class Api {
  public:
   Api(const Model& model, ServeEngine& engine, std::vector<std::string> names, serve::Limits limits,
       int64_t default_max_tokens, bool log_requests, const std::string& cache_dir)
       : model_(model), engine_(engine), names_(std::move(names)), limits_(limits),
         default_max_tokens_(default_max_tokens), log_(log_requests), started_(std::time(nullptr)),
-        registry_(cache_dir) {
+        uploads_(model, engine, cache_dir) {
     COMB_CHECK(!names_.empty(), "the server needs a model name");
-    registry_.load(docs_, model.config().n_vocab, model.config().n_ctx, kMaxUploads);
   }
 
   std::atomic<bool> draining{false};
@@ -142,35 +98,23 @@ class Api {
       guarded(res, [&] { completion(req, res, false); });
     });
     http.Post("/v1/documents", [this](const httplib::Request& req, httplib::Response& res) {
-      guarded(res, [&] { upload(req, res); });
+      guarded(res, [&] {
+        if (draining) throw Overloaded("the server is shutting down");
+        serve::DocumentUpload u = serve::parse_document_upload(req.body, limits_);
+        res.set_content(dump(uploads_.upload(u, method_of(u.method))), "application/json");
+      });
     });
     http.Get("/v1/documents", [this](const httplib::Request& req, httplib::Response& res) {
-      guarded(res, [&] {
-        const std::string salt = req.get_param_value("cache_salt");
-        json data = json::array();
-        std::lock_guard<std::mutex> lock(docs_mutex_);
-        for (const auto& [key, d] : docs_)
-          if (key.first == salt) data.push_back(document_json(d));
-        res.set_content(dump({{"object", "list"}, {"data", data}}), "application/json");
-      });
+      guarded(res, [&] { res.set_content(dump(uploads_.list(req.get_param_value("cache_salt"))), "application/json"); });
     });
     http.Get(R"(/v1/documents/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
       guarded(res, [&] {
-        std::lock_guard<std::mutex> lock(docs_mutex_);
-        auto it = docs_.find({req.get_param_value("cache_salt"), req.matches[1].str()});
-        if (it == docs_.end()) throw ApiError(404, fmt::format("no document '{}'", req.matches[1].str()), "id");
-        res.set_content(dump(document_json(it->second)), "application/json");
+        res.set_content(dump(uploads_.get(req.get_param_value("cache_salt"), req.matches[1].str())), "application/json");
       });
     });
     http.Delete(R"(/v1/documents/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
       guarded(res, [&] {
-        std::lock_guard<std::mutex> lock(docs_mutex_);
-        const std::string id = req.matches[1].str();
-        if (docs_.erase({req.get_param_value("cache_salt"), id}) == 0)
-          throw ApiError(404, fmt::format("no document '{}'", id), "id");
-        if (!registry_.erase(req.get_param_value("cache_salt"), id, docs_))
-          fmt::print(stderr, "[serve] warning: cannot write the document registry '{}'\n", registry_.path());
-        res.set_content(dump({{"id", id}, {"object", "document"}, {"deleted", true}}), "application/json");
+        res.set_content(dump(uploads_.erase(req.get_param_value("cache_salt"), req.matches[1].str())), "application/json");
       });
     });
     http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
@@ -236,60 +180,11 @@ class Api {
     res.set_content(serve::error_body(e), "application/json");
   }
 
-  json document_json(const StoredDocument& d) const {
-    json j = {{"id", d.id}, {"object", "document"}, {"title", d.title}, {"tokens", d.tokens.size()},
-              {"created", d.created}, {"methods", d.methods}};
-    if (!d.salt.empty()) j["cache_salt"] = d.salt;
-    return j;
-  }
-
   Method method_of(const std::string& name) const {
     Method m = name.empty() ? engine_.options().method : parse_method(name);
     if (m == Method::comb && !model_.plugin())
       throw ApiError(400, "method comb needs a plug-in, and this server runs without one", "method");
     return m;
-  }
-
-  void upload(const httplib::Request& req, httplib::Response& res) {
-    if (draining) throw Overloaded("the server is shutting down");
-    serve::DocumentUpload u = serve::parse_document_upload(req.body, limits_);
-    const Method method = method_of(u.method);
-    if (method == Method::full || method == Method::prefix)
-      throw ApiError(400, fmt::format("method {} keeps no per-document cache: upload for comb, naive, epic or cacheblend",
-                                      method_name(method)), "method");
-    {
-      std::lock_guard<std::mutex> lock(docs_mutex_);
-      if (static_cast<int64_t>(docs_.size()) >= kMaxUploads)
-        throw ApiError(400, fmt::format("the server holds {} uploaded documents (the limit): delete some first",
-                                        docs_.size()), "", "too_many_documents");
-    }
-    StoredDocument d;
-    d.tokens = engine_.documents().tokens({u.title, u.text});
-    if (method == Method::comb && model_.plugin()->config().max_document_tokens > 0 &&
-        static_cast<int64_t>(d.tokens.size()) > model_.plugin()->config().max_document_tokens)
-      throw ApiError(400, fmt::format("the document has {} tokens; the plug-in's encoder takes at most {}",
-                                      d.tokens.size(), model_.plugin()->config().max_document_tokens), "text");
-    d.id = fmt::format("doc-{:016x}", XXH3_64bits(d.tokens.data(), d.tokens.size() * sizeof(int32_t)));
-    d.title = u.title;
-    d.salt = u.cache_salt;
-    d.created = std::time(nullptr);
-    const bool computed = engine_.warm_document(d.tokens, method, u.cache_salt);
-    {
-      std::lock_guard<std::mutex> lock(docs_mutex_);
-      if (static_cast<int64_t>(docs_.size()) >= kMaxUploads && !docs_.count({d.salt, d.id}))
-        throw ApiError(400, fmt::format("the server holds {} uploaded documents (the limit): delete some first",
-                                        docs_.size()), "", "too_many_documents");
-      auto& slot = docs_[{d.salt, d.id}];  // the same document again keeps the methods it was cached for
-      d.methods = std::move(slot.methods);
-      if (std::find(d.methods.begin(), d.methods.end(), method_name(method)) == d.methods.end())
-        d.methods.push_back(method_name(method));
-      slot = d;
-      if (!registry_.put(d, docs_))
-        fmt::print(stderr, "[serve] warning: cannot write the document registry '{}'\n", registry_.path());
-    }
-    json j = document_json(d);
-    j["cached"] = !computed;
-    res.set_content(dump(j), "application/json");
   }
 
   // A request's 'model': the served name or one of its aliases (--served-model-name).
@@ -349,19 +244,7 @@ class Api {
     ServeRequest r;
     r.method = method;
     r.prompt.tenant = c.cache_salt;
-    for (size_t i = 0; i < c.documents.size(); ++i) {
-      const auto& ref = c.documents[i];
-      if (!ref.id.empty()) {
-        std::lock_guard<std::mutex> lock(docs_mutex_);
-        auto it = docs_.find({c.cache_salt, ref.id});
-        if (it == docs_.end())
-          throw ApiError(400, fmt::format("documents[{}]: no document '{}' was uploaded with this cache_salt", i, ref.id),
-                         fmt::format("documents[{}].id", i), "document_not_found");
-        r.prompt.documents.push_back(it->second.tokens);
-      } else {
-        r.prompt.documents.push_back(engine_.documents().tokens({ref.title, ref.text}));
-      }
-    }
+    for (size_t i = 0; i < c.documents.size(); ++i) r.prompt.documents.push_back(uploads_.tokens(c.documents[i], i, c.cache_salt));
     int64_t document_tokens = 0;
     for (const auto& d : r.prompt.documents) document_tokens += static_cast<int64_t>(d.size());
     if (document_tokens > limits_.max_request_document_tokens)
@@ -444,134 +327,23 @@ class Api {
         }
     };
     const ServeEngine::Id id = engine_.submit(std::move(r));
-    const std::string rid = fmt::format("{}-{:x}{:06x}", chat ? "chatcmpl" : "cmpl", started_, id);
-    const int64_t created = std::time(nullptr);
-    const bool stream = c.stream, usage_chunk = c.include_usage, logprobs = c.logprobs,
-               top = !chat && c.top_logprobs > 0;
-    const Tokenizer* tok = &model_.tokenizer();  // the lambdas below outlive this call, not the model
-    auto head = [=, this]() {
-      return json{{"id", rid}, {"object", chat ? (stream ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
-                  {"created", created}, {"model", names_.front()}};
-    };
-    auto usage = [](const ServeResult& s) {
-      return json{{"prompt_tokens", s.prompt_tokens}, {"completion_tokens", s.tokens.size()},
-                  {"total_tokens", s.prompt_tokens + static_cast<int64_t>(s.tokens.size())},
-                  {"prompt_tokens_details", {{"cached_tokens", s.cached_tokens}}}};
-    };
-    // "stop" or "length"; a cancelled request has no client left to read its reason.
-    auto finish_reason = [](const ServeResult& s) -> json { return s.finish_reason; };
-    auto extra = [](const ServeResult& s) {
-      return json{{"method", method_name(s.method)}, {"computed_tokens", s.computed_tokens}, {"ttft_ms", s.ttft_ms},
-                  {"queue_ms", s.queue_ms}, {"total_ms", s.total_ms}};
-    };
-    auto cancel = [this, id] { engine_.cancel(id); };
-    // Waits for the engine; between events, a probe (an SSE comment, or white space before the
-    // JSON) finds a client that went away, and its request is cancelled.
-    auto wait = [ch](std::deque<Piece>& pieces, std::optional<ServeResult>& result) {
-      std::unique_lock<std::mutex> lock(ch->mutex);
-      ch->cv.wait_for(lock, std::chrono::milliseconds(500), [&] { return !ch->pieces.empty() || ch->result; });
-      pieces.swap(ch->pieces);
-      result = ch->result;
-      return !pieces.empty() || result;
-    };
-    if (stream) {
-      auto started = std::make_shared<bool>(false);
-      auto offset = std::make_shared<int64_t>(0);  // completions' text_offset
-      res.set_chunked_content_provider(
-          "text/event-stream",
-          [=](size_t, httplib::DataSink& sink) {
-            auto send = [&](const json& j) {
-              const std::string line = "data: " + dump(j) + "\n\n";
-              return sink.write(line.data(), line.size());
-            };
-            auto choice = [&](const json& delta_or_text, json reason, const std::vector<TokenLogprob>* lps = nullptr) {
-              json ch2 = chat ? json{{"index", 0}, {"delta", delta_or_text}, {"finish_reason", reason}}
-                              : json{{"index", 0}, {"text", delta_or_text}, {"finish_reason", reason}, {"logprobs", nullptr}};
-              if (logprobs && lps)
-                ch2["logprobs"] = chat ? chat_logprobs(*tok, *lps) : completion_logprobs(*tok, *lps, *offset, top);
-              else if (chat)
-                ch2["logprobs"] = nullptr;
-              json j = head();
-              j["choices"] = json::array({ch2});
-              return j;
-            };
-            if (!*started) {
-              *started = true;
-              if (chat && !send(choice(json{{"role", "assistant"}, {"content", ""}}, nullptr))) return cancel(), false;
-            }
-            std::deque<Piece> pieces;
-            std::optional<ServeResult> result;
-            if (!wait(pieces, result)) {
-              static const char probe[] = ": waiting\n\n";
-              if (!sink.write(probe, sizeof(probe) - 1)) return cancel(), false;
-              return true;
-            }
-            for (const auto& p : pieces)
-              if (!send(choice(chat ? json{{"content", p.text}} : json(p.text), nullptr, &p.logprobs))) return cancel(), false;
-            if (!result) return true;
-            if (result->finish_reason == "error") {
-              send({{"error", {{"message", result->error}, {"type", "internal_error"}}}});
-            } else {
-              json last = choice(chat ? json::object() : json(""), finish_reason(*result));
-              last["comb"] = extra(*result);
-              send(last);
-              if (usage_chunk) {
-                json u = head();
-                u["choices"] = json::array();
-                u["usage"] = usage(*result);
-                send(u);
-              }
-            }
-            static const char done[] = "data: [DONE]\n\n";
-            sink.write(done, sizeof(done) - 1);
-            sink.done();
-            return true;
-          },
-          [=](bool success) {
-            if (!success) cancel();
-          });
-    } else {
-      res.set_chunked_content_provider(
-          "application/json",
-          [=](size_t, httplib::DataSink& sink) {
-            std::deque<Piece> pieces;
-            std::optional<ServeResult> result;
-            wait(pieces, result);
-            if (!result) {
-              if (!sink.write(" ", 1)) return cancel(), false;
-              return true;
-            }
-            json body;
-            if (result->finish_reason == "error") {
-              body = json::parse(serve::error_body(ApiError(500, "generation failed: " + result->error)));
-            } else {
-              body = head();
-              json choice = chat ? json{{"index", 0},
-                                        {"message", {{"role", "assistant"}, {"content", result->text}}},
-                                        {"finish_reason", finish_reason(*result)}}
-                                 : json{{"index", 0}, {"text", result->text}, {"finish_reason", finish_reason(*result)}};
-              int64_t offset = 0;
-              choice["logprobs"] = !logprobs ? json(nullptr)
-                                   : chat    ? chat_logprobs(*tok, result->logprobs)
-                                             : completion_logprobs(*tok, result->logprobs, offset, top);
-              body["choices"] = json::array({choice});
-              body["usage"] = usage(*result);
-              body["comb"] = extra(*result);
-            }
-            const std::string text = dump(body);
-            sink.write(text.data(), text.size());
-            sink.done();
-            return true;
-          },
-          [=](bool success) {
-            if (!success) cancel();
-          });
-    }
+    Answer a;
+    a.channel = ch;
+    a.id = fmt::format("{}-{:x}{:06x}", chat ? "chatcmpl" : "cmpl", started_, id);
+    a.model = names_.front();
+    a.created = std::time(nullptr);
+    a.chat = chat;
+    a.stream = c.stream;
+    a.usage_chunk = c.include_usage;
+    a.logprobs = c.logprobs;
+    a.top = !chat && c.top_logprobs > 0;
+    a.tokenizer = &model_.tokenizer();
+    a.cancel = [this, id] { engine_.cancel(id); };
+    reply(res, std::move(a));
   }
 
   std::string metrics() { return metrics_.text(engine_.stats(), connections ? connections() : std::optional<GuardedServer::Counts>()); }
 
-  static constexpr int64_t kMaxUploads = 100000;  // entries of the document registry
   const Model& model_;
   ServeEngine& engine_;
   std::vector<std::string> names_;  // the served name, then its aliases (at least one)
@@ -579,9 +351,7 @@ class Api {
   int64_t default_max_tokens_;
   bool log_;
   int64_t started_;
-  std::mutex docs_mutex_;
-  std::map<std::pair<std::string, std::string>, StoredDocument> docs_;  // (salt, id)
-  Registry registry_;
+  Uploads uploads_;
   Metrics metrics_;
 };
 

@@ -1,6 +1,7 @@
 #pragma once
-// `comb serve`'s uploaded documents: what the server keeps of each (StoredDocument) and their
-// registry on disk beside the store's disk tier (Registry).
+// `comb serve`'s documents: what the server keeps of each uploaded one (StoredDocument), their
+// registry on disk beside the store's disk tier (Registry), and the room that owns both (Uploads:
+// the /v1/documents handlers' work, and the tokens of every document a request names).
 #include <unistd.h>
 
 #include <cstdint>
@@ -14,9 +15,13 @@
 
 #include <fmt/format.h>
 
+#include <mutex>
+
 #include "comb/detail/json.hpp"
 #include "comb/detail/mapped_file.hpp"
 #include "comb/error.hpp"
+#include "comb/serving.hpp"
+#include "serve_api.hpp"
 
 namespace comb::cli {
 
@@ -131,6 +136,41 @@ class Registry {
     return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   }
   std::string path_;
+};
+
+// The server's documents: those uploaded (by cache salt and id, kept in the registry) and the
+// tokens of any document a request names, uploaded or given in full, rendered in one place.
+// Thread-safe: the HTTP handlers call it at once.
+class Uploads {
+ public:
+  static constexpr int64_t kMaxUploads = 100000;  // entries of the registry
+
+  // Loads the registry kept in `cache_dir` ("" : none, uploads last as long as the process).
+  Uploads(const Model& model, ServeEngine& engine, const std::string& cache_dir);
+
+  // POST /v1/documents: the document's tokens, its cache computed for `method` (comb, naive, epic
+  // or cacheblend) unless the store holds it, registered under its id; the answer's JSON. Throws
+  // ApiError (too many documents, a document longer than the plug-in's encoder takes).
+  nlohmann::json upload(const serve::DocumentUpload& u, Method method);
+  // GET /v1/documents, GET and DELETE /v1/documents/{id} (404 for an unknown id).
+  nlohmann::json list(const std::string& salt);
+  nlohmann::json get(const std::string& salt, const std::string& id);
+  nlohmann::json erase(const std::string& salt, const std::string& id);
+
+  // The tokens of a request's document `i`: an uploaded one's (under `salt`; 400 if there is none)
+  // or one given in full, rendered as every prompt holds it.
+  std::vector<int32_t> tokens(const serve::DocumentRef& ref, size_t i, const std::string& salt);
+
+ private:
+  std::vector<int32_t> render(const std::string& title, const std::string& text) const;
+  static nlohmann::json to_json(const StoredDocument& d);
+  void check_room() const;  // docs_mutex_ held
+
+  const Model& model_;
+  ServeEngine& engine_;
+  std::mutex docs_mutex_;
+  Registry::Docs docs_;  // (salt, id)
+  Registry registry_;
 };
 
 }  // namespace comb::cli
