@@ -25,7 +25,10 @@ std::vector<int32_t> qa_suffix(const Model& model, const std::string& question);
 // Prompts without documents (qa_prefix | qa_suffix of a few fixed, generic questions): what a
 // plug-in's attention sinks are measured on.
 std::vector<std::vector<int32_t>> qa_probe_prompts(const Model& model);
-// qa_prefix | each document alone | qa_suffix.
+// The documents as every prompt holds them, each alone ("Title: <title>\n<text>\n\n", read as
+// data): the one place a prompt's documents become tokens. No chat template needed.
+std::vector<std::vector<int32_t>> qa_documents(const Model& model, const std::vector<QaDocument>& documents);
+// qa_prefix | qa_documents | qa_suffix.
 PicRequest qa_request(const Model& model, const std::vector<QaDocument>& documents, const std::string& question);
 
 }  // namespace comb

@@ -46,16 +46,16 @@ int cmd_generate(Args& args) {
     store_options.dtype = cache_dtype;
     store_options.remote_ttl_s = cache_ttl;
     store = std::make_shared<comb::PICacheStore>(store_options);
-    // The documents as every prompt holds them (title and text: the prompt module's request),
-    // found in the store or encoded.
+    // The documents as every prompt holds them (title and text: the prompt module's), found in
+    // the store or encoded.
     comb::Documents docs(model, store);
     std::vector<comb::QaDocument> given;
     for (const auto& path : document_paths) given.push_back(read_document(path));
     auto t0 = std::chrono::steady_clock::now();
-    const comb::PicRequest request = comb::qa_request(model, given, prompt);
+    const std::vector<std::vector<int32_t>> texts = comb::qa_documents(model, given);
     int64_t n_tokens = 0;
-    for (const auto& d : request.documents) n_tokens += static_cast<int64_t>(d.size());
-    std::vector<std::shared_ptr<const comb::DocumentKV>> documents = docs.get(request.documents);
+    for (const auto& d : texts) n_tokens += static_cast<int64_t>(d.size());
+    std::vector<std::shared_ptr<const comb::DocumentKV>> documents = docs.get(texts);
     double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     auto stats = store->stats();
     const int64_t hits = stats.host.hits + stats.disk.hits + stats.remote.hits;
@@ -68,9 +68,10 @@ int cmd_generate(Args& args) {
       // comb qa and serve place them: the prompt becomes that question.
       COMB_CHECK(!raw, "--raw: this plug-in reads documents after the instruction prefix of a question; give the "
                  "prompt without --raw");
-      ids = request.prefix;
+      ids = comb::qa_prefix(model);
       anchor = static_cast<int64_t>(ids.size());
-      ids.insert(ids.end(), request.suffix.begin(), request.suffix.end());
+      const auto q = comb::qa_suffix(model, prompt);
+      ids.insert(ids.end(), q.begin(), q.end());
     }
     linked = docs.link(documents, anchor);
   }

@@ -9,6 +9,7 @@
 
 #include "comb/documents.hpp"
 #include "comb/model.hpp"
+#include "comb/prompt.hpp"
 
 namespace comb::cli {
 
@@ -21,7 +22,7 @@ Uploads::Uploads(const Model& model, ServeEngine& engine, const std::string& cac
 }
 
 std::vector<int32_t> Uploads::render(const std::string& title, const std::string& text) const {
-  return engine_.documents().tokens({title, text});
+  return qa_documents(model_, {{title, text}}).front();  // as every prompt holds it
 }
 
 json Uploads::to_json(const StoredDocument& d) {

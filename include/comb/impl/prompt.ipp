@@ -47,10 +47,16 @@ COMB_INLINE std::vector<int32_t> qa_suffix(const Model& model, const std::string
   return ids;
 }
 
+COMB_INLINE std::vector<std::vector<int32_t>> qa_documents(const Model& model, const std::vector<QaDocument>& documents) {
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& d : documents) out.push_back(Documents::tokens(model, d));
+  return out;
+}
+
 COMB_INLINE PicRequest qa_request(const Model& model, const std::vector<QaDocument>& documents, const std::string& question) {
   PicRequest r;
   r.prefix = qa_prefix(model);
-  for (const auto& d : documents) r.documents.push_back(Documents::tokens(model, d));
+  r.documents = qa_documents(model, documents);
   r.suffix = qa_suffix(model, question);
   return r;
 }

@@ -23,6 +23,7 @@
 #include "comb/detail/json.hpp"
 #include "comb/error.hpp"
 #include "comb/log.hpp"
+#include "comb/prompt.hpp"
 #include "comb/safetensors.hpp"
 #include "comb/train.hpp"
 
@@ -51,7 +52,7 @@ COMB_INLINE int64_t uniform(std::mt19937_64& rng, int64_t lo, int64_t hi) {  // 
 }  // namespace detail::train
 
 COMB_INLINE std::shared_ptr<const std::vector<int32_t>> TrainData::document(const QaDocument& d) const {
-  auto t = Documents::tokens(model_, d);
+  auto t = qa_documents(model_, {d}).front();  // as every prompt holds it
   if (static_cast<int64_t>(t.size()) > options_.max_document_tokens) t.resize(options_.max_document_tokens);
   return std::make_shared<const std::vector<int32_t>>(std::move(t));
 }
