@@ -101,6 +101,13 @@ class Documents {
   std::unique_ptr<DocumentWork> begin(const std::vector<int32_t>& tokens, const std::string& tenant, Cache kind) const;
   bool advance(DocumentWork& work, int64_t max_tokens) const;
 
+  // What a paged decoding step (Decoder::step_paged) reads of a request's `linked` documents, built
+  // once a request, in float32 on the CPU: the rotated keys the prompt's forward joined (documents
+  // after the prefix, or consecutive), else each document's K/V as linked (taken from `linked`,
+  // int8 ones dequantized), or residual blocks over `linked` as it stands. `linked` must outlive
+  // the reads.
+  std::unique_ptr<DocumentReads> paged_reads(LinkedDocuments& linked) const;
+
   // Pins `key`'s entry in the store's memory while a request reads it (counted: the last unpin()
   // releases it). False, and nothing held, when no memory tier holds it.
   bool pin(const CacheKey& key) const;

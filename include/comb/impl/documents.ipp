@@ -194,6 +194,34 @@ COMB_INLINE bool Documents::advance(DocumentWork& w, int64_t max_tokens) const {
   return true;
 }
 
+COMB_INLINE std::unique_ptr<DocumentReads> Documents::paged_reads(LinkedDocuments& l) const {
+  const Plugin& plugin = this->plugin();
+  if (!plugin.config().joint_attention) return std::make_unique<DocumentReads>(DocumentReads::residual(plugin, l));
+  if (l.anchor > 0 || plugin.config().consecutive_documents) {
+    std::vector<JointKV> blocks;
+    {
+      std::lock_guard<std::mutex> lock(l.joined->mutex);
+      blocks = l.joined->blocks;
+    }
+    l.joined = std::make_shared<LinkedDocuments::Joined>();  // the float32 copy below is what decoding reads
+    for (auto& j : blocks) {
+      j.keys = j.keys.to(at::kFloat).contiguous();
+      j.values = j.values.to(at::kFloat).contiguous();
+    }
+    return std::make_unique<DocumentReads>(DocumentReads::joined(plugin, std::move(blocks), /*paged=*/true));
+  }
+  l.joined = std::make_shared<LinkedDocuments::Joined>();  // not read by decoding
+  std::vector<std::vector<at::Tensor>> keys = std::move(l.keys), values = std::move(l.values);
+  std::vector<std::vector<at::Tensor>> key_scales = std::move(l.key_scales), value_scales = std::move(l.value_scales);
+  l.keys.clear(), l.values.clear(), l.key_scales.clear(), l.value_scales.clear();
+  dequantize_linked(keys, values, key_scales, value_scales);  // int8 ones linked as stored
+  for (auto& block : keys)
+    for (auto& t : block) t = t.to(at::kFloat).contiguous();
+  for (auto& block : values)
+    for (auto& t : block) t = t.to(at::kFloat).contiguous();
+  return std::make_unique<DocumentReads>(DocumentReads::segmented(plugin, std::move(keys), std::move(values)));
+}
+
 COMB_INLINE bool Documents::pin(const CacheKey& key) const {
   if (!store_) return false;
   std::lock_guard<std::mutex> lock(pins_mutex_);

@@ -528,38 +528,9 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
   s.result.cached_tokens = f.reused;
   s.result.computed_tokens = f.computed;
   if (!f.documents.empty()) {
-    // What its decoding steps read: the rotated keys of documents after the prefix or consecutive
-    // (joined by the prompt's forward), or else each document's K/V as linked; float32.
+    // What its decoding steps read of them, built once (Documents::paged_reads).
     s.documents = std::move(f.documents);
-    const Plugin& plugin = *model_.plugin();
-    LinkedDocuments& l = s.documents;
-    if (!plugin.config().joint_attention) {
-      s.reads = std::make_unique<DocumentReads>(
-          DocumentReads::residual(plugin, plugin.weights(), l.keys, l.values, l.doc_counts));
-    } else if (l.anchor > 0 || plugin.config().consecutive_documents) {
-      std::vector<JointKV> blocks;
-      {
-        std::lock_guard<std::mutex> lock(l.joined->mutex);
-        blocks = l.joined->blocks;
-      }
-      l.joined = std::make_shared<LinkedDocuments::Joined>();  // the float32 copy below is what decoding reads
-      for (auto& j : blocks) {
-        j.keys = j.keys.to(at::kFloat).contiguous();
-        j.values = j.values.to(at::kFloat).contiguous();
-      }
-      s.reads = std::make_unique<DocumentReads>(DocumentReads::joined(plugin, std::move(blocks), /*paged=*/true));
-    } else {
-      l.joined = std::make_shared<LinkedDocuments::Joined>();  // not read by decoding
-      std::vector<std::vector<at::Tensor>> keys = std::move(l.keys), values = std::move(l.values);
-      std::vector<std::vector<at::Tensor>> key_scales = std::move(l.key_scales), value_scales = std::move(l.value_scales);
-      l.keys.clear(), l.values.clear(), l.key_scales.clear(), l.value_scales.clear();
-      dequantize_linked(keys, values, key_scales, value_scales);  // int8 ones linked as stored
-      for (auto& block : keys)
-        for (auto& t : block) t = t.to(at::kFloat).contiguous();
-      for (auto& block : values)
-        for (auto& t : block) t = t.to(at::kFloat).contiguous();
-      s.reads = std::make_unique<DocumentReads>(DocumentReads::segmented(plugin, std::move(keys), std::move(values)));
-    }
+    s.reads = documents_->paged_reads(s.documents);
   }
   at::Tensor logits = f.logits;
   s.prefill.reset();  // the prompt's own cache goes
