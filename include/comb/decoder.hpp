@@ -97,6 +97,8 @@ bool merged_attention_applies(const JointKV& joint);
 // With `joint` (causal only): the attention also reads its keys, see joint_attention().
 at::Tensor llama_layer(const at::Tensor& x, const LayerWeights& l, const ModelConfig& config, const at::Tensor& cos,
                        const at::Tensor& sin, bool causal, const at::Tensor& mask = {}, const JointKV* joint = nullptr);
+// Tokens [begin, end) of `tokens` as the decoder takes one sequence: int64 [1, end - begin].
+at::Tensor token_ids(const std::vector<int32_t>& tokens, int64_t begin, int64_t end);
 // Which of keys [0, n_keys) queries at `positions` [m] see (causal by position): bool [m, n_keys].
 at::Tensor visible_keys(const at::Tensor& positions, int64_t n_keys);
 // Rotate-half RoPE on x [..., n, head_dim] with cos, sin [n, head_dim].

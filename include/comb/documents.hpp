@@ -130,6 +130,10 @@ class Documents {
   Lookup look_up(const std::vector<std::vector<int32_t>>& documents, const std::string& tenant,
                  std::vector<bool>* from_cache) const;
   const Plugin& plugin() const;
+  // The decoder over `tokens` [from, to) after the positions `cache` holds (made on the first
+  // piece); the document's decoder K/V once `to` is its end, else nothing.
+  std::optional<DocumentKV> decoder_piece(const std::vector<int32_t>& tokens, int64_t from, int64_t to,
+                                          std::optional<KVCache>& cache) const;
   // The dtype a document's entry is read back in: the store's (StoreOptions::dtype) where it sets
   // one, else the plug-in's cache dtype, else Undefined (as computed).
   c10::ScalarType kept_dtype() const;

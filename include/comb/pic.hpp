@@ -144,7 +144,7 @@ class PicEngine {
   // The store's key of that cache.
   CacheKey document_key(const std::vector<int32_t>& document, const std::string& tenant) const;
   Method method() const { return method_; }
-  PICacheStore& store() { return *store_; }
+  PICacheStore& store() { return *documents_->store(); }
   // The owner of its documents' caches (the plug-in's encoder K/V and the post-training methods'
   // decoder K/V, in one store).
   Documents& documents() { return *documents_; }
@@ -178,7 +178,6 @@ class PicEngine {
   Method method_;
   PicOptions options_;
   std::shared_ptr<Documents> documents_;
-  std::shared_ptr<PICacheStore> store_;  // documents_'s
   std::shared_ptr<PrefixCache> prefix_;
 };
 

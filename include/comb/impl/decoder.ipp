@@ -326,6 +326,12 @@ COMB_INLINE at::Tensor llama_layer(const at::Tensor& x, const LayerWeights& l, c
   });
 }
 
+COMB_INLINE at::Tensor token_ids(const std::vector<int32_t>& tokens, int64_t begin, int64_t end) {
+  COMB_CHECK(0 <= begin && begin <= end && end <= static_cast<int64_t>(tokens.size()),
+             "token_ids: tokens [{}, {}) of {}", begin, end, tokens.size());
+  return at::tensor(std::vector<int64_t>(tokens.begin() + begin, tokens.begin() + end), at::kLong).unsqueeze(0);
+}
+
 COMB_INLINE at::Tensor visible_keys(const at::Tensor& positions, int64_t n_keys) {
   return at::arange(n_keys, positions.options().dtype(at::kLong)).unsqueeze(0) <= positions.unsqueeze(1);
 }

@@ -116,22 +116,21 @@ COMB_INLINE CacheKey Documents::decoder_key(const std::vector<int32_t>& tokens, 
   return PICacheStore::key(tokens, decoder_fingerprint_, tenant);
 }
 
-namespace detail::documents {  // this file's own helpers
-// The first n positions of a decoder cache of batch 1 as a document's decoder K/V.
-COMB_INLINE DocumentKV first_positions(const KVCache& cache, int64_t n) {
-  DocumentKV kv;
+COMB_INLINE std::optional<DocumentKV> Documents::decoder_piece(const std::vector<int32_t>& tokens, int64_t from,
+                                                               int64_t to, std::optional<KVCache>& cache) const {
+  const Decoder& dec = model_.decoder();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (!cache) cache.emplace(dec.make_cache(1, n));
+  dec.forward(token_ids(tokens, from, to), *cache);
+  if (to < n) return std::nullopt;
+  DocumentKV kv;  // positions [0, n) of each layer: a block a layer
   kv.n_tokens = n;
-  for (int64_t l = 0; l < cache.n_layers(); ++l) {
-    kv.keys.push_back(cache.keys(l)[0].narrow(1, 0, n));
-    kv.values.push_back(cache.values(l)[0].narrow(1, 0, n));
+  for (int64_t l = 0; l < cache->n_layers(); ++l) {
+    kv.keys.push_back(cache->keys(l)[0].narrow(1, 0, n));
+    kv.values.push_back(cache->values(l)[0].narrow(1, 0, n));
   }
   return kv;
 }
-
-COMB_INLINE at::Tensor ids_of(const std::vector<int32_t>& tokens, int64_t from, int64_t to) {
-  return at::tensor(std::vector<int64_t>(tokens.begin() + from, tokens.begin() + to), at::kLong).unsqueeze(0);
-}
-}  // namespace detail::documents
 
 COMB_INLINE std::shared_ptr<const DocumentKV> Documents::decoder_kv(const std::vector<int32_t>& tokens,
                                                                     const std::string& tenant, bool* computed) const {
@@ -143,12 +142,9 @@ COMB_INLINE std::shared_ptr<const DocumentKV> Documents::decoder_kv(const std::v
       if (computed) *computed = false;
       return hit;
     }
-  const Decoder& dec = model_.decoder();
-  const int64_t n = static_cast<int64_t>(tokens.size());
-  KVCache cache = dec.make_cache(1, n);
-  dec.forward(detail::documents::ids_of(tokens, 0, n), cache);
   if (computed) *computed = true;
-  DocumentKV kv = detail::documents::first_positions(cache, n);
+  std::optional<KVCache> cache;
+  DocumentKV kv = *decoder_piece(tokens, 0, static_cast<int64_t>(tokens.size()), cache);
   return store_ ? store_->put(k, kv) : std::make_shared<const DocumentKV>(std::move(kv));
 }
 
@@ -181,12 +177,10 @@ COMB_INLINE bool Documents::advance(DocumentWork& w, int64_t max_tokens) const {
     if (to < n) return false;
     put(w.key, Plugin::finish_encoding(w.keys, w.values, n));
   } else {
-    if (!w.cache) w.cache.emplace(dec.make_cache(1, n));
-    dec.forward(detail::documents::ids_of(w.tokens, from, to), *w.cache);
+    std::optional<DocumentKV> kv = decoder_piece(w.tokens, from, to, w.cache);
     w.done = to;
-    if (to < n) return false;
-    DocumentKV kv = detail::documents::first_positions(*w.cache, n);
-    if (store_) store_->put(w.key, kv);
+    if (!kv) return false;
+    if (store_) store_->put(w.key, *kv);
   }
   w.cache.reset();
   w.keys.clear();

@@ -265,8 +265,7 @@ COMB_INLINE GenerationResult Model::generate(const std::vector<int32_t>& prompt,
   auto started = std::chrono::steady_clock::now();
   const int64_t n_prompt = static_cast<int64_t>(prompt.size());
   KVCache cache = decoder_->make_cache(1, std::min<int64_t>(c.n_ctx, n_prompt + options.max_tokens));
-  at::Tensor input = at::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), at::kLong).unsqueeze(0);
-  at::Tensor logits = forward(input, cache, documents)[0][-1];
+  at::Tensor logits = forward(token_ids(prompt, 0, n_prompt), cache, documents)[0][-1];
   return decode(cache, logits, options, documents, started, n_prompt);
 }
 

@@ -55,11 +55,6 @@ COMB_INLINE std::vector<int32_t> PicRequest::tokens() const {
   return out;
 }
 
-namespace detail::pic {  // this file's own helpers
-COMB_INLINE at::Tensor ids_of(const std::vector<int32_t>& tokens, int64_t begin, int64_t end) {
-  return at::tensor(std::vector<int64_t>(tokens.begin() + begin, tokens.begin() + end), at::kLong).unsqueeze(0);
-}
-}  // namespace detail::pic
 
 // ================================================================================================
 // PrefixCache
@@ -191,7 +186,6 @@ COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions o
   documents_ = shared_documents ? std::move(shared_documents)
                                 : std::make_shared<Documents>(model, std::make_shared<PICacheStore>(options_.store_options()));
   COMB_CHECK(documents_->store(), "a PicEngine keeps its documents' caches in a store: give Documents one");
-  store_ = documents_->shared_store();
   prefix_ = shared_prefix ? std::move(shared_prefix)
                           : std::make_shared<PrefixCache>(options_.prefix_block, options_.cache_bytes);
 }
@@ -199,8 +193,7 @@ COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions o
 COMB_INLINE PicEngine::~PicEngine() = default;
 
 COMB_INLINE void PicEngine::clear() {
-  documents_ = std::make_shared<Documents>(model_, std::make_shared<PICacheStore>(store_->options()));
-  store_ = documents_->shared_store();
+  documents_ = std::make_shared<Documents>(model_, std::make_shared<PICacheStore>(documents_->store()->options()));
   prefix_->clear();
 }
 
@@ -287,7 +280,7 @@ COMB_INLINE at::Tensor PicEngine::recompute(const std::vector<int32_t>& tokens, 
   const Decoder& dec = model_.decoder();
   const int64_t n_keys = static_cast<int64_t>(tokens.size());
   at::Tensor pos = at::tensor(positions, at::kLong);
-  if (!hidden.defined()) hidden = dec.embed(detail::pic::ids_of(tokens, 0, n_keys).index_select(1, pos));
+  if (!hidden.defined()) hidden = dec.embed(token_ids(tokens, 0, n_keys).index_select(1, pos));
   for (int64_t i = from_layer; i < dec.config().n_layer; ++i) hidden = dec.layer_at(i, hidden, pos, out.cache, n_keys);
   out.cache.set_length(n_keys);
   return dec.logits(hidden, LogitsMode::last)[0][-1];
@@ -319,7 +312,7 @@ COMB_INLINE bool PicEngine::advance(PicPrefill& out, int64_t max_tokens) {
   COMB_CHECK(max_tokens > 0 || out.pending() == 0, "advance() by {} tokens", max_tokens);
   c10::InferenceMode guard;
   const int64_t from = out.cache.length(), to = std::min(out.n_prompt, from + std::max<int64_t>(max_tokens, 1));
-  at::Tensor logits = model_.forward(detail::pic::ids_of(out.tokens, from, to), out.cache,
+  at::Tensor logits = model_.forward(token_ids(out.tokens, from, to), out.cache,
                                      out.documents.empty() ? nullptr : &out.documents);
   out.computed += to - from;
   if (to < out.n_prompt) return false;
@@ -404,7 +397,7 @@ COMB_INLINE void PicEngine::prefill_cacheblend(const PicRequest& r, const std::v
   const int64_t n_context = out.cache.length();
   // Every token runs the layers before the check layer (their K/V replace the reused ones there).
   at::Tensor pos = at::arange(n, at::kLong);
-  at::Tensor hidden = dec.embed(detail::pic::ids_of(tokens, 0, n));
+  at::Tensor hidden = dec.embed(token_ids(tokens, 0, n));
   for (int64_t i = 0; i < options_.check_layer; ++i) hidden = dec.layer_at(i, hidden, pos, out.cache, n);
   std::vector<int64_t> chosen = cacheblend_selection(hidden, pos, spans, n_context, n, out);
   at::Tensor chosen_pos = at::tensor(chosen, at::kLong).to(dec.device());
@@ -473,7 +466,7 @@ COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<
   std::vector<bool> cached;
   const int64_t from = out.cache.length();
   at::Tensor logits = documents_->get_with_prompt(r.documents, out.tenant, &cached,
-                                                 detail::pic::ids_of(out.tokens, from, out.n_prompt), out.cache,
+                                                 token_ids(out.tokens, from, out.n_prompt), out.cache,
                                                  anchor, out.documents);
   for (size_t i = 0; i < r.documents.size(); ++i)
     (cached[i] ? out.reused : out.computed) += static_cast<int64_t>(r.documents[i].size());
