@@ -2,9 +2,12 @@
 // libtorch_cuda (beside libtorch_cpu) when comb was built without its CUDA ops.
 #include "comb/cuda_backend.hpp"
 
+#include "comb/detail/decode_step.hpp"
+
 #include <ATen/Context.h>
 #include <dlfcn.h>
 
+#include <atomic>
 #include <string>
 
 namespace comb {
@@ -63,5 +66,16 @@ const CudaBackend& load_cuda_backend() {
 }
 
 bool cuda_available() { return load_cuda_backend().loaded && at::hasCUDA(); }
+
+namespace detail {
+namespace {
+std::atomic<DecodeStepFactory> decode_step_factory_{nullptr};
+std::atomic<const CudaLayerOps*> cuda_layer_ops_{nullptr};
+}  // namespace
+void set_cuda_layer_ops(const CudaLayerOps* ops) { cuda_layer_ops_.store(ops); }
+const CudaLayerOps* cuda_layer_ops() { return cuda_layer_ops_.load(); }
+void set_decode_step_factory(DecodeStepFactory factory) { decode_step_factory_.store(factory); }
+DecodeStepFactory decode_step_factory() { return decode_step_factory_.load(); }
+}  // namespace detail
 
 }  // namespace comb

@@ -6,6 +6,8 @@
 
 #include <array>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -14,6 +16,11 @@
 #include "comb/weights.hpp"
 
 namespace comb {
+
+namespace detail {
+class DecodeStep;       // detail/decode_step.hpp
+struct DecodeStepSpec;  // detail/decode_step.hpp
+}  // namespace detail
 
 // Which positions get logits.
 enum class LogitsMode { last, all };
@@ -112,6 +119,19 @@ class Decoder {
   // off, every step goes through generic ATen ops (the path other devices and dtypes take).
   void set_cpu_kernels(bool on) { cpu_kernels_ = on; }
   bool cpu_kernels() const { return cpu_kernels_ && device_.is_cpu() && dtype_ == c10::kFloat; }
+  // On a CUDA device with dense float16 or bfloat16 weights, one sequence's layers run comb's fused
+  // CUDA kernels (RMSNorm, RoPE with the cache append, SwiGLU's activation, attention of few rows
+  // with the documents' keys in the same softmax; detail/decode_step.hpp), and a one-token step
+  // without documents runs as one captured CUDA graph of them. Off (or COMB_CUDA_KERNELS=0 in the
+  // environment): generic ATen ops only; COMB_CUDA_GRAPHS=0 leaves out the graph alone. Where comb
+  // has no CUDA ops the generic path runs either way.
+  void set_cuda_kernels(bool on) { cuda_kernels_ = on; }
+  // Whether a one-token step over `cache` takes the CUDA graph.
+  bool cuda_graph_applies(const KVCache& cache) const;
+  // Whether layers over `cache` take the fused CUDA kernels.
+  bool cuda_kernels_apply(const KVCache& cache) const;
+  // What the CUDA decoding step reads of this decoder (its sizes and dense weights).
+  detail::DecodeStepSpec decode_step_spec() const;
 
   // One input of layer_parts(): x [batch, n, n_embd] after the positions `cache` holds (it writes
   // its K/V there; the caller advances the cache after the last layer), reading what `reads` gives
@@ -197,6 +217,12 @@ class Decoder {
   c10::Device device_;
   at::Tensor rope_cos_, rope_sin_;  // [n_ctx, head_dim]
   bool cpu_kernels_ = true;
+  bool cuda_kernels_ = true;
+  // The CUDA decoding step, made on first use; one caller at a time.
+  mutable std::shared_ptr<detail::DecodeStep> cuda_step_;
+  mutable std::shared_ptr<std::mutex> cuda_step_mutex_ = std::make_shared<std::mutex>();
+  at::Tensor cuda_step(int64_t token, KVCache& cache) const;
+  at::Tensor layer_cuda(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const;
   // oneDNN copies of each layer's {wqkv, wo, w_gate_up, w_down} for prefill GEMMs on CPU; the
   // dense weights above are views of the same memory (see prepack_onednn()), or empty.
   std::vector<std::array<at::Tensor, 4>> onednn_;

@@ -10,9 +10,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 
 #include "comb/detail/cpu_kernels.hpp"
+#include "comb/detail/decode_step.hpp"
 #include "comb/decoder.hpp"
 #include "comb/error.hpp"
 #include "comb/weights.hpp"
@@ -89,6 +92,13 @@ COMB_INLINE void Decoder::place(int64_t layer, KVCache& cache, int64_t pos, cons
                         k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
                         k_cache.is_contiguous() && v_cache.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1 &&
                         apart(k, k_cache) && apart(v, v_cache);
+  if (k.device() == device_ && k.scalar_type() == dtype_ && v.scalar_type() == dtype_ && k.stride(3) == 1 &&
+      apart(k, k_cache) && cuda_kernels_apply(cache)) {
+    // One kernel rotates the keys into the cache (the ATen rotation: five launches and temporaries).
+    detail::cuda_layer_ops()->place_keys(k, rope_cos_, rope_sin_, k_cache, pos);
+    v_cache.narrow(2, pos, n).copy_(apart(v, v_cache) ? v : v.clone());
+    return;
+  }
   if (!in_place) {
     // apply_rope returns a new tensor; v is copied first if it shares storage with the cache.
     return cache.write(layer, pos, apply_rope(k, rope_cos_.narrow(0, pos, 1), rope_sin_.narrow(0, pos, 1)),
@@ -491,6 +501,9 @@ COMB_INLINE constexpr int64_t kGemvMaxRows = 64;
 // Up to this many rows a joint-attention layer reads the documents and the context with
 // joint_attention_rows (one fused softmax per row); longer ones with joint_attention_merged.
 COMB_INLINE constexpr int64_t kJointRowsMax = 32;
+// Up to this many rows a CUDA layer without documents attends with comb's rows kernel (each row
+// reads its keys once, split over the device); longer prompts with FlashAttention through SDPA.
+COMB_INLINE constexpr int64_t kCudaRowsMax = 64;
 }  // namespace detail::decoder
 
 COMB_INLINE at::Tensor Decoder::rms_norm_cpu(const at::Tensor& x, const at::Tensor& w) const {
@@ -652,6 +665,8 @@ COMB_INLINE at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& c
   // a warm request's question was 8% faster or 9% slower than naive reuse's from one process to the
   // next (`comb bench --pic-data`, code words); on the fused path, as naive reuse, it is steady.
   if (cpu_kernels() && (!joint || merged_attention_applies(*joint))) return layer_cpu(i, x, cache, joint);
+  if (x.size(0) == 1 && (!joint || (!joint->valid.defined() && joint->keys.size(0) == 1)) && cuda_kernels_apply(cache))
+    return layer_cuda(i, x, cache, joint);
   const auto& w = weights_.layers[i];
   return detail::decoder::layer_body(x, w, detail::decoder::generic_math(w, config_),
                                      [&](const at::Tensor& qkv) { return attention(i, qkv, cache, joint); });
@@ -678,11 +693,104 @@ COMB_INLINE at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache
   const int64_t n = tokens.size(1), start = cache.length();
   COMB_CHECK(start + n <= config_.n_ctx, "{} positions exceed the model's context of {} tokens", start + n,
              config_.n_ctx);
+  if (n == 1 && !reads && tokens.size(0) == 1 && cuda_graph_applies(cache)) {
+    at::Tensor out = cuda_step(tokens.reshape({-1})[0].item<int64_t>(), cache);
+    cache.advance(1);
+    return out;
+  }
   at::Tensor x = embed(tokens);
   for (int64_t i = 0; i < config_.n_layer; ++i)
     x = reads ? layer(i, reads->before(i, x, start), cache, reads->joint(i)) : layer(i, x, cache);
   cache.advance(n);
   return logits(x, mode);
+}
+
+// ---- The CUDA decoding step -----------------------------------------------------------------------
+
+namespace detail::decoder {  // this file's own helpers
+// Whether the environment leaves `name` on (unset, or anything but "0"); read once per name.
+COMB_INLINE bool env_on(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+}  // namespace detail::decoder
+
+COMB_INLINE bool Decoder::cuda_kernels_apply(const KVCache& cache) const {
+  static const bool env = detail::decoder::env_on("COMB_CUDA_KERNELS");
+  const int64_t hd = config_.head_dim;
+  return cuda_kernels_ && env && device_.is_cuda() && (dtype_ == at::kBFloat16 || dtype_ == at::kHalf) &&
+         !weights_.quantized() && detail::cuda_layer_ops() != nullptr && !at::GradMode::is_enabled() &&
+         cache.batch() == 1 && cache.n_layers() == config_.n_layer && cache.keys(0).scalar_type() == dtype_ &&
+         cache.keys(0).is_contiguous() && cache.values(0).is_contiguous() &&
+         (hd == 32 || hd == 64 || hd == 128 || hd == 256);
+}
+
+COMB_INLINE bool Decoder::cuda_graph_applies(const KVCache& cache) const {
+  static const bool env = detail::decoder::env_on("COMB_CUDA_GRAPHS");
+  return env && detail::decode_step_factory() != nullptr && cuda_kernels_apply(cache);
+}
+
+COMB_INLINE at::Tensor Decoder::layer_cuda(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
+  RECORD_FUNCTION("comb::layer_cuda", std::vector<c10::IValue>());
+  const auto& c = config_;
+  const auto& w = weights_.layers[i];
+  const detail::CudaLayerOps& ops = *detail::cuda_layer_ops();
+  const int64_t n = x.size(1), start = cache.length();
+  COMB_CHECK(start + n <= cache.capacity(), "KV cache full: {} positions held, {} more asked, capacity {}", start, n,
+             cache.capacity());
+  detail::decoder::LayerMath math = detail::decoder::generic_math(w, c);
+  math.norm = [&](const at::Tensor& t, const at::Tensor& weight) {
+    return ops.add_rms_norm(t.contiguous().view({-1, c.n_embd}), at::Tensor(), weight, c.rms_eps).view(t.sizes());
+  };
+  math.act = [&](const at::Tensor& gate_up) { return ops.silu_mul(gate_up.contiguous()); };
+  return detail::decoder::layer_body(x, w, math, [&](const at::Tensor& qkv) {
+    at::Tensor q = ops.rope_append(qkv.contiguous().view({n, -1}), rope_cos_, rope_sin_, cache.keys(i), cache.values(i),
+                                   start, c.n_head);  // [n, n_head, head_dim]
+    at::Tensor out;
+    if (joint || n <= detail::decoder::kCudaRowsMax) {
+      at::Tensor jk, jv, bias;
+      int64_t anchor = 0;
+      if (joint && joint->keys.size(2) > 0) {
+        jk = joint->keys.to(dtype_).contiguous().view({c.n_head_kv, -1, c.head_dim});
+        jv = joint->values.to(dtype_).contiguous().view({c.n_head_kv, -1, c.head_dim});
+        if (joint->bias.defined()) bias = joint->bias.to(device_, at::kFloat).contiguous();
+        anchor = joint->anchor;
+      }
+      out = ops.rows_attention(q, cache.keys(i), cache.values(i), start, jk, jv, bias, anchor);
+    } else {  // a long prompt: FlashAttention through SDPA over the cache
+      at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
+      out = detail::decoder::attend_after_cache(q.transpose(0, 1).unsqueeze(0), keys, values, start)[0].transpose(0, 1);
+    }
+    return out.reshape({1, n, c.q_dim()});
+  });
+}
+
+COMB_INLINE detail::DecodeStepSpec Decoder::decode_step_spec() const {
+  const auto& c = config_;
+  COMB_CHECK(!weights_.quantized(), "the CUDA decoding step reads dense weights, found weights kept quantized");
+  detail::DecodeStepSpec spec;
+  spec.n_layer = c.n_layer, spec.n_embd = c.n_embd, spec.n_ff = c.n_ff, spec.n_head = c.n_head;
+  spec.n_head_kv = c.n_head_kv, spec.head_dim = c.head_dim, spec.n_vocab = c.n_vocab, spec.rms_eps = c.rms_eps;
+  spec.tok_embd = weights_.tok_embd.contiguous();
+  spec.output_norm = weights_.output_norm.contiguous();
+  spec.output = weights_.output.contiguous();
+  spec.rope_cos = rope_cos_.contiguous();
+  spec.rope_sin = rope_sin_.contiguous();
+  for (const auto& l : weights_.layers)
+    spec.layers.push_back({l.attn_norm.contiguous(), l.wqkv.contiguous(), l.wo.contiguous(), l.ffn_norm.contiguous(),
+                           l.w_gate_up.contiguous(), l.w_down.contiguous()});
+  return spec;
+}
+
+COMB_INLINE at::Tensor Decoder::cuda_step(int64_t token, KVCache& cache) const {
+  std::lock_guard<std::mutex> lock(*cuda_step_mutex_);
+  if (!cuda_step_) cuda_step_ = detail::decode_step_factory()(decode_step_spec(), /*graph=*/true);
+  std::vector<at::Tensor> keys, values;
+  for (int64_t l = 0; l < cache.n_layers(); ++l) {
+    keys.push_back(cache.keys(l));
+    values.push_back(cache.values(l));
+  }
+  return cuda_step_->run(token, cache.length(), keys, values);
 }
 
 COMB_INLINE at::Tensor Decoder::hidden(const at::Tensor& tokens, const LayerReads* reads) const {

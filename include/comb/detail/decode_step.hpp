@@ -1,0 +1,76 @@
+#pragma once
+// The CUDA module's one-launch decoding step, seen from libcomb. libcomb links no CUDA library, so
+// the step (fused kernels, cuBLAS, a captured CUDA graph) lives in the comb_cuda module, which
+// registers its factory here when it is loaded (comb::load_cuda_backend); Decoder::forward takes
+// it for one-token steps of a dense float16 or bfloat16 decoder on a CUDA device.
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace comb::detail {
+
+// What the step reads of a decoder: its sizes and dense weights (all on one CUDA device, one dtype).
+struct DecodeStepSpec {
+  int64_t n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_head_kv = 0, head_dim = 0, n_vocab = 0;
+  double rms_eps = 1e-5;
+  at::Tensor tok_embd;              // [n_vocab, n_embd]
+  at::Tensor output_norm;           // [n_embd]
+  at::Tensor output;                // [n_vocab, n_embd]
+  at::Tensor rope_cos, rope_sin;    // [n_ctx, head_dim]
+  // Per layer: attn_norm [n_embd], wqkv [q_dim + 2 kv_dim, n_embd], wo [n_embd, q_dim], ffn_norm
+  // [n_embd], w_gate_up [2 n_ff, n_embd], w_down [n_embd, n_ff].
+  std::vector<std::array<at::Tensor, 6>> layers;
+};
+
+class DecodeStep {
+ public:
+  virtual ~DecodeStep() = default;
+  // Feeds `token` at `position` of one sequence whose caches are keys[l], values[l] [1, n_head_kv,
+  // capacity, head_dim] (position < capacity): writes its K/V there, returns float32 logits
+  // [1, 1, n_vocab] (a tensor of its own). Not thread-safe: one caller at a time.
+  virtual at::Tensor run(int64_t token, int64_t position, const std::vector<at::Tensor>& keys,
+                         const std::vector<at::Tensor>& values) = 0;
+};
+
+// The fused ops a CUDA layer of the generic forward runs (float16 or bfloat16, one sequence):
+// the same kernels as the step's, as functions of tensors.
+struct CudaLayerOps {
+  // residual [rows, dim] += delta (when defined; in place); returns RMSNorm(residual) * weight.
+  at::Tensor (*add_rms_norm)(const at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
+                             double eps) = nullptr;
+  // qkv [n, (n_head + 2 n_head_kv) head_dim] at positions [position, position + n): rotated keys and
+  // the values into the caches [1, n_head_kv, capacity, head_dim]; returns the rotated queries
+  // [n, n_head, head_dim].
+  at::Tensor (*rope_append)(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t position,
+                            int64_t n_head) = nullptr;
+  // Keys k [1, n_head_kv, n, head_dim] computed at positions [0, n) (last dimension contiguous)
+  // rotated by position's angle into k_cache [1, n_head_kv, capacity, head_dim] at [position,
+  // position + n) (cos, sin: the RoPE tables [n_ctx, head_dim]): a reused document placed.
+  void (*place_keys)(const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                     int64_t position) = nullptr;
+  // gate_up [.., 2 n_ff] -> silu(gate) * up [.., n_ff].
+  at::Tensor (*silu_mul)(const at::Tensor& gate_up) = nullptr;
+  // Rows q [n, n_head, head_dim] at positions [start, start + n) over the caches, causal; with
+  // joined keys and values [n_head_kv, m, head_dim] (undefined: none) read in the same softmax by
+  // rows at positions >= anchor, each score plus joined_bias [n_head] (float32; undefined: 0).
+  // Returns [n, n_head, head_dim].
+  at::Tensor (*rows_attention)(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               int64_t start, const at::Tensor& joined_keys, const at::Tensor& joined_values,
+                               const at::Tensor& joined_bias, int64_t anchor) = nullptr;
+};
+
+// graph: capture the step as a CUDA graph on its first run and replay it after (else: launch the
+// same kernels one by one, for checking the graph against them).
+using DecodeStepFactory = std::unique_ptr<DecodeStep> (*)(const DecodeStepSpec& spec, bool graph);
+
+// Set by the comb_cuda module when it loads; null until then (or when comb has no CUDA ops).
+void set_decode_step_factory(DecodeStepFactory factory);
+DecodeStepFactory decode_step_factory();
+void set_cuda_layer_ops(const CudaLayerOps* ops);
+const CudaLayerOps* cuda_layer_ops();
+
+}  // namespace comb::detail

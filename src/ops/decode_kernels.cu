@@ -1,0 +1,432 @@
+// comb's fused decoder kernels on CUDA (declarations and the parameter block: decode_kernels.hpp).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "decode_kernels.hpp"
+
+namespace comb::detail::cuda {
+
+namespace {
+
+__device__ inline float to_float(__half x) { return __half2float(x); }
+__device__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ inline T from_float(float x);
+template <>
+__device__ inline __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+// x rounded to T, as an ATen op on T tensors rounds its result.
+template <typename T>
+__device__ inline float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
+template <typename T>
+__device__ inline T* cache_of(const int64_t* params, int64_t slot) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(params[slot]));
+}
+
+// The sum of v over the block (blockDim.x a multiple of 32, at most 1024), in every thread.
+__device__ inline float block_sum(float v) {
+  __shared__ float warp_sums[32];
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  float total = lane < n_warps ? warp_sums[lane] : 0.0f;
+  for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+  __syncthreads();  // warp_sums may be reused by the caller's next call
+  return total;
+}
+
+// ---- RMSNorm with the residual add --------------------------------------------------------------
+
+template <typename T>
+__global__ void add_rms_norm_kernel(T* residual, const T* delta, const T* weight, T* out, int64_t dim, float eps) {
+  T* r = residual + blockIdx.x * dim;
+  const T* d = delta ? delta + blockIdx.x * dim : nullptr;
+  T* o = out + blockIdx.x * dim;
+  float sum = 0.0f;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    float v = to_float(r[i]);
+    if (d) {
+      v = round_to<T>(v + to_float(d[i]));
+      r[i] = from_float<T>(v);
+    }
+    sum += v * v;
+  }
+  sum = block_sum(sum);
+  const float scale = 1.0f / sqrtf(sum / static_cast<float>(dim) + eps);
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+    o[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(r[i]) * scale));
+}
+
+// ---- RoPE and the cache append -----------------------------------------------------------------
+
+// One thread per (row, head, i < head_dim / 2): queries and keys rotated (x * cos + rotate_half(x) *
+// sin, each product and the sum rounded to T), values copied.
+template <typename T>
+__global__ void rope_store_kernel(const T* qkv, const T* cos, const T* sin, const int64_t* params, int64_t layer,
+                                  int64_t n_layer, T* q, int64_t n, int64_t n_head, int64_t n_head_kv,
+                                  int64_t head_dim) {
+  const int64_t half = head_dim / 2, heads = n_head + 2 * n_head_kv;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n * heads * half) return;
+  const int64_t i = idx % half, h = (idx / half) % heads, row = idx / (half * heads);
+  const int64_t pos = params[kParamPosition] + row, capacity = params[kParamCapacity];
+  const T* src = qkv + row * heads * head_dim + h * head_dim;
+  const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
+  if (h >= n_head + n_head_kv) {  // a value head: into the cache as it is
+    T* v = cache_of<T>(params, kParamCaches + n_layer + layer) + ((h - n_head - n_head_kv) * capacity + pos) * head_dim;
+    v[i] = src[i];
+    v[i + half] = src[i + half];
+    return;
+  }
+  const T* c = cos + pos * head_dim;
+  const T* s = sin + pos * head_dim;
+  const float y1 = round_to<T>(round_to<T>(x1 * to_float(c[i])) + round_to<T>(-x2 * to_float(s[i])));
+  const float y2 = round_to<T>(round_to<T>(x2 * to_float(c[i + half])) + round_to<T>(x1 * to_float(s[i + half])));
+  T* dst = h < n_head ? q + (row * n_head + h) * head_dim
+                      : cache_of<T>(params, kParamCaches + layer) + ((h - n_head) * capacity + pos) * head_dim;
+  dst[i] = from_float<T>(y1);
+  dst[i + half] = from_float<T>(y2);
+}
+
+// ---- Cached keys moved to another position ------------------------------------------------------
+
+// One thread per (head, row, i < head_dim / 2): keys k [n_head_kv, n, head_dim] (row stride
+// k_row, head stride k_head) rotated by the angle of `position` (cos, sin: that position's row)
+// into the cache [n_head_kv, capacity, head_dim] at positions [position, position + n).
+template <typename T>
+__global__ void rotate_keys_kernel(const T* k, int64_t k_head, int64_t k_row, const T* cos, const T* sin, T* cache,
+                                   int64_t capacity, int64_t position, int64_t n, int64_t n_head_kv,
+                                   int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n_head_kv * n * half) return;
+  const int64_t i = idx % half, row = (idx / half) % n, h = idx / (half * n);
+  const T* src = k + h * k_head + row * k_row;
+  const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
+  const float y1 = round_to<T>(round_to<T>(x1 * to_float(cos[i])) + round_to<T>(-x2 * to_float(sin[i])));
+  const float y2 = round_to<T>(round_to<T>(x2 * to_float(cos[i + half])) + round_to<T>(x1 * to_float(sin[i + half])));
+  T* dst = cache + (h * capacity + position + row) * head_dim;
+  dst[i] = from_float<T>(y1);
+  dst[i + half] = from_float<T>(y2);
+}
+
+// ---- One row times a matrix -----------------------------------------------------------------------
+
+__device__ inline float2 to_float2(const __nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ inline float2 to_float2(const __half2 v) { return __half22float2(v); }
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+};
+template <>
+struct Pair<__half> {
+  using type = __half2;
+};
+
+constexpr int kGemvWarps = 8;
+
+// y [n] = w [n, k] x [k]: x staged in shared memory, each warp one row at a time, 16-byte loads of
+// the weights (8 values a lane a step), float32 sums, one rounding to T. k a multiple of 8, w and x
+// 16-byte aligned.
+template <typename T>
+__global__ void gemv_kernel(const T* __restrict__ w, const T* __restrict__ x, T* __restrict__ y, int64_t n,
+                            int64_t k) {
+  extern __shared__ uint4 staged[];
+  using P = typename Pair<T>::type;
+  const int64_t vectors = k / 8;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) staged[v] = xv[v];
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kGemvWarps + warp; row < n;
+       row += static_cast<int64_t>(gridDim.x) * kGemvWarps) {
+    const uint4* wr = reinterpret_cast<const uint4*>(w + row * k);
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int64_t v = lane; v < vectors; v += 32) {
+      const uint4 a = __ldg(wr + v), b = staged[v];
+      const P* ap = reinterpret_cast<const P*>(&a);
+      const P* bp = reinterpret_cast<const P*>(&b);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 fa = to_float2(ap[i]), fb = to_float2(bp[i]);
+        acc += fa.x * fb.x + fa.y * fb.y;
+      }
+    }
+    for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    if (lane == 0) y[row] = from_float<T>(acc);
+  }
+}
+
+// ---- SwiGLU's activation ------------------------------------------------------------------------
+
+template <typename T>
+__global__ void silu_mul_kernel(const T* gate_up, T* out, int64_t rows, int64_t n_ff) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= rows * n_ff) return;
+  const int64_t row = idx / n_ff, i = idx % n_ff;
+  const float g = to_float(gate_up[row * 2 * n_ff + i]), u = to_float(gate_up[row * 2 * n_ff + n_ff + i]);
+  out[idx] = from_float<T>(round_to<T>(g / (1.0f + expf(-g))) * u);
+}
+
+// ---- Attention of a few rows, split over the keys ------------------------------------------------
+
+constexpr int kAttnWarps = 4;
+constexpr int kMaxGroup = 8;  // query heads per KV head handled at once (more: in rounds)
+
+// What rows read besides their causal context: a joined segment of keys and values [n_head_kv, m,
+// head_dim] in the same softmax, each score plus bias[h]; rows at positions before `anchor` read none.
+template <typename T>
+struct Joined {
+  const T* keys = nullptr;
+  const T* values = nullptr;
+  const float* bias = nullptr;
+  int64_t m = 0, anchor = 0;
+};
+
+// Block (KV head, split, row): row r (at position params[0] + r) reads the joined keys (when its
+// position is past the anchor) followed by its context [0, position], as one sequence split into
+// n_split ranges. The range's keys are shared by the block's warps, every query head of the group
+// scored against each key once it is loaded; the warps' partial softmaxes are merged in shared
+// memory and written as (output, log-sum-exp) per query head.
+template <typename T, int E>
+__global__ void rows_attention_kernel(const T* q, const int64_t* params, int64_t layer, int64_t n_layer,
+                                      Joined<T> joined, float* partial, int n_split, int n_head, int n_head_kv) {
+  constexpr int HD = 32 * E;
+  __shared__ float merge[kAttnWarps][kMaxGroup][HD + 2];
+  const int kvh = blockIdx.x, split = blockIdx.y, row = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t position = params[kParamPosition] + row, capacity = params[kParamCapacity];
+  const T* keys = cache_of<const T>(params, kParamCaches + layer) + kvh * capacity * HD;
+  const T* values = cache_of<const T>(params, kParamCaches + n_layer + layer) + kvh * capacity * HD;
+  const int64_t m = joined.m > 0 && position >= joined.anchor ? joined.m : 0;
+  const T* joined_keys = joined.keys + kvh * joined.m * HD;
+  const T* joined_values = joined.values + kvh * joined.m * HD;
+  const int64_t len = m + position + 1;
+  const int64_t chunk = (len + n_split - 1) / n_split;
+  const int64_t begin = split * chunk, end = begin + chunk < len ? begin + chunk : len;
+  const int group = n_head / n_head_kv;
+  const float scale = rsqrtf(static_cast<float>(HD));
+  for (int g0 = 0; g0 < group; g0 += kMaxGroup) {
+    const int gn = group - g0 < kMaxGroup ? group - g0 : kMaxGroup;
+    float qr[kMaxGroup][E], acc[kMaxGroup][E], mx[kMaxGroup], l[kMaxGroup], bias[kMaxGroup];
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      mx[g] = -INFINITY, l[g] = 0.0f;
+      bias[g] = g < gn && joined.bias ? joined.bias[kvh * group + g0 + g] : 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        acc[g][e] = 0.0f;
+        qr[g][e] = g < gn ? to_float(q[(static_cast<int64_t>(row) * n_head + kvh * group + g0 + g) * HD + lane * E + e]) * scale
+                          : 0.0f;
+      }
+    }
+    for (int64_t j = begin + warp; j < end; j += kAttnWarps) {
+      const bool from_joined = j < m;
+      const T* kp = from_joined ? joined_keys + j * HD : keys + (j - m) * HD;
+      const T* vp = from_joined ? joined_values + j * HD : values + (j - m) * HD;
+      float k[E], v[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        k[e] = to_float(kp[lane * E + e]);
+        v[e] = to_float(vp[lane * E + e]);
+      }
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g >= gn) break;
+        float s = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) s += qr[g][e] * k[e];
+        for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
+        if (from_joined) s += bias[g];
+        const float m_new = fmaxf(mx[g], s);
+        const float shrink = expf(mx[g] - m_new), p = expf(s - m_new);
+        l[g] = l[g] * shrink + p;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * shrink + p * v[e];
+        mx[g] = m_new;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      if (g >= gn) break;
+#pragma unroll
+      for (int e = 0; e < E; ++e) merge[warp][g][lane * E + e] = acc[g][e];
+      if (lane == 0) merge[warp][g][HD] = mx[g], merge[warp][g][HD + 1] = l[g];
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < gn * HD; t += blockDim.x) {
+      const int g = t / HD, d = t % HD;
+      float top = -INFINITY;
+      for (int w = 0; w < kAttnWarps; ++w) top = fmaxf(top, merge[w][g][HD]);
+      float total = 0.0f, sum = 0.0f;
+      if (top != -INFINITY)
+        for (int w = 0; w < kAttnWarps; ++w) {
+          const float f = expf(merge[w][g][HD] - top);
+          total += f * merge[w][g][HD + 1];
+          sum += f * merge[w][g][d];
+        }
+      float* out = partial +
+                   ((static_cast<int64_t>(row) * n_head + kvh * group + g0 + g) * n_split + split) * (HD + 2);
+      out[d] = total > 0.0f ? sum / total : 0.0f;
+      if (d == 0) out[HD] = total > 0.0f ? top + logf(total) : -INFINITY;
+    }
+    __syncthreads();
+  }
+}
+
+// Block (row, head): its splits merged by their log-sum-exp, one thread per output element.
+template <typename T>
+__global__ void merge_splits_kernel(const float* partial, T* out, int n_split, int head_dim) {
+  const int64_t rh = blockIdx.x;
+  const int d = threadIdx.x;
+  if (d >= head_dim) return;
+  const float* p = partial + rh * n_split * (head_dim + 2);
+  float top = -INFINITY;
+  for (int s = 0; s < n_split; ++s) top = fmaxf(top, p[s * (head_dim + 2) + head_dim]);
+  float total = 0.0f, sum = 0.0f;
+  for (int s = 0; s < n_split; ++s) {
+    const float lse = p[s * (head_dim + 2) + head_dim];
+    if (lse == -INFINITY) continue;
+    const float f = expf(lse - top);
+    total += f;
+    sum += f * p[s * (head_dim + 2) + d];
+  }
+  out[rh * head_dim + d] = from_float<T>(sum / total);
+}
+
+template <typename T, int E>
+cudaError_t launch_attention(const RowsAttention& a, cudaStream_t stream) {
+  Joined<T> joined;
+  joined.keys = static_cast<const T*>(a.joined_keys);
+  joined.values = static_cast<const T*>(a.joined_values);
+  joined.bias = a.joined_bias;
+  joined.m = a.joined_keys ? a.n_joined : 0;
+  joined.anchor = a.anchor;
+  rows_attention_kernel<T, E><<<dim3(a.n_head_kv, a.n_split, a.n_rows), kAttnWarps * 32, 0, stream>>>(
+      static_cast<const T*>(a.q), a.params, a.layer, a.n_layer, joined, a.partial, static_cast<int>(a.n_split),
+      static_cast<int>(a.n_head), static_cast<int>(a.n_head_kv));
+  merge_splits_kernel<T><<<a.n_rows * a.n_head, 32 * E, 0, stream>>>(a.partial, static_cast<T*>(a.out),
+                                                                    static_cast<int>(a.n_split), 32 * E);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t attention_by_width(const RowsAttention& a, cudaStream_t stream) {
+  switch (a.head_dim) {
+    case 32: return launch_attention<T, 1>(a, stream);
+    case 64: return launch_attention<T, 2>(a, stream);
+    case 128: return launch_attention<T, 4>(a, stream);
+    case 256: return launch_attention<T, 8>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+int64_t blocks_for(int64_t n, int threads) { return (n + threads - 1) / threads; }
+
+}  // namespace
+
+cudaError_t add_rms_norm(Half type, void* residual, const void* delta, const void* weight, void* out, int64_t rows,
+                         int64_t dim, float eps, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  const int threads = dim >= 4096 ? 1024 : dim >= 1024 ? 512 : 256;
+  if (type == Half::bf16)
+    add_rms_norm_kernel<<<rows, threads, 0, stream>>>(static_cast<__nv_bfloat16*>(residual),
+                                                      static_cast<const __nv_bfloat16*>(delta),
+                                                      static_cast<const __nv_bfloat16*>(weight),
+                                                      static_cast<__nv_bfloat16*>(out), dim, eps);
+  else
+    add_rms_norm_kernel<<<rows, threads, 0, stream>>>(static_cast<__half*>(residual), static_cast<const __half*>(delta),
+                                                      static_cast<const __half*>(weight), static_cast<__half*>(out),
+                                                      dim, eps);
+  return cudaGetLastError();
+}
+
+cudaError_t rope_store(Half type, const void* qkv, const void* cos, const void* sin, const int64_t* params,
+                       int64_t layer, int64_t n_layer, void* q, int64_t n, int64_t n_head, int64_t n_head_kv,
+                       int64_t head_dim, cudaStream_t stream) {
+  const int64_t total = n * (n_head + 2 * n_head_kv) * (head_dim / 2);
+  if (total == 0) return cudaSuccess;
+  const int threads = 256;
+  if (type == Half::bf16)
+    rope_store_kernel<<<blocks_for(total, threads), threads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(qkv), static_cast<const __nv_bfloat16*>(cos),
+        static_cast<const __nv_bfloat16*>(sin), params, layer, n_layer, static_cast<__nv_bfloat16*>(q), n, n_head,
+        n_head_kv, head_dim);
+  else
+    rope_store_kernel<<<blocks_for(total, threads), threads, 0, stream>>>(
+        static_cast<const __half*>(qkv), static_cast<const __half*>(cos), static_cast<const __half*>(sin), params,
+        layer, n_layer, static_cast<__half*>(q), n, n_head, n_head_kv, head_dim);
+  return cudaGetLastError();
+}
+
+cudaError_t rotate_keys(Half type, const void* k, int64_t k_head, int64_t k_row, const void* cos, const void* sin,
+                        void* cache, int64_t capacity, int64_t position, int64_t n, int64_t n_head_kv,
+                        int64_t head_dim, cudaStream_t stream) {
+  const int64_t total = n_head_kv * n * (head_dim / 2);
+  if (total == 0) return cudaSuccess;
+  const int threads = 256;
+  if (type == Half::bf16)
+    rotate_keys_kernel<<<blocks_for(total, threads), threads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(k), k_head, k_row, static_cast<const __nv_bfloat16*>(cos),
+        static_cast<const __nv_bfloat16*>(sin), static_cast<__nv_bfloat16*>(cache), capacity, position, n, n_head_kv,
+        head_dim);
+  else
+    rotate_keys_kernel<<<blocks_for(total, threads), threads, 0, stream>>>(
+        static_cast<const __half*>(k), k_head, k_row, static_cast<const __half*>(cos), static_cast<const __half*>(sin),
+        static_cast<__half*>(cache), capacity, position, n, n_head_kv, head_dim);
+  return cudaGetLastError();
+}
+
+cudaError_t gemv(Half type, const void* w, const void* x, void* y, int64_t n, int64_t k, int max_blocks,
+                 cudaStream_t stream) {
+  if (k % 8 != 0 || reinterpret_cast<uintptr_t>(w) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
+      k * 2 > kGemvMaxShared)
+    return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((n + kGemvWarps - 1) / kGemvWarps, max_blocks);
+  const size_t shared = static_cast<size_t>(k) * 2;
+  if (type == Half::bf16)
+    gemv_kernel<<<blocks, kGemvWarps * 32, shared, stream>>>(static_cast<const __nv_bfloat16*>(w),
+                                                              static_cast<const __nv_bfloat16*>(x),
+                                                              static_cast<__nv_bfloat16*>(y), n, k);
+  else
+    gemv_kernel<<<blocks, kGemvWarps * 32, shared, stream>>>(static_cast<const __half*>(w), static_cast<const __half*>(x),
+                                                              static_cast<__half*>(y), n, k);
+  return cudaGetLastError();
+}
+
+cudaError_t silu_mul(Half type, const void* gate_up, void* out, int64_t rows, int64_t n_ff, cudaStream_t stream) {
+  const int64_t total = rows * n_ff;
+  if (total == 0) return cudaSuccess;
+  const int threads = 256;
+  if (type == Half::bf16)
+    silu_mul_kernel<<<blocks_for(total, threads), threads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(gate_up), static_cast<__nv_bfloat16*>(out), rows, n_ff);
+  else
+    silu_mul_kernel<<<blocks_for(total, threads), threads, 0, stream>>>(static_cast<const __half*>(gate_up),
+                                                                        static_cast<__half*>(out), rows, n_ff);
+  return cudaGetLastError();
+}
+
+cudaError_t rows_attention(Half type, const RowsAttention& a, cudaStream_t stream) {
+  if (a.n_split < 1 || a.n_rows < 1 || a.n_head_kv < 1 || a.n_head % a.n_head_kv != 0 || a.n_split > 65535 ||
+      a.n_rows > 65535)
+    return cudaErrorInvalidValue;
+  return type == Half::bf16 ? attention_by_width<__nv_bfloat16>(a, stream) : attention_by_width<__half>(a, stream);
+}
+
+}  // namespace comb::detail::cuda

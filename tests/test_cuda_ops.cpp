@@ -1,0 +1,306 @@
+// The fused decoder ops on CUDA against the ATen compositions they replace, and the one-launch
+// decoding step against the generic path. Every case needs a CUDA device and comb's CUDA ops; on a
+// machine without them each case says so and checks nothing else.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <catch2/catch.hpp>
+
+#include <cmath>
+
+#include "comb/comb.hpp"
+#include "comb/detail/decode_step.hpp"
+#include "helpers.hpp"
+
+using namespace comb;
+using namespace comb::test;
+
+namespace {
+
+// Whether the CUDA ops can be checked here (a device and comb's CUDA module); WARNs why not.
+bool cuda_ops_here() {
+  if (!cuda_available()) {
+    WARN("no CUDA device: the fused CUDA ops are not checked here");
+    return false;
+  }
+  if (!load_cuda_backend().comb_ops) {
+    WARN("comb was built without its CUDA ops (no CUDA compiler): nothing to check");
+    return false;
+  }
+  return true;
+}
+
+// Calls comb::<name> through the dispatcher (boxed: no C++ signature to match); its tensor, if any.
+at::Tensor call(const char* name, std::vector<c10::IValue> args) {
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  std::vector<c10::IValue> stack(std::move(args));
+  op.callBoxed(&stack);
+  return stack.empty() ? at::Tensor() : stack.back().toTensor();  // an op returning () leaves none
+}
+
+// One unit in the last place, relative, of each half type: 2^-7 (bfloat16: 8 significant bits) and
+// 2^-10 (float16: 11).
+double ulp(at::ScalarType t) { return t == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024; }
+
+const std::vector<at::ScalarType> kHalfTypes{at::kBFloat16, at::kHalf};
+
+}  // namespace
+
+TEST_CASE("comb::add_rms_norm equals the residual add and RMSNorm in ATen", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  auto gen = at::detail::createCPUGenerator(3);
+  for (auto type : kHalfTypes)
+    for (int64_t rows : {1, 3, 7})
+      for (int64_t dim : {576, 733, 2048}) {
+        auto make = [&](double s) { return (at::randn({rows, dim}, gen) * s).to(at::kCUDA, type); };
+        at::Tensor residual = make(1.0), delta = make(0.5), weight = make(1.0)[0].contiguous();
+        at::Tensor want_residual = residual + delta;
+        at::Tensor want = rms_norm(want_residual, weight, 1e-5);
+        at::Tensor got_residual = residual.clone();
+        at::Tensor got = call("comb::add_rms_norm", {got_residual, delta, weight, 1e-5});
+        INFO(c10::toString(type) << " rows " << rows << " dim " << dim);
+        // The add rounds once, as ATen's: equal.
+        CHECK(at::equal(got_residual, want_residual));
+        // The sum of squares in another order moves the scale by a few float ulps, which can flip
+        // the rounding of x * scale and then of weight * that: at most two ulps of the type.
+        CHECK(at::allclose(got.to(at::kFloat), want.to(at::kFloat), 2 * ulp(type), 1e-6));
+        // No delta: the norm alone, the residual untouched.
+        at::Tensor alone = call("comb::add_rms_norm", {residual, c10::IValue(), weight, 1e-5});
+        CHECK(at::allclose(alone.to(at::kFloat), rms_norm(residual, weight, 1e-5).to(at::kFloat), 2 * ulp(type), 1e-6));
+      }
+}
+
+TEST_CASE("comb::rope_append equals apply_rope and the cache writes in ATen", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  auto gen = at::detail::createCPUGenerator(5);
+  for (auto type : kHalfTypes)
+    for (auto [n_head, n_kv, hd] : {std::tuple{9, 3, 64}, std::tuple{4, 4, 32}, std::tuple{8, 2, 128}})
+      for (int64_t n : {1, 5})
+        for (int64_t position : {0, 37}) {
+          const int64_t capacity = 64;
+          at::Tensor angles = at::arange(capacity, at::kFloat).unsqueeze(1) * at::rand({1, hd}, gen);
+          at::Tensor cos = angles.cos().to(at::kCUDA, type), sin = angles.sin().to(at::kCUDA, type);
+          at::Tensor qkv = at::randn({n, (n_head + 2 * n_kv) * hd}, gen).to(at::kCUDA, type);
+          at::Tensor k_cache = at::zeros({1, n_kv, capacity, hd}, qkv.options()), v_cache = at::zeros_like(k_cache);
+          at::Tensor q = call("comb::rope_append", {qkv, cos, sin, k_cache, v_cache, position, int64_t(n_head)});
+          // The composition: [n, heads, hd] -> [heads, n, hd].
+          auto heads = [&](int64_t offset, int64_t count) {
+            return qkv.narrow(1, offset * hd, count * hd).view({n, count, hd}).transpose(0, 1);
+          };
+          at::Tensor c = cos.narrow(0, position, n), s = sin.narrow(0, position, n);
+          at::Tensor want_q = apply_rope(heads(0, n_head), c, s).transpose(0, 1);
+          at::Tensor want_k = apply_rope(heads(n_head, n_kv), c, s);
+          at::Tensor want_v = heads(n_head + n_kv, n_kv);
+          INFO(c10::toString(type) << " heads " << n_head << "/" << n_kv << " hd " << hd << " n " << n << " at "
+                                   << position);
+          // Each product and the sum rounded where ATen rounds them: equal.
+          CHECK(at::equal(q, want_q));
+          CHECK(at::equal(k_cache[0].narrow(1, position, n), want_k));
+          CHECK(at::equal(v_cache[0].narrow(1, position, n), want_v));
+          // Nothing else written.
+          CHECK(k_cache.abs().sum().item<double>() == Approx(want_k.abs().sum().item<double>()));
+        }
+}
+
+TEST_CASE("comb::place_keys equals apply_rope at the new position in ATen", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  auto gen = at::detail::createCPUGenerator(6);
+  for (auto type : kHalfTypes)
+    for (auto [n_kv, hd] : {std::pair{3, 64}, std::pair{8, 128}, std::pair{1, 32}})
+      for (int64_t n : {1, 19})
+        for (int64_t position : {1, 40}) {
+          const int64_t capacity = 64;
+          at::Tensor angles = at::arange(capacity, at::kFloat).unsqueeze(1) * at::rand({1, hd}, gen);
+          at::Tensor cos = angles.cos().to(at::kCUDA, type), sin = angles.sin().to(at::kCUDA, type);
+          // Rows of a wider tensor: strided heads and rows, as a store's entry may hold them.
+          at::Tensor k = at::randn({1, n_kv, n + 3, hd}, gen).to(at::kCUDA, type).narrow(2, 1, n);
+          at::Tensor k_cache = at::zeros({1, n_kv, capacity, hd}, k.options());
+          call("comb::place_keys", {k, cos, sin, k_cache, position});
+          at::Tensor want = apply_rope(k, cos.narrow(0, position, 1), sin.narrow(0, position, 1));
+          INFO(c10::toString(type) << " heads " << n_kv << " hd " << hd << " n " << n << " at " << position);
+          CHECK(at::equal(k_cache.narrow(2, position, n), want));  // the same roundings: equal
+          CHECK(k_cache.abs().sum().item<double>() == Approx(want.abs().sum().item<double>()));
+        }
+}
+
+TEST_CASE("comb::gemv equals the matrix product in float32", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  auto gen = at::detail::createCPUGenerator(8);
+  for (auto type : kHalfTypes)
+    for (auto [n, k] : {std::pair{1, 8}, std::pair{7, 64}, std::pair{733, 576}, std::pair{3072, 2048},
+                        std::pair{4096, 14336}, std::pair{49152, 576}}) {
+      at::Tensor w = (at::randn({n, k}, gen) * 0.05).to(at::kCUDA, type);
+      at::Tensor x = at::randn({1, k}, gen).to(at::kCUDA, type);
+      at::Tensor got = call("comb::gemv", {w, x});
+      REQUIRE(got.sizes() == at::IntArrayRef{1, n});
+      at::Tensor want = at::mm(x.to(at::kFloat), w.to(at::kFloat).t());
+      // float32 sums of k products in another order: at most k * 2^-24 of sum |w x| apart; then
+      // one rounding to the type: half an ulp of |y|.
+      at::Tensor scale = at::mm(x.to(at::kFloat).abs(), w.to(at::kFloat).abs().t());
+      at::Tensor bound = scale * (k * std::ldexp(1.0, -24)) + want.abs() * ulp(type) / 2;
+      INFO(c10::toString(type) << " n " << n << " k " << k);
+      CHECK(((got.to(at::kFloat) - want).abs() <= bound + 1e-30).all().item<bool>());
+    }
+}
+
+TEST_CASE("comb::silu_mul equals silu(gate) * up in ATen", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  auto gen = at::detail::createCPUGenerator(7);
+  for (auto type : kHalfTypes)
+    for (int64_t rows : {1, 3})
+      for (int64_t n_ff : {1536, 733}) {
+        at::Tensor gate_up = (at::randn({rows, 2 * n_ff}, gen) * 3).to(at::kCUDA, type);
+        at::Tensor got = call("comb::silu_mul", {gate_up});
+        auto halves = gate_up.chunk(2, -1);
+        at::Tensor want = at::silu(halves[0]) * halves[1];
+        INFO(c10::toString(type) << " rows " << rows << " n_ff " << n_ff);
+        // expf against ATen's exp may differ in a float ulp, flipping at most the two roundings.
+        CHECK(at::allclose(got.to(at::kFloat), want.to(at::kFloat), 2 * ulp(type), 1e-6));
+      }
+}
+
+TEST_CASE("comb::rows_attention equals SDPA over the cache and the joined keys", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  auto gen = at::detail::createCPUGenerator(9);
+  int cases = 0;
+  for (auto type : kHalfTypes)
+    for (auto [n_head, n_kv, hd] :
+         {std::tuple{9, 3, 64}, std::tuple{4, 4, 32}, std::tuple{32, 8, 128}, std::tuple{16, 1, 64}, std::tuple{4, 2, 256}})
+      for (auto [n, start] : {std::pair{1, 0}, std::pair{1, 18}, std::pair{1, 732}, std::pair{1, 1023}, std::pair{5, 14},
+                              std::pair{3, 700}})
+        for (int64_t m : {0, 1, 37}) {
+          if (m > 0 && (start % 2 == 1 || type == at::kHalf)) continue;  // fewer cases with documents
+          const int64_t capacity = 1024, anchor = start + n / 2;
+          at::Tensor k_cache = at::randn({1, n_kv, capacity, hd}, gen).to(at::kCUDA, type);
+          at::Tensor v_cache = at::randn({1, n_kv, capacity, hd}, gen).to(at::kCUDA, type);
+          at::Tensor q = at::randn({n, n_head, hd}, gen).to(at::kCUDA, type);
+          at::Tensor jk, jv, bias;
+          if (m > 0) {
+            jk = at::randn({n_kv, m, hd}, gen).to(at::kCUDA, type);
+            jv = at::randn({n_kv, m, hd}, gen).to(at::kCUDA, type);
+            bias = at::randn({n_head}, gen).to(at::kCUDA);
+          }
+          at::Tensor got = call("comb::rows_attention", {q, k_cache, v_cache, int64_t(start),
+                                                         jk.defined() ? c10::IValue(jk) : c10::IValue(),
+                                                         jv.defined() ? c10::IValue(jv) : c10::IValue(),
+                                                         bias.defined() ? c10::IValue(bias) : c10::IValue(), anchor});
+          // The reference, row by row in float32 from the same rounded inputs: the joined keys (for
+          // rows at or past the anchor, each score plus the head's bias) before the causal context.
+          double max_v = v_cache.abs().max().item<double>();
+          std::vector<at::Tensor> rows;
+          for (int64_t r = 0; r < n; ++r) {
+            const int64_t pos = start + r;
+            at::Tensor keys = k_cache[0].narrow(1, 0, pos + 1).to(at::kFloat);
+            at::Tensor values = v_cache[0].narrow(1, 0, pos + 1).to(at::kFloat);
+            at::Tensor mask = at::zeros({n_head, 1, pos + 1});
+            if (m > 0 && pos >= anchor) {
+              keys = at::cat({jk.to(at::kFloat), keys}, 1);
+              values = at::cat({jv.to(at::kFloat), values}, 1);
+              mask = at::cat({bias.cpu().view({n_head, 1, 1}).expand({n_head, 1, m}), mask}, 2);
+              max_v = std::max(max_v, jv.abs().max().item<double>());
+            }
+            rows.push_back(at::scaled_dot_product_attention(q[r].to(at::kFloat).view({1, n_head, 1, hd}), keys.unsqueeze(0),
+                                                            values.unsqueeze(0), mask.to(at::kCUDA).unsqueeze(0), 0.0,
+                                                            false, std::nullopt, /*enable_gqa=*/true)
+                               .view({n_head, hd}));
+          }
+          at::Tensor want = at::stack(rows);
+          INFO(c10::toString(type) << " heads " << n_head << "/" << n_kv << " hd " << hd << " rows " << n << " after "
+                                   << start << ", " << m << " joined keys");
+          // Both sum in float32 (their difference: about length * 2^-24 of the largest value, under
+          // 1e-4 here); the kernel's output is then rounded once to the type: half an ulp of |out|,
+          // and |out| <= max |v|.
+          CHECK(at::allclose(got.to(at::kFloat), want, ulp(type), 1e-4 * max_v));
+          ++cases;
+        }
+  CHECK(cases > 50);
+}
+
+TEST_CASE("the fused CUDA layers and the one-launch decoding step match the generic path", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  // Any Llama-family model whose head_dim the step takes (the default model's is 64).
+  const std::string path = env_or("COMB_CUDA_MODEL", model_path());
+  Options f32_options{"cuda"}, bf16_options{"cuda", "bfloat16"};
+  Model f32 = Model::load(path, f32_options);
+  Model bf16 = Model::load(path, bf16_options);
+  const Decoder& graph = bf16.decoder();
+  Decoder generic(graph.config(), graph.weights(), graph.dtype(), graph.device());
+  generic.set_cuda_kernels(false);
+  const auto& c = graph.config();
+  auto gen = at::detail::createCPUGenerator(13);
+  at::Tensor prompt = at::randint(c.n_vocab, {1, 120}, gen);
+  at::Tensor fed = at::randint(c.n_vocab, {24}, gen);
+  // Teacher-forced: the same tokens fed to each decoder, the logits of every position kept: a
+  // prompt of 100 (FlashAttention), 20 more after it (the rows kernel), then one-token steps.
+  auto steps = [&](const Decoder& d) {
+    KVCache cache = d.make_cache(1, 160);
+    std::vector<at::Tensor> out;
+    out.push_back(d.forward(prompt.narrow(1, 0, 100), cache, LogitsMode::all)[0].cpu());
+    out.push_back(d.forward(prompt.narrow(1, 100, 20), cache, LogitsMode::all)[0].cpu());
+    for (int64_t i = 0; i < fed.size(0); ++i) out.push_back(d.forward(fed.narrow(0, i, 1).view({1, 1}), cache)[0].cpu());
+    return std::make_pair(at::cat(out), cache.keys(c.n_layer - 1).narrow(2, 0, cache.length()).cpu());
+  };
+  {
+    KVCache probe = graph.make_cache(1, 8);
+    REQUIRE(graph.cuda_graph_applies(probe));
+    REQUIRE_FALSE(generic.cuda_graph_applies(probe));
+    REQUIRE(graph.cuda_kernels_apply(probe));
+    REQUIRE_FALSE(generic.cuda_kernels_apply(probe));
+    REQUIRE_FALSE(f32.decoder().cuda_graph_applies(f32.decoder().make_cache(1, 8)));
+  }
+  auto [want, want_k] = steps(f32.decoder());
+  auto [got, got_k] = steps(graph);
+  auto [ref, ref_k] = steps(generic);
+  const double err_graph = (got - want).abs().max().item<double>();
+  const double err_generic = (ref - want).abs().max().item<double>();
+  const double rms_graph = (got - want).pow(2).mean().sqrt().item<double>();
+  const double rms_generic = (ref - want).pow(2).mean().sqrt().item<double>();
+  INFO("|logit - float32| over 144 positions, max and root mean square: fused " << err_graph << ", " << rms_graph
+                                                                               << "; generic bf16 " << err_generic
+                                                                               << ", " << rms_generic);
+  // Both round at the same steps to bfloat16 and differ only in the order of their float32 sums:
+  // the fused path is to be as close to float32 as the composition it replaces. Over 7 million
+  // logits the root mean square of two such equally rounded walks differs by a few percent (10%
+  // allowed); a single largest difference spreads more (half again allowed).
+  CHECK(rms_graph <= 1.1 * rms_generic);
+  CHECK(err_graph <= 1.5 * err_generic);
+  // The same top token as the generic path wherever that one is clear of its runner-up by more
+  // than both paths' distance to float32.
+  at::Tensor top2 = std::get<0>(ref.topk(2, -1));
+  at::Tensor clear = (top2.select(-1, 0) - top2.select(-1, 1)) > 2 * (err_graph + err_generic);
+  CHECK(at::equal(got.argmax(-1).masked_select(clear), ref.argmax(-1).masked_select(clear)));
+  // The keys the fused path wrote (the last layer's) as far from the generic path's, relative to
+  // their size, as the logits are from float32's (twice, for the two paths' walks).
+  const double rms = [](const at::Tensor& t) { return t.to(at::kFloat).pow(2).mean().sqrt().item<double>(); }(ref_k);
+  const double rms_dk = (got_k.to(at::kFloat) - ref_k.to(at::kFloat)).pow(2).mean().sqrt().item<double>();
+  CHECK(rms_dk / rms <= 2 * rms_generic / want.pow(2).mean().sqrt().item<double>());
+
+  // Replayed graph against the same kernels launched one by one: equal, step after step.
+  auto spec = graph.decode_step_spec();
+  auto launched = comb::detail::decode_step_factory()(spec, /*graph=*/false);
+  auto replayed = comb::detail::decode_step_factory()(spec, /*graph=*/true);
+  KVCache a = graph.make_cache(1, 32), b = graph.make_cache(1, 32);
+  std::vector<at::Tensor> ak, av, bk, bv;
+  for (int64_t l = 0; l < c.n_layer; ++l) {
+    ak.push_back(a.keys(l)), av.push_back(a.values(l)), bk.push_back(b.keys(l)), bv.push_back(b.values(l));
+  }
+  for (int64_t pos = 0; pos < 20; ++pos) {
+    const int64_t token = fed[pos % fed.size(0)].item<int64_t>();
+    at::Tensor x = launched->run(token, pos, ak, av);
+    at::Tensor y = replayed->run(token, pos, bk, bv);
+    INFO("position " << pos);
+    REQUIRE(at::equal(x, y));
+  }
+  for (int64_t l = 0; l < c.n_layer; ++l) {  // the 20 positions written (the rest was never set)
+    CHECK(at::equal(a.keys(l).narrow(2, 0, 20), b.keys(l).narrow(2, 0, 20)));
+    CHECK(at::equal(a.values(l).narrow(2, 0, 20), b.values(l).narrow(2, 0, 20)));
+  }
+  // Past the cache: an error naming it, nothing launched.
+  CHECK_THROWS_WITH(replayed->run(1, 32, bk, bv), Catch::Contains("past the cache's capacity 32"));
+}
