@@ -115,10 +115,12 @@ struct Bench {
     return at::tensor(ids, at::kLong).unsqueeze(0);
   }
   static std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
-  void report(const std::string& what, int64_t tokens, double tps, int64_t after = 0) const {
+  // first_ms: the first run's time (a length the process had not run before), or < 0.
+  void report(const std::string& what, int64_t tokens, double tps, int64_t after = 0, double first_ms = -1) const {
     if (json) {
       nlohmann::json line{{"bench", what}, {"tokens", tokens}, {"tokens_per_s", tps}};
       if (what == "prefill") line["cached"] = after;
+      if (first_ms >= 0) line["first_ms"] = first_ms;
       std::cout << line.dump() << std::endl;
     } else if (after > 0) {
       fmt::print("{:<8} {:>6} tokens  {:>10.1f} tokens/s  after {} cached\n", what, tokens, tps, after);
@@ -162,15 +164,18 @@ void bench_prefill(Bench& b, const std::string& lengths, int64_t cached) {
                               model.config().n_ctx));
     at::Tensor ids = prompt(n);
     std::vector<double> times;
-    for (int r = 0; r <= repeat; ++r) {  // the first run warms up
+    double first_ms = 0;
+    for (int r = 0; r <= repeat; ++r) {  // the first run warms up (its time is reported apart)
       comb::KVCache cache = dec.make_cache(1, cached + n);
       if (cached > 0) dec.forward(before, cache);  // not timed
       auto t0 = now();
       at::Tensor logits = dec.forward(ids, cache);
       logits.cpu();
-      if (r > 0) times.push_back(std::chrono::duration<double>(now() - t0).count());
+      const double seconds = std::chrono::duration<double>(now() - t0).count();
+      if (r > 0) times.push_back(seconds);
+      else first_ms = seconds * 1e3;
     }
-    b.report("prefill", n, n / median(times), cached);
+    b.report("prefill", n, n / median(times), cached, first_ms);
   }
 }
 

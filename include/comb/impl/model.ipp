@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <filesystem>
 
@@ -45,15 +46,27 @@ COMB_INLINE std::vector<int32_t> bos_before(const Tokenizer& tok, const std::str
   if (tok.add_bos() && bos && text.rfind(tok.token_bytes(*bos), 0) != 0) return {*bos};
   return {};
 }
+
+// NOTE: LibTorch's SDPA prefers cuDNN's attention for half types on recent GPUs, and cuDNN builds a
+// plan for each new shape: the first prompt of every new length paid tens of milliseconds that later
+// ones did not. Loading a CUDA model turns cuDNN's attention off for the process, so that SDPA takes
+// FlashAttention or the memory-efficient kernel, which need no plan. COMB_CUDNN_ATTENTION=1 keeps it.
+COMB_INLINE void attention_without_shape_plans() {
+  const char* keep = std::getenv("COMB_CUDNN_ATTENTION");
+  if (keep != nullptr && std::string(keep) == "1") return;
+  at::globalContext().setSDPUseCuDNN(false);
+}
 }  // namespace detail::model
 
 COMB_INLINE Model Model::load(const std::string& path, const Options& options) {
   c10::Device device = detail::model::parse_device(options.device);
   c10::ScalarType dtype = parse_dtype(options.dtype);
   COMB_CHECK(!(device.is_cpu() && dtype == at::kHalf), "float16 is supported on CUDA only; use float32 or bfloat16 on CPU");
-  if (device.is_cuda())
+  if (device.is_cuda()) {
     COMB_CHECK(cuda_available(), "device '{}' asked for, but this machine (or this LibTorch) has no CUDA device ({})",
                options.device, load_cuda_backend().detail);
+    detail::model::attention_without_shape_plans();
+  }
   if (options.threads > 0) at::set_num_threads(options.threads);
   // No autograd while loading, but ordinary tensors (not inference tensors), so that training can
   // run the frozen decoder under autograd.
