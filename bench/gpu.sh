@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# comb on one CUDA GPU against transformers on the same weights, in one run (docs/benchmarks.md, "On a GPU").
+#   bench/gpu.sh TOKENIZER_DIR [WORK_DIR]
+# Makes Llama-3.2-1B- and Llama-3.1-8B-shaped models with random bfloat16 weights in WORK_DIR (default
+# /tmp/comb-gpu; bench/make_random_llama.py, TOKENIZER_DIR's vocabulary), then for each: prefill of 128,
+# 512 and 2048 tokens and decoding (batch 1, 128 tokens after a 128-token prompt) by comb (its fused
+# kernels and CUDA graph), by comb with its own GEMV for the step's matrices (COMB_CUDA_GEMV=1), by comb
+# without its CUDA kernels (COMB_CUDA_KERNELS=0: the generic ATen path) and by transformers, and
+# prints the table (bench/gpu_table.py): ratios to transformers and the share of the memory-bandwidth
+# limit (the weights' bytes over a device-to-device copy's rate, measured in the same run).
+# Needs: the comb binary (COMB_BIN, default build/comb), python3 with torch and transformers.
+# COMB_GPU_SHAPES="1b" runs one shape.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+tok=${1:?usage: bench/gpu.sh TOKENIZER_DIR [WORK_DIR]}
+work=${2:-/tmp/comb-gpu}
+comb=${COMB_BIN:-$here/../build/comb}
+shapes=${COMB_GPU_SHAPES:-1b 8b}
+repeat=${COMB_GPU_REPEAT:-5}
+mkdir -p "$work"
+log() { printf '[gpu] %s\n' "$*" >&2; }
+for s in $shapes; do
+  log "making the $s shape"
+  python3 "$here/make_random_llama.py" --shape "$s" --tokenizer "$tok" --out "$work/$s" >&2
+done
+{
+  for s in $shapes; do
+    m=$work/$s
+    common=(--model "$m" --device cuda --dtype bfloat16 --repeat "$repeat" --json)
+    log "$s: comb"
+    "$comb" bench "${common[@]}" --prompt-tokens 128,512,2048 --decode-tokens 128 | sed "s/^/$s comb /"
+    log "$s: comb with its own GEMV for the step's matrices"
+    COMB_CUDA_GEMV=1 "$comb" bench "${common[@]}" --prompt-tokens 128 --decode-tokens 128 \
+      | grep '"decode"' | sed "s/^/$s gemv /"
+    log "$s: comb without its CUDA kernels (the generic ATen path)"
+    COMB_CUDA_KERNELS=0 "$comb" bench "${common[@]}" --prompt-tokens 128,512,2048 --decode-tokens 128 \
+      | sed "s/^/$s generic /"
+    log "$s: transformers"
+    python3 "$here/hf_baseline.py" --model "$m" --device cuda --dtype bfloat16 --repeat "$repeat" \
+      --prompt-tokens 128,512,2048 --decode-tokens 128 | sed "s/^/$s transformers /"
+  done
+} | python3 "$here/gpu_table.py" --work "$work"

@@ -1,0 +1,68 @@
+"""Reads `SHAPE SIDE {json}` lines (bench/gpu.sh) and prints the GPU table: prefill and decode of
+comb (with and without its CUDA graph) against transformers, and decode's share of the
+memory-bandwidth limit (the weights' bytes read once a token, at the rate of a device-to-device copy
+measured here)."""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def copy_rate():
+    """Bytes/s of a 2 GiB device-to-device copy (read and write counted), median of 5."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times = sorted(times[1:])
+    return 2 * a.numel() / times[len(times) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    args = ap.parse_args()
+    rows = {}
+    for line in sys.stdin:
+        shape, side, rest = line.split(" ", 2)
+        r = json.loads(rest)
+        if r.get("bench") in ("prefill", "decode"):
+            rows[(shape, side, r["bench"], r["tokens"])] = r["tokens_per_s"]
+    rate = copy_rate()
+    print(f"device: {torch.cuda.get_device_name()}, copy rate {rate / 1e12:.2f} TB/s\n")
+    print("| shape | figure | comb | comb, own GEMV | comb, generic ATen | transformers | comb / transformers "
+          "| comb / generic | share of limit |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for shape in dict.fromkeys(k[0] for k in rows):
+        weights = sum(p.stat().st_size for p in Path(args.work, shape).glob("*.safetensors"))
+        limit_ms = weights / rate * 1e3
+        for (s, side, bench, tokens), tps in rows.items():
+            if s != shape or side != "comb":
+                continue
+            hf = rows.get((shape, "transformers", bench, tokens))
+            gen = rows.get((shape, "generic", bench, tokens))
+            cub = rows.get((shape, "gemv", bench, tokens))
+            ratio = lambda other: f"{tps / other:.2f}x" if other else "-"  # speed-up over `other`
+            if bench == "decode":
+                ms = 1e3 / tps
+                fig = f"decode, ms/token (limit {limit_ms:.2f})"
+                t = lambda r: f"{1e3 / r:.2f}" if r else "-"
+                cols = [f"{ms:.2f}", t(cub), t(gen), t(hf), ratio(hf), ratio(gen), f"{limit_ms / ms:.0%}"]
+            else:
+                ms = tokens / tps * 1e3
+                fig = f"prefill {tokens}, ms"
+                t = lambda r: f"{tokens / r * 1e3:.1f}" if r else "-"
+                cols = [f"{ms:.1f}", "-", t(gen), t(hf), ratio(hf), ratio(gen), "-"]
+            print(f"| {shape} | {fig} | " + " | ".join(cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
