@@ -352,13 +352,24 @@ COMB_AVX2 void dequantize_q4_avx2(const uint8_t* q, const float* scale, const fl
 }
 #endif
 
+// The portable dot product: eight partial sums over k in order (lane j takes the products
+// i = j mod 8, each rounded, then added: no fused multiply-add), added pairwise, then the last
+// n % 8 products one by one. Plain loops, which the compiler vectorizes for any x86-64 (SSE2).
+float dot_portable(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 float dot(const float* a, const float* b, int64_t n) {
 #if defined(__x86_64__)
   if (has_avx2()) return dot_avx2(a, b, n);
 #endif
-  float s = 0;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+  return dot_portable(a, b, n);
 }
 
 // y += p * x
@@ -402,14 +413,8 @@ void gemv_rows_on(Isa isa, const float* x, int64_t m, const float* w, int64_t k,
   if (isa == Isa::avx512) return gemv_avx512(x, m, w, k, y, n_out, begin, end);
   if (isa == Isa::avx2) return gemv_avx2(x, m, w, k, y, n_out, begin, end);
 #endif
-  for (int64_t o = begin; o < end; ++o)  // in order, one product at a time: the reference
-    for (int64_t r = 0; r < m; ++r) {
-      const float* xr = x + r * k;
-      const float* wo = w + o * k;
-      float s = 0;
-      for (int64_t i = 0; i < k; ++i) s += xr[i] * wo[i];
-      y[r * n_out + o] = s;
-    }
+  for (int64_t o = begin; o < end; ++o)  // a weight row (in L1) for every row of x
+    for (int64_t r = 0; r < m; ++r) y[r * n_out + o] = dot_portable(x + r * k, w + o * k, k);
 }
 
 void gemv_rows(const float* x, int64_t m, const float* w, int64_t k, float* y, int64_t n_out, int64_t begin,

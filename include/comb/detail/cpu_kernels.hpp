@@ -28,7 +28,8 @@ void gemv_rows(const float* x, int64_t n_rows_x, const float* w, int64_t k, floa
 // (else std::invalid_argument): the tests compare the paths. Each sums its products in its own
 // order: AVX-512, 16 lanes of fused multiply-adds over k in order (the last chunk masked) and one
 // horizontal sum; AVX2, 8 lanes likewise, a horizontal sum, then the last k % 8 products one by
-// one; scalar, one product at a time in order.
+// one; scalar (portable loops), 8 partial sums of rounded products over k in order, added
+// pairwise, then the last k % 8 products one by one.
 void gemv_rows_on(Isa isa, const float* x, int64_t n_rows_x, const float* w, int64_t k, float* y, int64_t n_out,
                   int64_t begin, int64_t end);
 
