@@ -1,9 +1,12 @@
-// Fused fp32 CPU kernels (see include/comb/detail/cpu_kernels.hpp). AVX2+FMA where the CPU has
-// it (chosen at run time), portable loops otherwise. No LibTorch here.
+// Fused fp32 CPU kernels (see include/comb/detail/cpu_kernels.hpp). AVX-512 or AVX2+FMA where the
+// CPU has it (chosen at run time, capped by COMB_CPU_ISA), portable loops otherwise. No LibTorch here.
 #include "comb/detail/cpu_kernels.hpp"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -14,13 +17,46 @@
 
 namespace comb::detail::cpu {
 
+Isa cpu_isa() {
+#if defined(__x86_64__)
+  static const Isa widest = __builtin_cpu_supports("avx512f")                                   ? Isa::avx512
+                            : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Isa::avx2
+                                                                                               : Isa::scalar;
+  return widest;
+#else
+  return Isa::scalar;
+#endif
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+Isa parse_isa(const char* name) {
+  const std::string s = name ? name : "";
+  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar})
+    if (s == isa_name(isa)) return isa;
+  throw std::invalid_argument("COMB_CPU_ISA: expected avx512, avx2 or scalar, found '" + s + "'");
+}
+
+Isa kernel_isa() {
+  static const Isa chosen = [] {
+    const char* cap = std::getenv("COMB_CPU_ISA");
+    const Isa widest = cpu_isa();
+    if (!cap || !*cap) return widest;
+    return std::min(widest, parse_isa(cap));
+  }();
+  return chosen;
+}
+
 namespace {
 
 #if defined(__x86_64__)
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
+bool has_avx2() { return kernel_isa() >= Isa::avx2; }
 
 COMB_AVX2 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -79,10 +115,7 @@ COMB_AVX2 void dot_tile_avx2(const float* x, int64_t k, const float* w, float* y
 }
 
 #define COMB_AVX512 __attribute__((target("avx512f,avx2,fma")))
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
+bool has_avx512() { return kernel_isa() == Isa::avx512; }
 
 template <int R, int O>
 COMB_AVX512 void dot_tile_avx512(const float* x, int64_t k, const float* w, float* y, int64_t n_out) {
@@ -319,13 +352,24 @@ COMB_AVX2 void dequantize_q4_avx2(const uint8_t* q, const float* scale, const fl
 }
 #endif
 
+// The portable dot product: eight partial sums over k in order (lane j takes the products
+// i = j mod 8, each rounded, then added: no fused multiply-add), added pairwise, then the last
+// n % 8 products one by one. Plain loops, which the compiler vectorizes for any x86-64 (SSE2).
+float dot_portable(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 float dot(const float* a, const float* b, int64_t n) {
 #if defined(__x86_64__)
   if (has_avx2()) return dot_avx2(a, b, n);
 #endif
-  float s = 0;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+  return dot_portable(a, b, n);
 }
 
 // y += p * x
@@ -360,14 +404,22 @@ void softmax_mix(float* scores, int64_t n, float max_score, const float* values,
 
 }  // namespace
 
+void gemv_rows_on(Isa isa, const float* x, int64_t m, const float* w, int64_t k, float* y, int64_t n_out,
+                  int64_t begin, int64_t end) {
+  if (isa > cpu_isa())
+    throw std::invalid_argument(std::string("gemv_rows_on: this CPU has no ") + isa_name(isa) + " (its widest is " +
+                                isa_name(cpu_isa()) + ")");
+#if defined(__x86_64__)
+  if (isa == Isa::avx512) return gemv_avx512(x, m, w, k, y, n_out, begin, end);
+  if (isa == Isa::avx2) return gemv_avx2(x, m, w, k, y, n_out, begin, end);
+#endif
+  for (int64_t o = begin; o < end; ++o)  // a weight row (in L1) for every row of x
+    for (int64_t r = 0; r < m; ++r) y[r * n_out + o] = dot_portable(x + r * k, w + o * k, k);
+}
+
 void gemv_rows(const float* x, int64_t m, const float* w, int64_t k, float* y, int64_t n_out, int64_t begin,
                int64_t end) {
-#if defined(__x86_64__)
-  if (has_avx512()) return gemv_avx512(x, m, w, k, y, n_out, begin, end);
-  if (has_avx2()) return gemv_avx2(x, m, w, k, y, n_out, begin, end);
-#endif
-  for (int64_t o = begin; o < end; ++o)
-    for (int64_t r = 0; r < m; ++r) y[r * n_out + o] = dot(x + r * k, w + o * k, k);
+  gemv_rows_on(kernel_isa(), x, m, w, k, y, n_out, begin, end);
 }
 
 void dequantize_q8_row(const int8_t* q, const float* scale, int64_t k, float* w) {

@@ -2,6 +2,8 @@
 // Shared test helpers: where the oracle outputs and the model are, a cached model, small writers.
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -9,10 +11,93 @@
 #include <string>
 #include <vector>
 
+#include "bounds.hpp"
 #include "comb/comb.hpp"
 #include "comb/detail/mapped_file.hpp"
 
 namespace comb::test {
+
+// ---- Bounds for comparing two float32 paths (bounds.hpp says why each holds) ------------------
+
+inline double max_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
+// The largest |value| of t: a bound's scale.
+inline double magnitude(const at::Tensor& t) { return t.abs().max().item<double>(); }
+
+// The longest float32 sum in a layer of `c` whose attention rows sum over up to `n_keys` keys:
+// the MLP's down projection (n_ff products), an input projection (n_embd) or the attention's
+// output projection (q_dim), or the attention's sum over the keys.
+inline int64_t longest_sum(const ModelConfig& c, int64_t n_keys) {
+  return std::max({c.n_embd, c.n_ff, c.q_dim(), n_keys});
+}
+
+// Two paths through `layers` layers of `c` (attention rows over up to n_keys keys), compared on
+// values of magnitude `scale`: bounds.hpp's layers_bound.
+inline double path_bound(const ModelConfig& c, int64_t layers, int64_t n_keys, double scale) {
+  return layers_bound(layers, longest_sum(c, n_keys), scale);
+}
+
+// Two paths to a model's logits `want`: every layer of the decoder, the plug-in's encoder layers
+// when it has a plug-in that encodes (they make the documents' K/V the decoder reads), and the
+// output head, counted as one layer more.
+inline double logits_bound(const Model& m, int64_t n_keys, const at::Tensor& want) {
+  const auto& c = m.config();
+  int64_t layers = c.n_layer + 1;
+  if (m.plugin()) layers += m.plugin()->config().n_encoder_layers();
+  return path_bound(c, layers, n_keys, magnitude(want));
+}
+
+// The largest sum of |q_i| |k_i| over a row of q and a row of k (rows: the last dimension, any
+// shapes, as many tensors of keys as given), times `scale`: what a score's rounding is relative to.
+inline double score_terms(const at::Tensor& q, const std::vector<at::Tensor>& keys, double scale) {
+  const int64_t d = q.size(-1);
+  const at::Tensor qa = q.detach().to(at::kFloat).abs().reshape({-1, d}).to(at::kDouble);
+  double worst = 0;
+  for (const at::Tensor& k : keys) {
+    if (k.numel() == 0) continue;
+    const at::Tensor ka = k.detach().to(at::kFloat).abs().reshape({-1, d}).to(at::kDouble);
+    worst = std::max(worst, at::matmul(qa, ka.t()).max().item<double>());
+  }
+  return worst * scale;
+}
+
+// Two float32 computations of one attention, softmax(q k^T scale + bias) v over up to n_keys keys
+// of head_dim d, values at most v_max in magnitude (a row of p sums to 1): per path, each score is
+// within gamma(d) of `terms` (score_terms), which moves every probability by a factor within
+// e^(2 gamma(d) terms), hence the output by about 2 gamma(d) terms v_max; the exponentials (at most
+// 4 u each, comb's polynomial and SLEEF's alike), the sum of up to n_keys of them, the division and
+// a flash kernel's rescaling of its running sums (3 gamma(n_keys) with the sum's) and the weighted
+// sum of the values (gamma(n_keys)) add (4 u + 4 gamma(n_keys)) v_max. Two paths: twice that.
+inline double attention_bound(int64_t d, int64_t n_keys, double terms, double v_max) {
+  const double per_path = 2 * gamma32(d) * terms + 4 * kUnitRoundoff + 4 * gamma32(n_keys);
+  return 2 * per_path * std::max(v_max, 1.0);
+}
+inline double attention_bound(const at::Tensor& q, const std::vector<at::Tensor>& keys,
+                              const std::vector<at::Tensor>& values, double scale) {
+  int64_t n_keys = 0;
+  double v_max = 0;
+  for (const at::Tensor& k : keys) n_keys += k.numel() / std::max<int64_t>(k.size(-1), 1);
+  for (const at::Tensor& v : values)
+    if (v.numel()) v_max = std::max(v_max, magnitude(v.detach().to(at::kFloat)));
+  return attention_bound(q.size(-1), n_keys, score_terms(q, keys, scale), v_max);
+}
+
+// Gradients of two float32 computations of one attention (or of its composition with a product
+// by fixed weights): the backward pass is three sums in a row (dP = dO V^T over d, the softmax's
+// row sum of dP p over the keys, dQ = dS K, dK = dS^T Q, dV = P^T dO over the keys or queries), each
+// rounded by at most gamma(k) of the gradient's magnitude (k the longest of them), after the
+// forward's scores and probabilities: four layers of bounds.hpp's first-order model.
+inline double gradient_bound(int64_t longest, const at::Tensor& want) {
+  return layers_bound(4, longest, magnitude(want));
+}
+
+// RoPE applied once at position p against twice, at a and then b with a + b = p (or the same
+// rotation by two kernels): the angles p * f (f <= 1) are rounded in float32, each within u p, so
+// the composed angle is off by at most 2 u p (a rotation by d moves a pair of values by at most |d|
+// times its length, <= sqrt(2) scale); cos and sin are within 1 ulp (2u) of their angle's, and each
+// rotation rounds its two products and their sum: 15 u of the pair's length over the two ways.
+inline double rope_bound(int64_t max_position, double scale) {
+  return (2.0 * max_position + 15.0) * kUnitRoundoff * std::sqrt(2.0) * std::max(scale, 1.0);
+}
 
 // Directory the oracles wrote into ($COMB_ORACLE_DIR), and the default model ($COMB_MODEL).
 inline std::string env_or(const char* name, const std::string& fallback) {

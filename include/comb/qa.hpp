@@ -3,6 +3,7 @@
 // converted sets, and the answer check. Used by `comb eval`, `comb train` and `comb make-data`; the
 // prompt every method reads is comb/prompt.hpp.
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -26,6 +27,13 @@ struct DataLimits {
   double max_ratio = 100;                        // text bytes per compressed byte (gzip of JSON: 2-10) ...
   int64_t ratio_after_bytes = int64_t(32) << 20; // ... checked once this much text was read
 };
+
+// Calls fn(line number, line) for each line of a text file, its newline removed, until fn returns
+// false: gzip-compressed or plain, read alike (so `comb report` reads `.jsonl` and `.jsonl.gz`).
+// A file that cannot be opened, a damaged or cut-short gzip stream, a NUL byte and input past
+// `limits` are errors (comb::Error) naming the file and line.
+void for_each_text_line(const std::string& path, const std::function<bool(int64_t, const std::string&)>& fn,
+                        const DataLimits& limits = {});
 
 // Reads items `id, question, answers, documents[{title, text}]` (and `gold_index` when present),
 // one JSON object per line, gzip or plain; the first `limit` items when limit > 0. Throws

@@ -52,11 +52,10 @@ int cmd_report(std::vector<std::string> args) {
   std::vector<std::pair<std::string, std::vector<nlohmann::json>>> groups;
   std::map<std::string, std::string> seen;  // group + index -> where it was read
   for (const auto& path : files) {
-    std::ifstream in(path);
-    COMB_CHECK(in.good(), "cannot read '{}'", path);
-    std::string line;
-    for (int64_t line_no = 1; std::getline(in, line); ++line_no) {
-      if (line.empty()) continue;
+    COMB_CHECK(std::ifstream(path).good(), "cannot read '{}'", path);
+    // .jsonl or .jsonl.gz alike (docs/results keeps them compressed).
+    for_each_text_line(path, [&](int64_t line_no, const std::string& line) {
+      if (line.empty()) return true;
       const std::string where = fmt::format("{}:{}", path, line_no);
       nlohmann::json r = comb::detail::parse_json(line, where, /*invalid_ok=*/true);
       COMB_CHECK(!r.is_discarded() && r.is_object(), "{}: not a JSON object", where);
@@ -75,7 +74,7 @@ int cmd_report(std::vector<std::string> args) {
         expect(key, r[key].is_number(), "a number");
       for (const char* key : {"id", "prediction", "priming"})
         if (r.contains(key)) expect(key, r[key].is_string(), "a string");
-      if (first_n > 0 && r["index"].get<int64_t>() >= first_n) continue;
+      if (first_n > 0 && r["index"].get<int64_t>() >= first_n) return true;
       if (auto d = rescore.find(r["data"].get<std::string>()); d != rescore.end()) {
         COMB_CHECK(r.contains("id") && r.contains("prediction"),
                    "{}: scoring again (--data) needs the item's 'id' and 'prediction'; this line lacks one", where);
@@ -103,7 +102,8 @@ int cmd_report(std::vector<std::string> args) {
                    priming, other);
       }
       g->second.push_back(std::move(r));
-    }
+      return true;
+    });
   }
   COMB_CHECK(!groups.empty(), "report: no items in {} file(s){}", files.size(),
              first_n > 0 ? fmt::format(" with an index below {}", first_n) : "");

@@ -6,11 +6,32 @@
 
 namespace comb::detail::cpu {
 
+// The instruction sets comb's kernels have paths for, narrowest first.
+enum class Isa { scalar, avx2, avx512 };
+// The widest this CPU runs: AVX-512F, else AVX2 with FMA, else scalar (portable loops).
+Isa cpu_isa();
+// What the kernels use: cpu_isa(), capped by the environment variable COMB_CPU_ISA (avx512, avx2 or
+// scalar; read once, at the first call; a cap above the CPU's widest is that widest). An unknown
+// value throws std::invalid_argument. Only comb's own kernels: oneDNN has ONEDNN_MAX_CPU_ISA and
+// ATen ATEN_CPU_CAPABILITY (docs/building.md).
+Isa kernel_isa();
+const char* isa_name(Isa isa);
+// "avx512", "avx2" or "scalar" as an Isa; anything else throws std::invalid_argument.
+Isa parse_isa(const char* name);
+
 // y[m, o] = sum_k x[m, k] * w[o, k] for rows o in [begin, end).
 // x: [n_rows_x, k], w: [n_out, k] row-major, y: [n_rows_x, n_out]. Any n_rows_x: each result
 // depends on its own row of x only (the same numbers whatever the other rows; batched decoding).
 void gemv_rows(const float* x, int64_t n_rows_x, const float* w, int64_t k, float* y, int64_t n_out, int64_t begin,
                int64_t end);
+// gemv_rows on a named instruction set (kernel_isa() for gemv_rows), which the CPU must have
+// (else std::invalid_argument): the tests compare the paths. Each sums its products in its own
+// order: AVX-512, 16 lanes of fused multiply-adds over k in order (the last chunk masked) and one
+// horizontal sum; AVX2, 8 lanes likewise, a horizontal sum, then the last k % 8 products one by
+// one; scalar (portable loops), 8 partial sums of rounded products over k in order, added
+// pairwise, then the last k % 8 products one by one.
+void gemv_rows_on(Isa isa, const float* x, int64_t n_rows_x, const float* w, int64_t k, float* y, int64_t n_out,
+                  int64_t begin, int64_t end);
 
 // gemv_rows over a matrix kept in groups of 32 weights along its rows (k a multiple of 32), each
 // group dequantized as w = q * scale (+ min): a block of output rows at a time into a float buffer

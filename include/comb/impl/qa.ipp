@@ -21,13 +21,8 @@
 
 namespace comb {
 
-namespace detail::qa {  // this file's own helpers
-// Calls fn(line number, object) for each non-blank line of a JSON Lines file (gzip or plain) until
-// fn returns false. A line that is not a JSON object, a damaged gzip stream and a JSON type error
-// in fn are errors naming the file and line; so is input beyond DataLimits (a line too long, too
-// many bytes in all, a decompression bomb), refused while streaming, before it is held.
-COMB_INLINE void each_json_line(const std::string& path, const std::function<bool(int64_t, const nlohmann::json&)>& fn,
-                                const DataLimits& limits = {}) {
+COMB_INLINE void for_each_text_line(const std::string& path, const std::function<bool(int64_t, const std::string&)>& fn,
+                                   const DataLimits& limits) {
   gzFile f = gzopen(path.c_str(), "rb");
   COMB_CHECK(f, "cannot open data file '{}'", path);
   std::string line;
@@ -73,20 +68,37 @@ COMB_INLINE void each_json_line(const std::string& path, const std::function<boo
       check_stream();
       if (!got) break;
       ++number;
-      if (line.find_first_not_of(" \t\r\n") == std::string::npos) continue;
-      nlohmann::json j = detail::parse_json(line, fmt::format("'{}' line {}", path, number), /*invalid_ok=*/true);
-      COMB_CHECK(!j.is_discarded() && j.is_object(), "'{}' line {}: not valid JSON (expected one object per line)", path,
-                 number);
-      if (!fn(number, j)) break;
+      if (!line.empty() && line.back() == '\n') line.pop_back();
+      if (!fn(number, line)) break;
     }
-  } catch (const nlohmann::json::exception& e) {
-    gzclose(f);
-    COMB_FAIL("'{}' line {}: {}", path, number, e.what());
   } catch (...) {
     gzclose(f);
     throw;
   }
   gzclose(f);
+}
+
+namespace detail::qa {  // this file's own helpers
+// Calls fn(line number, object) for each non-blank line of a JSON Lines file (gzip or plain) until
+// fn returns false. A line that is not a JSON object, a damaged gzip stream and a JSON type error
+// in fn are errors naming the file and line; so is input beyond DataLimits (a line too long, too
+// many bytes in all, a decompression bomb), refused while streaming, before it is held.
+COMB_INLINE void each_json_line(const std::string& path, const std::function<bool(int64_t, const nlohmann::json&)>& fn,
+                                const DataLimits& limits = {}) {
+  for_each_text_line(
+      path,
+      [&](int64_t number, const std::string& line) {
+        if (line.find_first_not_of(" \t\r\n") == std::string::npos) return true;
+        nlohmann::json j = detail::parse_json(line, fmt::format("'{}' line {}", path, number), /*invalid_ok=*/true);
+        COMB_CHECK(!j.is_discarded() && j.is_object(), "'{}' line {}: not valid JSON (expected one object per line)",
+                   path, number);
+        try {
+          return fn(number, j);
+        } catch (const nlohmann::json::exception& e) {
+          COMB_FAIL("'{}' line {}: {}", path, number, e.what());
+        }
+      },
+      limits);
 }
 
 // A field that is not what it must be, said with the file, the line and the field.
