@@ -8,6 +8,8 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 namespace comb {
@@ -73,7 +75,13 @@ std::atomic<DecodeStepFactory> decode_step_factory_{nullptr};
 std::atomic<const CudaLayerOps*> cuda_layer_ops_{nullptr};
 }  // namespace
 void set_cuda_layer_ops(const CudaLayerOps* ops) { cuda_layer_ops_.store(ops); }
-const CudaLayerOps* cuda_layer_ops() { return cuda_layer_ops_.load(); }
+const CudaLayerOps* cuda_layer_ops() {
+  static const bool off = [] {
+    const char* v = std::getenv("COMB_CUDA_KERNELS");
+    return v != nullptr && std::strcmp(v, "0") == 0;
+  }();
+  return off ? nullptr : cuda_layer_ops_.load();
+}
 void set_decode_step_factory(DecodeStepFactory factory) { decode_step_factory_.store(factory); }
 DecodeStepFactory decode_step_factory() { return decode_step_factory_.load(); }
 }  // namespace detail

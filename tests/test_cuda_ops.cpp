@@ -304,3 +304,221 @@ TEST_CASE("the fused CUDA layers and the one-launch decoding step match the gene
   // Past the cache: an error naming it, nothing launched.
   CHECK_THROWS_WITH(replayed->run(1, 32, bk, bv), Catch::Contains("past the cache's capacity 32"));
 }
+
+TEST_CASE("join_documents places int8, float32 and half documents as a float32 rotation would", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  const comb::detail::CudaLayerOps* ops = comb::detail::cuda_layer_ops();
+  REQUIRE(ops);
+  REQUIRE(ops->join_documents);
+  auto gen = at::detail::createCPUGenerator(21);
+  const int64_t n_ctx = 512;
+  int checked = 0;
+  for (auto type : kHalfTypes)
+    for (int64_t hd : {32, 64, 128}) {
+      const int64_t n_kv = 3, rows = 2, blocks = 2;
+      // RoPE tables as a decoder of this type keeps them, read as float32.
+      at::Tensor angles = at::arange(n_ctx, at::kDouble).unsqueeze(1) *
+                          at::pow(10000.0, -at::arange(0, hd, 2, at::kDouble) / double(hd)).repeat({2}).unsqueeze(0);
+      at::Tensor cos = angles.cos().to(type).to(at::kFloat), sin = angles.sin().to(type).to(at::kFloat);
+      // Row 0: three documents (int8 per channel, int8 per row, float32); row 1: one in half.
+      struct Doc {
+        int64_t row, offset, angle, len;
+        int kind;  // 0 int8, 1 float32, 2 half
+      };
+      const std::vector<Doc> docs{{0, 0, -300, 70, 0}, {0, 70, 5, 9, 0}, {0, 79, 0, 40, 1}, {1, 3, 411, 50, 2}};
+      const int64_t m = 119;
+      std::vector<at::Tensor> out_k, out_v;
+      for (int64_t b = 0; b < blocks; ++b) {  // a sentinel where no part is placed
+        out_k.push_back(at::full({rows, n_kv, m, hd}, 7.0, at::TensorOptions().dtype(type).device(at::kCUDA)));
+        out_v.push_back(at::full({rows, n_kv, m, hd}, 7.0, at::TensorOptions().dtype(type).device(at::kCUDA)));
+      }
+      std::vector<comb::detail::JoinPart> parts;
+      std::vector<at::Tensor> src_k, src_v;  // each part's values as float32 (exact: int8 code x float16 scale)
+      for (int64_t b = 0; b < blocks; ++b)
+        for (const Doc& d : docs) {
+          DocumentKV kv;
+          kv.n_tokens = d.len;
+          kv.keys.push_back(at::randn({n_kv, d.len, hd}, gen) * 3);
+          kv.values.push_back(at::randn({n_kv, d.len, hd}, gen));
+          comb::detail::JoinPart p;
+          p.block = b, p.row = d.row, p.offset = d.offset, p.angle = d.angle;
+          if (d.kind == 0) {
+            DocumentKV q = kv.to(at::kCUDA, at::kChar);
+            p.keys = q.keys[0], p.values = q.values[0], p.key_scales = q.key_scales[0], p.value_scales = q.value_scales[0];
+            src_k.push_back(p.keys.cpu().to(at::kFloat) * p.key_scales.cpu().to(at::kFloat));
+            src_v.push_back(p.values.cpu().to(at::kFloat) * p.value_scales.cpu().to(at::kFloat));
+          } else {
+            const auto dt = d.kind == 1 ? at::kFloat : type;
+            p.keys = kv.keys[0].to(at::kCUDA, dt).contiguous(), p.values = kv.values[0].to(at::kCUDA, dt).contiguous();
+            src_k.push_back(p.keys.cpu().to(at::kFloat));
+            src_v.push_back(p.values.cpu().to(at::kFloat));
+          }
+          parts.push_back(std::move(p));
+        }
+      CHECK(parts[0].key_scales.size(1) == 1);            // 70 tokens: keys scaled per channel
+      CHECK(parts[1].key_scales.size(2) == 1);            // 9: per row
+      ops->join_documents(parts, out_k, out_v, cos.to(at::kCUDA), sin.to(at::kCUDA));
+      std::vector<at::Tensor> got_k, got_v;
+      for (int64_t b = 0; b < blocks; ++b) got_k.push_back(out_k[b].cpu()), got_v.push_back(out_v[b].cpu());
+      std::vector<at::Tensor> covered(blocks);
+      for (int64_t b = 0; b < blocks; ++b) covered[b] = at::zeros({rows, n_kv, m, hd}, at::kBool);
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const auto& p = parts[i];
+        const int64_t len = p.keys.size(1), half = hd / 2, a = std::abs(p.angle);
+        // The turn in float64 from the float32 inputs.
+        at::Tensor x = src_k[i].to(at::kDouble);
+        at::Tensor c = cos[a].to(at::kDouble), s = sin[a].to(at::kDouble) * (p.angle < 0 ? -1.0 : 1.0);
+        at::Tensor x1 = x.narrow(2, 0, half), x2 = x.narrow(2, half, half);
+        at::Tensor want = at::cat({x1 * c.narrow(0, 0, half) - x2 * s.narrow(0, 0, half),
+                                   x2 * c.narrow(0, half, half) + x1 * s.narrow(0, half, half)},
+                                  2);
+        at::Tensor gk = got_k[p.block][p.row].narrow(1, p.offset, len).to(at::kDouble);
+        at::Tensor gv = got_v[p.block][p.row].narrow(1, p.offset, len);
+        INFO(c10::toString(type) << " head_dim " << hd << " part " << i << " (turn " << p.angle << ")");
+        // Rounded once to the type: within half an ulp (2^-8 or 2^-11 of |want|) of the float32
+        // value, which is within 2 float32 roundings (2^-23 of |x1| + |x2| <= 2 max |x|) of want.
+        const double max_x = x.abs().max().item<double>();
+        CHECK(at::allclose(gk, want, ulp(type) / 2, std::ldexp(max_x, -21)));
+        // Values: the float32 value rounded once, as ATen rounds it.
+        CHECK(at::equal(gv, src_v[i].to(type)));
+        covered[p.block][p.row].narrow(1, p.offset, len).fill_(true);
+        ++checked;
+      }
+      for (int64_t b = 0; b < blocks; ++b) {  // the rest untouched
+        CHECK(got_k[b].masked_select(covered[b].logical_not()).eq(7).all().item<bool>());
+        CHECK(got_v[b].masked_select(covered[b].logical_not()).eq(7).all().item<bool>());
+      }
+      // A part past its output: an error naming it, nothing written.
+      std::vector<comb::detail::JoinPart> bad{parts[2]};
+      bad[0].offset = m - 10;
+      CHECK_THROWS_WITH(ops->join_documents(bad, out_k, out_v, cos.to(at::kCUDA), sin.to(at::kCUDA)),
+                        Catch::Contains("outside outputs"));
+    }
+  CHECK(checked == 2 * 3 * 8);
+}
+
+TEST_CASE("quantize_int8 on CUDA makes the CPU's int8 codes and scales, bit for bit", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  const comb::detail::CudaLayerOps* ops = comb::detail::cuda_layer_ops();
+  REQUIRE(ops);
+  REQUIRE(ops->quantize_int8);
+  auto gen = at::detail::createCPUGenerator(23);
+  int checked = 0;
+  for (auto source : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (int64_t hd : {64, 128}) {
+      const int64_t n_kv = 2, blocks = 3;
+      // Documents of 1 to 200 tokens: keys per row below head_dim / 2 tokens, per channel from it;
+      // one block all zeros (scale 1) and one with tiny values (the 2^-14 floor).
+      std::vector<int64_t> lens{1, 9, hd / 2 - 1, hd / 2, 200};
+      std::vector<std::vector<std::array<at::Tensor, 2>>> in;
+      std::vector<DocumentKV> want;
+      for (int64_t len : lens) {
+        DocumentKV cpu;  // the same values as float32 on the CPU
+        cpu.n_tokens = len;
+        in.emplace_back();
+        for (int64_t b = 0; b < blocks; ++b) {
+          at::Tensor k = at::randn({n_kv, len, hd}, gen) * 4, v = at::randn({n_kv, len, hd}, gen);
+          if (b == 1) k.zero_();
+          if (b == 2) v.mul_(1e-7);
+          k = k.to(source).to(at::kFloat), v = v.to(source).to(at::kFloat);
+          cpu.keys.push_back(k), cpu.values.push_back(v);
+          in.back().push_back({k.to(at::kCUDA, source), v.to(at::kCUDA, source)});
+        }
+        want.push_back(cpu.to(at::kCPU, at::kChar));
+      }
+      std::vector<std::vector<std::array<at::Tensor, 4>>> out;
+      ops->quantize_int8(in, out);
+      REQUIRE(out.size() == lens.size());
+      for (size_t d = 0; d < lens.size(); ++d)
+        for (int64_t b = 0; b < blocks; ++b) {
+          INFO(c10::toString(source) << " head_dim " << hd << ", " << lens[d] << " tokens, block " << b);
+          const auto& [kc, ks, vc, vs] = out[d][b];
+          CHECK(at::equal(kc.cpu(), want[d].keys[b]));
+          CHECK(at::equal(ks.cpu(), want[d].key_scales[b]));
+          CHECK(at::equal(vc.cpu(), want[d].values[b]));
+          CHECK(at::equal(vs.cpu(), want[d].value_scales[b]));
+          ++checked;
+        }
+    }
+  CHECK(checked == 3 * 2 * 5 * 3);
+}
+
+TEST_CASE("COMB on a CUDA half model: documents kept int8 on the device, joined by one kernel, warm = cold",
+          "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  Options options{"cuda", "bfloat16"};
+  Model model = Model::load(env_or("COMB_CUDA_MODEL", model_path()), options);
+  if (!model.plugin() || !model.plugin()->config().joint_attention ||
+      model.plugin()->config().cache_dtype != "int8") {
+    WARN("the model has no joint-attention plug-in kept int8 (the default model's): nothing to check");
+    return;
+  }
+  PicRequest r = qa_request(model,
+                            {{"Alpha", "The alpha station was built in 1931 on the northern ridge."},
+                             {"Beta", "Beta is a river town; its bridge opened in 1904."},
+                             {"Gamma", "Gamma Lake freezes every winter, and skaters cross it to the island."}},
+                            "When did the bridge in Beta open?");
+  PicEngine engine(model, Method::comb);
+  PicPrefill cold = engine.prefill(r, 4);
+  const StoreStats s = engine.store().stats();
+  CHECK(s.device.entries == 3);  // the engine's store keeps them in device memory
+  CHECK(s.host.entries == 0);
+  auto entry = engine.documents().get(r.documents[0], "");
+  REQUIRE(entry);
+  CHECK(entry->keys[0].is_cuda());
+  CHECK(entry->keys[0].scalar_type() == at::kChar);  // quantized on the device
+  // Read back as float32 and quantized again on the CPU, the entry is unchanged: its codes and
+  // scales follow the CPU's rule (each scale's largest code is 127). The kernel's bit-for-bit
+  // equality with the CPU is the quantize_int8 case above.
+  DocumentKV again = entry->to(at::kCPU, at::kFloat).to(at::kCPU, at::kChar);
+  for (size_t b = 0; b < entry->keys.size(); ++b) {
+    CHECK(at::equal(entry->keys[b].cpu(), again.keys[b]));
+    CHECK(at::equal(entry->key_scales[b].cpu(), again.key_scales[b]));
+    CHECK(at::equal(entry->values[b].cpu(), again.values[b]));
+    CHECK(at::equal(entry->value_scales[b].cpu(), again.value_scales[b]));
+  }
+  // The joined blocks a layer reads: the decoder's dtype, biases float32.
+  LinkedDocuments linked = engine.documents().link({entry}, 9);
+  std::vector<JointKV> blocks = model.plugin()->joint_kv(model.plugin()->weights(), linked.keys, linked.values,
+                                                         linked.doc_counts, 9, linked.key_scales, linked.value_scales);
+  REQUIRE_FALSE(blocks.empty());
+  CHECK(blocks[0].keys.scalar_type() == at::kBFloat16);
+  CHECK((!blocks[0].bias.defined() || blocks[0].bias.scalar_type() == at::kFloat));
+  // A warm request reads exactly what the cold one computed.
+  PicPrefill warm = engine.prefill(r, 4);
+  CHECK(warm.reused > 0);
+  CHECK(at::equal(cold.logits, warm.logits));
+
+  // Naive reuse: every piece of every layer placed by one launch, against Decoder::place piece by
+  // piece (fused place_keys, each product rounded to bfloat16 as apply_rope rounds).
+  PicEngine naive(model, Method::naive);
+  PicPrefill a = naive.prefill(r, 4);
+  PicPrefill b = naive.prefill(r, 4);
+  CHECK(b.reused > a.reused);
+  CHECK(at::equal(a.logits, b.logits));
+  const Decoder& dec = model.decoder();
+  KVCache manual = dec.make_cache(1, b.cache.capacity());
+  int64_t pos = 0;
+  std::vector<std::vector<int32_t>> pieces{r.prefix};
+  pieces.insert(pieces.end(), r.documents.begin(), r.documents.end());
+  for (const auto& tokens : pieces) {
+    auto kv = naive.documents().decoder_kv(tokens, "");
+    for (int64_t l = 0; l < dec.config().n_layer; ++l)
+      dec.place(l, manual, pos, kv->keys[l].unsqueeze(0), kv->values[l].unsqueeze(0));
+    pos += static_cast<int64_t>(tokens.size());
+  }
+  for (int64_t l = 0; l < dec.config().n_layer; ++l) {
+    INFO("layer " << l);
+    at::Tensor got = b.cache.keys(l).narrow(2, 0, pos).to(at::kFloat).cpu();
+    at::Tensor want = manual.keys(l).narrow(2, 0, pos).to(at::kFloat).cpu();
+    // place_keys rounds two products and their sum to bfloat16 (2^-9 of each, relative), the launch
+    // the float32 sum once: for a pair whose larger input is M, products <= M and sums <= sqrt(2) M,
+    // so |got - want| <= 2^-9 (2 + 2 sqrt(2)) M; and M <= sqrt(2) max |placed key| (a rotation keeps
+    // the pair's norm): under 3.5 * 2^-8 of the largest placed key.
+    CHECK((got - want).abs().max().item<double>() <= 3.5 * std::ldexp(want.abs().max().item<double>(), -8));
+    CHECK(at::equal(b.cache.values(l).narrow(2, 0, pos), manual.values(l).narrow(2, 0, pos)));
+  }
+}

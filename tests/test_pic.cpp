@@ -463,3 +463,17 @@ TEST_CASE("engine input errors", "[pic][errors]") {
   r = request(3, {4}, 0, 1);
   CHECK_THROWS_WITH(engine.prefill(r, 4), Catch::Contains("question"));
 }
+
+TEST_CASE("the caching engine's store keeps documents in device memory on a CUDA model", "[pic]") {
+  PicOptions pic;
+  pic.cache_bytes = int64_t(3) << 20;
+  const StoreOptions cpu = pic.store_options();
+  CHECK(cpu.device.is_cpu());
+  CHECK(cpu.device_bytes == 0);
+  CHECK(cpu.host_bytes == pic.cache_bytes);
+  const StoreOptions gpu = pic.store_options(c10::Device(c10::kCUDA, 1));
+  CHECK(gpu.device == c10::Device(c10::kCUDA, 1));
+  CHECK(gpu.device_bytes == pic.cache_bytes);  // a device tier first ...
+  CHECK(gpu.host_bytes == pic.cache_bytes);    // ... and the host tier behind it
+  CHECK(gpu.dtype == pic.cache_dtype);
+}

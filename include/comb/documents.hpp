@@ -137,6 +137,10 @@ class Documents {
   // The dtype a document's entry is read back in: the store's (StoreOptions::dtype) where it sets
   // one, else the plug-in's cache dtype, else Undefined (as computed).
   c10::ScalarType kept_dtype() const;
+  // New documents' K/V on a CUDA device turned to int8 in one pass where they are kept int8 (the
+  // same codes and scales as DocumentKV::to's, bit for bit; a few launches for the request instead
+  // of some thirty per document and block); otherwise left for cached_form, one at a time.
+  void quantize_on_device(std::vector<DocumentKV>& kvs) const;
 
   const Model& model_;
   std::shared_ptr<PICacheStore> store_;

@@ -47,8 +47,11 @@ struct PicOptions {
   // "redis://HOST[:PORT][/DB]", or "" for none. clear() forgets the local tiers, not this one.
   std::string cache_url;
   int64_t cache_ttl_s = 0;      // expiry of the entries written there (0: none)
-  // The document store these options describe (memory budget, dtype, remote tier).
-  StoreOptions store_options() const;
+  // The document store these options describe (memory budget, dtype, remote tier) for a model on
+  // `device`: on a CUDA device the caches are kept in its memory first (a device tier of
+  // cache_bytes, read by requests without a copy), the least recently used moved to a host tier of
+  // cache_bytes behind it; elsewhere the host tier alone.
+  StoreOptions store_options(c10::Device device = c10::kCPU) const;
 };
 
 // Decoder K/V of whole token blocks, keyed by a hash chain over the tokens: reuse of an exact

@@ -230,6 +230,23 @@ class Plugin {
                                                       const std::vector<std::vector<at::Tensor>>& key_scales,
                                                       const std::vector<std::vector<at::Tensor>>& value_scales,
                                                       int64_t first_block = 0) const;  // keys[0] is this block's
+  // The same on a CUDA device with a float16 or bfloat16 base: one launch joins every block (int8,
+  // float32 or half entries, each key rotated once), the joined K/V in the base's dtype and the
+  // biases float32, as a CUDA layer reads them. nullopt where it does not apply.
+  std::optional<std::vector<JointKV>> joint_kv_cuda(const PluginWeights& w,
+                                                    const std::vector<std::vector<at::Tensor>>& keys,
+                                                    const std::vector<std::vector<at::Tensor>>& values,
+                                                    const std::vector<int64_t>& doc_counts, int64_t anchor,
+                                                    const std::vector<std::vector<at::Tensor>>& key_scales,
+                                                    const std::vector<std::vector<at::Tensor>>& value_scales) const;
+  // Where each linked document goes in its row's joined keys (documents keys [document], each
+  // [n_head_kv, len, head_dim]): its row, offset and RoPE turn; lens: each row's joined length.
+  struct JoinPlace {
+    size_t doc;
+    int64_t row, offset, angle;
+  };
+  std::vector<JoinPlace> join_places(const std::vector<at::Tensor>& keys, const std::vector<int64_t>& doc_counts,
+                                     int64_t anchor, std::vector<int64_t>& lens) const;
   // Names and tensors of the plug-in, in the reference checkpoint's naming.
   std::vector<std::pair<std::string, at::Tensor>> named_tensors() const;
   void refresh_fingerprint();

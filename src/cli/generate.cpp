@@ -38,6 +38,10 @@ int cmd_generate(Args& args) {
   if (!document_paths.empty()) {
     comb::StoreOptions store_options;
     store_options.host_bytes = cache_mb << 20;
+    if (model.decoder().device().is_cuda()) {  // the documents' caches kept where the decoder reads them
+      store_options.device = model.decoder().device();
+      store_options.device_bytes = cache_mb << 20;
+    }
     if (!cache_dir.empty()) {
       store_options.disk_dir = cache_dir;
       store_options.disk_bytes = cache_mb << 20;

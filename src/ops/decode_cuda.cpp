@@ -8,7 +8,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
+#include <optional>
 #include <string>
 
 #include "comb/detail/decode_step.hpp"
@@ -39,11 +42,13 @@ void check_like(const at::Tensor& t, const at::Tensor& like, const char* what, c
              t.is_contiguous() ? "" : " (strided)");
 }
 
-// A parameter block (decode_kernels.hpp) for one layer's cache: int64 [kParamCaches + 2] on the device.
-at::Tensor cache_params(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t position) {
-  std::vector<int64_t> p{position, k_cache.size(2), 0, reinterpret_cast<int64_t>(k_cache.data_ptr()),
-                         reinterpret_cast<int64_t>(v_cache.data_ptr())};
-  return at::tensor(p, at::kLong).to(k_cache.device());
+// One layer's cache at `position`, passed to the kernel as arguments (no copy to the device, so no
+// wait for the stream: the host keeps launching ahead of the GPU).
+k::CacheAt cache_at(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t position) {
+  k::CacheAt at;
+  at.position = position, at.capacity = k_cache.size(2);
+  at.keys = k_cache.data_ptr(), at.values = v_cache.data_ptr();
+  return at;
 }
 
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& like, const char* op) {
@@ -95,8 +100,7 @@ at::Tensor rope_append(const at::Tensor& qkv, const at::Tensor& cos, const at::T
              k_cache.size(2), cos.size(0));
   c10::cuda::CUDAGuard guard(qkv.device());
   at::Tensor q = at::empty({n, n_head, hd}, qkv.options());
-  at::Tensor params = cache_params(k_cache, v_cache, position);
-  check_launch(k::rope_store(type, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), params.data_ptr<int64_t>(), 0, 1,
+  check_launch(k::rope_store(type, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache_at(k_cache, v_cache, position),
                              q.data_ptr(), n, n_head, n_kv, hd, at::cuda::getCurrentCUDAStream()),
                op);
   return q;
@@ -186,8 +190,8 @@ at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   a.n_split = split_count(q, n_kv, n, m + start + n);
   at::Tensor partial = at::empty({n, n_head, a.n_split, hd + 2}, q.options().dtype(at::kFloat));
   at::Tensor out = at::empty_like(q);
-  at::Tensor params = cache_params(k_cache, v_cache, start);
-  a.q = q.data_ptr(), a.params = params.data_ptr<int64_t>(), a.out = out.data_ptr(), a.partial = partial.data_ptr<float>();
+  a.q = q.data_ptr(), a.cache = cache_at(k_cache, v_cache, start), a.out = out.data_ptr();
+  a.partial = partial.data_ptr<float>();
   if (m > 0) {
     a.joined_keys = joined_keys.data_ptr(), a.joined_values = joined_values.data_ptr(), a.n_joined = m;
     a.anchor = anchor;
@@ -195,6 +199,153 @@ at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   }
   check_launch(k::rows_attention(type, a, at::cuda::getCurrentCUDAStream()), op);
   return out;
+}
+
+// A descriptor table in device memory, copied from pinned memory without waiting (the caching host
+// allocator keeps the buffer until the copy has run).
+template <typename Piece>
+at::Tensor upload(const std::vector<Piece>& pieces, const at::Tensor& like) {
+  const int64_t bytes = static_cast<int64_t>(pieces.size() * sizeof(Piece));
+  at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), pieces.data(), static_cast<size_t>(bytes));
+  at::Tensor device = at::empty({bytes}, like.options().dtype(at::kByte));
+  device.copy_(host, /*non_blocking=*/true);
+  return device;
+}
+
+void join_documents(const std::vector<comb::detail::JoinPart>& parts, const std::vector<at::Tensor>& out_keys,
+                    const std::vector<at::Tensor>& out_values, const at::Tensor& cos, const at::Tensor& sin) {
+  const char* op = "comb::join_documents";
+  COMB_CHECK(!out_keys.empty() && out_values.size() == out_keys.size(), "{}: {} key and {} value outputs", op,
+             out_keys.size(), out_values.size());
+  const at::Tensor& o = out_keys[0];
+  const k::Half type = half_type(o, op);
+  COMB_CHECK(o.dim() == 4, "{}: outputs [rows, n_head_kv, m, head_dim], found [{}]", op, fmt::join(o.sizes(), ", "));
+  const int64_t rows = o.size(0), n_kv = o.size(1), m = o.size(2), hd = o.size(3);
+  for (size_t b = 0; b < out_keys.size(); ++b)
+    for (const at::Tensor* t : {&out_keys[b], &out_values[b]}) {
+      check_like(*t, o, "an output", op);
+      COMB_CHECK(t->sizes() == o.sizes(), "{}: block {}'s output [{}], block 0's [{}]", op, b,
+                 fmt::join(t->sizes(), ", "), fmt::join(o.sizes(), ", "));
+    }
+  for (const at::Tensor* t : {&cos, &sin})
+    COMB_CHECK(t->device() == o.device() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                   t->size(1) == hd && t->sizes() == cos.sizes(),
+               "{}: RoPE tables should be contiguous float32 [n_ctx, {}] on {}, found [{}] {} on {}", op, hd,
+               o.device().str(), fmt::join(t->sizes(), ", "), c10::toString(t->scalar_type()), t->device().str());
+  COMB_CHECK(parts.size() <= 65535 && hd % 2 == 0, "{}: {} parts (at most 65535), head_dim {}", op, parts.size(), hd);
+  std::vector<k::JoinPiece> pieces(parts.size());
+  int64_t longest = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const comb::detail::JoinPart& p = parts[i];
+    COMB_CHECK(p.block >= 0 && p.block < static_cast<int64_t>(out_keys.size()), "{}: part {} names block {} of {}",
+               op, i, p.block, out_keys.size());
+    const at::Tensor& kt = p.keys;
+    COMB_CHECK(kt.defined() && kt.device() == o.device() && kt.is_contiguous() && kt.dim() == 3 && kt.size(0) == n_kv &&
+                   kt.size(2) == hd && p.values.defined() && p.values.sizes() == kt.sizes() &&
+                   p.values.scalar_type() == kt.scalar_type() && p.values.device() == o.device() &&
+                   p.values.is_contiguous(),
+               "{}: part {}: keys and values should be contiguous [{}, len, {}] of one dtype on {}", op, i, n_kv, hd,
+               o.device().str());
+    const int64_t len = kt.size(1);
+    COMB_CHECK(p.row >= 0 && p.row < rows && p.offset >= 0 && p.offset + len <= m && std::abs(p.angle) < cos.size(0),
+               "{}: part {} at row {}, positions [{}, {}), turn {}: outside outputs of {} rows of {} or tables of {}",
+               op, i, p.row, p.offset, p.offset + len, p.angle, rows, m, cos.size(0));
+    k::JoinPiece& piece = pieces[i];
+    if (kt.scalar_type() == at::kChar) {
+      const at::Tensor& ks = p.key_scales;
+      const at::Tensor& vs = p.value_scales;
+      const bool per_channel = ks.defined() && ks.dim() == 3 && ks.size(1) == 1 && ks.size(2) == hd;
+      COMB_CHECK(ks.defined() && vs.defined() && ks.scalar_type() == at::kHalf && vs.scalar_type() == at::kHalf &&
+                     ks.device() == o.device() && vs.device() == o.device() && ks.is_contiguous() &&
+                     vs.is_contiguous() && ks.dim() == 3 && ks.size(0) == n_kv &&
+                     (per_channel || (ks.size(1) == len && ks.size(2) == 1)) &&
+                     vs.sizes() == c10::IntArrayRef({n_kv, len, 1}),
+                 "{}: part {}: int8 K/V need float16 scales, keys [{}, 1, {}] or [{}, {}, 1] and values [{}, {}, 1]", op,
+                 i, n_kv, hd, n_kv, len, n_kv, len);
+      piece.source = k::JoinSource::int8;
+      piece.key_scales = ks.data_ptr(), piece.value_scales = vs.data_ptr();
+      piece.keys_per_channel = per_channel ? 1 : 0;
+    } else {
+      COMB_CHECK(kt.scalar_type() == at::kFloat || kt.scalar_type() == o.scalar_type(),
+                 "{}: part {}: K/V of {}, expected int8, float32 or {}", op, i, c10::toString(kt.scalar_type()),
+                 c10::toString(o.scalar_type()));
+      piece.source = kt.scalar_type() == at::kFloat ? k::JoinSource::f32 : k::JoinSource::half;
+    }
+    piece.keys = kt.data_ptr(), piece.values = p.values.data_ptr();
+    piece.out_keys = out_keys[p.block].data_ptr(), piece.out_values = out_values[p.block].data_ptr();
+    piece.len = len, piece.m = m, piece.row = p.row, piece.offset = p.offset, piece.angle = p.angle;
+    longest = std::max(longest, len);
+  }
+  if (pieces.empty()) return;
+  c10::cuda::CUDAGuard guard(o.device());
+  at::Tensor table = upload(pieces, o);
+  check_launch(k::join_documents(type, reinterpret_cast<const k::JoinPiece*>(table.data_ptr()),
+                                 static_cast<int64_t>(pieces.size()), longest, n_kv, hd, cos.data_ptr<float>(),
+                                 sin.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+void quantize_int8(const std::vector<std::vector<std::array<at::Tensor, 2>>>& kv,
+                   std::vector<std::vector<std::array<at::Tensor, 4>>>& out) {
+  const char* op = "comb::quantize_int8";
+  out.assign(kv.size(), {});
+  std::vector<k::QuantPiece> pieces;
+  const at::Tensor* first = nullptr;
+  std::optional<at::ScalarType> half;  // the one half type among the sources
+  int64_t longest = 0;
+  for (size_t d = 0; d < kv.size(); ++d) {
+    COMB_CHECK(!kv[d].empty(), "{}: document {} has no blocks", op, d);
+    const at::Tensor& k0 = kv[d][0][0];
+    if (!first) first = &k0;
+    COMB_CHECK(k0.defined() && k0.is_cuda() && k0.dim() == 3 && k0.device() == first->device() &&
+                   k0.size(0) == first->size(0) && k0.size(2) == first->size(2),
+               "{}: document {}: keys [n_head_kv, len, head_dim] on one CUDA device, found [{}] on {}", op, d,
+               fmt::join(k0.sizes(), ", "), k0.device().str());
+    const int64_t n_kv = k0.size(0), len = k0.size(1), hd = k0.size(2), blocks = static_cast<int64_t>(kv[d].size());
+    const bool per_channel = 2 * len >= hd;  // DocumentKV::keys_per_channel
+    const int64_t n_key_scales = per_channel ? n_kv * hd : n_kv * len, n_rows = n_kv * len;
+    // One allocation per document (its entry owns it alone): codes [blocks, 2, ...], scales [blocks, ...].
+    at::Tensor codes = at::empty({blocks, 2, n_kv, len, hd}, k0.options().dtype(at::kChar));
+    at::Tensor scales = at::empty({blocks, n_key_scales + n_rows}, k0.options().dtype(at::kHalf));
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (const at::Tensor* t : {&kv[d][b][0], &kv[d][b][1]}) {
+        COMB_CHECK(t->defined() && t->device() == k0.device() && t->is_contiguous() && t->sizes() == k0.sizes() &&
+                       (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16 ||
+                        t->scalar_type() == at::kHalf),
+                   "{}: document {} block {}: K/V should be contiguous float32 or half [{}] on {}", op, d, b,
+                   fmt::join(k0.sizes(), ", "), k0.device().str());
+        if (t->scalar_type() != at::kFloat) {
+          COMB_CHECK(!half || *half == t->scalar_type(), "{}: sources of both float16 and bfloat16", op);
+          half = t->scalar_type();
+        }
+      }
+      k::QuantPiece p;
+      p.keys = kv[d][b][0].data_ptr(), p.values = kv[d][b][1].data_ptr();
+      p.source = kv[d][b][0].scalar_type() == at::kFloat ? k::JoinSource::f32 : k::JoinSource::half;
+      COMB_CHECK(kv[d][b][1].scalar_type() == kv[d][b][0].scalar_type(), "{}: document {} block {}: K and V differ",
+                 op, d, b);
+      at::Tensor kc = codes[b][0], vc = codes[b][1];
+      at::Tensor ks = scales[b].narrow(0, 0, n_key_scales).view(per_channel ? at::IntArrayRef{n_kv, 1, hd}
+                                                                           : at::IntArrayRef{n_kv, len, 1});
+      at::Tensor vs = scales[b].narrow(0, n_key_scales, n_rows).view({n_kv, len, 1});
+      p.key_codes = kc.data_ptr<int8_t>(), p.value_codes = vc.data_ptr<int8_t>();
+      p.key_scales = ks.data_ptr(), p.value_scales = vs.data_ptr();
+      p.len = len, p.keys_per_channel = per_channel ? 1 : 0;
+      pieces.push_back(p);
+      out[d].push_back({kc, ks, vc, vs});
+      longest = std::max(longest, len);
+    }
+  }
+  if (pieces.empty()) return;
+  COMB_CHECK(pieces.size() <= 65535, "{}: {} pieces (documents x blocks), at most 65535", op, pieces.size());
+  c10::cuda::CUDAGuard guard(first->device());
+  at::Tensor table = upload(pieces, *first);
+  const k::Half type = half && *half == at::kHalf ? k::Half::f16 : k::Half::bf16;  // the loader of half sources
+  check_launch(k::quantize_int8(type, reinterpret_cast<const k::QuantPiece*>(table.data_ptr()),
+                                static_cast<int64_t>(pieces.size()), longest, first->size(0), first->size(2),
+                                at::cuda::getCurrentCUDAStream()),
+               op);
 }
 
 int gemv_blocks(const at::Tensor& on) {
@@ -335,7 +486,8 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     const float eps = static_cast<float>(s_.rms_eps);
     const int64_t L = s_.n_layer;
-    int64_t* params = params_.data_ptr<int64_t>();
+    ck::CacheAt at;  // each layer's cache through the parameter block, read at replay
+    at.params = params_.data_ptr<int64_t>(), at.n_layer = L;
     at::index_select_out(x_, s_.tok_embd, 0, params_.narrow(0, ck::kParamToken, 1));
     check_launch(ck::add_rms_norm(type_, x_.data_ptr(), nullptr, s_.layers[0][0].data_ptr(), normed_.data_ptr(), 1,
                                   s_.n_embd, eps, stream),
@@ -343,11 +495,12 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
     for (int64_t l = 0; l < L; ++l) {
       const auto& w = s_.layers[l];
       linear(qkv_, normed_, w[1], stream);
-      check_launch(ck::rope_store(type_, qkv_.data_ptr(), s_.rope_cos.data_ptr(), s_.rope_sin.data_ptr(), params, l, L,
+      at.layer = l;
+      check_launch(ck::rope_store(type_, qkv_.data_ptr(), s_.rope_cos.data_ptr(), s_.rope_sin.data_ptr(), at,
                                   q_.data_ptr(), 1, s_.n_head, s_.n_head_kv, s_.head_dim, stream),
                    "the decoding step");
       ck::RowsAttention a;
-      a.q = q_.data_ptr(), a.params = params, a.layer = l, a.n_layer = L, a.out = attn_.data_ptr();
+      a.q = q_.data_ptr(), a.cache = at, a.out = attn_.data_ptr();
       a.partial = partial_.data_ptr<float>(), a.n_rows = 1, a.n_split = n_split_, a.n_head = s_.n_head;
       a.n_head_kv = s_.n_head_kv, a.head_dim = s_.head_dim;
       check_launch(ck::rows_attention(type_, a, stream), "the decoding step");
@@ -405,7 +558,8 @@ std::unique_ptr<comb::detail::DecodeStep> make_decode_step(const comb::detail::D
   return std::make_unique<GraphDecodeStep>(spec, graph);
 }
 
-const comb::detail::CudaLayerOps kLayerOps{&add_rms_norm, &rope_append, &place_keys, &silu_mul, &rows_attention};
+const comb::detail::CudaLayerOps kLayerOps{&add_rms_norm, &rope_append, &place_keys, &silu_mul, &rows_attention,
+                                           &join_documents, &quantize_int8};
 
 // Registered when the module loads (comb::load_cuda_backend).
 [[maybe_unused]] const bool registered = (comb::detail::set_decode_step_factory(&make_decode_step),

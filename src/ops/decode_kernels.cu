@@ -34,6 +34,21 @@ __device__ inline T* cache_of(const int64_t* params, int64_t slot) {
   return reinterpret_cast<T*>(static_cast<uintptr_t>(params[slot]));
 }
 
+// A CacheAt resolved on the device: from its parameter block, or its own fields.
+template <typename T>
+struct CacheView {
+  int64_t position, capacity;
+  T* keys;
+  T* values;
+};
+template <typename T>
+__device__ inline CacheView<T> resolve(const CacheAt& at) {
+  if (at.params)
+    return {at.params[kParamPosition], at.params[kParamCapacity], cache_of<T>(at.params, kParamCaches + at.layer),
+            cache_of<T>(at.params, kParamCaches + at.n_layer + at.layer)};
+  return {at.position, at.capacity, static_cast<T*>(at.keys), static_cast<T*>(at.values)};
+}
+
 // The sum of v over the block (blockDim.x a multiple of 32, at most 1024), in every thread.
 __device__ inline float block_sum(float v) {
   __shared__ float warp_sums[32];
@@ -74,18 +89,18 @@ __global__ void add_rms_norm_kernel(T* residual, const T* delta, const T* weight
 // One thread per (row, head, i < head_dim / 2): queries and keys rotated (x * cos + rotate_half(x) *
 // sin, each product and the sum rounded to T), values copied.
 template <typename T>
-__global__ void rope_store_kernel(const T* qkv, const T* cos, const T* sin, const int64_t* params, int64_t layer,
-                                  int64_t n_layer, T* q, int64_t n, int64_t n_head, int64_t n_head_kv,
-                                  int64_t head_dim) {
+__global__ void rope_store_kernel(const T* qkv, const T* cos, const T* sin, CacheAt at, T* q, int64_t n,
+                                  int64_t n_head, int64_t n_head_kv, int64_t head_dim) {
   const int64_t half = head_dim / 2, heads = n_head + 2 * n_head_kv;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= n * heads * half) return;
   const int64_t i = idx % half, h = (idx / half) % heads, row = idx / (half * heads);
-  const int64_t pos = params[kParamPosition] + row, capacity = params[kParamCapacity];
+  const CacheView<T> cache = resolve<T>(at);
+  const int64_t pos = cache.position + row, capacity = cache.capacity;
   const T* src = qkv + row * heads * head_dim + h * head_dim;
   const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
   if (h >= n_head + n_head_kv) {  // a value head: into the cache as it is
-    T* v = cache_of<T>(params, kParamCaches + n_layer + layer) + ((h - n_head - n_head_kv) * capacity + pos) * head_dim;
+    T* v = cache.values + ((h - n_head - n_head_kv) * capacity + pos) * head_dim;
     v[i] = src[i];
     v[i + half] = src[i + half];
     return;
@@ -95,7 +110,7 @@ __global__ void rope_store_kernel(const T* qkv, const T* cos, const T* sin, cons
   const float y1 = round_to<T>(round_to<T>(x1 * to_float(c[i])) + round_to<T>(-x2 * to_float(s[i])));
   const float y2 = round_to<T>(round_to<T>(x2 * to_float(c[i + half])) + round_to<T>(x1 * to_float(s[i + half])));
   T* dst = h < n_head ? q + (row * n_head + h) * head_dim
-                      : cache_of<T>(params, kParamCaches + layer) + ((h - n_head) * capacity + pos) * head_dim;
+                      : cache.keys + ((h - n_head) * capacity + pos) * head_dim;
   dst[i] = from_float<T>(y1);
   dst[i + half] = from_float<T>(y2);
 }
@@ -198,20 +213,20 @@ struct Joined {
   int64_t m = 0, anchor = 0;
 };
 
-// Block (KV head, split, row): row r (at position params[0] + r) reads the joined keys (when its
+// Block (KV head, split, row): row r (at position at.position + r) reads the joined keys (when its
 // position is past the anchor) followed by its context [0, position], as one sequence split into
 // n_split ranges. The range's keys are shared by the block's warps, every query head of the group
 // scored against each key once it is loaded; the warps' partial softmaxes are merged in shared
 // memory and written as (output, log-sum-exp) per query head.
 template <typename T, int E>
-__global__ void rows_attention_kernel(const T* q, const int64_t* params, int64_t layer, int64_t n_layer,
-                                      Joined<T> joined, float* partial, int n_split, int n_head, int n_head_kv) {
+__global__ void rows_attention_kernel(const T* q, CacheAt at, Joined<T> joined, float* partial, int n_split, int n_head, int n_head_kv) {
   constexpr int HD = 32 * E;
   __shared__ float merge[kAttnWarps][kMaxGroup][HD + 2];
   const int kvh = blockIdx.x, split = blockIdx.y, row = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t position = params[kParamPosition] + row, capacity = params[kParamCapacity];
-  const T* keys = cache_of<const T>(params, kParamCaches + layer) + kvh * capacity * HD;
-  const T* values = cache_of<const T>(params, kParamCaches + n_layer + layer) + kvh * capacity * HD;
+  const CacheView<T> cache = resolve<T>(at);
+  const int64_t position = cache.position + row, capacity = cache.capacity;
+  const T* keys = cache.keys + kvh * capacity * HD;
+  const T* values = cache.values + kvh * capacity * HD;
   const int64_t m = joined.m > 0 && position >= joined.anchor ? joined.m : 0;
   const T* joined_keys = joined.keys + kvh * joined.m * HD;
   const T* joined_values = joined.values + kvh * joined.m * HD;
@@ -317,7 +332,7 @@ cudaError_t launch_attention(const RowsAttention& a, cudaStream_t stream) {
   joined.m = a.joined_keys ? a.n_joined : 0;
   joined.anchor = a.anchor;
   rows_attention_kernel<T, E><<<dim3(a.n_head_kv, a.n_split, a.n_rows), kAttnWarps * 32, 0, stream>>>(
-      static_cast<const T*>(a.q), a.params, a.layer, a.n_layer, joined, a.partial, static_cast<int>(a.n_split),
+      static_cast<const T*>(a.q), a.cache, joined, a.partial, static_cast<int>(a.n_split),
       static_cast<int>(a.n_head), static_cast<int>(a.n_head_kv));
   merge_splits_kernel<T><<<a.n_rows * a.n_head, 32 * E, 0, stream>>>(a.partial, static_cast<T*>(a.out),
                                                                     static_cast<int>(a.n_split), 32 * E);
@@ -337,7 +352,144 @@ cudaError_t attention_by_width(const RowsAttention& a, cudaStream_t stream) {
 
 int64_t blocks_for(int64_t n, int threads) { return (n + threads - 1) / threads; }
 
+// ---- Linked documents joined for a joint-attention layer ------------------------------------------
+
+// A source value as float32: an int8 code times its scale, float32, or Half.
+template <typename T>
+__device__ inline float join_load(JoinSource source, const void* data, int64_t at, const void* scales,
+                                  int64_t scale_at) {
+  switch (source) {
+    case JoinSource::int8:
+      return static_cast<float>(static_cast<const int8_t*>(data)[at]) *
+             __half2float(static_cast<const __half*>(scales)[scale_at]);
+    case JoinSource::f32: return static_cast<const float*>(data)[at];
+    default: return to_float(static_cast<const T*>(data)[at]);
+  }
+}
+
+// ---- int8 K/V as the CPU keeps them ---------------------------------------------------------------
+
+// A source value as float32 (float32 or T).
+template <typename T>
+__device__ inline float quant_load(JoinSource source, const void* data, int64_t at) {
+  return source == JoinSource::f32 ? static_cast<const float*>(data)[at] : to_float(static_cast<const T*>(data)[at]);
+}
+
+// The float16 scale of a largest magnitude (document_kv.ipp's int8_scale) and a code.
+__device__ inline __half quant_scale(float amax) {
+  const float s = amax / 127.0f;
+  return __float2half_rn(s > 0.0f ? fmaxf(s, 6.103515625e-05f) : 1.0f);
+}
+__device__ inline int8_t quant_code(float x, float scale) {
+  return static_cast<int8_t>(fminf(127.0f, fmaxf(-127.0f, rintf(__fdiv_rn(x, scale)))));
+}
+
+constexpr int kQuantWarps = 8;
+
+// Block (kQuantWarps rows, piece): a warp per row of head_dim values: value rows, then key rows
+// where the piece's keys are scaled per row.
+template <typename T>
+__global__ void quantize_rows_kernel(const QuantPiece* pieces, int64_t n_head_kv, int64_t head_dim) {
+  const QuantPiece p = pieces[blockIdx.y];
+  const int64_t rows = n_head_kv * p.len;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kQuantWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= 2 * rows || (r >= rows && p.keys_per_channel)) return;
+  const bool key = r >= rows;
+  const int64_t row = key ? r - rows : r;
+  const void* src = key ? p.keys : p.values;
+  int8_t* codes = (key ? p.key_codes : p.value_codes) + row * head_dim;
+  __half* scale = static_cast<__half*>(key ? p.key_scales : p.value_scales) + row;
+  float amax = 0.0f;
+  for (int64_t j = lane; j < head_dim; j += 32) amax = fmaxf(amax, fabsf(quant_load<T>(p.source, src, row * head_dim + j)));
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  const __half h = quant_scale(amax);
+  const float sf = __half2float(h);
+  if (lane == 0) *scale = h;
+  for (int64_t j = lane; j < head_dim; j += 32) codes[j] = quant_code(quant_load<T>(p.source, src, row * head_dim + j), sf);
+}
+
+// Block (range of (head, channel) pairs, piece): keys scaled per channel over the piece's tokens.
+template <typename T>
+__global__ void quantize_channels_kernel(const QuantPiece* pieces, int64_t n_head_kv, int64_t head_dim) {
+  const QuantPiece p = pieces[blockIdx.y];
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (!p.keys_per_channel || idx >= n_head_kv * head_dim) return;
+  const int64_t h = idx / head_dim, j = idx % head_dim;
+  const int64_t base = h * p.len * head_dim + j;
+  float amax = 0.0f;
+  for (int64_t t = 0; t < p.len; ++t) amax = fmaxf(amax, fabsf(quant_load<T>(p.source, p.keys, base + t * head_dim)));
+  const __half h16 = quant_scale(amax);
+  const float sf = __half2float(h16);
+  static_cast<__half*>(p.key_scales)[idx] = h16;
+  for (int64_t t = 0; t < p.len; ++t)
+    p.key_codes[base + t * head_dim] = quant_code(quant_load<T>(p.source, p.keys, base + t * head_dim), sf);
+}
+
+// Block (range of a piece's (head, token, i < head_dim / 2) triples, piece): one key pair rotated
+// and one value pair copied per thread.
+template <typename T>
+__global__ void join_documents_kernel(const JoinPiece* pieces, int64_t n_head_kv, int64_t head_dim, const float* cos,
+                                      const float* sin) {
+  const JoinPiece p = pieces[blockIdx.y];
+  const int64_t half = head_dim / 2;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n_head_kv * p.len * half) return;
+  const int64_t i = idx % half, t = (idx / half) % p.len, h = idx / (half * p.len);
+  const int64_t src = (h * p.len + t) * head_dim;
+  const int64_t dst = ((p.row * n_head_kv + h) * p.m + p.offset + t) * head_dim;
+  const int64_t ks1 = p.keys_per_channel ? h * head_dim + i : h * p.len + t;
+  const int64_t ks2 = p.keys_per_channel ? ks1 + half : ks1;
+  const float k1 = join_load<T>(p.source, p.keys, src + i, p.key_scales, ks1);
+  const float k2 = join_load<T>(p.source, p.keys, src + i + half, p.key_scales, ks2);
+  const float v1 = join_load<T>(p.source, p.values, src + i, p.value_scales, h * p.len + t);
+  const float v2 = join_load<T>(p.source, p.values, src + i + half, p.value_scales, h * p.len + t);
+  // R(angle) by the rotate-half rule; cos(-a) = cos(a), sin(-a) = -sin(a).
+  const int64_t a = p.angle < 0 ? -p.angle : p.angle;
+  const float sign = p.angle < 0 ? -1.0f : 1.0f;
+  const float c1 = cos[a * head_dim + i], c2 = cos[a * head_dim + i + half];
+  const float s1 = sign * sin[a * head_dim + i], s2 = sign * sin[a * head_dim + i + half];
+  T* ok = static_cast<T*>(p.out_keys) + dst;
+  T* ov = static_cast<T*>(p.out_values) + dst;
+  ok[i] = from_float<T>(k1 * c1 - k2 * s1);
+  ok[i + half] = from_float<T>(k2 * c2 + k1 * s2);
+  ov[i] = from_float<T>(v1);
+  ov[i + half] = from_float<T>(v2);
+}
+
 }  // namespace
+
+cudaError_t quantize_int8(Half type, const QuantPiece* pieces, int64_t n_pieces, int64_t longest, int64_t n_head_kv,
+                          int64_t head_dim, cudaStream_t stream) {
+  if (n_pieces > 65535) return cudaErrorInvalidValue;
+  if (n_pieces == 0 || longest == 0 || n_head_kv == 0 || head_dim == 0) return cudaSuccess;
+  const int threads = kQuantWarps * 32;
+  const dim3 rows(static_cast<unsigned>(blocks_for(2 * n_head_kv * longest, kQuantWarps)),
+                  static_cast<unsigned>(n_pieces));
+  const dim3 channels(static_cast<unsigned>(blocks_for(n_head_kv * head_dim, threads)), static_cast<unsigned>(n_pieces));
+  if (type == Half::bf16) {
+    quantize_rows_kernel<__nv_bfloat16><<<rows, threads, 0, stream>>>(pieces, n_head_kv, head_dim);
+    quantize_channels_kernel<__nv_bfloat16><<<channels, threads, 0, stream>>>(pieces, n_head_kv, head_dim);
+  } else {
+    quantize_rows_kernel<__half><<<rows, threads, 0, stream>>>(pieces, n_head_kv, head_dim);
+    quantize_channels_kernel<__half><<<channels, threads, 0, stream>>>(pieces, n_head_kv, head_dim);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t join_documents(Half type, const JoinPiece* pieces, int64_t n_pieces, int64_t longest, int64_t n_head_kv,
+                           int64_t head_dim, const float* cos, const float* sin, cudaStream_t stream) {
+  if (n_pieces > 65535 || head_dim % 2 != 0) return cudaErrorInvalidValue;
+  const int64_t total = n_head_kv * longest * (head_dim / 2);
+  if (n_pieces == 0 || total == 0) return cudaSuccess;
+  const int threads = 256;
+  const dim3 grid(static_cast<unsigned>(blocks_for(total, threads)), static_cast<unsigned>(n_pieces));
+  if (type == Half::bf16)
+    join_documents_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(pieces, n_head_kv, head_dim, cos, sin);
+  else
+    join_documents_kernel<__half><<<grid, threads, 0, stream>>>(pieces, n_head_kv, head_dim, cos, sin);
+  return cudaGetLastError();
+}
 
 cudaError_t add_rms_norm(Half type, void* residual, const void* delta, const void* weight, void* out, int64_t rows,
                          int64_t dim, float eps, cudaStream_t stream) {
@@ -355,21 +507,20 @@ cudaError_t add_rms_norm(Half type, void* residual, const void* delta, const voi
   return cudaGetLastError();
 }
 
-cudaError_t rope_store(Half type, const void* qkv, const void* cos, const void* sin, const int64_t* params,
-                       int64_t layer, int64_t n_layer, void* q, int64_t n, int64_t n_head, int64_t n_head_kv,
-                       int64_t head_dim, cudaStream_t stream) {
+cudaError_t rope_store(Half type, const void* qkv, const void* cos, const void* sin, const CacheAt& at, void* q,
+                       int64_t n, int64_t n_head, int64_t n_head_kv, int64_t head_dim, cudaStream_t stream) {
   const int64_t total = n * (n_head + 2 * n_head_kv) * (head_dim / 2);
   if (total == 0) return cudaSuccess;
   const int threads = 256;
   if (type == Half::bf16)
     rope_store_kernel<<<blocks_for(total, threads), threads, 0, stream>>>(
         static_cast<const __nv_bfloat16*>(qkv), static_cast<const __nv_bfloat16*>(cos),
-        static_cast<const __nv_bfloat16*>(sin), params, layer, n_layer, static_cast<__nv_bfloat16*>(q), n, n_head,
+        static_cast<const __nv_bfloat16*>(sin), at, static_cast<__nv_bfloat16*>(q), n, n_head,
         n_head_kv, head_dim);
   else
     rope_store_kernel<<<blocks_for(total, threads), threads, 0, stream>>>(
-        static_cast<const __half*>(qkv), static_cast<const __half*>(cos), static_cast<const __half*>(sin), params,
-        layer, n_layer, static_cast<__half*>(q), n, n_head, n_head_kv, head_dim);
+        static_cast<const __half*>(qkv), static_cast<const __half*>(cos), static_cast<const __half*>(sin), at,
+        static_cast<__half*>(q), n, n_head, n_head_kv, head_dim);
   return cudaGetLastError();
 }
 

@@ -4,11 +4,13 @@
 // float32 and rounds where the ATen composition it replaces rounds, so that each matches that
 // composition up to the order of its sums (tests/test_cuda_ops.cpp).
 //
-// Decoding kernels read their position and their layer's cache through a parameter block on the
-// device, so that one captured CUDA graph serves every position and every cache:
+// Decoding kernels find their position and their layer's cache through a CacheAt: inside a captured
+// CUDA graph, a parameter block on the device, so that one graph serves every position and every
+// cache:
 //   params[0] = position of the first row, params[1] = the caches' capacity, params[2] = the token,
 //   params[3 + l] = address of layer l's keys, params[3 + n_layer + l] = its values, each
-//   [n_head_kv, capacity, head_dim] (one sequence).
+//   [n_head_kv, capacity, head_dim] (one sequence);
+// outside one, the same values as kernel arguments (no copy to the device before the launch).
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -20,17 +22,26 @@ enum class Half { f16, bf16 };
 // Offsets in the parameter block.
 constexpr int64_t kParamPosition = 0, kParamCapacity = 1, kParamToken = 2, kParamCaches = 3;
 
+// Layer `layer`'s cache and the first row's position: read from `params` on the device when it is
+// not null, else the fields below.
+struct CacheAt {
+  const int64_t* params = nullptr;
+  int64_t layer = 0, n_layer = 1;
+  int64_t position = 0, capacity = 0;
+  void* keys = nullptr;
+  void* values = nullptr;
+};
+
 // residual [rows, dim] += delta (when delta is not null, rounded to Half), then
 // out = weight * round(residual * rsqrt(mean(residual^2) + eps)) (Hugging Face's RMSNorm).
 cudaError_t add_rms_norm(Half type, void* residual, const void* delta, const void* weight, void* out, int64_t rows,
                          int64_t dim, float eps, cudaStream_t stream);
 
-// Rows qkv [n, (n_head + 2 n_head_kv) * head_dim] at positions params[0] + i: the rotate-half RoPE
-// (cos, sin [n_ctx, head_dim]) on queries and keys; queries to q [n, n_head, head_dim], keys and
-// values into layer `layer`'s cache at their positions.
-cudaError_t rope_store(Half type, const void* qkv, const void* cos, const void* sin, const int64_t* params,
-                       int64_t layer, int64_t n_layer, void* q, int64_t n, int64_t n_head, int64_t n_head_kv,
-                       int64_t head_dim, cudaStream_t stream);
+// Rows qkv [n, (n_head + 2 n_head_kv) * head_dim] at positions at.position + i: the rotate-half
+// RoPE (cos, sin [n_ctx, head_dim]) on queries and keys; queries to q [n, n_head, head_dim], keys
+// and values into the cache `at` names, at their positions.
+cudaError_t rope_store(Half type, const void* qkv, const void* cos, const void* sin, const CacheAt& at, void* q,
+                       int64_t n, int64_t n_head, int64_t n_head_kv, int64_t head_dim, cudaStream_t stream);
 
 // Keys k [n_head_kv, n, head_dim] computed at positions [0, n) (strides k_head and k_row, the last
 // dimension contiguous) moved to [position, position + n) of a cache [n_head_kv, capacity,
@@ -50,8 +61,8 @@ cudaError_t gemv(Half type, const void* w, const void* x, void* y, int64_t n, in
 // out [rows, n_ff] = silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:], each step rounded to Half.
 cudaError_t silu_mul(Half type, const void* gate_up, void* out, int64_t rows, int64_t n_ff, cudaStream_t stream);
 
-// Attention of n_rows rows q [n_rows, n_head, head_dim] at positions params[0] + r over layer
-// `layer`'s cache, causal (row r reads positions [0, params[0] + r]), grouped-query heads, scale
+// Attention of n_rows rows q [n_rows, n_head, head_dim] at positions cache.position + r over the
+// cache `cache` names, causal (row r reads positions [0, params[0] + r]), grouped-query heads, scale
 // 1/sqrt(head_dim); out [n_rows, n_head, head_dim]. With joined keys and values [n_head_kv,
 // n_joined, head_dim] (COMB's documents), rows at positions >= anchor also read them in the same
 // softmax, each of their scores plus joined_bias[h] (float32 [n_head], or null). Each row's keys
@@ -59,8 +70,7 @@ cudaError_t silu_mul(Half type, const void* gate_up, void* out, int64_t rows, in
 // head_dim + 2] of scratch) and merged by their log-sum-exp. head_dim 32, 64, 128 or 256.
 struct RowsAttention {
   const void* q = nullptr;
-  const int64_t* params = nullptr;
-  int64_t layer = 0, n_layer = 1;
+  CacheAt cache;
   const void* joined_keys = nullptr;
   const void* joined_values = nullptr;
   const float* joined_bias = nullptr;
@@ -70,5 +80,50 @@ struct RowsAttention {
   int64_t n_rows = 1, n_split = 1, n_head = 0, n_head_kv = 0, head_dim = 0;
 };
 cudaError_t rows_attention(Half type, const RowsAttention& args, cudaStream_t stream);
+
+// One document's K/V of one cross block placed in the joined tensors a joint-attention layer reads
+// (Plugin::joint_kv on a GPU): keys rotated by `angle` (a RoPE turn; negative turns back), values
+// copied, both rounded once to Half. Sources [n_head_kv, len, head_dim], contiguous: int8 codes
+// times their float16 scales (keys per channel [n_head_kv, 1, head_dim] or per row [n_head_kv,
+// len, 1], values per row), float32, or Half. Out [rows, n_head_kv, m, head_dim], contiguous: the
+// piece at row `row`, positions [offset, offset + len).
+enum class JoinSource : int32_t { int8 = 0, f32 = 1, half = 2 };
+struct JoinPiece {
+  const void* keys = nullptr;
+  const void* values = nullptr;
+  const void* key_scales = nullptr;    // int8 only (float16)
+  const void* value_scales = nullptr;  // int8 only (float16)
+  void* out_keys = nullptr;
+  void* out_values = nullptr;
+  int64_t len = 0, m = 0, row = 0, offset = 0, angle = 0;
+  JoinSource source = JoinSource::f32;
+  int32_t keys_per_channel = 0;
+};
+// `pieces` (n_pieces of them, at most 65535) in device memory; cos, sin: float32 RoPE tables
+// [n_ctx, head_dim] with |angle| < n_ctx; longest: the longest piece's len.
+cudaError_t join_documents(Half type, const JoinPiece* pieces, int64_t n_pieces, int64_t longest, int64_t n_head_kv,
+                           int64_t head_dim, const float* cos, const float* sin, cudaStream_t stream);
+
+// One document's K/V of one block in int8 as the CPU keeps them (document_kv.ipp): a float16
+// scale of amax / 127 (at least 2^-14; 1 where all are 0) per value row, and per key channel over
+// the tokens where 2 len >= head_dim (keys_per_channel), else per key row; codes x / scale rounded
+// half to even, clamped to [-127, 127]. The same IEEE operations in the same order, so the codes
+// and scales equal the CPU's bit for bit. Sources [n_head_kv, len, head_dim] contiguous, float32
+// (JoinSource::f32) or Half (JoinSource::half); codes the same shape; key scales [n_head_kv, 1,
+// head_dim] or [n_head_kv, len, 1], value scales [n_head_kv, len, 1].
+struct QuantPiece {
+  const void* keys = nullptr;
+  const void* values = nullptr;
+  int8_t* key_codes = nullptr;
+  int8_t* value_codes = nullptr;
+  void* key_scales = nullptr;    // float16
+  void* value_scales = nullptr;  // float16
+  int64_t len = 0;
+  JoinSource source = JoinSource::half;
+  int32_t keys_per_channel = 0;
+};
+// `pieces` (at most 65535) in device memory; longest: the longest piece's len.
+cudaError_t quantize_int8(Half type, const QuantPiece* pieces, int64_t n_pieces, int64_t longest, int64_t n_head_kv,
+                          int64_t head_dim, cudaStream_t stream);
 
 }  // namespace comb::detail::cuda

@@ -35,6 +35,16 @@ class DecodeStep {
                          const std::vector<at::Tensor>& values) = 0;
 };
 
+// One document's K/V of one cross block for CudaLayerOps::join_documents: keys and values
+// [n_head_kv, len, head_dim], contiguous, on the outputs' device: int8 with float16 scales (keys
+// [n_head_kv, 1, head_dim] per channel or [n_head_kv, len, 1] per row, values [n_head_kv, len, 1]),
+// float32, or the outputs' dtype. Placed in block `block`'s outputs at row `row`, positions
+// [offset, offset + len), its keys turned by the RoPE angle `angle` (negative: back).
+struct JoinPart {
+  int64_t block = 0, row = 0, offset = 0, angle = 0;
+  at::Tensor keys, values, key_scales, value_scales;
+};
+
 // The fused ops a CUDA layer of the generic forward runs (float16 or bfloat16, one sequence):
 // the same kernels as the step's, as functions of tensors.
 struct CudaLayerOps {
@@ -61,6 +71,19 @@ struct CudaLayerOps {
   at::Tensor (*rows_attention)(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                int64_t start, const at::Tensor& joined_keys, const at::Tensor& joined_values,
                                const at::Tensor& joined_bias, int64_t anchor) = nullptr;
+  // Every part (at most 65535) into out_keys[part.block], out_values[part.block] [rows, n_head_kv,
+  // m, head_dim] (float16 or bfloat16, contiguous; what no part covers is left as it is), in one
+  // launch: keys dequantized and rotated in float32 (cos, sin: float32 RoPE tables [n_ctx,
+  // head_dim]), values copied, each rounded once.
+  void (*join_documents)(const std::vector<JoinPart>& parts, const std::vector<at::Tensor>& out_keys,
+                         const std::vector<at::Tensor>& out_values, const at::Tensor& cos,
+                         const at::Tensor& sin) = nullptr;
+  // Each document's K/V of each block, kv[d][b] = {keys, values} [n_head_kv, len, head_dim]
+  // (float32 or one half type, contiguous, one CUDA device; a document's blocks of one length), in
+  // int8 as DocumentKV::to(device, kChar) keeps them, bit for bit: out[d][b] = {key codes, key
+  // scales, value codes, value scales} (float16 scales), one allocation per document, two launches.
+  void (*quantize_int8)(const std::vector<std::vector<std::array<at::Tensor, 2>>>& kv,
+                        std::vector<std::vector<std::array<at::Tensor, 4>>>& out) = nullptr;
 };
 
 // graph: capture the step as a CUDA graph on its first run and replay it after (else: launch the
@@ -71,6 +94,8 @@ using DecodeStepFactory = std::unique_ptr<DecodeStep> (*)(const DecodeStepSpec& 
 void set_decode_step_factory(DecodeStepFactory factory);
 DecodeStepFactory decode_step_factory();
 void set_cuda_layer_ops(const CudaLayerOps* ops);
+// The module's ops, or null: not loaded, or turned off with COMB_CUDA_KERNELS=0 (every caller then
+// takes its ATen path).
 const CudaLayerOps* cuda_layer_ops();
 
 }  // namespace comb::detail

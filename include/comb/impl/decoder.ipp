@@ -716,9 +716,8 @@ COMB_INLINE bool env_on(const char* name) {
 }  // namespace detail::decoder
 
 COMB_INLINE bool Decoder::cuda_kernels_apply(const KVCache& cache) const {
-  static const bool env = detail::decoder::env_on("COMB_CUDA_KERNELS");
-  const int64_t hd = config_.head_dim;
-  return cuda_kernels_ && env && device_.is_cuda() && (dtype_ == at::kBFloat16 || dtype_ == at::kHalf) &&
+  const int64_t hd = config_.head_dim;  // (COMB_CUDA_KERNELS=0: no ops, detail/decode_step.hpp)
+  return cuda_kernels_ && device_.is_cuda() && (dtype_ == at::kBFloat16 || dtype_ == at::kHalf) &&
          !weights_.quantized() && detail::cuda_layer_ops() != nullptr && !at::GradMode::is_enabled() &&
          cache.batch() == 1 && cache.n_layers() == config_.n_layer && cache.keys(0).scalar_type() == dtype_ &&
          cache.keys(0).is_contiguous() && cache.values(0).is_contiguous() &&

@@ -8,7 +8,9 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <array>
 
+#include "comb/detail/decode_step.hpp"
 #include "comb/documents.hpp"
 #include "comb/error.hpp"
 #include "comb/model.hpp"
@@ -75,6 +77,7 @@ COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Documents::get(
   Lookup l = look_up(documents, tenant, from_cache);
   if (l.missing.empty()) return l.entries;
   std::vector<DocumentKV> encoded = p.encode_many(model_.decoder(), l.missing, model_.encoder_prefix_states());
+  quantize_on_device(encoded);
   for (size_t j = 0; j < l.missing.size(); ++j) {
     auto kv = put(key(l.missing[j], tenant), std::move(encoded[j]));
     for (size_t i = 0; i < documents.size(); ++i)
@@ -88,6 +91,35 @@ COMB_INLINE c10::ScalarType Documents::kept_dtype() const {
   const Plugin* p = model_.plugin();
   if (!p || p->config().cache_dtype.empty()) return c10::ScalarType::Undefined;
   return parse_cache_dtype(p->config().cache_dtype);  // checked when it loaded
+}
+
+COMB_INLINE void Documents::quantize_on_device(std::vector<DocumentKV>& kvs) const {
+  const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
+  if (!ops || !ops->quantize_int8 || kvs.empty() || kept_dtype() != at::kChar) return;
+  std::vector<std::vector<std::array<at::Tensor, 2>>> in(kvs.size());
+  for (size_t d = 0; d < kvs.size(); ++d) {
+    const DocumentKV& kv = kvs[d];
+    if (kv.keys.empty() || kv.quantized() || kv.values.size() != kv.keys.size()) return;
+    for (size_t b = 0; b < kv.keys.size(); ++b) {
+      const at::Tensor &k = kv.keys[b], &v = kv.values[b];
+      const auto t = k.scalar_type();
+      if (!k.is_cuda() || k.dim() != 3 || v.sizes() != k.sizes() || v.scalar_type() != t ||
+          (t != at::kFloat && t != at::kBFloat16 && t != at::kHalf))
+        return;
+      in[d].push_back({k.contiguous(), v.contiguous()});
+    }
+  }
+  std::vector<std::vector<std::array<at::Tensor, 4>>> out;
+  ops->quantize_int8(in, out);
+  for (size_t d = 0; d < kvs.size(); ++d) {
+    DocumentKV q;
+    q.n_tokens = kvs[d].n_tokens;
+    for (const auto& [kc, ks, vc, vs] : out[d]) {
+      q.keys.push_back(kc), q.key_scales.push_back(ks);
+      q.values.push_back(vc), q.value_scales.push_back(vs);
+    }
+    kvs[d] = std::move(q);
+  }
 }
 
 COMB_INLINE DocumentKV Documents::cached_form(DocumentKV kv) const {

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "comb/detail/decode_step.hpp"
 #include "comb/error.hpp"
 #include "comb/pic.hpp"
 
@@ -39,9 +40,13 @@ COMB_INLINE std::string method_name(Method m) {
 
 
 
-COMB_INLINE StoreOptions PicOptions::store_options() const {
+COMB_INLINE StoreOptions PicOptions::store_options(c10::Device device) const {
   StoreOptions store;
   store.host_bytes = cache_bytes;
+  if (device.is_cuda()) {
+    store.device = device;
+    store.device_bytes = cache_bytes;
+  }
   store.dtype = cache_dtype;
   store.remote_url = cache_url;
   store.remote_ttl_s = cache_ttl_s;
@@ -184,7 +189,8 @@ COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions o
   COMB_CHECK(options_.prefix_block > 0, "prefix block must be > 0, found {}", options_.prefix_block);
   if (method == Method::comb) COMB_CHECK(model.plugin(), "--method comb needs a plug-in (--plugin FILE; the default model has a shipped one)");
   documents_ = shared_documents ? std::move(shared_documents)
-                                : std::make_shared<Documents>(model, std::make_shared<PICacheStore>(options_.store_options()));
+                                : std::make_shared<Documents>(model, std::make_shared<PICacheStore>(
+                                                                     options_.store_options(model.decoder().device())));
   COMB_CHECK(documents_->store(), "a PicEngine keeps its documents' caches in a store: give Documents one");
   prefix_ = shared_prefix ? std::move(shared_prefix)
                           : std::make_shared<PrefixCache>(options_.prefix_block, options_.cache_bytes);
@@ -254,22 +260,55 @@ COMB_INLINE bool PicEngine::continue_document(DocumentWork& w, int64_t max_token
 // rotated from positions [0, len) to where it stands. spans: where each document landed.
 COMB_INLINE void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, std::vector<DocSpan>& spans) {
   const Decoder& dec = model_.decoder();
+  // On a CUDA half decoder, every piece's K/V of every layer placed in one launch (each key turned
+  // to its position in float32, rounded once), read as the store holds them (int8 or half, on the
+  // device); elsewhere one Decoder::place per piece and layer.
+  const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
+  const bool joined = ops && ops->join_documents && dec.cuda_kernels_apply(out.cache);
+  std::vector<detail::JoinPart> parts;
+  std::vector<std::shared_ptr<const DocumentKV>> held;  // alive until the launch
   int64_t pos = 0;
   auto place = [&](const std::vector<int32_t>& tokens, bool is_document) {
     bool computed = false;
     auto kv = documents_->decoder_kv(tokens, out.tenant, &computed);
-    if (kv->quantized()) kv = std::make_shared<const DocumentKV>(kv->to(dec.device(), dec.dtype()));
     const int64_t n = static_cast<int64_t>(tokens.size());
     (computed ? out.computed : out.reused) += n;
-    for (int64_t l = 0; l < out.cache.n_layers(); ++l) {
-      dec.place(l, out.cache, pos, kv->keys[l].to(dec.device(), dec.dtype()).unsqueeze(0),
-                kv->values[l].to(dec.device(), dec.dtype()).unsqueeze(0));
+    if (joined) {
+      // As stored where the kernel reads it (int8, float32 or the decoder's dtype on its device);
+      // else one conversion (a host-tier entry: one copy).
+      const c10::ScalarType t = kv->keys[0].scalar_type();
+      const bool readable = kv->quantized() || t == at::kFloat || t == dec.dtype();
+      if (kv->keys[0].device() != dec.device() || !readable)
+        kv = std::make_shared<const DocumentKV>(kv->to(dec.device(), readable ? (kv->quantized() ? at::kChar : t) : dec.dtype()));
+      for (int64_t l = 0; l < out.cache.n_layers(); ++l) {
+        detail::JoinPart part;
+        part.block = l, part.offset = pos, part.angle = pos;
+        part.keys = kv->keys[l].contiguous(), part.values = kv->values[l].contiguous();
+        if (kv->quantized()) part.key_scales = kv->key_scales[l], part.value_scales = kv->value_scales[l];
+        parts.push_back(std::move(part));
+      }
+      held.push_back(kv);
+    } else {
+      if (kv->quantized()) kv = std::make_shared<const DocumentKV>(kv->to(dec.device(), dec.dtype()));
+      for (int64_t l = 0; l < out.cache.n_layers(); ++l) {
+        dec.place(l, out.cache, pos, kv->keys[l].to(dec.device(), dec.dtype()).unsqueeze(0),
+                  kv->values[l].to(dec.device(), dec.dtype()).unsqueeze(0));
+      }
     }
     if (is_document) spans.push_back({pos, n});
     pos += n;
   };
   if (!r.prefix.empty()) place(r.prefix, false);
   for (const auto& d : r.documents) place(d, true);
+  COMB_CHECK(pos <= out.cache.capacity(), "the reused pieces fill {} positions of a cache of {}", pos,
+             out.cache.capacity());
+  if (!parts.empty()) {
+    std::vector<at::Tensor> keys, values;
+    for (int64_t l = 0; l < out.cache.n_layers(); ++l) keys.push_back(out.cache.keys(l)), values.push_back(out.cache.values(l));
+    const int64_t turns = std::max<int64_t>(pos, 1);  // the angles used: [0, pos)
+    ops->join_documents(parts, keys, values, dec.rope_cos().narrow(0, 0, turns).to(at::kFloat).contiguous(),
+                        dec.rope_sin().narrow(0, 0, turns).to(at::kFloat).contiguous());
+  }
   out.cache.set_length(pos);
 }
 

@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "comb/detail/cpu_kernels.hpp"
+#include "comb/detail/decode_step.hpp"
 #include "comb/detail/json.hpp"
 #include "comb/error.hpp"
 #include "comb/ops.hpp"
@@ -1022,6 +1023,8 @@ COMB_INLINE std::vector<JointKV> Plugin::joint_kv(const PluginWeights& w, const 
   const auto& c = base_config_;
   if (auto direct = joint_kv_direct(w, keys_in, values_in, doc_counts, anchor, key_scales, value_scales))
     return std::move(*direct);
+  if (auto gpu = joint_kv_cuda(w, keys_in, values_in, doc_counts, anchor, key_scales, value_scales))
+    return std::move(*gpu);
   // int8 entries linked as they are: read as float32 here.
   std::vector<std::vector<at::Tensor>> keys = keys_in, values = values_in;
   dequantize_linked(keys, values, key_scales, value_scales);
@@ -1084,6 +1087,114 @@ COMB_INLINE std::vector<JointKV> Plugin::joint_kv(const PluginWeights& w, const 
   return out;
 }
 
+COMB_INLINE std::vector<Plugin::JoinPlace> Plugin::join_places(const std::vector<at::Tensor>& keys,
+                                                              const std::vector<int64_t>& doc_counts, int64_t anchor,
+                                                              std::vector<int64_t>& lens) const {
+  std::vector<JoinPlace> places;
+  lens.clear();
+  size_t d = 0;
+  for (size_t r = 0; r < doc_counts.size(); ++r) {
+    const int64_t count = doc_counts[r];
+    COMB_CHECK(count >= 0 && d + count <= keys.size(), "joint_kv: doc_counts name more documents than the {} linked",
+               keys.size());
+    int64_t total = 0;
+    for (int64_t i = 0; i < count; ++i) total += keys[d + i].size(1);
+    // consecutive: document i ends where the next begins, the last at the anchor.
+    int64_t before = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t len = keys[d + i].size(1);
+      const int64_t after = config_.consecutive_documents ? total - before - len : 0;
+      COMB_CHECK(after < rope_cos_.size(0), "joint_kv: {} document tokens linked, beyond the context of {}", after,
+                 rope_cos_.size(0));
+      places.push_back({d + i, static_cast<int64_t>(r), before, anchor - after});
+      before += len;
+    }
+    lens.push_back(total);
+    d += count;
+  }
+  COMB_CHECK(d == keys.size(), "joint_kv: doc_counts name {} documents, {} are linked", d, keys.size());
+  return places;
+}
+
+COMB_INLINE std::optional<std::vector<JointKV>> Plugin::joint_kv_cuda(
+    const PluginWeights& w, const std::vector<std::vector<at::Tensor>>& keys,
+    const std::vector<std::vector<at::Tensor>>& values, const std::vector<int64_t>& doc_counts, int64_t anchor,
+    const std::vector<std::vector<at::Tensor>>& key_scales,
+    const std::vector<std::vector<at::Tensor>>& value_scales) const {
+  const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
+  const c10::ScalarType out_type = rope_cos_.scalar_type();
+  if (!ops || !ops->join_documents || at::GradMode::is_enabled() || keys.empty() || keys[0].empty() ||
+      !keys[0][0].is_cuda() || !rope_cos_.is_cuda() || (out_type != at::kBFloat16 && out_type != at::kHalf))
+    return std::nullopt;
+  RECORD_FUNCTION("comb::joint_kv_cuda", std::vector<c10::IValue>());
+  const int64_t n_kv = base_config_.n_head_kv, hd = base_config_.head_dim;
+  const c10::Device device = rope_cos_.device();
+  const bool scaled = !key_scales.empty();
+  if (scaled && (key_scales.size() != keys.size() || value_scales.size() != keys.size())) return std::nullopt;
+  // What the kernel reads (else the general path, which says what is wrong or handles it).
+  auto on = [&](const at::Tensor& t, std::initializer_list<int64_t> sizes) {
+    return t.defined() && t.device() == device && t.is_contiguous() && t.sizes() == c10::IntArrayRef(sizes);
+  };
+  for (size_t k = 0; k < keys.size(); ++k) {
+    if (keys[k].size() != keys[0].size() || values[k].size() != keys[k].size()) return std::nullopt;
+    if (scaled && (key_scales[k].size() != keys[k].size() || value_scales[k].size() != keys[k].size()))
+      return std::nullopt;
+    for (size_t d = 0; d < keys[k].size(); ++d) {
+      const at::Tensor& kt = keys[k][d];
+      const int64_t len = kt.dim() == 3 ? kt.size(1) : -1;
+      if (!on(kt, {n_kv, len, hd}) || !on(values[k][d], {n_kv, len, hd}) ||
+          values[k][d].scalar_type() != kt.scalar_type() || len != keys[0][d].size(1))
+        return std::nullopt;
+      const bool int8 = scaled && key_scales[k][d].defined();
+      if (int8) {
+        const at::Tensor& ks = key_scales[k][d];
+        if (kt.scalar_type() != at::kChar || ks.scalar_type() != at::kHalf ||
+            value_scales[k][d].scalar_type() != at::kHalf || !(on(ks, {n_kv, len, 1}) || on(ks, {n_kv, 1, hd})) ||
+            !on(value_scales[k][d], {n_kv, len, 1}))
+          return std::nullopt;
+      } else if (kt.scalar_type() != at::kFloat && kt.scalar_type() != out_type) {
+        return std::nullopt;
+      }
+    }
+  }
+  std::vector<int64_t> lens;
+  const std::vector<JoinPlace> places = join_places(keys[0], doc_counts, anchor, lens);
+  const int64_t rows = static_cast<int64_t>(lens.size()), m = *std::max_element(lens.begin(), lens.end());
+  const bool padded = std::any_of(lens.begin(), lens.end(), [&](int64_t l) { return l != m; });
+  const at::TensorOptions opts = at::TensorOptions().dtype(out_type).device(device);
+  std::vector<JointKV> out(keys.size());
+  std::vector<at::Tensor> out_keys, out_values;
+  for (size_t k = 0; k < keys.size(); ++k) {
+    // Joined once in the decoder's dtype, the bias once as float32: what a CUDA layer reads as it is.
+    out[k].keys = padded ? at::zeros({rows, n_kv, m, hd}, opts) : at::empty({rows, n_kv, m, hd}, opts);
+    out[k].values = padded ? at::zeros({rows, n_kv, m, hd}, opts) : at::empty({rows, n_kv, m, hd}, opts);
+    if (padded)
+      out[k].valid = at::arange(m, opts.dtype(at::kLong)).unsqueeze(0) <
+                     at::tensor(lens, at::kLong).to(device).unsqueeze(1);
+    out[k].anchor = anchor;
+    const at::Tensor& bias = w.cross.at(k).doc_bias;
+    if (bias.defined()) out[k].bias = bias.to(device, at::kFloat).contiguous();
+    out_keys.push_back(out[k].keys);
+    out_values.push_back(out[k].values);
+  }
+  std::vector<detail::JoinPart> parts;
+  parts.reserve(keys.size() * places.size());
+  for (size_t k = 0; k < keys.size(); ++k)
+    for (const JoinPlace& p : places) {
+      detail::JoinPart part;
+      part.block = static_cast<int64_t>(k), part.row = p.row, part.offset = p.offset, part.angle = p.angle;
+      part.keys = keys[k][p.doc], part.values = values[k][p.doc];
+      if (scaled && key_scales[k][p.doc].defined())
+        part.key_scales = key_scales[k][p.doc], part.value_scales = value_scales[k][p.doc];
+      parts.push_back(std::move(part));
+    }
+  int64_t turns = 1;  // the angles used: [0, turns)
+  for (const JoinPlace& p : places) turns = std::max(turns, std::abs(p.angle) + 1);
+  ops->join_documents(parts, out_keys, out_values, rope_cos_.narrow(0, 0, turns).to(at::kFloat).contiguous(),
+                      rope_sin_.narrow(0, 0, turns).to(at::kFloat).contiguous());
+  return out;
+}
+
 COMB_INLINE std::optional<std::vector<JointKV>> Plugin::joint_kv_direct(const PluginWeights& w,
                                                           const std::vector<std::vector<at::Tensor>>& keys,
                                                           const std::vector<std::vector<at::Tensor>>& values,
@@ -1126,34 +1237,8 @@ COMB_INLINE std::optional<std::vector<JointKV>> Plugin::joint_kv_direct(const Pl
         return std::nullopt;  // the general path says what is wrong, or handles it
     }
   }
-  // Rows (requests), their documents' first index and the key offset and rotation of each.
-  struct Place {
-    size_t doc;
-    int64_t row, offset, angle;
-  };
-  std::vector<Place> places;
   std::vector<int64_t> lens;
-  size_t d = 0;
-  for (size_t r = 0; r < doc_counts.size(); ++r) {
-    const int64_t count = doc_counts[r];
-    COMB_CHECK(count >= 0 && d + count <= keys[0].size(), "joint_kv: doc_counts name more documents than the {} linked",
-               keys[0].size());
-    int64_t total = 0;
-    for (int64_t i = 0; i < count; ++i) total += keys[0][d + i].size(1);
-    // consecutive: document i ends where the next begins, the last at the anchor.
-    int64_t before = 0;
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t len = keys[0][d + i].size(1);
-      const int64_t after = config_.consecutive_documents ? total - before - len : 0;
-      COMB_CHECK(after < rope_cos_.size(0), "joint_kv: {} document tokens linked, beyond the context of {}", after,
-                 rope_cos_.size(0));
-      places.push_back({d + i, static_cast<int64_t>(r), before, anchor - after});
-      before += len;
-    }
-    lens.push_back(total);
-    d += count;
-  }
-  COMB_CHECK(d == keys[0].size(), "joint_kv: doc_counts name {} documents, {} are linked", d, keys[0].size());
+  const std::vector<JoinPlace> places = join_places(keys[0], doc_counts, anchor, lens);
   const int64_t rows = static_cast<int64_t>(lens.size()), m = *std::max_element(lens.begin(), lens.end());
   // The rotation tables of every angle used (a negative angle: cos(-a) = cos(a), sin(-a) = -sin(a)).
   const at::Tensor cos_table = rope_cos_.to(at::kFloat).contiguous(), sin_table = rope_sin_.to(at::kFloat).contiguous();
@@ -1180,7 +1265,7 @@ COMB_INLINE std::optional<std::vector<JointKV>> Plugin::joint_kv_direct(const Pl
   at::parallel_for(0, static_cast<int64_t>(keys.size() * places.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
       const size_t k = job / places.size(), i = job % places.size();
-      const Place& p = places[i];
+      const JoinPlace& p = places[i];
       const at::Tensor& ks = keys[k][p.doc];
       const at::Tensor& vs = values[k][p.doc];
       const int64_t len = ks.size(1), half = hd / 2;
