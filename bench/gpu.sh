@@ -8,6 +8,10 @@
 # without its CUDA kernels (COMB_CUDA_KERNELS=0: the generic ATen path) and by transformers, and
 # prints the table (bench/gpu_table.py): ratios to transformers and the share of the memory-bandwidth
 # limit (the weights' bytes over a device-to-device copy's rate, measured in the same run).
+# With COMB_GPU_PIC_DATA=FILE (items of the nq-multidoc-10 kind, e.g. the first 20 of
+# ../shared/data's nq-multidoc-10.dev), also the caching methods (full, naive, EPIC, CacheBlend, COMB)
+# on COMB_GPU_PIC_ITEMS items (default 10) of the shapes in COMB_GPU_PIC_SHAPES (default 1b), with a
+# fresh joint plug-in made there (only speed is measured), the fused kernels on and off.
 # Needs: the comb binary (COMB_BIN, default build/comb), python3 with torch and transformers.
 # COMB_GPU_SHAPES="1b" runs one shape.
 set -euo pipefail
@@ -39,4 +43,21 @@ done
     python3 "$here/hf_baseline.py" --model "$m" --device cuda --dtype bfloat16 --repeat "$repeat" \
       --prompt-tokens 128,512,2048 --decode-tokens 128 | sed "s/^/$s transformers /"
   done
+  if [[ -n ${COMB_GPU_PIC_DATA:-} ]]; then
+    for s in ${COMB_GPU_PIC_SHAPES:-1b}; do
+      m=$work/$s
+      layers=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["num_hidden_layers"])' "$m/config.json")
+      last=$((layers - 2))  # blocks before layers 0 .. L-2, as the shipped plug-in's layout
+      log "$s: a fresh joint plug-in ($((last + 1)) blocks)"
+      "$comb" plugin init --model "$m" --device cuda --dtype bfloat16 --out "$m.plugin.safetensors" --init joint \
+        --documents-after-prefix 1 --encoder-layers "$last" --cross-layers "$(seq -s, 0 "$last")" >&2
+      pic=(bench --model "$m" --plugin "$m.plugin.safetensors" --device cuda --dtype bfloat16 --json --repeat 3
+           --pic-data "$COMB_GPU_PIC_DATA" --pic-items "${COMB_GPU_PIC_ITEMS:-10}"
+           --pic-methods full,naive,epic,cacheblend,comb)
+      log "$s: caching methods"
+      "$comb" "${pic[@]}" | grep -v '"item"' | sed "s/^/$s comb /"
+      log "$s: caching methods, generic ATen path"
+      COMB_CUDA_KERNELS=0 "$comb" "${pic[@]}" | grep -v '"item"' | sed "s/^/$s generic /"
+    done
+  fi
 } | python3 "$here/gpu_table.py" --work "$work"

@@ -1,7 +1,8 @@
-"""Reads `SHAPE SIDE {json}` lines (bench/gpu.sh) and prints the GPU table: prefill and decode of
+"""Reads `SHAPE SIDE {json}` lines (bench/gpu.sh) and prints the GPU tables: prefill and decode of
 comb (with and without its CUDA graph) against transformers, and decode's share of the
 memory-bandwidth limit (the weights' bytes read once a token, at the rate of a device-to-device copy
-measured here)."""
+measured here); then, where the run has them, the caching methods' time to first token cold and
+warm against `full`'s, beside the goals."""
 import argparse
 import json
 import sys
@@ -31,11 +32,16 @@ def main():
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
     rows = {}
+    pic = {}  # (shape, side, method) -> the caching bench's medians
     for line in sys.stdin:
         shape, side, rest = line.split(" ", 2)
+        if not rest.startswith("{"):
+            continue
         r = json.loads(rest)
         if r.get("bench") in ("prefill", "decode"):
             rows[(shape, side, r["bench"], r["tokens"])] = r["tokens_per_s"]
+        elif r.get("bench") == "pic" and "method" in r:
+            pic[(shape, side, r["method"])] = r
     rate = copy_rate()
     print(f"device: {torch.cuda.get_device_name()}, copy rate {rate / 1e12:.2f} TB/s\n")
     print("| shape | figure | comb | comb, own GEMV | comb, generic ATen | transformers | comb / transformers "
@@ -62,6 +68,34 @@ def main():
                 t = lambda r: f"{tokens / r * 1e3:.1f}" if r else "-"
                 cols = [f"{ms:.1f}", "-", t(gen), t(hf), ratio(hf), ratio(gen), "-"]
             print(f"| {shape} | {fig} | " + " | ".join(cols) + " |")
+    if pic:
+        print_pic(pic)
+
+
+# The caching methods' goals (docs/benchmarks.md): warm TTFT of naive and COMB at most this share of
+# `full`'s, cold COMB at most full's and naive at most 1.2x.
+WARM_GOAL = {"1b": 0.5, "8b": 0.35}
+COLD_GOAL = {"comb": 1.0, "naive": 1.2}
+
+
+def print_pic(pic):
+    print("\n| shape | method | cold TTFT | warm TTFT | warm / full | goal | cold / full | goal "
+          "| cold, generic ATen | warm, generic ATen |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for (shape, side, method), r in pic.items():
+        if side != "comb":
+            continue
+        full = pic.get((shape, "comb", "full"))
+        gen = pic.get((shape, "generic", method))
+        warm = r["ttft_warm_ms_p50"] / full["ttft_warm_ms_p50"] if full else None
+        cold = r["ttft_cold_ms_p50"] / full["ttft_cold_ms_p50"] if full else None
+        wg = WARM_GOAL.get(shape) if method in ("naive", "comb") else None
+        cg = COLD_GOAL.get(method)
+        f = lambda x, d=2: f"{x:.{d}f}" if x is not None else "-"
+        cols = [f"{r['ttft_cold_ms_p50']:.1f} ms", f"{r['ttft_warm_ms_p50']:.1f} ms", f(warm),
+                f"<= {wg}" if wg else "", f(cold), f"<= {cg}" if cg else "",
+                f"{gen['ttft_cold_ms_p50']:.1f} ms" if gen else "-", f"{gen['ttft_warm_ms_p50']:.1f} ms" if gen else "-"]
+        print(f"| {shape} | {method} | " + " | ".join(cols) + " |")
 
 
 if __name__ == "__main__":

@@ -441,6 +441,20 @@ TEST_CASE("quantize_int8 on CUDA makes the CPU's int8 codes and scales, bit for 
           CHECK(at::equal(vs.cpu(), want[d].value_scales[b]));
           ++checked;
         }
+      // The tensor-op conversion on the device (DocumentKV::to) gives the same entries.
+      for (size_t d = 0; d < lens.size(); ++d) {
+        DocumentKV on_device;
+        on_device.n_tokens = lens[d];
+        for (int64_t b = 0; b < blocks; ++b) on_device.keys.push_back(in[d][b][0]), on_device.values.push_back(in[d][b][1]);
+        DocumentKV q = on_device.to(at::kCUDA, at::kChar);
+        for (int64_t b = 0; b < blocks; ++b) {
+          INFO(c10::toString(source) << " head_dim " << hd << ", " << lens[d] << " tokens, block " << b << " (tensor ops)");
+          CHECK(at::equal(q.keys[b].cpu(), want[d].keys[b]));
+          CHECK(at::equal(q.key_scales[b].cpu(), want[d].key_scales[b]));
+          CHECK(at::equal(q.values[b].cpu(), want[d].values[b]));
+          CHECK(at::equal(q.value_scales[b].cpu(), want[d].value_scales[b]));
+        }
+      }
     }
   CHECK(checked == 3 * 2 * 5 * 3);
 }
@@ -451,10 +465,18 @@ TEST_CASE("COMB on a CUDA half model: documents kept int8 on the device, joined 
   c10::InferenceMode guard;
   Options options{"cuda", "bfloat16"};
   Model model = Model::load(env_or("COMB_CUDA_MODEL", model_path()), options);
-  if (!model.plugin() || !model.plugin()->config().joint_attention ||
-      model.plugin()->config().cache_dtype != "int8") {
-    WARN("the model has no joint-attention plug-in kept int8 (the default model's): nothing to check");
-    return;
+  if (!model.plugin() || !model.plugin()->config().joint_attention) {
+    // A model without the shipped plug-in (a random one made on the GPU machine): a fresh one of
+    // the shipped layout (speed and placement do not depend on its training).
+    PluginInitOptions init;
+    init.reads = init.joint_attention = init.consecutive_documents = init.documents_after_prefix = true;
+    for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+    model.set_plugin(std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init)));
+  }
+  if (model.plugin()->config().cache_dtype != "int8") {
+    auto kept = std::make_shared<Plugin>(*model.plugin());
+    kept->set_cache_dtype("int8");
+    model.set_plugin(kept);
   }
   PicRequest r = qa_request(model,
                             {{"Alpha", "The alpha station was built in 1931 on the northern ridge."},
@@ -481,9 +503,11 @@ TEST_CASE("COMB on a CUDA half model: documents kept int8 on the device, joined 
     CHECK(at::equal(entry->value_scales[b].cpu(), again.value_scales[b]));
   }
   // The joined blocks a layer reads: the decoder's dtype, biases float32.
-  LinkedDocuments linked = engine.documents().link({entry}, 9);
+  const int64_t anchor = model.plugin()->config().documents_after_prefix ? 9 : 0;
+  LinkedDocuments linked = engine.documents().link({entry}, anchor);
   std::vector<JointKV> blocks = model.plugin()->joint_kv(model.plugin()->weights(), linked.keys, linked.values,
-                                                         linked.doc_counts, 9, linked.key_scales, linked.value_scales);
+                                                         linked.doc_counts, anchor, linked.key_scales,
+                                                         linked.value_scales);
   REQUIRE_FALSE(blocks.empty());
   CHECK(blocks[0].keys.scalar_type() == at::kBFloat16);
   CHECK((!blocks[0].bias.defined() || blocks[0].bias.scalar_type() == at::kFloat));

@@ -138,8 +138,9 @@ class Documents {
   // one, else the plug-in's cache dtype, else Undefined (as computed).
   c10::ScalarType kept_dtype() const;
   // New documents' K/V on a CUDA device turned to int8 in one pass where they are kept int8 (the
-  // same codes and scales as DocumentKV::to's, bit for bit; a few launches for the request instead
-  // of some thirty per document and block); otherwise left for cached_form, one at a time.
+  // CPU's codes and scales bit for bit, so every tier holds the same entry whichever device made
+  // it; two launches for the request instead of some thirty per document and block); otherwise
+  // left for cached_form, one at a time.
   void quantize_on_device(std::vector<DocumentKV>& kvs) const;
 
   const Model& model_;

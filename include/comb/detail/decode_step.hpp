@@ -80,7 +80,7 @@ struct CudaLayerOps {
                          const at::Tensor& sin) = nullptr;
   // Each document's K/V of each block, kv[d][b] = {keys, values} [n_head_kv, len, head_dim]
   // (float32 or one half type, contiguous, one CUDA device; a document's blocks of one length), in
-  // int8 as DocumentKV::to(device, kChar) keeps them, bit for bit: out[d][b] = {key codes, key
+  // int8 as the CPU quantizes them (document_kv.ipp's quantize_int8_cpu), bit for bit: out[d][b] = {key codes, key
   // scales, value codes, value scales} (float16 scales), one allocation per document, two launches.
   void (*quantize_int8)(const std::vector<std::vector<std::array<at::Tensor, 2>>>& kv,
                         std::vector<std::vector<std::array<at::Tensor, 4>>>& out) = nullptr;

@@ -148,9 +148,11 @@ COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype)
     if (dtype == at::kChar) {
       k = k.to(at::kFloat);
       v = v.to(at::kFloat);
-      // As quantize_int8_cpu: float16 scales of amax / 127 (at least 2^-14; 1 for all zeros).
+      // As quantize_int8_cpu: float16 scales of amax / 127 (at least 2^-14; 1 for all zeros). The
+      // divisor a tensor: ATen divides a CUDA tensor by a scalar as a product with its reciprocal,
+      // which can differ in the last place from the CPU's quotient.
       auto scales = [](const at::Tensor& amax) {
-        at::Tensor s = amax / 127.0;
+        at::Tensor s = amax / at::full({}, 127.0f, amax.options());
         return at::where(s > 0, s.clamp_min(6.103515625e-05), at::ones_like(s)).to(at::kHalf);
       };
       const bool per_channel = keys_per_channel(k.size(1), k.size(2));

@@ -266,7 +266,6 @@ COMB_INLINE void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, st
   const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
   const bool joined = ops && ops->join_documents && dec.cuda_kernels_apply(out.cache);
   std::vector<detail::JoinPart> parts;
-  std::vector<std::shared_ptr<const DocumentKV>> held;  // alive until the launch
   int64_t pos = 0;
   auto place = [&](const std::vector<int32_t>& tokens, bool is_document) {
     bool computed = false;
@@ -277,9 +276,11 @@ COMB_INLINE void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, st
       // As stored where the kernel reads it (int8, float32 or the decoder's dtype on its device);
       // else one conversion (a host-tier entry: one copy).
       const c10::ScalarType t = kv->keys[0].scalar_type();
-      const bool readable = kv->quantized() || t == at::kFloat || t == dec.dtype();
+      const bool int8 = kv->quantized() && kv->key_scales[0].scalar_type() == at::kHalf &&
+                        kv->value_scales[0].scalar_type() == at::kHalf;  // float32 scales: older entries
+      const bool readable = int8 || (!kv->quantized() && (t == at::kFloat || t == dec.dtype()));
       if (kv->keys[0].device() != dec.device() || !readable)
-        kv = std::make_shared<const DocumentKV>(kv->to(dec.device(), readable ? (kv->quantized() ? at::kChar : t) : dec.dtype()));
+        kv = std::make_shared<const DocumentKV>(kv->to(dec.device(), readable ? (int8 ? at::kChar : t) : dec.dtype()));
       for (int64_t l = 0; l < out.cache.n_layers(); ++l) {
         detail::JoinPart part;
         part.block = l, part.offset = pos, part.angle = pos;
@@ -287,7 +288,6 @@ COMB_INLINE void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, st
         if (kv->quantized()) part.key_scales = kv->key_scales[l], part.value_scales = kv->value_scales[l];
         parts.push_back(std::move(part));
       }
-      held.push_back(kv);
     } else {
       if (kv->quantized()) kv = std::make_shared<const DocumentKV>(kv->to(dec.device(), dec.dtype()));
       for (int64_t l = 0; l < out.cache.n_layers(); ++l) {
