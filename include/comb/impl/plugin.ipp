@@ -614,7 +614,7 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
   for (const auto& d : documents) check_document(d);
   std::optional<KVCache> own;
   if (!prefix_states) prefix_states = &own.emplace(encoder_prefix_states(base));
-  for (const auto& indices : encoding_batches(documents)) {
+  for (const auto& indices : encoding_batches(documents, base.device().is_cuda())) {
     std::vector<const std::vector<int32_t>*> batch;
     for (size_t i : indices) batch.push_back(&documents[i]);
     auto encoded = encode_padded(base, batch, *prefix_states);
@@ -623,7 +623,8 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
   return out;
 }
 
-COMB_INLINE std::vector<std::vector<size_t>> Plugin::encoding_batches(const std::vector<std::vector<int32_t>>& documents) {
+COMB_INLINE std::vector<std::vector<size_t>> Plugin::encoding_batches(const std::vector<std::vector<int32_t>>& documents,
+                                                                     bool gpu) {
   // Shortest first; a batch grows while its padded tokens stay within 5/4 of its real ones and
   // 4096 in all (the shortest documents pack densely, a long one goes alone).
   std::vector<size_t> order(documents.size());
@@ -642,7 +643,7 @@ COMB_INLINE std::vector<std::vector<size_t>> Plugin::encoding_batches(const std:
     while (end < order.size()) {
       const int64_t len = static_cast<int64_t>(documents[order[end]].size());  // the longest so far
       const int64_t padded = len * static_cast<int64_t>(end + 1 - at);
-      if (padded > 4096 || 4 * padded > 5 * (real + len)) break;
+      if (gpu ? padded > 16384 : (padded > 4096 || 4 * padded > 5 * (real + len))) break;
       real += len;
       ++end;
     }
