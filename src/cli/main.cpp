@@ -18,7 +18,7 @@ commands:
                 line, or with --markdown one table; --first N: items 0..N-1 only; --data FILE:
                 score the stored predictions again against that data file's answers
   train         train a plug-in for a model (decoder frozen)
-  make-data     write QA items: generated (--kind codeword, needle), or made from a public source file
+  make-data     write QA items: generated (--kind codeword, records, long-records, needle), or made from a public source file
                 (--kind nq-multidoc, --kind kv)
   bench         measure prefill and decode throughput
   serve         an OpenAI-compatible HTTP server (continuous batching, documents, every caching method)
@@ -186,6 +186,9 @@ make-data options (docs/data.md):
                       one person asked; --out, --items, --seed, --split and --answer-form as for
                       codeword ("Anna Keller was born in Lyon."); test items use names, cities,
                       jobs and instruments that train items never use
+  --kind long-records generated: --min-docs to --max-docs (12 to 24) files of essay paragraphs,
+                      --records (8) of them holding look-alike staff records, one or two the asked
+                      person's; --essays DIR and the rest as for records
   --kind needle       generated: "The special magic number for <key> is <7 digits>." planted
                       in one of several paragraphs of filler prose
     --essays DIR  --out FILE  --items N (100)  --seed N (0)  --min-docs N (2)  --max-docs N (6)

@@ -1,5 +1,6 @@
-// `comb make-data`: QA items in comb's data format (docs/data.md), generated (--kind codeword) or
-// made from the public source files of the evaluation sets (--kind nq-multidoc, --kind kv).
+// `comb make-data`: QA items in comb's data format (docs/data.md), generated (--kind codeword,
+// records, long-records, needle) or made from the public source files of the evaluation sets
+// (--kind nq-multidoc, --kind kv).
 #include "commands.hpp"
 
 namespace comb::cli {
@@ -94,16 +95,12 @@ int make_codeword(Args& args) {
   return 0;
 }
 
-// `comb make-data --kind records`: documents that compete. Each item has --docs (default 8) staff
-// records of the same shape ("Record: Anna Keller. Born in 1974 in Lyon. Works as a pharmacist.
-// Plays the cello."), people whose first or last names repeat across the item, and asks one
-// attribute of one person: the right record has to be told from its look-alikes by the whole name.
-// --split test draws first names, last names, cities, jobs and instruments from a quarter of each
-// list that --split train never uses, so no test person or answer was ever trained on.
-int make_records(Args& args) {
-  int64_t n_docs = 8;
-  const auto [out_path, n, seed, split, sentence] = generated_options(args, [&] { n_docs = args.num<int64_t>("docs", 8); });
-  COMB_CHECK(n_docs >= 2 && n_docs <= 16, "--docs must be 2 to 16 for records, found {}", n_docs);
+// The staff-record kinds' lists: first and last names, cities, jobs, instruments. Every fourth
+// entry of each belongs to the test split only, so no test person or answer was ever trained on.
+struct RecordLists {
+  std::vector<std::string> firsts, lasts, cities, jobs, instruments;
+};
+RecordLists record_lists(const std::string& split) {
   static const std::vector<std::string> firsts = {
       "Anna", "Ben", "Clara", "David", "Emma", "Felix", "Greta", "Hugo", "Ines", "Jonas", "Karin", "Lukas", "Maria",
       "Nils", "Olivia", "Peter", "Rita", "Simon", "Teresa", "Viktor", "Alma", "Bruno", "Carla", "Dario", "Elena",
@@ -129,76 +126,165 @@ int make_records(Args& args) {
       "harmonica", "lute", "sitar", "bagpipes", "cornet", "dulcimer", "euphonium", "fiddle", "glockenspiel",
       "harpsichord", "kazoo", "marimba", "ocarina", "piccolo", "recorder", "spinet", "tambourine", "vibraphone",
       "zither"};
-  // Every fourth entry of a list belongs to the test split only.
   auto part = [&](const std::vector<std::string>& all) {
     std::vector<std::string> out;
     for (size_t i = 0; i < all.size(); ++i)
       if ((i % 4 == 0) == (split == "test")) out.push_back(all[i]);
     return out;
   };
-  const auto F = part(firsts), L = part(lasts), C = part(cities), J = part(jobs), I = part(instruments);
-  COMB_CHECK(static_cast<int64_t>(F.size() * L.size()) >= 2 * n_docs && static_cast<int64_t>(C.size()) >= n_docs &&
-                 static_cast<int64_t>(J.size()) >= n_docs && static_cast<int64_t>(I.size()) >= n_docs,
-             "--docs {}: the {} split's lists are too short for that many distinct records", n_docs, split);
-  std::mt19937_64 rng(seed);
-  auto pick = [&](size_t count) { return static_cast<size_t>(rng() % count); };  // the same on every platform
-  // k distinct indices of [0, count)
-  auto distinct = [&](size_t count, size_t k) {
+  return {part(firsts), part(lasts), part(cities), part(jobs), part(instruments)};
+}
+
+// Whether `lists` hold k distinct records (names, cities, jobs, instruments).
+bool records_fit(const RecordLists& l, int64_t k) {
+  return static_cast<int64_t>(l.firsts.size() * l.lasts.size()) >= 2 * k &&
+         static_cast<int64_t>(l.cities.size()) >= k && static_cast<int64_t>(l.jobs.size()) >= k &&
+         static_cast<int64_t>(l.instruments.size()) >= k;
+}
+
+// k look-alike staff records ("Record: Anna Keller. Born in 1974 in Lyon. Works as a pharmacist.
+// Plays the cello."), people whose first or last names repeat, and one attribute of one of them
+// asked: the right record has to be told from its look-alikes by the whole name.
+struct Records {
+  std::vector<std::string> texts;
+  size_t gold = 0;
+  std::string question, said;  // said: the answer as a sentence
+  std::vector<std::string> answers;
+};
+Records look_alike_records(const RecordLists& l, size_t k, const std::function<size_t(size_t)>& pick) {
+  const auto &F = l.firsts, &L = l.lasts, &C = l.cities, &J = l.jobs, &I = l.instruments;
+  auto distinct = [&](size_t count, size_t n) {  // n distinct indices of [0, count)
     std::vector<size_t> out;
-    while (out.size() < k) {
+    while (out.size() < n) {
       size_t x = pick(count);
       if (std::find(out.begin(), out.end(), x) == out.end()) out.push_back(x);
     }
     return out;
   };
+  // Names from two or three first names and as many last names, so that each half of a name is
+  // shared with another record; the full names are distinct.
+  const auto fs = distinct(F.size(), 3), ls = distinct(L.size(), 3);
+  std::vector<std::pair<size_t, size_t>> people;
+  while (people.size() < k) {
+    std::pair<size_t, size_t> who{fs[pick(3)], ls[pick(3)]};
+    if (k > 9) who = {pick(F.size()), ls[pick(3)]};  // 3 x 3 names cover at most 9 records
+    if (std::find(people.begin(), people.end(), who) == people.end()) people.push_back(who);
+  }
+  const auto city = distinct(C.size(), k), job = distinct(J.size(), k), inst = distinct(I.size(), k);
+  std::vector<int> years;
+  while (years.size() < k) {
+    int y = 1950 + static_cast<int>(pick(50));
+    if (std::find(years.begin(), years.end(), y) == years.end()) years.push_back(y);
+  }
+  Records r;
+  auto name_of = [&](size_t d) { return F[people[d].first] + " " + L[people[d].second]; };
+  auto job_of = [&](size_t d) {  // "a pharmacist", "an architect"
+    return (std::string("aeiou").find(J[job[d]][0]) == std::string::npos ? "a " : "an ") + J[job[d]];
+  };
+  for (size_t d = 0; d < k; ++d)
+    r.texts.push_back(fmt::format("Record: {}. Born in {} in {}. Works as {}. Plays the {}.", name_of(d), years[d],
+                                  C[city[d]], job_of(d), I[inst[d]]));
+  const size_t gold = r.gold = pick(k);
+  const std::string name = name_of(gold);
+  switch (pick(4)) {
+    case 0: r.question = fmt::format("In which city was {} born?", name), r.answers = {C[city[gold]]};
+            r.said = fmt::format("{} was born in {}.", name, C[city[gold]]); break;
+    case 1: r.question = fmt::format("In which year was {} born?", name), r.answers = {std::to_string(years[gold])};
+            r.said = fmt::format("{} was born in {}.", name, years[gold]); break;
+    case 2: r.question = fmt::format("What does {} work as?", name), r.answers = {J[job[gold]]};
+            r.said = fmt::format("{} works as {}.", name, job_of(gold)); break;
+    default: r.question = fmt::format("Which instrument does {} play?", name), r.answers = {I[inst[gold]]};
+             r.said = fmt::format("{} plays the {}.", name, I[inst[gold]]);
+  }
+  return r;
+}
+
+// `comb make-data --kind records`: documents that compete. Each item has --docs (default 8) staff
+// records of the same shape (look_alike_records) and asks one attribute of one person. --split
+// test draws every name and value from the quarter of each list that --split train never uses.
+int make_records(Args& args) {
+  int64_t n_docs = 8;
+  const auto [out_path, n, seed, split, sentence] = generated_options(args, [&] { n_docs = args.num<int64_t>("docs", 8); });
+  COMB_CHECK(n_docs >= 2 && n_docs <= 16, "--docs must be 2 to 16 for records, found {}", n_docs);
+  const RecordLists lists = record_lists(split);
+  COMB_CHECK(records_fit(lists, n_docs), "--docs {}: the {} split's lists are too short for that many distinct records",
+             n_docs, split);
+  std::mt19937_64 rng(seed);
+  auto pick = [&](size_t count) { return static_cast<size_t>(rng() % count); };  // the same on every platform
   std::vector<QaItem> items;
   for (int64_t i = 0; i < n; ++i) {
-    const size_t k = static_cast<size_t>(n_docs);
-    // Names from two or three first names and as many last names, so that each half of a name is
-    // shared with another record; the full names are distinct.
-    const auto fs = distinct(F.size(), 3), ls = distinct(L.size(), 3);
-    std::vector<std::pair<size_t, size_t>> people;
-    while (people.size() < k) {
-      std::pair<size_t, size_t> who{fs[pick(3)], ls[pick(3)]};
-      if (k > 9) who = {pick(F.size()), ls[pick(3)]};  // 3 x 3 names cover at most 9 records
-      if (std::find(people.begin(), people.end(), who) == people.end()) people.push_back(who);
-    }
-    const auto city = distinct(C.size(), k), job = distinct(J.size(), k), inst = distinct(I.size(), k);
-    std::vector<int> years;
-    while (years.size() < k) {
-      int y = 1950 + static_cast<int>(pick(50));
-      if (std::find(years.begin(), years.end(), y) == years.end()) years.push_back(y);
-    }
+    Records r = look_alike_records(lists, static_cast<size_t>(n_docs), pick);
     QaItem item;
     item.id = fmt::format("records-{}-{}-{}", split, seed, i);
-    auto name_of = [&](size_t d) { return F[people[d].first] + " " + L[people[d].second]; };
-    auto job_of = [&](size_t d) {  // "a pharmacist", "an architect"
-      return (std::string("aeiou").find(J[job[d]][0]) == std::string::npos ? "a " : "an ") + J[job[d]];
-    };
-    for (size_t d = 0; d < k; ++d)
-      item.documents.push_back({"Staff record", fmt::format("Record: {}. Born in {} in {}. Works as {}. Plays the {}.",
-                                                            name_of(d), years[d], C[city[d]], job_of(d), I[inst[d]])});
-    const size_t gold = pick(k);
-    const std::string name = name_of(gold);
-    std::string said;  // the answer as a sentence (--answer-form sentence)
-    switch (pick(4)) {
-      case 0: item.question = fmt::format("In which city was {} born?", name), item.answers = {C[city[gold]]};
-              said = fmt::format("{} was born in {}.", name, C[city[gold]]); break;
-      case 1: item.question = fmt::format("In which year was {} born?", name),
-              item.answers = {std::to_string(years[gold])}; said = fmt::format("{} was born in {}.", name, years[gold]);
-              break;
-      case 2: item.question = fmt::format("What does {} work as?", name), item.answers = {J[job[gold]]};
-              said = fmt::format("{} works as {}.", name, job_of(gold)); break;
-      default: item.question = fmt::format("Which instrument does {} play?", name), item.answers = {I[inst[gold]]};
-               said = fmt::format("{} plays the {}.", name, I[inst[gold]]);
-    }
-    if (sentence) item.answers.insert(item.answers.begin(), said);
-    item.gold_index = static_cast<int64_t>(gold);
+    for (const auto& text : r.texts) item.documents.push_back({"Staff record", text});
+    item.question = r.question;
+    item.answers = r.answers;
+    if (sentence) item.answers.insert(item.answers.begin(), r.said);
+    item.gold_index = static_cast<int64_t>(r.gold);
     items.push_back(std::move(item));
   }
   write_qa_items(out_path, items);
   fmt::print(stderr, "[comb] wrote {} records items ({} split, {} documents each, seed {}) to {}\n", n, split, n_docs,
              seed, out_path);
+  return 0;
+}
+
+// `comb make-data --kind long-records --essays DIR`: many long documents compete. Each item has
+// --min-docs to --max-docs (default 12 to 24) staff files of one to three filler paragraphs (the
+// essays of DIR, the split's own) each; --records of them (default 8) also hold a look-alike staff
+// record, planted between paragraphs, and in half the items a second file repeats the asked
+// person's record, so one or two documents hold the answer among 2,000 to 8,000 tokens. --split
+// test draws names, values and filler that --split train never uses.
+int make_long_records(Args& args) {
+  std::string essays;
+  int64_t min_docs = 12, max_docs = 24, n_records = 8;
+  const auto [out_path, n, seed, split, sentence] = generated_options(args, [&] {
+    essays = args.str("essays");
+    min_docs = args.num<int64_t>("min-docs", min_docs);
+    max_docs = args.num<int64_t>("max-docs", max_docs);
+    n_records = args.num<int64_t>("records", n_records);
+  });
+  COMB_CHECK(!essays.empty(), "make-data --kind long-records needs --essays DIR (plain-text prose, *.txt)");
+  COMB_CHECK(min_docs >= 2 && max_docs >= min_docs && max_docs <= 64,
+             "--min-docs and --max-docs: need 2 <= min ({}) <= max ({}) <= 64", min_docs, max_docs);
+  const RecordLists lists = record_lists(split);
+  COMB_CHECK(n_records >= 2 && n_records < min_docs && records_fit(lists, n_records),
+             "--records {}: needs 2 to --min-docs - 1 ({}) records that the {} split's lists can tell apart (at most 10 "
+             "on test)", n_records, min_docs - 1, split);
+  const auto paragraphs = essay_paragraphs(essays, 80, split);
+  COMB_CHECK(!paragraphs.empty(), "make-data --kind long-records: no paragraphs in '{}' for the {} split", essays, split);
+  std::mt19937_64 rng(seed);
+  auto pick = [&](size_t count) { return static_cast<size_t>(rng() % count); };  // the same on every platform
+  std::vector<QaItem> items;
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t k = static_cast<size_t>(min_docs + static_cast<int64_t>(pick(max_docs - min_docs + 1)));
+    Records r = look_alike_records(lists, static_cast<size_t>(n_records), pick);
+    // What each file plants: record j (j < n_records), the asked record again, or nothing.
+    std::vector<int64_t> plant(k, -1);
+    for (size_t j = 0; j < r.texts.size(); ++j) plant[j] = static_cast<int64_t>(j);
+    if (pick(2) == 1) plant[r.texts.size()] = static_cast<int64_t>(r.gold);
+    for (size_t j = k - 1; j > 0; --j) std::swap(plant[j], plant[pick(j + 1)]);  // files in a drawn order
+    QaItem item;
+    item.id = fmt::format("long-records-{}-{}-{}", split, seed, i);
+    item.gold_index = -1;
+    for (size_t d = 0; d < k; ++d) {
+      const size_t n_par = 1 + pick(3), at = pick(n_par + 1);
+      std::string text;
+      for (size_t p = 0; p <= n_par; ++p) {
+        if (p == at && plant[d] >= 0) text += (text.empty() ? "" : "\n\n") + r.texts[plant[d]];
+        if (p < n_par) text += (text.empty() ? "" : "\n\n") + paragraphs[pick(paragraphs.size())];
+      }
+      if (plant[d] == static_cast<int64_t>(r.gold) && item.gold_index < 0) item.gold_index = static_cast<int64_t>(d);
+      item.documents.push_back({fmt::format("Staff file {}", d + 1), text});
+    }
+    item.question = r.question;
+    item.answers = r.answers;
+    if (sentence) item.answers.insert(item.answers.begin(), r.said);
+    items.push_back(std::move(item));
+  }
+  write_qa_items(out_path, items);
+  fmt::print(stderr, "[comb] wrote {} long-records items ({} split: {} paragraphs, {}-{} documents, {} records, seed {}) "
+             "to {}\n", n, split, paragraphs.size(), min_docs, max_docs, n_records, seed, out_path);
   return 0;
 }
 
@@ -268,8 +354,10 @@ int cmd_make_data(Args& args) {
   if (kind == "codeword") return make_codeword(args);
   if (kind == "needle") return make_needle(args);
   if (kind == "records") return make_records(args);
+  if (kind == "long-records") return make_long_records(args);
   if (kind == "nq-multidoc" || kind == "kv") return make_from_source(args, kind);
-  throw Error(fmt::format("make-data --kind expects codeword, records, needle, nq-multidoc or kv, found '{}'", kind));
+  throw Error(fmt::format("make-data --kind expects codeword, records, long-records, needle, nq-multidoc or kv, found '{}'",
+                          kind));
 }
 
 }  // namespace comb::cli
