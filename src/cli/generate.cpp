@@ -62,7 +62,7 @@ int cmd_generate(Args& args) {
     std::vector<std::shared_ptr<const comb::DocumentKV>> documents = docs.get(texts);
     double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     auto stats = store->stats();
-    const int64_t hits = stats.host.hits + stats.disk.hits + stats.remote.hits;
+    const int64_t hits = stats.device.hits + stats.host.hits + stats.disk.hits + stats.remote.hits;
     fmt::print(stderr, "[comb] {} documents, {} tokens: {} from the cache, {} encoded, in {:.1f} ms{}\n",
                documents.size(), n_tokens, hits, documents.size() - hits, ms,
                cache_url.empty() ? "" : fmt::format(" ({} from Redis)", stats.remote.hits));
