@@ -454,6 +454,21 @@ TEST_CASE("quantize_int8 on CUDA makes the CPU's int8 codes and scales, bit for 
           CHECK(at::equal(q.values[b].cpu(), want[d].values[b]));
           CHECK(at::equal(q.value_scales[b].cpu(), want[d].value_scales[b]));
         }
+        // And the int4 forms: the CPU's packed codes and scales, and linked as the same int8 codes.
+        DocumentKV cpu = on_device.to(at::kCPU, at::kFloat);
+        for (const c10::ScalarType form : {comb::kCacheInt4, comb::kCacheInt8Int4}) {
+          const DocumentKV want4 = cpu.to(at::kCPU, form), got4 = on_device.to(at::kCUDA, form);
+          REQUIRE(got4.dtype() == form);
+          for (int64_t b = 0; b < blocks; ++b) {
+            INFO(c10::toString(source) << " head_dim " << hd << ", " << lens[d] << " tokens, block " << b << ", "
+                                       << cache_dtype_name(form));
+            CHECK(at::equal(got4.keys[b].cpu(), want4.keys[b]));
+            CHECK(at::equal(got4.key_scales[b].cpu(), want4.key_scales[b]));
+            CHECK(at::equal(got4.values[b].cpu(), want4.values[b]));
+            CHECK(at::equal(got4.value_scales[b].cpu(), want4.value_scales[b]));
+            CHECK(at::equal(got4.int8_codes().values[b].cpu(), want4.int8_codes().values[b]));
+          }
+        }
       }
     }
   CHECK(checked == 3 * 2 * 5 * 3);

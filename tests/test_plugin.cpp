@@ -244,7 +244,10 @@ TEST_CASE("a plug-in's cache dtype: its documents kept so under a store of dtype
   plugin->set_cache_dtype("int8");
   CHECK(plugin->fingerprint() != before);  // caches kept otherwise are never mixed up
   CHECK(PluginConfig::from_json(plugin->config().to_json(), "test").cache_dtype == "int8");
-  CHECK_THROWS_WITH(plugin->set_cache_dtype("int4"), Catch::Contains("float32, bfloat16, float16 or int8, found 'int4'"));
+  plugin->set_cache_dtype("int4");
+  CHECK(PluginConfig::from_json(plugin->config().to_json(), "test").cache_dtype == "int4");
+  CHECK_THROWS_WITH(plugin->set_cache_dtype("int2"),
+                    Catch::Contains("float32, bfloat16, float16, int8, int8-int4 or int4, found 'int2'"));
   nlohmann::json bad = plugin->config().to_json();
   bad["cache_dtype"] = 8;
   CHECK_THROWS_WITH(PluginConfig::from_json(bad, "x.safetensors"), Catch::Contains("x.safetensors: plug-in config 'cache_dtype'"));
@@ -857,7 +860,7 @@ TEST_CASE("a cold request's documents and prompt in one pass: encoding first, th
           "a warm request reads what it stored",
           "[plugin][store]") {
   c10::InferenceMode guard;
-  for (const std::string dtype : {"", "int8"}) {
+  for (const std::string dtype : {"", "int8", "int8-int4", "int4"}) {
     INFO("plug-in cache dtype '" << dtype << "'");
     Model model = Model::load(oracle_dir() + "/tiny-llama");
     PluginInitOptions init;

@@ -434,6 +434,143 @@ TEST_CASE("int8 entries: keys scaled per channel (per row when short), values pe
   }
 }
 
+TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two a byte; kept through memory and "
+          "disk, sizes counted, read as int8 codes",
+          "[store]") {
+  // Every pair of codes packs into one byte and back, low nibble first.
+  at::Tensor all = at::arange(-7, 8, at::kChar);
+  at::Tensor pairs = at::stack({all.repeat_interleave(15), all.repeat({15})}, 1).reshape({1, 225, 2});
+  at::Tensor packed = pack_int4(pairs);
+  REQUIRE(packed.scalar_type() == at::kByte);
+  REQUIRE(packed.sizes() == at::IntArrayRef({1, 225, 1}));
+  CHECK(unpack_int4(packed).equal(pairs));
+  CHECK(packed[0][0][0].item<uint8_t>() == (1 | (1 << 4)));  // -7, -7 as q + 8
+  CHECK(packed[0][224][0].item<uint8_t>() == (15 | (15 << 4)));
+  CHECK_THROWS_WITH(pack_int4(at::zeros({2, 3}, at::kChar)), Catch::Contains("even last dimension"));
+  CHECK_THROWS_WITH(unpack_int4(at::zeros({2, 3}, at::kChar)), Catch::Contains("found Char"));
+
+  CHECK(parse_cache_dtype("int4") == kCacheInt4);
+  CHECK(parse_cache_dtype("int8-int4") == kCacheInt8Int4);
+  CHECK(cache_dtype_name(kCacheInt4) == "int4");
+  CHECK(cache_dtype_name(kCacheInt8Int4) == "int8-int4");
+  CHECK_THROWS_WITH(parse_cache_dtype("int2"), Catch::Contains("int8-int4 or int4"));
+
+  const DocumentKV kv = random_entry(40, 7), short_kv = random_entry(4, 8);
+  // The codes and scales of the tensor ops at `levels`: float16 scales of amax / levels (at least
+  // 2^-14), round half to even, clamp.
+  auto reference = [](const at::Tensor& x, int dim, double levels) {
+    at::Tensor s = x.abs().amax(dim, true) / levels;
+    s = at::where(s > 0, s.clamp_min(6.103515625e-05), at::ones_like(s)).to(at::kHalf);
+    return std::make_pair((x / s.to(at::kFloat)).round().clamp(-levels, levels).to(at::kChar), s);
+  };
+  for (const c10::ScalarType form : {kCacheInt4, kCacheInt8Int4}) {
+    const bool keys4 = form == kCacheInt4;
+    INFO(cache_dtype_name(form));
+    for (const DocumentKV* in : {&kv, &short_kv}) {
+      const int64_t n = in->n_tokens;
+      INFO(n << " tokens");
+      const DocumentKV q = in->to(at::kCPU, form);
+      REQUIRE(q.quantized());
+      CHECK(q.dtype() == form);
+      CHECK(q.keys[0].scalar_type() == (keys4 ? at::kByte : at::kChar));
+      CHECK(q.keys[0].sizes() == at::IntArrayRef({2, n, keys4 ? 8 : 16}));
+      CHECK(q.values[0].scalar_type() == at::kByte);
+      CHECK(q.values[0].sizes() == at::IntArrayRef({2, n, 8}));
+      const DocumentKV codes = q.int8_codes();
+      CHECK(codes.dtype() == at::kChar);
+      const DocumentKV back = q.to(at::kCPU, at::kFloat);
+      for (size_t b = 0; b < 3; ++b) {
+        auto [kq, ks] = reference(in->keys[b], DocumentKV::keys_per_channel(n, 16) ? 1 : 2, keys4 ? 7.0 : 127.0);
+        auto [vq, vs] = reference(in->values[b], 2, 7.0);
+        CHECK(codes.keys[b].equal(kq));
+        CHECK(codes.values[b].equal(vq));
+        CHECK(q.key_scales[b].equal(ks));
+        CHECK(q.value_scales[b].equal(vs));
+        // Read back within half a step (a scale rounded to float16 under amax / 7 leaves the
+        // clamped end at most 7 * 2^-11 steps out, well inside).
+        CHECK(((back.keys[b] - in->keys[b]).abs() <= ks.to(at::kFloat) * 0.5001).all().item<bool>());
+        CHECK(((back.values[b] - in->values[b]).abs() <= vs.to(at::kFloat) * 0.5001).all().item<bool>());
+        // As int8 codes they read as the same numbers, bit for bit.
+        CHECK(back.keys[b].equal(q.to(at::kCPU, at::kChar).to(at::kCPU, at::kFloat).keys[b]));
+      }
+      // Bytes: half a byte a code (a byte for int8 keys), the int8 layout's float16 scales.
+      const int64_t key_scales = DocumentKV::keys_per_channel(n, 16) ? 16 : n;
+      const int64_t expected = 3 * ((keys4 ? 2 * n * 8 : 2 * n * 16) + 2 * n * 8 + 2 * 2 * (key_scales + n));
+      CHECK(q.bytes() == expected);
+      CHECK(DocumentKV::storage_bytes(form, 3, 2, 16, n) == expected);
+      // The same form again: the same bytes, moved.
+      CHECK(q.to(at::kCPU, form).values[2].equal(q.values[2]));
+    }
+    // Linked as stored for a joint-attention plug-in: the int8 codes and their scales; otherwise
+    // read as float32 as DocumentKV::to reads them.
+    auto entry4 = std::make_shared<const DocumentKV>(kv.to(at::kCPU, form));
+    LinkedDocuments kept = Linker(c10::kCPU, true).link({entry4});
+    REQUIRE(kept.keys[1][0].scalar_type() == at::kChar);
+    CHECK(kept.keys[1][0].equal(entry4->int8_codes().keys[1]));
+    CHECK(kept.values[2][0].equal(entry4->int8_codes().values[2]));
+    CHECK(kept.key_scales[1][0].equal(entry4->key_scales[1]));
+    LinkedDocuments read = Linker(c10::kCPU).link({entry4});
+    CHECK(read.values[0][0].equal(entry4->to(at::kCPU, at::kFloat).values[0]));
+    dequantize_linked(kept.keys, kept.values, kept.key_scales, kept.value_scales);
+    CHECK(kept.keys[2][0].equal(read.keys[2][0]));
+
+    SECTION("a store of " + cache_dtype_name(form) + " keeps it in memory and on disk; another store converts") {
+      StoreOptions options;
+      options.dtype = form;
+      options.disk_bytes = 1 << 20;
+      options.disk_dir = temp_dir("int4");
+      const DocumentKV q = kv.to(at::kCPU, form), short_q = short_kv.to(at::kCPU, form);
+      {
+        PICacheStore writer(options);
+        auto stored = writer.put(key_of(1), kv);
+        REQUIRE(stored->dtype() == form);
+        CHECK(stored->keys[0].equal(q.keys[0]));
+        CHECK(writer.stats().host.bytes == q.bytes());
+        writer.put(key_of(2), short_kv);
+        CHECK(int64_t(fs::file_size(options.disk_dir + "/" + key_of(1).hex() + ".kv")) == 72 + q.bytes());
+        CHECK(int64_t(fs::file_size(options.disk_dir + "/" + key_of(2).hex() + ".kv")) == 72 + short_q.bytes());
+      }
+      options.host_bytes = 0;  // from disk, as stored
+      {
+        PICacheStore reader(options);
+        for (const auto& [key, want] : {std::make_pair(key_of(1), &q), std::make_pair(key_of(2), &short_q)}) {
+          auto hit = reader.get(key);
+          REQUIRE(hit);
+          REQUIRE(hit->dtype() == form);
+          for (size_t b = 0; b < 3; ++b) {
+            CHECK(hit->keys[b].equal(want->keys[b]));
+            CHECK(hit->values[b].equal(want->values[b]));
+            CHECK(hit->key_scales[b].equal(want->key_scales[b]));
+            CHECK(hit->value_scales[b].equal(want->value_scales[b]));
+          }
+        }
+      }
+      // A truncated file is a corrupt entry, dropped, not read past its end.
+      const std::string path = options.disk_dir + "/" + key_of(1).hex() + ".kv";
+      std::string bytes = read_bytes(path);
+      {
+        std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), bytes.size() - 3);
+        PICacheStore reader(options);
+        CHECK_FALSE(reader.get(key_of(1)));
+      }
+      options.dtype = at::kChar;  // an int8 store reads the int4 file as int8: the same codes
+      options.host_bytes = 1 << 20;
+      PICacheStore reader(options);
+      auto hit = reader.get(key_of(2));
+      REQUIRE(hit);
+      CHECK(hit->dtype() == at::kChar);
+      CHECK(hit->keys[1].equal(short_q.int8_codes().keys[1]));
+      CHECK(hit->values[1].equal(short_q.int8_codes().values[1]));
+    }
+  }
+  // An odd head_dim has no int4 form.
+  DocumentKV odd;
+  odd.n_tokens = 3;
+  odd.keys = {at::randn({1, 3, 5})};
+  odd.values = {at::randn({1, 3, 5})};
+  CHECK_THROWS_WITH(odd.to(at::kCPU, kCacheInt4), Catch::Contains("even head_dim"));
+}
+
 TEST_CASE("a cache directory that cannot be written is a clear error; the store stays usable", "[store][errors]") {
   std::string dir = temp_dir("nowrite");
   write_bytes(dir + "/file", "x");
@@ -456,7 +593,7 @@ TEST_CASE("a cache directory that cannot be written is a clear error; the store 
   CHECK(store.stats().write_errors == 1);
   CHECK(holds(store.get(key_of(1)), 1));
   options.dtype = at::kDouble;
-  CHECK_THROWS_WITH(PICacheStore(options), Catch::Contains("float32, bfloat16, float16 or int8"));
+  CHECK_THROWS_WITH(PICacheStore(options), Catch::Contains("float32, bfloat16, float16, int8, int8-int4 or int4"));
 }
 
 TEST_CASE("concurrent get and put from several threads", "[store][threads]") {

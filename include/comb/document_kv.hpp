@@ -15,28 +15,52 @@
 
 namespace comb {
 
-// Stored as float32, bfloat16, float16 or int8. int8 (symmetric, round to nearest) keeps float16
-// scales: one per value row ([n_head_kv, n_tokens, 1]) and, for keys, one per channel over the
-// document's tokens ([n_head_kv, 1, head_dim]: keys have outlier channels) or, for documents of
+// The cache forms beyond ATen's dtypes, named by scalar types ATen never uses for K/V: int4 keys
+// and values (kCacheInt4), int8 keys with int4 values (kCacheInt8Int4). `comb::parse_cache_dtype`
+// spells them "int4" and "int8-int4".
+inline constexpr c10::ScalarType kCacheInt4 = c10::ScalarType::QUInt4x2;
+inline constexpr c10::ScalarType kCacheInt8Int4 = c10::ScalarType::QUInt2x4;
+
+// Stored as float32, bfloat16, float16, int8 or int4. int8 (symmetric, round to nearest) keeps
+// float16 scales: one per value row ([n_head_kv, n_tokens, 1]) and, for keys, one per channel over
+// the document's tokens ([n_head_kv, 1, head_dim]: keys have outlier channels) or, for documents of
 // fewer than head_dim / 2 tokens, one per row (where per-channel scales would cost more than the
 // codes' savings); the element is q * scale. Entries written with float32 scales per key channel
-// (disk dtype 3) are still read as they are.
+// (disk dtype 3) are still read as they are. int4 is the same with codes in [-7, 7] (scale amax /
+// 7), two to a byte: a uint8 tensor [n_head_kv, n_tokens, head_dim / 2] whose byte j holds channel
+// 2j in its low nibble and 2j + 1 in its high one, each as q + 8; unpacked (int4_codes) it is an
+// int8 entry's codes and scales, which every reader takes.
 struct DocumentKV {
   std::vector<at::Tensor> keys;    // per block: [n_head_kv, n_tokens, head_dim]
   std::vector<at::Tensor> values;  // per block: [n_head_kv, n_tokens, head_dim]
   std::vector<at::Tensor> key_scales, value_scales;  // per block, int8 only (else empty)
   int64_t n_tokens = 0;
   bool quantized() const { return !key_scales.empty(); }
-  c10::ScalarType dtype() const;   // the storage dtype (kChar for int8)
+  // The keys' head_dim (int4 keys keep two channels a byte).
+  int64_t head_dim() const;
+  // The storage form: a dtype (kChar for int8), kCacheInt4 or kCacheInt8Int4.
+  c10::ScalarType dtype() const;
   int64_t bytes() const;           // scales included
   // A copy on `device` in `dtype` (kChar: quantized to int8; from int8: dequantized).
   DocumentKV to(c10::Device device, c10::ScalarType dtype) const;
-  // Whether int8 keys of a document of `n_tokens` are scaled per channel (else per row).
+  // int4 parts as int8 codes with the same scales, on the same device (itself when none is int4).
+  DocumentKV int8_codes() const;
+  // Whether a stored dtype or form keeps int4 codes (kCacheInt4, kCacheInt8Int4), or codes at all.
+  static bool packs_int4(c10::ScalarType form) { return form == kCacheInt4 || form == kCacheInt8Int4; }
+  static bool is_quantized_form(c10::ScalarType form) { return form == at::kChar || packs_int4(form); }
+  // Whether int8 or int4 keys of a document of `n_tokens` are scaled per channel (else per row).
   static bool keys_per_channel(int64_t n_tokens, int64_t head_dim);
-  // Bytes a document of `n_tokens` takes in `dtype` with `n_blocks` blocks of [n_head_kv, head_dim].
+  // Bytes a document of `n_tokens` takes in `dtype` (or form) with `n_blocks` blocks of [n_head_kv,
+  // head_dim].
   static int64_t storage_bytes(c10::ScalarType dtype, int64_t n_blocks, int64_t n_head_kv, int64_t head_dim,
                                int64_t n_tokens);
 };
+
+// int4 codes (uint8, two to a byte, [..., head_dim / 2]) as int8 codes [..., head_dim], and back
+// (the codes must lie in [-7, 7], as quantizing makes them; others are not checked, for a GPU's
+// sake, and do not round-trip). Element-wise tensor ops: any device.
+at::Tensor unpack_int4(const at::Tensor& packed);
+at::Tensor pack_int4(const at::Tensor& codes);
 
 // Documents linked int8 as stored (Linker with keep_int8): keys and values [block][document], the
 // scales beside them (undefined for a document of another dtype; empty: none). Each int8 one is
@@ -74,7 +98,8 @@ struct LinkedDocuments {
 class Linker {
  public:
   // keep_int8: int8 entries on `device` linked as stored, with their scales (a joint-attention
-  // plug-in reads them so, dequantizing while it places them); otherwise read as float32.
+  // plug-in reads them so, dequantizing while it places them), int4 ones as their int8 codes;
+  // otherwise read as float32.
   explicit Linker(c10::Device device, bool keep_int8 = false) : device_(device), keep_int8_(keep_int8) {}
   // One request's documents, in the order given.
   LinkedDocuments link(const std::vector<std::shared_ptr<const DocumentKV>>& documents) const;

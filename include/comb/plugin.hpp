@@ -56,7 +56,8 @@ struct PluginConfig {
   // place when linked (Plugin::joint_kv), so the order linked now matters as it does in a prompt.
   bool consecutive_documents = false;
   // How its document caches are kept when the store's dtype is "auto" (StoreOptions::dtype
-  // Undefined, the default): "" (float32 as computed), "bfloat16", "float16" or "int8". The dtype
+  // Undefined, the default): "" (float32 as computed), "bfloat16", "float16", "int8", "int8-int4"
+  // or "int4". The dtype
   // the plug-in was measured with; a store given a dtype keeps that one instead.
   std::string cache_dtype;
 
@@ -140,7 +141,8 @@ class Plugin {
   const PluginConfig& config() const { return config_; }
   const PluginWeights& weights() const { return weights_; }
   PluginWeights& mutable_weights() { return weights_; }
-  // Sets PluginConfig::cache_dtype ("" or "float32", "bfloat16", "float16", "int8"); the
+  // Sets PluginConfig::cache_dtype ("" or "float32", "bfloat16", "float16", "int8", "int8-int4",
+  // "int4"); the
   // fingerprint follows, so caches kept in another dtype are not mixed up with its own.
   void set_cache_dtype(const std::string& dtype);
   // Identifies these weights (XXH3-128, hex): caches made by another plug-in never match.

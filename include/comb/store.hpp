@@ -26,8 +26,10 @@ struct StoreOptions {
   int64_t host_bytes = int64_t(1) << 30;  // host-memory tier budget (0: no host tier)
   int64_t disk_bytes = 0;              // disk tier budget (0: no disk tier)
   std::string disk_dir;                // the disk tier's directory; entries survive restarts
-  // Storage dtype of K/V: float32, bfloat16, float16 or int8 (kChar: float16 scales, keys per
-  // channel or, on documents under head_dim / 2 tokens, per row; values per row); Undefined ("auto", the default): each entry in the dtype it is put in.
+  // Storage dtype of K/V: float32, bfloat16, float16, int8 (kChar: float16 scales, keys per
+  // channel or, on documents under head_dim / 2 tokens, per row; values per row), int8 keys with
+  // int4 values (kCacheInt8Int4) or int4 (kCacheInt4), scaled as int8 (DocumentKV); Undefined
+  // ("auto", the default): each entry in the dtype it is put in.
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   c10::Device device = c10::kCPU;      // the device tier's device
   // The remote tier, shared by replicas: a Redis server, "redis://[:PASSWORD@]HOST[:PORT][/DB]"
@@ -89,7 +91,8 @@ class PICacheStore {
   std::unique_ptr<Impl> impl_;
 };
 
-// A cache storage dtype: parse_dtype()'s names and "int8"; throws comb::Error on anything else.
+// A cache storage dtype: parse_dtype()'s names, "int8", "int8-int4" (kCacheInt8Int4) and "int4"
+// (kCacheInt4); throws comb::Error on anything else.
 c10::ScalarType parse_cache_dtype(const std::string& name);
 std::string cache_dtype_name(c10::ScalarType dtype);
 

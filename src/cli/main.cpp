@@ -69,7 +69,8 @@ generate options:
                       K/V as computed, a plug-in's documents in the dtype it declares, int8 for the
                       shipped one), float32, bfloat16, float16, int8 (float16 scales: keys per
                       channel, per row on documents under head_dim/2 tokens; values per
-                      row); also for qa, eval and serve
+                      row), int8-int4 (int8 keys, int4 values), int4 (both, scaled as int8;
+                      codes in [-7, 7]); also for qa, eval and serve
 
 plugin memory options:
   --plugin FILE       the plug-in to measure (default: the shipped one for the default model)
@@ -81,7 +82,7 @@ plugin convert options:
   --out FILE          where to write it
   --save-dtype T      its weights: bfloat16 (default), float32, float16
   --cache-dtype T     the dtype its document caches are kept in under --cache-dtype auto:
-                      float32, bfloat16, float16, int8 (default: as it was)
+                      float32, bfloat16, float16, int8, int8-int4, int4 (default: as it was)
 
 plugin init options:
   --out FILE          where to write the plug-in (safetensors)

@@ -36,12 +36,12 @@ int cmd_plugin_memory(Args& args) {
              : p.documents_after_prefix ? (p.consecutive_documents ? ", joint, documents in a row after the prefix"
                                                                    : ", joint, documents after the prefix")
                                         : (p.consecutive_documents ? ", joint, documents in a row" : ", joint"));
-  fmt::print("bytes per cached token of a {}-token document (int8: scales included), against the decoder's "
+  fmt::print("bytes per cached token of a {}-token document (int8, int4: scales included), against the decoder's "
              "float32 K/V ({:.0f} bytes/token); kept by default (--cache-dtype auto) in {}\n\n",
              n_doc, decoder_fp32, p.cache_dtype.empty() ? "float32" : p.cache_dtype);
   fmt::print("| cache dtype | decoder KV bytes/token | COMB bytes/token | vs decoder KV, same dtype | "
              "vs decoder KV, float32 |\n|---|---:|---:|---:|---:|\n");
-  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kChar}) {
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kChar, comb::kCacheInt8Int4, comb::kCacheInt4}) {
     comb::DocumentKV stored = kv.to(c10::kCPU, dtype);
     double comb_bytes = double(stored.bytes()) / n_doc;
     double decoder_bytes =

@@ -125,7 +125,7 @@ COMB_INLINE void Documents::quantize_on_device(std::vector<DocumentKV>& kvs) con
 COMB_INLINE DocumentKV Documents::cached_form(DocumentKV kv) const {
   if (store_ && store_->options().dtype != c10::ScalarType::Undefined) return kv;  // the store converts
   const c10::ScalarType want = kept_dtype();
-  if (want == c10::ScalarType::Undefined || kv.keys.empty() || kv.keys[0].scalar_type() == want) return kv;
+  if (want == c10::ScalarType::Undefined || kv.keys.empty() || kv.dtype() == want) return kv;
   return kv.to(kv.keys[0].device(), want);
 }
 
@@ -323,7 +323,9 @@ COMB_INLINE at::Tensor Documents::get_with_prompt(const std::vector<std::vector<
     std::vector<std::vector<at::Tensor>> ks(1), vs(1), kss(1), vss(1);
     for (size_t i = 0; i < documents.size(); ++i) {
       const DocumentKV& d = source[i] < 0 ? *entries[i] : fresh[source[i]];
-      at::Tensor key = d.keys[k], value = d.values[k], key_scale, value_scale;
+      // int4 codes are read as int8 ones (the same scales).
+      auto codes = [](const at::Tensor& t) { return t.scalar_type() == at::kByte ? unpack_int4(t) : t; };
+      at::Tensor key = codes(d.keys[k]), value = codes(d.values[k]), key_scale, value_scale;
       if (d.quantized() && key.device() == decoder.device()) {
         key_scale = d.key_scales[k];
         value_scale = d.value_scales[k];

@@ -273,8 +273,9 @@ COMB_INLINE void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, st
     const int64_t n = static_cast<int64_t>(tokens.size());
     (computed ? out.computed : out.reused) += n;
     if (joined) {
-      // As stored where the kernel reads it (int8, float32 or the decoder's dtype on its device);
-      // else one conversion (a host-tier entry: one copy).
+      // As stored where the kernel reads it (int8, float32 or the decoder's dtype on its device; int4
+      // as its int8 codes); else one conversion (a host-tier entry: one copy).
+      if (DocumentKV::packs_int4(kv->dtype())) kv = std::make_shared<const DocumentKV>(kv->int8_codes());
       const c10::ScalarType t = kv->keys[0].scalar_type();
       const bool int8 = kv->quantized() && kv->key_scales[0].scalar_type() == at::kHalf &&
                         kv->value_scales[0].scalar_type() == at::kHalf;  // float32 scales: older entries

@@ -155,9 +155,10 @@ COMB_INLINE JointSegments DocumentReads::segments(int64_t layer) const {
 
 namespace detail::plugin {  // this file's own helpers
 // What PluginConfig::cache_dtype may be set from: "float32" (kept as "", the dtype as computed),
-// "bfloat16", "float16", "int8".
+// "bfloat16", "float16", "int8", "int8-int4", "int4".
 COMB_INLINE bool is_cache_dtype_name(const std::string& name) {
-  return name == "float32" || name == "bfloat16" || name == "float16" || name == "int8";
+  return name == "float32" || name == "bfloat16" || name == "float16" || name == "int8" || name == "int8-int4" ||
+         name == "int4";
 }
 }  // namespace detail::plugin
 
@@ -203,7 +204,7 @@ COMB_INLINE PluginConfig PluginConfig::from_json(const nlohmann::json& j, const 
   if (j.contains("cache_dtype")) {
     const auto& v = j["cache_dtype"];
     COMB_CHECK(v.is_string() && detail::plugin::is_cache_dtype_name(v.get<std::string>()),
-               "{}: plug-in config 'cache_dtype' should be float32, bfloat16, float16 or int8, found {}", where,
+               "{}: plug-in config 'cache_dtype' should be float32, bfloat16, float16, int8, int8-int4 or int4, found {}", where,
                v.dump());
     c.cache_dtype = v == "float32" ? "" : v.get<std::string>();
   }
@@ -276,7 +277,7 @@ COMB_INLINE Plugin::Plugin(PluginConfig config, PluginWeights weights, const Dec
 
 COMB_INLINE void Plugin::set_cache_dtype(const std::string& dtype) {
   COMB_CHECK(dtype.empty() || detail::plugin::is_cache_dtype_name(dtype),
-             "a plug-in's cache dtype is float32, bfloat16, float16 or int8, found '{}'", dtype);
+             "a plug-in's cache dtype is float32, bfloat16, float16, int8, int8-int4 or int4, found '{}'", dtype);
   config_.cache_dtype = dtype == "float32" ? "" : dtype;
   refresh_fingerprint();
 }

@@ -62,7 +62,8 @@ struct DiskHeader {
   uint32_t version;  // 1
   uint32_t dtype;    // 0 float32, 1 bfloat16, 2 float16; int8: 3 (float32 scales, keys per channel,
                      // values per row; written before), 4 (float16 scales, keys per channel), 5
-                     // (float16 scales, keys per row)
+                     // (float16 scales, keys per row); int4 values (float16 scales): 6 and 7 (int8
+                     // keys per channel, per row), 8 and 9 (int4 keys per channel, per row)
   uint32_t n_blocks, n_head_kv, head_dim, reserved;
   uint64_t n_tokens, payload_bytes, checksum;  // checksum: XXH3-64 of the payload
   uint64_t key_high, key_low;
@@ -75,26 +76,33 @@ COMB_INLINE uint32_t dtype_code(c10::ScalarType t) {
     case at::kBFloat16: return 1;
     case at::kHalf: return 2;
     case at::kChar: return 3;
+    case kCacheInt8Int4: return 6;
+    case kCacheInt4: return 8;
     default:
-      COMB_FAIL("cache storage dtype must be float32, bfloat16, float16 or int8, found {}", c10::toString(t));
+      COMB_FAIL("cache storage dtype must be float32, bfloat16, float16, int8, int8-int4 or int4, found {}",
+                c10::toString(t));
   }
 }
-COMB_INLINE c10::ScalarType code_dtype(uint32_t c) {
-  return c == 0 ? at::kFloat : c == 1 ? at::kBFloat16 : c == 2 ? at::kHalf : at::kChar;
+// The element types of an entry of code `c`'s keys and values (uint8: int4 codes, two a byte).
+COMB_INLINE c10::ScalarType code_key_type(uint32_t c) {
+  return c == 0 ? at::kFloat : c == 1 ? at::kBFloat16 : c == 2 ? at::kHalf : c <= 7 ? at::kChar : at::kByte;
 }
+COMB_INLINE c10::ScalarType code_value_type(uint32_t c) { return c <= 5 ? code_key_type(c) : at::kByte; }
+COMB_INLINE bool code_key_rows(uint32_t c) { return c == 5 || c == 7 || c == 9; }
 // int8 entries: 4 with float16 scales and keys scaled per channel, 5 with float16 scales and keys
 // per row (as quantize_int8_cpu writes them), 3 with float32 scales and keys per channel (as comb
 // wrote int8 before).
 COMB_INLINE uint32_t entry_code(const DocumentKV& kv) {
-  const uint32_t c = dtype_code(kv.keys.at(0).scalar_type());
-  if (c != 3) return c;
+  const uint32_t c = dtype_code(kv.dtype());
+  if (c < 3) return c;
   const at::Tensor& ks = kv.key_scales.at(0);
-  const bool per_channel = ks.size(1) == 1 && ks.size(2) == kv.keys.at(0).size(2) && kv.keys.at(0).size(1) != 1;
+  const bool per_channel = ks.size(1) == 1 && ks.size(2) == kv.head_dim() && kv.keys.at(0).size(1) != 1;
   const bool half = ks.scalar_type() == at::kHalf;
-  COMB_CHECK(half || (ks.scalar_type() == at::kFloat && per_channel),
-             "int8 entry: key scales [{}] of {}; expected float16, or float32 per channel",
-             fmt::join(ks.sizes(), ", "), c10::toString(ks.scalar_type()));
-  return !half ? 3 : per_channel ? 4 : 5;
+  COMB_CHECK(half || (c == 3 && ks.scalar_type() == at::kFloat && per_channel),
+             "{} entry: key scales [{}] of {}; expected float16{}", cache_dtype_name(kv.dtype()),
+             fmt::join(ks.sizes(), ", "), c10::toString(ks.scalar_type()), c == 3 ? ", or float32 per channel" : "");
+  if (c == 3) return !half ? 3 : per_channel ? 4 : 5;
+  return c + (per_channel ? 0 : 1);
 }
 COMB_INLINE c10::ScalarType scale_dtype(uint32_t code) { return code == 3 ? at::kFloat : at::kHalf; }
 
@@ -105,7 +113,7 @@ COMB_INLINE std::string serialize(const CacheKey& key, const DocumentKV& kv) {
   h.dtype = entry_code(kv);
   h.n_blocks = static_cast<uint32_t>(kv.keys.size());
   h.n_head_kv = static_cast<uint32_t>(kv.keys[0].size(0));
-  h.head_dim = static_cast<uint32_t>(kv.keys[0].size(2));
+  h.head_dim = static_cast<uint32_t>(kv.head_dim());
   h.n_tokens = static_cast<uint64_t>(kv.n_tokens);
   h.key_high = key.high;
   h.key_low = key.low;
@@ -132,34 +140,44 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
   if (size < sizeof(DiskHeader)) return why = "shorter than its header", std::nullopt;
   DiskHeader h;
   std::memcpy(&h, data, sizeof(h));
-  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 5) return why = "bad magic or version", std::nullopt;
+  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 9) return why = "bad magic or version", std::nullopt;
   if (h.key_high != key.high || h.key_low != key.low) return why = "holds another key", std::nullopt;
-  const c10::ScalarType dtype = code_dtype(h.dtype);
+  const c10::ScalarType key_type = code_key_type(h.dtype), value_type = code_value_type(h.dtype);
   // Sizes multiplied with overflow checks: a header whose product wraps around is refused here,
   // not trusted to size a tensor.
-  // block: one of K or V; scales: an int8 block's key and value scales (float16; float32 for dtype 3).
-  const bool int8 = dtype == at::kChar, key_rows = h.dtype == 5;
+  // key_block, value_block: one block's K or V (int4: head_dim / 2 bytes a row); scales: a
+  // quantized block's key and value scales (float16; float32 for dtype 3).
+  const bool int8 = h.dtype >= 3, key_rows = code_key_rows(h.dtype);
+  if ((key_type == at::kByte || value_type == at::kByte) && h.head_dim % 2 != 0)
+    return why = "int4 codes with an odd head_dim", std::nullopt;
+  auto row_bytes = [&](c10::ScalarType t) {
+    return t == at::kByte ? uint64_t(h.head_dim) / 2 : uint64_t(h.head_dim) * c10::elementSize(t);
+  };
   const uint64_t scale_bytes = c10::elementSize(scale_dtype(h.dtype));
-  uint64_t block = 0, scales = 0, per_block = 0, total = 0;
-  const bool wraps = __builtin_mul_overflow(uint64_t(h.n_head_kv) * h.head_dim, h.n_tokens, &block) ||
-                     __builtin_mul_overflow(block, uint64_t(c10::elementSize(dtype)), &block) ||
+  uint64_t key_block = 0, value_block = 0, scales = 0, kv_bytes = 0, per_block = 0, total = 0;
+  const bool wraps = __builtin_mul_overflow(uint64_t(h.n_head_kv) * row_bytes(key_type), h.n_tokens, &key_block) ||
+                     __builtin_mul_overflow(uint64_t(h.n_head_kv) * row_bytes(value_type), h.n_tokens, &value_block) ||
                      __builtin_mul_overflow(uint64_t(h.n_head_kv),
                                             (uint64_t(key_rows ? h.n_tokens : h.head_dim) + h.n_tokens) * scale_bytes, &scales) ||
-                     __builtin_add_overflow(2 * block, int8 ? scales : 0, &per_block) ||
+                     __builtin_add_overflow(key_block, value_block, &kv_bytes) ||
+                     __builtin_add_overflow(kv_bytes, int8 ? scales : 0, &per_block) ||
                      __builtin_mul_overflow(per_block, uint64_t(h.n_blocks), &total);
-  if (wraps || h.n_blocks == 0 || block == 0 || h.payload_bytes != total ||
+  if (wraps || h.n_blocks == 0 || key_block == 0 || h.payload_bytes != total ||
       size != sizeof(DiskHeader) + h.payload_bytes)
     return why = "truncated or sizes inconsistent", std::nullopt;
   const uint8_t* payload = data + sizeof(DiskHeader);
   if (XXH3_64bits(payload, h.payload_bytes) != h.checksum) return why = "checksum mismatch", std::nullopt;
   DocumentKV kv;
   kv.n_tokens = static_cast<int64_t>(h.n_tokens);
-  std::vector<int64_t> shape{h.n_head_kv, static_cast<int64_t>(h.n_tokens), h.head_dim};
+  auto shape = [&](c10::ScalarType t) {
+    return std::vector<int64_t>{h.n_head_kv, static_cast<int64_t>(h.n_tokens),
+                                t == at::kByte ? h.head_dim / 2 : h.head_dim};
+  };
   for (uint32_t b = 0; b < h.n_blocks; ++b) {
     const uint8_t* src = payload + b * per_block;
-    at::Tensor k = at::empty(shape, dtype), v = at::empty(shape, dtype);
-    std::memcpy(k.data_ptr(), src, block);
-    std::memcpy(v.data_ptr(), src + block, block);
+    at::Tensor k = at::empty(shape(key_type), key_type), v = at::empty(shape(value_type), value_type);
+    std::memcpy(k.data_ptr(), src, key_block);
+    std::memcpy(v.data_ptr(), src + key_block, value_block);
     kv.keys.push_back(k);
     kv.values.push_back(v);
     if (!int8) continue;
@@ -167,8 +185,8 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
     at::Tensor ks = key_rows ? at::empty({h.n_head_kv, static_cast<int64_t>(h.n_tokens), 1}, scale_type)
                              : at::empty({h.n_head_kv, 1, h.head_dim}, scale_type);
     at::Tensor vs = at::empty({h.n_head_kv, static_cast<int64_t>(h.n_tokens), 1}, scale_type);
-    std::memcpy(ks.data_ptr(), src + 2 * block, ks.numel() * scale_bytes);
-    std::memcpy(vs.data_ptr(), src + 2 * block + ks.numel() * scale_bytes, vs.numel() * scale_bytes);
+    std::memcpy(ks.data_ptr(), src + kv_bytes, ks.numel() * scale_bytes);
+    std::memcpy(vs.data_ptr(), src + kv_bytes + ks.numel() * scale_bytes, vs.numel() * scale_bytes);
     // Scales are checked like the rest: a scale that is not a finite positive number is refused.
     if (!(ks > 0).all().item<bool>() || !(vs > 0).all().item<bool>() || !ks.isfinite().all().item<bool>() ||
         !vs.isfinite().all().item<bool>())
@@ -242,7 +260,7 @@ struct PICacheStore::Impl {
       // ones is neither copied to its device nor allowed to evict anything.
       const int64_t bytes = storage_bytes(*kv);
       if (!fits(tier, bytes)) continue;
-      if (kv->keys[0].device() != tier.device || kv->keys[0].scalar_type() != dtype_for(*kv))
+      if (kv->keys[0].device() != tier.device || kv->dtype() != dtype_for(*kv))
         kv = std::make_shared<const DocumentKV>(kv->to(tier.device, dtype_for(*kv)));
       std::vector<std::pair<CacheKey, std::shared_ptr<const DocumentKV>>> evicted;
       while (tier.stats.bytes + bytes > tier.budget) {  // ends: the unpinned bytes cover the excess
@@ -264,12 +282,12 @@ struct PICacheStore::Impl {
 
   // The dtype `kv` is stored in: the store's, or with the store's dtype "auto" (Undefined) its own.
   c10::ScalarType dtype_for(const DocumentKV& kv) const {
-    return options.dtype == c10::ScalarType::Undefined ? kv.keys.at(0).scalar_type() : options.dtype;
+    return options.dtype == c10::ScalarType::Undefined ? kv.dtype() : options.dtype;
   }
   // Bytes `kv` takes once converted to the storage dtype.
   int64_t storage_bytes(const DocumentKV& kv) const {
     const at::Tensor& k = kv.keys.at(0);
-    return DocumentKV::storage_bytes(dtype_for(kv), static_cast<int64_t>(kv.keys.size()), k.size(0), k.size(2),
+    return DocumentKV::storage_bytes(dtype_for(kv), static_cast<int64_t>(kv.keys.size()), k.size(0), kv.head_dim(),
                                      k.size(1));
   }
   // Whether `tier` can hold `bytes` beside its pinned entries (evicting unpinned ones as needed).
@@ -413,7 +431,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& 
   // Another caller may have stored it while this one read: theirs stands.
   for (auto& tier : impl_->memory)
     if (auto it = tier.slots.find(key); it != tier.slots.end()) return it->second.kv;
-  if (kv->keys[0].scalar_type() != impl_->dtype_for(*kv)) *kv = kv->to(at::kCPU, impl_->dtype_for(*kv));
+  if (kv->dtype() != impl_->dtype_for(*kv)) *kv = kv->to(at::kCPU, impl_->dtype_for(*kv));
   auto entry = std::make_shared<const DocumentKV>(std::move(*kv));
   impl_->disk_write(key, *entry);
   return impl_->insert(0, key, entry);
@@ -453,7 +471,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::Impl::get_local(cons
         disk_lru.push_front(key);
         it->second.first = disk_lru.begin();
         // A file written by a store of another storage dtype is converted, like every entry.
-        if (kv->keys[0].scalar_type() != dtype_for(*kv)) *kv = kv->to(at::kCPU, dtype_for(*kv));
+        if (kv->dtype() != dtype_for(*kv)) *kv = kv->to(at::kCPU, dtype_for(*kv));
         return insert(0, key, std::make_shared<const DocumentKV>(std::move(*kv)));
       }
       ++corrupt;
@@ -537,10 +555,12 @@ COMB_INLINE StoreStats PICacheStore::stats() const {
 COMB_INLINE c10::ScalarType parse_cache_dtype(const std::string& name) {
   if (name == "auto") return c10::ScalarType::Undefined;
   if (name == "int8") return at::kChar;
+  if (name == "int8-int4") return kCacheInt8Int4;
+  if (name == "int4") return kCacheInt4;
   try {
     return parse_dtype(name);
   } catch (const Error&) {
-    COMB_FAIL("unknown cache dtype '{}' (expected auto, float32, bfloat16, float16 or int8)", name);
+    COMB_FAIL("unknown cache dtype '{}' (expected auto, float32, bfloat16, float16, int8, int8-int4 or int4)", name);
   }
 }
 
@@ -550,6 +570,8 @@ COMB_INLINE std::string cache_dtype_name(c10::ScalarType dtype) {
     case at::kBFloat16: return "bfloat16";
     case at::kHalf: return "float16";
     case at::kChar: return "int8";
+    case kCacheInt8Int4: return "int8-int4";
+    case kCacheInt4: return "int4";
     case c10::ScalarType::Undefined: return "auto";
     default: return c10::toString(dtype);
   }
