@@ -143,6 +143,49 @@ TEST_CASE("the training forward equals the inference path, document by document"
   CHECK(diff <= logits_bound(model, n_keys, w));  // generic ops against the inference kernels (helpers.hpp)
 }
 
+TEST_CASE("training can read documents as a cache dtype keeps them: the stored numbers forward, straight through "
+          "backward",
+          "[train]") {
+  auto gen = at::detail::createCPUGenerator(31);
+  at::Tensor k = (at::randn({2, 40, 16}, gen) * 3).requires_grad_(), v = at::randn({2, 40, 16}, gen).requires_grad_();
+  at::Tensor wk = at::randn({2, 40, 16}, gen), wv = at::randn({2, 40, 16}, gen);
+  for (const c10::ScalarType form : {kCacheInt4, at::kChar, at::kBFloat16}) {
+    INFO(cache_dtype_name(form));
+    auto [kq, vq] = read_as_stored(k, v, form);
+    DocumentKV one;
+    one.n_tokens = 40;
+    one.keys = {k.detach()};
+    one.values = {v.detach()};
+    const DocumentKV stored = one.to(at::kCPU, form).to(at::kCPU, at::kFloat);
+    CHECK(kq.detach().equal(stored.keys[0]));
+    CHECK(vq.detach().equal(stored.values[0]));
+    CHECK_FALSE(kq.detach().equal(k.detach()));  // it did round
+    k.mutable_grad() = at::Tensor();
+    v.mutable_grad() = at::Tensor();
+    ((kq * wk).sum() + (vq * wv).sum()).backward();
+    CHECK(k.grad().equal(wk));
+    CHECK(v.grad().equal(wv));
+  }
+  // Through the whole training forward: logits differ from the float path's, and every trained
+  // tensor that the documents reach still gets a gradient.
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  auto plugin = reads_plugin(model.decoder(), true, true);
+  TrainBatch batch = make_train_batch(random_examples(3, 12), c10::kCPU);
+  PluginWeights w = plugin->weights();
+  REQUIRE_FALSE(w.wk.empty());
+  for (auto& wk_b : w.wk) wk_b.requires_grad_();
+  at::Tensor as_computed = plugin_train_logits(model.decoder(), *plugin, w, batch);
+  at::Tensor as_int4 = plugin_train_logits(model.decoder(), *plugin, w, batch, kCacheInt4);
+  CHECK(as_int4.sizes() == as_computed.sizes());
+  CHECK((as_int4 - as_computed).abs().max().item<double>() > 0);
+  at::cross_entropy_loss(as_int4, batch.targets).backward();
+  for (const auto& wk_b : w.wk) {
+    REQUIRE(wk_b.grad().defined());
+    CHECK(wk_b.grad().abs().sum().item<double>() > 0);
+    CHECK(wk_b.grad().isfinite().all().item<bool>());
+  }
+}
+
 TEST_CASE("training lowers the loss, holds items out, and resumes exactly", "[train]") {
   const Model& model = default_model();
   std::string dir = temp_dir("comb-train");

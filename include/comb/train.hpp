@@ -85,8 +85,14 @@ TrainBatch make_train_batch(const std::vector<TrainExample>& examples, c10::Devi
 // Logits [m, n_vocab] (float32) at the batch's target rows: every document through the encoder on
 // its own, the decoder with its cross blocks reading each example's documents. Differentiable in
 // `weights`, which may be float32 masters: they are cast to the base decoder's dtype.
+// `documents_as` (a cache dtype or form; Undefined: as computed): each document's K/V read as a
+// store of that dtype keeps them (forward: the stored numbers; backward: straight through).
 at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const PluginWeights& weights,
-                               const TrainBatch& batch);
+                               const TrainBatch& batch, c10::ScalarType documents_as = c10::ScalarType::Undefined);
+// One document's K/V of one block ([n_head_kv, n_tokens, head_dim]) as a store of `dtype` keeps
+// them, read back in their own dtype: DocumentKV::to's numbers forward, the identity backward.
+std::pair<at::Tensor, at::Tensor> read_as_stored(const at::Tensor& keys, const at::Tensor& values,
+                                                 c10::ScalarType dtype);
 // The bare decoder's logits [m, n_vocab] at the target rows with every example's documents in its
 // context (prefix, documents, suffix, answer): the KL term's teacher. No gradient.
 at::Tensor full_context_logits(const Decoder& base, const std::vector<TrainExample>& examples, c10::Device device);
@@ -182,6 +188,9 @@ struct TrainOptions {
   // Also score each batch with every example reading the next one's documents (no gradient): the
   // loss log's ce_swapped, against ce the evidence that the plug-in reads. Costs one more forward.
   bool reading_check = false;
+  // The documents' K/V read as a store of this cache dtype keeps them (plugin_train_logits'
+  // documents_as): a plug-in trained for int4 caches, say. Undefined (the default): as computed.
+  c10::ScalarType document_dtype = c10::ScalarType::Undefined;
   std::function<void(const TrainProgress&)> on_progress;
   // A held-out check along the run: every dev_every steps (and at the last) dev_check scores the
   // plug-in as it stands (a copy, no gradients; e.g. greedy answers on dev items, as comb eval

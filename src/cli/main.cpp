@@ -167,6 +167,9 @@ train options:
   --documents-after-prefix 0|1  joint: as plugin init (default 0)
   --consecutive-documents 0|1   joint: as plugin init (default 0)
   --seed N            data order and initialisation (default 0)
+  --cache-dtype T     the plug-in's cache dtype (as plugin convert sets it), and training reads
+                      each document's K/V as that dtype keeps them (forward: the stored numbers;
+                      backward: straight through); default: as computed, the dtype unchanged
   --reading-check 0|1 also score each batch with the documents swapped between its examples (no
                       gradient; loss.csv's ce_swapped against ce shows reading) (default 0)
   --dev FILE:N|FILE:A-B  a held-out check along the run: greedy answers (comb) on the first N items

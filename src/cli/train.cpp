@@ -78,6 +78,12 @@ int cmd_train(Args& args, Model& model) {
   o.log_every = args.num<int64_t>("log-every", o.log_every);
   o.resume = args.num<int>("resume", 1) != 0;
   o.reading_check = args.num<int>("reading-check", 0) != 0;
+  // --cache-dtype: the plug-in declares it (as plugin convert does), and training reads its
+  // documents as that dtype keeps them.
+  const std::string cache_dtype = args.str("cache-dtype");
+  if (!cache_dtype.empty()) o.document_dtype = parse_cache_dtype(cache_dtype);
+  COMB_CHECK(cache_dtype.empty() || o.document_dtype != c10::ScalarType::Undefined,
+             "--cache-dtype for train names a dtype (float32, bfloat16, float16, int8, int8-int4 or int4), found 'auto'");
   // The held-out check along the run: greedy answers of the comb method on dev items, scored as
   // comb eval scores them. Items of a training file must be held out from training.
   std::vector<QaItem> dev_items;
@@ -135,6 +141,7 @@ int cmd_train(Args& args, Model& model) {
     init.encoder_prefix = {init.probes[0][0]};  // the prompt's first token
   }
   Plugin plugin = model.plugin() ? *model.plugin() : Plugin::fresh(model.decoder(), init);
+  if (!cache_dtype.empty()) plugin.set_cache_dtype(cache_dtype);
   TrainData examples(model, data);
   fmt::print(stderr, "[train] {} QA items ({} held out), kv share {}, needle share {}; {} steps of {} x {} examples; "
              "plug-in: {} encoder layers, cross blocks before [{}]\n", examples.n_items(), examples.n_held_out(),

@@ -249,8 +249,22 @@ COMB_INLINE at::Tensor head_logits(const Decoder& base, const at::Tensor& hidden
 }
 }  // namespace detail::train
 
+COMB_INLINE std::pair<at::Tensor, at::Tensor> read_as_stored(const at::Tensor& keys, const at::Tensor& values,
+                                                             c10::ScalarType dtype) {
+  DocumentKV one;
+  {
+    c10::AutoGradMode no_grad(false);
+    one.n_tokens = keys.size(1);
+    one.keys = {keys.detach()};
+    one.values = {values.detach()};
+    one = one.to(keys.device(), dtype).to(keys.device(), at::kFloat);
+  }
+  at::Tensor k = one.keys[0].to(keys.scalar_type()), v = one.values[0].to(values.scalar_type());
+  return {keys + (k - keys).detach(), values + (v - values).detach()};
+}
+
 COMB_INLINE at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const PluginWeights& pw,
-                               const TrainBatch& batch) {
+                               const TrainBatch& batch, c10::ScalarType documents_as) {
   // The inference code itself: every document through Plugin::encode_batch (alone, padding after
   // its tokens), each example's documents read through Plugin::cross_block (comb::cross_attention,
   // differentiable), with `pw` in place of the plug-in's own weights.
@@ -261,6 +275,9 @@ COMB_INLINE at::Tensor plugin_train_logits(const Decoder& base, const Plugin& pl
     for (size_t d = 0; d < batch.doc_lens.size(); ++d) {
       doc_keys[k].push_back(keys[k][d].narrow(1, 0, batch.doc_lens[d]));
       doc_values[k].push_back(values[k][d].narrow(1, 0, batch.doc_lens[d]));
+      if (documents_as != c10::ScalarType::Undefined)
+        std::tie(doc_keys[k].back(), doc_values[k].back()) =
+            read_as_stored(doc_keys[k].back(), doc_values[k].back(), documents_as);
     }
   if (plugin.config().joint_attention) {
     // Documents after the prefix: the anchor is the prefix's length, the same in every example.
@@ -777,7 +794,7 @@ COMB_INLINE MicroLoss micro_loss(const Decoder& base, Plugin& plugin, const std:
                                  c10::Device device) {
   MicroLoss out;
   TrainBatch batch = make_train_batch(examples, device);
-  at::Tensor logits = plugin_train_logits(base, plugin, plugin.weights(), batch);
+  at::Tensor logits = plugin_train_logits(base, plugin, plugin.weights(), batch, o.document_dtype);
   out.ce = at::cross_entropy_loss(logits, batch.targets);
   out.loss = out.ce;
   out.real_tokens = batch.real_tokens;
@@ -809,7 +826,7 @@ COMB_INLINE MicroLoss micro_loss(const Decoder& base, Plugin& plugin, const std:
     std::vector<TrainExample> swapped = examples;
     for (size_t i = 0; i < swapped.size(); ++i) swapped[i].documents = examples[(i + 1) % examples.size()].documents;
     TrainBatch sb = make_train_batch(swapped, device);
-    at::Tensor sl = plugin_train_logits(base, plugin, plugin.weights(), sb);
+    at::Tensor sl = plugin_train_logits(base, plugin, plugin.weights(), sb, o.document_dtype);
     out.ce_swapped = at::cross_entropy_loss(sl, sb.targets).item<double>();
     out.swapped = true;
   }
