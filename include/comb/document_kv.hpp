@@ -28,7 +28,7 @@ inline constexpr c10::ScalarType kCacheInt8Int4 = c10::ScalarType::QUInt2x4;
 // codes' savings); the element is q * scale. Entries written with float32 scales per key channel
 // (disk dtype 3) are still read as they are. int4 is the same with codes in [-7, 7] (scale amax /
 // 7), two to a byte: a uint8 tensor [n_head_kv, n_tokens, head_dim / 2] whose byte j holds channel
-// 2j in its low nibble and 2j + 1 in its high one, each as q + 8; unpacked (int4_codes) it is an
+// 2j in its low nibble and 2j + 1 in its high one, each as q + 8; unpacked (int8_codes) it is an
 // int8 entry's codes and scales, which every reader takes.
 struct DocumentKV {
   std::vector<at::Tensor> keys;    // per block: [n_head_kv, n_tokens, head_dim]
@@ -61,6 +61,8 @@ struct DocumentKV {
 // sake, and do not round-trip). Element-wise tensor ops: any device.
 at::Tensor unpack_int4(const at::Tensor& packed);
 at::Tensor pack_int4(const at::Tensor& codes);
+// A stored part's codes as int8: int4 ones (uint8) unpacked, any other tensor itself.
+at::Tensor as_int8_codes(const at::Tensor& part);
 
 // Documents linked int8 as stored (Linker with keep_int8): keys and values [block][document], the
 // scales beside them (undefined for a document of another dtype; empty: none). Each int8 one is

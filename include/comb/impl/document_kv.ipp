@@ -109,10 +109,6 @@ COMB_INLINE std::array<at::Tensor, 4> quantize_int8_cpu(const at::Tensor& k, con
   }
   return {kq, ks, vq, vs};
 }
-
-COMB_INLINE at::Tensor int8_or_unpacked(const at::Tensor& t) {
-  return t.scalar_type() == at::kByte ? unpack_int4(t) : t;
-}
 }  // namespace detail::document_kv
 
 COMB_INLINE at::Tensor unpack_int4(const at::Tensor& packed) {
@@ -135,10 +131,14 @@ COMB_INLINE at::Tensor pack_int4(const at::Tensor& codes) {
       .contiguous();
 }
 
+COMB_INLINE at::Tensor as_int8_codes(const at::Tensor& part) {
+  return part.scalar_type() == at::kByte ? unpack_int4(part) : part;
+}
+
 COMB_INLINE DocumentKV DocumentKV::int8_codes() const {
   DocumentKV out = *this;
   for (auto* list : {&out.keys, &out.values})
-    for (auto& t : *list) t = detail::document_kv::int8_or_unpacked(t);
+    for (auto& t : *list) t = as_int8_codes(t);
   return out;
 }
 
@@ -157,8 +157,8 @@ COMB_INLINE void dequantize_linked(std::vector<std::vector<at::Tensor>>& keys,
                key_scales[b].size(), value_scales[b].size());
     for (size_t d = 0; d < keys[b].size(); ++d)
       if (key_scales[b][d].defined()) {
-        keys[b][d] = detail::document_kv::int8_or_unpacked(keys[b][d]).to(at::kFloat) * key_scales[b][d];
-        values[b][d] = detail::document_kv::int8_or_unpacked(values[b][d]).to(at::kFloat) * value_scales[b][d];
+        keys[b][d] = as_int8_codes(keys[b][d]).to(at::kFloat) * key_scales[b][d];
+        values[b][d] = as_int8_codes(values[b][d]).to(at::kFloat) * value_scales[b][d];
       }
   }
 }

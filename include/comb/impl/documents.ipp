@@ -324,8 +324,7 @@ COMB_INLINE at::Tensor Documents::get_with_prompt(const std::vector<std::vector<
     for (size_t i = 0; i < documents.size(); ++i) {
       const DocumentKV& d = source[i] < 0 ? *entries[i] : fresh[source[i]];
       // int4 codes are read as int8 ones (the same scales).
-      auto codes = [](const at::Tensor& t) { return t.scalar_type() == at::kByte ? unpack_int4(t) : t; };
-      at::Tensor key = codes(d.keys[k]), value = codes(d.values[k]), key_scale, value_scale;
+      at::Tensor key = as_int8_codes(d.keys[k]), value = as_int8_codes(d.values[k]), key_scale, value_scale;
       if (d.quantized() && key.device() == decoder.device()) {
         key_scale = d.key_scales[k];
         value_scale = d.value_scales[k];
