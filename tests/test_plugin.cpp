@@ -676,6 +676,119 @@ TEST_CASE("joint_attention is one softmax over the joined keys and the causal co
                     Catch::Contains("joint attention: keys"));
 }
 
+TEST_CASE("joint_attention_probs are joint_attention's one softmax, written out", "[ops]") {
+  c10::InferenceMode guard;
+  auto gen = at::detail::createCPUGenerator(12);
+  const int64_t batch = 2, n_head = 4, n_kv = 2, d = 8, start = 3, n = 5, m = 6;
+  at::Tensor q = at::randn({batch, n_head, n, d}, gen), keys = at::randn({batch, n_kv, start + n, d}, gen);
+  at::Tensor values = at::randn({batch, n_kv, start + n, d}, gen);
+  JointKV joint;
+  joint.keys = at::randn({batch, n_kv, m, d}, gen);
+  joint.values = at::randn({batch, n_kv, m, d}, gen);
+  joint.valid = at::ones({batch, m}, at::kBool);
+  joint.valid[1].narrow(0, 4, 2).fill_(false);  // row 1 has 4 real keys
+  joint.bias = at::randn({n_head}, gen);
+  joint.anchor = start + 2;  // the first two rows read no document
+  at::Tensor p = joint_attention_probs(q, keys, start, &joint);
+  REQUIRE(p.sizes() == at::IntArrayRef({batch, n_head, n, m + start + n}));
+  // A distribution per row (float32 sums of at most 14 terms), exactly 0 where a row may not read.
+  CHECK(max_diff(p.sum(-1), at::ones({batch, n_head, n})) <= 1e-5);
+  CHECK(p.narrow(3, 0, m).narrow(2, 0, 2).abs().max().item<float>() == 0.0f);  // before the anchor
+  CHECK(p[1].narrow(2, 4, 2).abs().max().item<float>() == 0.0f);              // padded joined keys
+  for (int64_t i = 0; i < n; ++i)  // the context after each row's own position
+    if (start + i + 1 < start + n) CHECK(p.select(2, i).narrow(2, m + start + i + 1, n - i - 1).abs().max().item<float>() == 0.0f);
+  CHECK(p.narrow(3, 0, m).narrow(2, 2, n - 2).min().item<float>() >= 0.0f);
+  CHECK(p.narrow(3, 0, m)[0].narrow(1, 2, n - 2).min().item<float>() > 0.0f);  // read after the anchor
+  // The probabilities times the values are joint_attention's output (query head h reads KV head
+  // h / 2), within the bound of two orders of the same sums (helpers.hpp).
+  at::Tensor v = at::cat({joint.values, values}, 2).repeat_interleave(n_head / n_kv, 1);
+  const double scale = 1.0 / std::sqrt(double(d));
+  CHECK(max_diff(at::matmul(p, v), joint_attention(q, keys, values, start, joint)) <=
+        attention_bound(q, {keys, joint.keys}, {values, joint.values}, scale));
+  // No joined keys: the causal context alone, as scaled_dot_product_attention weighs it.
+  at::Tensor alone = joint_attention_probs(q, keys, start, nullptr);
+  REQUIRE(alone.sizes() == at::IntArrayRef({batch, n_head, n, start + n}));
+  at::Tensor sdpa = at::scaled_dot_product_attention(q, keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1),
+                                                     visible_keys(at::arange(start, start + n, at::kLong), start + n));
+  CHECK(max_diff(at::matmul(alone, values.repeat_interleave(2, 1)), sdpa) <=
+        attention_bound(q, {keys}, {values}, scale));
+  CHECK_THROWS_WITH(joint_attention_probs(q, keys.narrow(2, 0, start + n - 1), start, nullptr),
+                    Catch::Contains("7 context keys for 3 earlier and 5 new positions"));
+}
+
+TEST_CASE("row_attention: the last row's probabilities in the forward a prompt runs, documents first", "[plugin]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  PluginInitOptions init;
+  init.reads = init.joint_attention = init.documents_after_prefix = true;
+  init.cross_layers = {0, 2};  // not every layer reads the documents
+  auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
+  auto gen = at::detail::createCPUGenerator(9);
+  for (auto& b : plugin->mutable_weights().cross) b.doc_bias.add_(at::randn(b.doc_bias.sizes(), gen));
+  plugin->refresh_fingerprint();
+  model.set_plugin(plugin);
+  const Decoder& base = model.decoder();
+  const ModelConfig& c = model.config();
+  auto docs = documents_of(model, sample_documents(3, 9, 41));
+  const int64_t anchor = 5;
+  int64_t total = 0;
+  for (const auto& d : docs) total += d->n_tokens;
+  LinkedDocuments linked = Linker(c10::kCPU).link(docs);
+  DocumentReads reads = DocumentReads::joined(
+      *plugin, plugin->joint_kv(plugin->weights(), linked.keys, linked.values, linked.doc_counts, anchor));
+  at::Tensor ids = prompt_ids(11);
+  for (int64_t n : {int64_t(3), ids.size(1)}) {
+    INFO(n << " tokens");
+    at::Tensor t = ids.narrow(1, 0, n);
+    RowAttention a = row_attention(base, t, &reads);
+    // The forward is a prompt's: its rows before the last, then the last, bit for bit.
+    KVCache cache = base.make_cache(1, n);
+    base.forward(t.narrow(1, 0, n - 1), cache, LogitsMode::last, &reads);
+    CHECK(a.logits.equal(base.forward(t.narrow(1, n - 1, 1), cache, LogitsMode::last, &reads)));
+    REQUIRE(a.probs.size() == static_cast<size_t>(c.n_layer));
+    for (int64_t l = 0; l < c.n_layer; ++l) {
+      INFO("layer " << l);
+      const bool reads_docs = l == 0 || l == 2;
+      CHECK(a.joined[l] == (reads_docs ? total : 0));
+      REQUIRE(a.probs[l].sizes() == at::IntArrayRef({c.n_head, a.joined[l] + n}));
+      CHECK(max_diff(a.probs[l].sum(-1), at::ones({c.n_head})) <= 1e-5);
+      CHECK(a.probs[l].min().item<float>() >= 0.0f);
+      if (reads_docs) {
+        const float on_documents = a.probs[l].narrow(1, 0, total).sum().item<float>();
+        if (n - 1 < anchor) CHECK(on_documents == 0.0f);  // the prefix reads no document
+        else CHECK(on_documents > 0.0f);
+      }
+    }
+  }
+  // Layer 0 by hand: its query and keys from the embeddings, one softmax (the documents' bias
+  // added), against the probabilities; within the bound of two orders of the same sums.
+  {
+    const int64_t n = ids.size(1);
+    RowAttention a = row_attention(base, ids, &reads);
+    const LayerWeights& l0 = base.weights().layers[0];
+    at::Tensor x = reads.before(0, base.embed(ids), 0);
+    auto [q, k, v] = split_qkv(project(l0, Proj::qkv, comb::rms_norm(x, l0.attn_norm, c.rms_eps)), c);
+    q = apply_rope(q, base.rope_cos().narrow(0, 0, n), base.rope_sin().narrow(0, 0, n)).select(2, n - 1)[0];
+    k = apply_rope(k, base.rope_cos().narrow(0, 0, n), base.rope_sin().narrow(0, 0, n))[0];
+    const JointKV& j = *reads.joint(0);
+    const int64_t groups = c.n_head / c.n_head_kv;
+    for (int64_t h = 0; h < c.n_head; ++h) {
+      INFO("head " << h);
+      at::Tensor s_doc = at::mv(j.keys[0][h / groups], q[h]) / std::sqrt(double(c.head_dim)) + j.bias[h];
+      at::Tensor s_own = at::mv(k[h / groups], q[h]) / std::sqrt(double(c.head_dim));
+      at::Tensor want = at::softmax(at::cat({s_doc, s_own}), 0);
+      CHECK(max_diff(a.probs[0][h], want) <= 1e-5);
+    }
+  }
+  // Without documents: the bare decoder's forward, and only the context.
+  RowAttention bare = row_attention(base, ids.narrow(1, 0, 5), nullptr);
+  CHECK(bare.probs[0].sizes() == at::IntArrayRef({c.n_head, 5}));
+  KVCache cache = base.make_cache(1, 5);
+  base.forward(ids.narrow(1, 0, 4), cache);
+  CHECK(bare.logits.equal(base.forward(ids.narrow(1, 4, 1), cache)));
+  CHECK_THROWS_WITH(row_attention(base, ids.view({11, 1}), nullptr), Catch::Contains("expected tokens [1, n > 0]"));
+}
+
 TEST_CASE("without gradients on CPU, joint attention and joined keys take direct paths with the same results",
           "[ops][plugin]") {
   // joint_attention: the context and the documents attended apart and merged by their log-sum-exp,

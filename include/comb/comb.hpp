@@ -10,6 +10,7 @@
 #include "comb/document_kv.hpp"
 #include "comb/error.hpp"
 #include "comb/gguf.hpp"
+#include "comb/inspect.hpp"
 #include "comb/log.hpp"
 #include "comb/model.hpp"
 #include "comb/ops.hpp"

@@ -35,6 +35,7 @@ namespace comb::cli {
 int cmd_generate(Args& args);                 // generate.cpp
 int cmd_qa(Args& args, Model& model);         // qa.cpp
 int cmd_eval(Args& args, Model& model);       // eval.cpp
+int cmd_attention(Args& args, Model& model);  // attention.cpp
 int cmd_report(std::vector<std::string> args);  // report.cpp
 int cmd_train(Args& args, Model& model);      // train.cpp
 int cmd_make_data(Args& args);                // make_data.cpp

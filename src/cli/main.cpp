@@ -17,6 +17,9 @@ commands:
                 the summary of eval --out files (chunks of runs): per data and method, a JSON
                 line, or with --markdown one table; --first N: items 0..N-1 only; --data FILE:
                 score the stored predictions again against that data file's answers
+  attention     where the row that predicts the answer looks: the gold document's share of the
+                attention with every document in the context (full) and linked (comb), by layer,
+                position and count
   train         train a plug-in for a model (decoder frozen)
   make-data     write QA items: generated (--kind codeword, records, long-records, needle), or made from a public source file
                 (--kind nq-multidoc, --kind kv)
@@ -133,6 +136,15 @@ eval options:
   --prefix-block N    prefix: tokens per cached block (default 16)
   --cache-dtype T     storage of cached document K/V (as for generate)
   --cache-url URL, --cache-ttl S   as for generate; with a shared Redis, "cold" means the local tiers
+
+attention options:
+  --data FILE         items with gold_index (JSON Lines, gzip or plain)
+  --limit N, --offset N   as for eval
+  --out FILE          one CSV row per item: the documents' and the gold document's mass (per layer
+                      read), whether the gold document has the most, for full and comb
+  --cache-dtype T     the documents' storage as comb reads them (as for generate; default: the
+                      plug-in's)
+  --plugin FILE       a plug-in whose blocks join their layers' attention (default: the shipped one)
                       empty (a document another process computed comes from Redis)
   --plugin FILE       comb: the plug-in (default: the shipped one for the default model)
 
@@ -320,6 +332,11 @@ int main(int argc, char** argv) {
       comb::Model model = load_model(args, true, /*as_stored=*/true);
       return comb::cli::cmd_eval(args, model);
     }
+    if (cmd == "attention") {
+      Args args(argc, argv, 2, {});
+      comb::Model model = load_model(args, true, /*as_stored=*/true);
+      return comb::cli::cmd_attention(args, model);
+    }
     if (cmd == "qa") {
       Args args(argc, argv, 2, {});
       comb::Model model = load_model(args, true, /*as_stored=*/true);
@@ -347,7 +364,7 @@ int main(int argc, char** argv) {
       Args args(argc, argv, 2, {"json"});
       return cmd_bench(args);
     }
-    throw Error("unknown command '" + cmd + "' (expected generate, qa, eval, report, train, make-data, plugin, bench, serve, loadgen or version)");
+    throw Error("unknown command '" + cmd + "' (expected generate, qa, eval, attention, report, train, make-data, plugin, bench, serve, loadgen or version)");
   } catch (const Error& e) {
     if (std::string(e.what()) == "help") {
       std::fputs(kUsage, stdout);

@@ -1,0 +1,206 @@
+// comb attention: where the row that predicts an answer's first token looks, with every document
+// in the context (full) and with the documents linked through the plug-in (comb).
+#include <numeric>
+
+#include "commands.hpp"
+
+namespace comb::cli {
+
+namespace {
+// The last prompt row's attention at each of `layers`, heads averaged: the mass on each document
+// (`spans` of the probabilities' columns at that layer), [layer][document].
+std::map<int64_t, std::vector<double>> masses(
+    const RowAttention& a, const std::vector<int64_t>& layers,
+    const std::function<std::vector<std::pair<int64_t, int64_t>>(int64_t layer)>& spans) {
+  std::map<int64_t, std::vector<double>> m;
+  for (int64_t layer : layers) {
+    const at::Tensor p = a.probs[layer].mean(0);  // [columns]
+    for (const auto& [at, len] : spans(layer)) m[layer].push_back(p.narrow(0, at, len).sum().item<double>());
+  }
+  return m;
+}
+
+at::Tensor ids_tensor(const std::vector<int32_t>& ids, c10::Device device) {
+  return at::tensor(std::vector<int64_t>(ids.begin(), ids.end()), at::kLong).view({1, -1}).to(device);
+}
+
+double sum(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0); }
+
+bool gold_first(const std::vector<double>& per_document, int64_t gold) {
+  return std::max_element(per_document.begin(), per_document.end()) - per_document.begin() == gold;
+}
+
+// One method's figures for an item, averaged over the layers read: the documents' mass, the gold
+// document's share of it, and the share of layers where the gold document has the most.
+struct Figures {
+  double documents = 0, share = 0, first = 0;
+  Figures(const std::map<int64_t, std::vector<double>>& m, int64_t gold) {
+    for (const auto& [layer, docs] : m) {
+      const double all = sum(docs);
+      documents += all;
+      share += all > 0 ? docs[gold] / all : 0.0;
+      first += gold_first(docs, gold);
+    }
+    documents /= double(m.size()), share /= double(m.size()), first /= double(m.size());
+  }
+};
+
+struct Row {  // one item
+  int64_t gold_tokens = 0, document_tokens = 0;
+  Figures full, comb;
+};
+
+struct Group {
+  int64_t items = 0;
+  double full_documents = 0, full_share = 0, full_first = 0, comb_documents = 0, comb_share = 0, comb_first = 0,
+         uniform = 0;
+  void add(const Row& r) {
+    ++items;
+    full_documents += r.full.documents, full_share += r.full.share, full_first += r.full.first;
+    comb_documents += r.comb.documents, comb_share += r.comb.share, comb_first += r.comb.first;
+    uniform += double(r.gold_tokens) / double(r.document_tokens);
+  }
+  void print(const std::string& name) const {
+    if (items == 0) return;
+    const double n = double(items);
+    fmt::print("| {} | {} | {:.3f} | {:.3f} | {:.1f}% | {:.3f} | {:.3f} | {:.1f}% | {:.3f} |\n", name, items,
+               full_documents / n, full_share / n, 100 * full_first / n, comb_documents / n, comb_share / n,
+               100 * comb_first / n, uniform / n);
+  }
+};
+}  // namespace
+
+int cmd_attention(Args& args, Model& model) {
+  const std::string data = args.str("data");
+  COMB_CHECK(!data.empty(), "attention needs --data FILE (JSON Lines, optionally gzip, items with gold_index)");
+  const int64_t limit = args.num<int64_t>("limit", 0);
+  const int64_t offset = args.num<int64_t>("offset", 0);
+  COMB_CHECK(limit >= 0 && offset >= 0, "--limit and --offset must be >= 0 (found {} and {})", limit, offset);
+  const std::string out_path = args.str("out");
+  StoreOptions store_options;
+  store_options.dtype = parse_cache_dtype(args.str("cache-dtype", "auto"));
+  args.check_all_used();
+  const Plugin* plugin = model.plugin();
+  COMB_CHECK(plugin && plugin->config().joint_attention,
+             "attention compares the documents' share of one softmax: it needs a plug-in whose blocks join their "
+             "layers' attention (the shipped one does; --plugin FILE)");
+
+  auto items = read_qa_items(data, limit > 0 ? offset + limit : 0);
+  COMB_CHECK(offset < static_cast<int64_t>(items.size()), "--offset {} is past the last item of '{}' ({} items)",
+             offset, data, items.size());
+  const size_t end = limit > 0 ? std::min<size_t>(offset + limit, items.size()) : items.size();
+  for (size_t k = offset; k < end; ++k)
+    COMB_CHECK(items[k].gold_index >= 0 && items[k].gold_index < static_cast<int64_t>(items[k].documents.size()),
+               "'{}' item {} (id '{}') has no gold_index among its {} documents: the gold document's share needs one",
+               data, k, items[k].id, items[k].documents.size());
+  std::ofstream out;
+  if (!out_path.empty()) {
+    out.open(out_path);
+    COMB_CHECK(out.good(), "cannot write '{}'", out_path);
+    out << "index,id,documents,gold,gold_tokens,document_tokens,full_documents,full_gold_share,full_gold_first,"
+           "comb_documents,comb_gold_share,comb_gold_first\n";
+  }
+
+  c10::InferenceMode guard;
+  const Decoder& decoder = model.decoder();
+  Documents documents(model, std::make_shared<PICacheStore>(store_options));
+  const int64_t n_layer = model.config().n_layer;
+  std::vector<int64_t> read_layers;  // the layers whose attention reads COMB's documents
+  std::vector<double> layer_full(n_layer, 0), layer_comb(n_layer, 0), layer_full_docs(n_layer, 0),
+      layer_comb_docs(n_layer, 0), layer_full_first(n_layer, 0), layer_comb_first(n_layer, 0);
+  Group all, by_position[3];
+  std::map<int64_t, Group> by_count;
+  const bool tty = ::isatty(fileno(stderr));
+  auto t_start = std::chrono::steady_clock::now();
+  for (size_t k = offset; k < end; ++k) {
+    const QaItem& item = items[k];
+    const PicRequest request = qa_request(model, item.documents, item.question);
+    const int64_t n_docs = static_cast<int64_t>(request.documents.size()), gold = item.gold_index;
+    const int64_t prefix = static_cast<int64_t>(request.prefix.size());
+    std::vector<int64_t> lens;
+    for (const auto& d : request.documents) lens.push_back(static_cast<int64_t>(d.size()));
+
+    // COMB: the prefix and question as the prompt, the documents linked after the prefix.
+    const int64_t anchor = plugin->config().documents_after_prefix ? prefix : 0;
+    std::vector<int32_t> prompt = request.prefix;
+    prompt.insert(prompt.end(), request.suffix.begin(), request.suffix.end());
+    LinkedDocuments linked = documents.link(documents.get(request.documents), anchor);
+    DocumentReads reads = DocumentReads::joined(
+        *plugin, plugin->joint_kv(plugin->weights(), linked.keys, linked.values, linked.doc_counts, anchor,
+                                  linked.key_scales, linked.value_scales));
+    RowAttention comb = row_attention(decoder, ids_tensor(prompt, decoder.device()), &reads);
+    if (read_layers.empty()) {
+      for (int64_t l = 0; l < n_layer; ++l)
+        if (comb.joined[l] > 0) read_layers.push_back(l);
+      COMB_CHECK(!read_layers.empty(), "the plug-in's blocks read no documents at any layer");
+    }
+    const int64_t total = std::accumulate(lens.begin(), lens.end(), int64_t(0));
+    auto joined_spans = [&](int64_t layer) {
+      COMB_CHECK(comb.joined[layer] == total, "layer {} joins {} document keys, the documents have {} tokens", layer,
+                 comb.joined[layer], total);
+      std::vector<std::pair<int64_t, int64_t>> s;
+      int64_t at = 0;
+      for (int64_t len : lens) s.emplace_back(at, len), at += len;
+      return s;
+    };
+    // full: every document in the context, after the prefix, in the same order.
+    std::vector<int32_t> whole = request.tokens();
+    RowAttention full = row_attention(decoder, ids_tensor(whole, decoder.device()), nullptr);
+    auto context_spans = [&](int64_t) {
+      std::vector<std::pair<int64_t, int64_t>> s;
+      int64_t at = prefix;
+      for (int64_t len : lens) s.emplace_back(at, len), at += len;
+      return s;
+    };
+    const auto mf = masses(full, read_layers, context_spans), mc = masses(comb, read_layers, joined_spans);
+    const Row r{lens[gold], total, Figures(mf, gold), Figures(mc, gold)};
+    for (int64_t l : read_layers) {
+      const double f = sum(mf.at(l)), c = sum(mc.at(l));
+      layer_full_docs[l] += f, layer_comb_docs[l] += c;
+      layer_full[l] += f > 0 ? mf.at(l)[gold] / f : 0.0, layer_comb[l] += c > 0 ? mc.at(l)[gold] / c : 0.0;
+      layer_full_first[l] += gold_first(mf.at(l), gold), layer_comb_first[l] += gold_first(mc.at(l), gold);
+    }
+    all.add(r);
+    by_position[std::min<int64_t>(2, 3 * gold / n_docs)].add(r);
+    by_count[n_docs <= 8 ? 8 : n_docs <= 16 ? 16 : 24].add(r);
+    if (out.is_open()) {
+      out << fmt::format("{},\"{}\",{},{},{},{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f}\n", k, item.id, n_docs,
+                         gold, r.gold_tokens, total, r.full.documents, r.full.share, r.full.first, r.comb.documents,
+                         r.comb.share, r.comb.first)
+          << std::flush;
+      COMB_CHECK(out.good(), "writing '{}' failed at item {} (is the disk full?)", out_path, k);
+    }
+    const size_t done = k + 1 - offset, n_items = end - offset;
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    if (tty || done % 10 == 0 || done == n_items)
+      fmt::print(stderr, "{}[attention] {}/{} elapsed {} eta {}{}", tty ? "\r" : "", done, n_items,
+                 clock_text(elapsed), clock_text(elapsed / done * (n_items - done)), tty ? "\x1b[K" : "\n");
+  }
+  if (tty) fmt::print(stderr, "\n");
+  if (out.is_open()) {
+    out.close();
+    COMB_CHECK(!out.fail(), "writing '{}' failed when closing it (is the disk full?)", out_path);
+  }
+  fmt::print("{}: the last prompt row's attention (it predicts the answer's first token), heads averaged, over "
+             "the {} layers that read COMB's documents ({}); documents: their part of the row's attention; gold "
+             "share: the gold document's part of that; gold first: layers where the gold document has the most; "
+             "uniform: the gold document's part of the document tokens (means over layers, then items)\n\n",
+             data_name(data), read_layers.size(), fmt::join(read_layers, ", "));
+  fmt::print("| items | n | full: documents | full: gold share | full: gold first | comb: documents | comb: gold share "
+             "| comb: gold first | uniform |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  all.print("all");
+  const char* thirds[3] = {"gold in the first third", "gold in the middle third", "gold in the last third"};
+  for (int i = 0; i < 3; ++i) by_position[i].print(thirds[i]);
+  for (const auto& [bound, g] : by_count)
+    g.print(bound == 8 ? "1-8 documents" : bound == 16 ? "9-16 documents" : "17 or more documents");
+  fmt::print("\n| layer | full: documents | full: gold share | full: gold first | comb: documents | comb: gold share "
+             "| comb: gold first |\n|---:|---:|---:|---:|---:|---:|---:|\n");
+  const double n = double(all.items);
+  for (int64_t l : read_layers)
+    fmt::print("| {} | {:.3f} | {:.3f} | {:.1f}% | {:.3f} | {:.3f} | {:.1f}% |\n", l, layer_full_docs[l] / n,
+               layer_full[l] / n, 100 * layer_full_first[l] / n, layer_comb_docs[l] / n, layer_comb[l] / n,
+               100 * layer_comb_first[l] / n);
+  return 0;
+}
+
+}  // namespace comb::cli
