@@ -117,11 +117,21 @@ cp "$root"/tests/data/*.jsonl "$out/qa/"
 cp "$root"/tests/data/truncated.jsonl.gz "$out/qa/"
 [ -f "$build/nq-mini.jsonl.gz" ] && cp "$build/nq-mini.jsonl.gz" "$out/qa/"
 
-# A cache store entry: the tiny Llama with its plug-in, one short document, through --cache-dir.
+# Cache store entries: the tiny Llama with its plug-in through --cache-dir, in every stored dtype
+# (float32; int8, int8-int4 and int4 with keys scaled per channel, and per row on the 3-token
+# document, shorter than head_dim / 2).
 echo "Paris is the capital of France." > "$saved/doc.txt"
-"$comb" generate --model "$tiny" --plugin "$out/plugin/tiny.comb.safetensors" --document "$saved/doc.txt" \
-  --raw --prompt "Capital?" --max-tokens 1 --cache-dir "$saved/cache" >/dev/null
-cp "$saved"/cache/*.kv "$out/store_entry/" 2>/dev/null || echo "make_seeds: no store entry written" >&2
+echo "Paris." > "$saved/short.txt"
+for dtype in auto int8 int8-int4 int4; do
+  for doc in doc short; do
+    [ "$dtype" = auto ] && [ "$doc" = short ] && continue
+    "$comb" generate --model "$tiny" --plugin "$out/plugin/tiny.comb.safetensors" --document "$saved/$doc.txt" \
+      --raw --prompt "Capital?" --max-tokens 1 --cache-dtype "$dtype" --cache-dir "$saved/cache-$dtype-$doc" >/dev/null
+    for f in "$saved/cache-$dtype-$doc"/*.kv; do
+      [ -f "$f" ] && cp "$f" "$out/store_entry/$dtype-$doc-$(basename "$f")" || echo "make_seeds: no $dtype store entry written" >&2
+    done
+  done
+done
 # Request bodies of comb serve: chat, completion (text and token ids), documents inline and by id, logprobs,
 # /tokenize and /detokenize, uploads.
 cat > "$out/serve_request/chat.json" <<'JSON'
