@@ -7,15 +7,15 @@
 namespace comb::cli {
 
 namespace {
-// The last prompt row's attention at each of `layers`, heads averaged: the mass on each document
-// (`spans` of the probabilities' columns at that layer), [layer][document].
-std::map<int64_t, std::vector<double>> masses(
+// The last prompt row's attention at each of `layers`: the mass on each document (`spans` of the
+// probabilities' columns at that layer) per head, [layer][document] of [n_head] (float64).
+std::map<int64_t, std::vector<at::Tensor>> masses(
     const RowAttention& a, const std::vector<int64_t>& layers,
     const std::function<std::vector<std::pair<int64_t, int64_t>>(int64_t layer)>& spans) {
-  std::map<int64_t, std::vector<double>> m;
+  std::map<int64_t, std::vector<at::Tensor>> m;
   for (int64_t layer : layers) {
-    const at::Tensor p = a.probs[layer].mean(0);  // [columns]
-    for (const auto& [at, len] : spans(layer)) m[layer].push_back(p.narrow(0, at, len).sum().item<double>());
+    const at::Tensor p = a.probs[layer].to(at::kDouble);  // [n_head, columns]
+    for (const auto& [at, len] : spans(layer)) m[layer].push_back(p.narrow(1, at, len).sum(1));
   }
   return m;
 }
@@ -24,24 +24,30 @@ at::Tensor ids_tensor(const std::vector<int32_t>& ids, c10::Device device) {
   return at::tensor(std::vector<int64_t>(ids.begin(), ids.end()), at::kLong).view({1, -1}).to(device);
 }
 
-double sum(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0); }
+// A layer's figures from its per-head masses [document] of [n_head].
+struct LayerFigures {
+  double documents = 0, share = 0, best = 0;  // heads averaged: the documents' mass, the gold's share of it;
+  bool first = false;                         // the best head's gold share; gold has the most (heads averaged)
+  LayerFigures(const std::vector<at::Tensor>& docs, int64_t gold) {
+    const at::Tensor per_head = at::stack(docs, 1);  // [n_head, documents]
+    const at::Tensor mean = per_head.mean(0), all = per_head.sum(1);
+    documents = mean.sum().item<double>();
+    share = documents > 0 ? mean[gold].item<double>() / documents : 0.0;
+    first = mean.argmax().item<int64_t>() == gold;
+    best = (per_head.select(1, gold) / all.clamp_min(1e-30)).max().item<double>();
+  }
+};
 
-bool gold_first(const std::vector<double>& per_document, int64_t gold) {
-  return std::max_element(per_document.begin(), per_document.end()) - per_document.begin() == gold;
-}
-
-// One method's figures for an item, averaged over the layers read: the documents' mass, the gold
-// document's share of it, and the share of layers where the gold document has the most.
+// One method's figures for an item, averaged over the layers read.
 struct Figures {
-  double documents = 0, share = 0, first = 0;
-  Figures(const std::map<int64_t, std::vector<double>>& m, int64_t gold) {
+  double documents = 0, share = 0, first = 0, best = 0;
+  Figures(const std::map<int64_t, std::vector<at::Tensor>>& m, int64_t gold) {
     for (const auto& [layer, docs] : m) {
-      const double all = sum(docs);
-      documents += all;
-      share += all > 0 ? docs[gold] / all : 0.0;
-      first += gold_first(docs, gold);
+      const LayerFigures f(docs, gold);
+      documents += f.documents, share += f.share, first += f.first, best += f.best;
     }
-    documents /= double(m.size()), share /= double(m.size()), first /= double(m.size());
+    const double n = double(m.size());
+    documents /= n, share /= n, first /= n, best /= n;
   }
 };
 
@@ -52,20 +58,22 @@ struct Row {  // one item
 
 struct Group {
   int64_t items = 0;
-  double full_documents = 0, full_share = 0, full_first = 0, comb_documents = 0, comb_share = 0, comb_first = 0,
-         uniform = 0;
+  double full_documents = 0, full_share = 0, full_first = 0, full_best = 0, comb_documents = 0, comb_share = 0,
+         comb_first = 0, comb_best = 0, uniform = 0;
   void add(const Row& r) {
     ++items;
     full_documents += r.full.documents, full_share += r.full.share, full_first += r.full.first;
+    full_best += r.full.best;
     comb_documents += r.comb.documents, comb_share += r.comb.share, comb_first += r.comb.first;
+    comb_best += r.comb.best;
     uniform += double(r.gold_tokens) / double(r.document_tokens);
   }
   void print(const std::string& name) const {
     if (items == 0) return;
     const double n = double(items);
-    fmt::print("| {} | {} | {:.3f} | {:.3f} | {:.1f}% | {:.3f} | {:.3f} | {:.1f}% | {:.3f} |\n", name, items,
-               full_documents / n, full_share / n, 100 * full_first / n, comb_documents / n, comb_share / n,
-               100 * comb_first / n, uniform / n);
+    fmt::print("| {} | {} | {:.3f} | {:.3f} | {:.1f}% | {:.3f} | {:.3f} | {:.3f} | {:.1f}% | {:.3f} | {:.3f} |\n",
+               name, items, full_documents / n, full_share / n, 100 * full_first / n, full_best / n,
+               comb_documents / n, comb_share / n, 100 * comb_first / n, comb_best / n, uniform / n);
   }
 };
 }  // namespace
@@ -98,7 +106,7 @@ int cmd_attention(Args& args, Model& model) {
     out.open(out_path);
     COMB_CHECK(out.good(), "cannot write '{}'", out_path);
     out << "index,id,documents,gold,gold_tokens,document_tokens,full_documents,full_gold_share,full_gold_first,"
-           "comb_documents,comb_gold_share,comb_gold_first\n";
+           "full_best_head,comb_documents,comb_gold_share,comb_gold_first,comb_best_head\n";
   }
 
   c10::InferenceMode guard;
@@ -107,7 +115,7 @@ int cmd_attention(Args& args, Model& model) {
   const int64_t n_layer = model.config().n_layer;
   std::vector<int64_t> read_layers;  // the layers whose attention reads COMB's documents
   std::vector<double> layer_full(n_layer, 0), layer_comb(n_layer, 0), layer_full_docs(n_layer, 0),
-      layer_comb_docs(n_layer, 0), layer_full_first(n_layer, 0), layer_comb_first(n_layer, 0);
+      layer_comb_docs(n_layer, 0), layer_full_best(n_layer, 0), layer_comb_best(n_layer, 0);
   Group all, by_position[3];
   std::map<int64_t, Group> by_count;
   const bool tty = ::isatty(fileno(stderr));
@@ -155,18 +163,18 @@ int cmd_attention(Args& args, Model& model) {
     const auto mf = masses(full, read_layers, context_spans), mc = masses(comb, read_layers, joined_spans);
     const Row r{lens[gold], total, Figures(mf, gold), Figures(mc, gold)};
     for (int64_t l : read_layers) {
-      const double f = sum(mf.at(l)), c = sum(mc.at(l));
-      layer_full_docs[l] += f, layer_comb_docs[l] += c;
-      layer_full[l] += f > 0 ? mf.at(l)[gold] / f : 0.0, layer_comb[l] += c > 0 ? mc.at(l)[gold] / c : 0.0;
-      layer_full_first[l] += gold_first(mf.at(l), gold), layer_comb_first[l] += gold_first(mc.at(l), gold);
+      const LayerFigures f(mf.at(l), gold), c(mc.at(l), gold);
+      layer_full_docs[l] += f.documents, layer_comb_docs[l] += c.documents;
+      layer_full[l] += f.share, layer_comb[l] += c.share;
+      layer_full_best[l] += f.best, layer_comb_best[l] += c.best;
     }
     all.add(r);
     by_position[std::min<int64_t>(2, 3 * gold / n_docs)].add(r);
     by_count[n_docs <= 8 ? 8 : n_docs <= 16 ? 16 : 24].add(r);
     if (out.is_open()) {
-      out << fmt::format("{},\"{}\",{},{},{},{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f}\n", k, item.id, n_docs,
-                         gold, r.gold_tokens, total, r.full.documents, r.full.share, r.full.first, r.comb.documents,
-                         r.comb.share, r.comb.first)
+      out << fmt::format("{},\"{}\",{},{},{},{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f}\n", k,
+                         item.id, n_docs, gold, r.gold_tokens, total, r.full.documents, r.full.share, r.full.first,
+                         r.full.best, r.comb.documents, r.comb.share, r.comb.first, r.comb.best)
           << std::flush;
       COMB_CHECK(out.good(), "writing '{}' failed at item {} (is the disk full?)", out_path, k);
     }
@@ -184,22 +192,25 @@ int cmd_attention(Args& args, Model& model) {
   fmt::print("{}: the last prompt row's attention (it predicts the answer's first token), heads averaged, over "
              "the {} layers that read COMB's documents ({}); documents: their part of the row's attention; gold "
              "share: the gold document's part of that; gold first: layers where the gold document has the most; "
-             "uniform: the gold document's part of the document tokens (means over layers, then items)\n\n",
+             "best head: the largest gold share of one head's document mass in the layer; uniform: the gold "
+             "document's part of the document tokens (heads averaged but for best head; means over layers, then "
+             "items)\n\n",
              data_name(data), read_layers.size(), fmt::join(read_layers, ", "));
-  fmt::print("| items | n | full: documents | full: gold share | full: gold first | comb: documents | comb: gold share "
-             "| comb: gold first | uniform |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  fmt::print("| items | n | full: documents | full: gold share | full: gold first | full: best head | comb: documents "
+             "| comb: gold share | comb: gold first | comb: best head | uniform |\n"
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   all.print("all");
   const char* thirds[3] = {"gold in the first third", "gold in the middle third", "gold in the last third"};
   for (int i = 0; i < 3; ++i) by_position[i].print(thirds[i]);
   for (const auto& [bound, g] : by_count)
     g.print(bound == 8 ? "1-8 documents" : bound == 16 ? "9-16 documents" : "17 or more documents");
-  fmt::print("\n| layer | full: documents | full: gold share | full: gold first | comb: documents | comb: gold share "
-             "| comb: gold first |\n|---:|---:|---:|---:|---:|---:|---:|\n");
+  fmt::print("\n| layer | full: documents | full: gold share | full: best head | comb: documents | comb: gold share "
+             "| comb: best head |\n|---:|---:|---:|---:|---:|---:|---:|\n");
   const double n = double(all.items);
   for (int64_t l : read_layers)
-    fmt::print("| {} | {:.3f} | {:.3f} | {:.1f}% | {:.3f} | {:.3f} | {:.1f}% |\n", l, layer_full_docs[l] / n,
-               layer_full[l] / n, 100 * layer_full_first[l] / n, layer_comb_docs[l] / n, layer_comb[l] / n,
-               100 * layer_comb_first[l] / n);
+    fmt::print("| {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} |\n", l, layer_full_docs[l] / n,
+               layer_full[l] / n, layer_full_best[l] / n, layer_comb_docs[l] / n, layer_comb[l] / n,
+               layer_comb_best[l] / n);
   return 0;
 }
 

@@ -140,8 +140,9 @@ eval options:
 attention options:
   --data FILE         items with gold_index (JSON Lines, gzip or plain)
   --limit N, --offset N   as for eval
-  --out FILE          one CSV row per item: the documents' and the gold document's mass (per layer
-                      read), whether the gold document has the most, for full and comb
+  --out FILE          one CSV row per item, for full and comb: the documents' mass, the gold
+                      document's share of it, the share of layers where it has the most, the best
+                      head's gold share (means over the layers comb reads)
   --cache-dtype T     the documents' storage as comb reads them (as for generate; default: the
                       plug-in's)
   --plugin FILE       a plug-in whose blocks join their layers' attention (default: the shipped one)
