@@ -20,8 +20,18 @@ std::map<int64_t, std::vector<at::Tensor>> masses(
   return m;
 }
 
-at::Tensor ids_tensor(const std::vector<int32_t>& ids, c10::Device device) {
-  return at::tensor(std::vector<int64_t>(ids.begin(), ids.end()), at::kLong).view({1, -1}).to(device);
+// Documents of `lens` tokens laid one after another from column `at`: [first column, length].
+std::vector<std::pair<int64_t, int64_t>> consecutive(const std::vector<int64_t>& lens, int64_t at) {
+  std::vector<std::pair<int64_t, int64_t>> s;
+  for (int64_t len : lens) s.emplace_back(at, len), at += len;
+  return s;
+}
+
+// A CSV field: quoted, its quotes doubled (ids are data).
+std::string csv_field(const std::string& text) {
+  std::string out = "\"";
+  for (char ch : text) out += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+  return out + "\"";
 }
 
 // A layer's figures from its per-head masses [document] of [n_head].
@@ -38,12 +48,13 @@ struct LayerFigures {
   }
 };
 
-// One method's figures for an item, averaged over the layers read.
+// One method's figures for an item: per layer read, and averaged over them.
 struct Figures {
+  std::map<int64_t, LayerFigures> layers;
   double documents = 0, share = 0, first = 0, best = 0;
   Figures(const std::map<int64_t, std::vector<at::Tensor>>& m, int64_t gold) {
     for (const auto& [layer, docs] : m) {
-      const LayerFigures f(docs, gold);
+      const LayerFigures& f = layers.emplace(layer, LayerFigures(docs, gold)).first->second;
       documents += f.documents, share += f.share, first += f.first, best += f.best;
     }
     const double n = double(m.size());
@@ -122,61 +133,60 @@ int cmd_attention(Args& args, Model& model) {
   auto t_start = std::chrono::steady_clock::now();
   for (size_t k = offset; k < end; ++k) {
     const QaItem& item = items[k];
-    const PicRequest request = qa_request(model, item.documents, item.question);
-    const int64_t n_docs = static_cast<int64_t>(request.documents.size()), gold = item.gold_index;
-    const int64_t prefix = static_cast<int64_t>(request.prefix.size());
-    std::vector<int64_t> lens;
-    for (const auto& d : request.documents) lens.push_back(static_cast<int64_t>(d.size()));
+    try {  // a failure names its item
+      const PicRequest request = qa_request(model, item.documents, item.question);
+      const int64_t n_docs = static_cast<int64_t>(request.documents.size()), gold = item.gold_index;
+      const int64_t prefix = static_cast<int64_t>(request.prefix.size());
+      std::vector<int64_t> lens;
+      for (const auto& d : request.documents) lens.push_back(static_cast<int64_t>(d.size()));
 
-    // COMB: the prefix and question as the prompt, the documents linked after the prefix.
-    const int64_t anchor = plugin->config().documents_after_prefix ? prefix : 0;
-    std::vector<int32_t> prompt = request.prefix;
-    prompt.insert(prompt.end(), request.suffix.begin(), request.suffix.end());
-    LinkedDocuments linked = documents.link(documents.get(request.documents), anchor);
-    DocumentReads reads = DocumentReads::joined(
-        *plugin, plugin->joint_kv(plugin->weights(), linked.keys, linked.values, linked.doc_counts, anchor,
-                                  linked.key_scales, linked.value_scales));
-    RowAttention comb = row_attention(decoder, ids_tensor(prompt, decoder.device()), &reads);
-    if (read_layers.empty()) {
-      for (int64_t l = 0; l < n_layer; ++l)
-        if (comb.joined[l] > 0) read_layers.push_back(l);
-      COMB_CHECK(!read_layers.empty(), "the plug-in's blocks read no documents at any layer");
-    }
-    const int64_t total = std::accumulate(lens.begin(), lens.end(), int64_t(0));
-    auto joined_spans = [&](int64_t layer) {
-      COMB_CHECK(comb.joined[layer] == total, "layer {} joins {} document keys, the documents have {} tokens", layer,
-                 comb.joined[layer], total);
-      std::vector<std::pair<int64_t, int64_t>> s;
-      int64_t at = 0;
-      for (int64_t len : lens) s.emplace_back(at, len), at += len;
-      return s;
-    };
-    // full: every document in the context, after the prefix, in the same order.
-    std::vector<int32_t> whole = request.tokens();
-    RowAttention full = row_attention(decoder, ids_tensor(whole, decoder.device()), nullptr);
-    auto context_spans = [&](int64_t) {
-      std::vector<std::pair<int64_t, int64_t>> s;
-      int64_t at = prefix;
-      for (int64_t len : lens) s.emplace_back(at, len), at += len;
-      return s;
-    };
-    const auto mf = masses(full, read_layers, context_spans), mc = masses(comb, read_layers, joined_spans);
-    const Row r{lens[gold], total, Figures(mf, gold), Figures(mc, gold)};
-    for (int64_t l : read_layers) {
-      const LayerFigures f(mf.at(l), gold), c(mc.at(l), gold);
-      layer_full_docs[l] += f.documents, layer_comb_docs[l] += c.documents;
-      layer_full[l] += f.share, layer_comb[l] += c.share;
-      layer_full_best[l] += f.best, layer_comb_best[l] += c.best;
-    }
-    all.add(r);
-    by_position[std::min<int64_t>(2, 3 * gold / n_docs)].add(r);
-    by_count[n_docs <= 8 ? 8 : n_docs <= 16 ? 16 : 24].add(r);
-    if (out.is_open()) {
-      out << fmt::format("{},\"{}\",{},{},{},{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f}\n", k,
-                         item.id, n_docs, gold, r.gold_tokens, total, r.full.documents, r.full.share, r.full.first,
-                         r.full.best, r.comb.documents, r.comb.share, r.comb.first, r.comb.best)
-          << std::flush;
-      COMB_CHECK(out.good(), "writing '{}' failed at item {} (is the disk full?)", out_path, k);
+      // COMB: the prefix and question as the prompt, the documents linked after the prefix.
+      const int64_t anchor = plugin->config().documents_after_prefix ? prefix : 0;
+      std::vector<int32_t> prompt = request.prefix;
+      prompt.insert(prompt.end(), request.suffix.begin(), request.suffix.end());
+      LinkedDocuments linked = documents.link(documents.get(request.documents), anchor);
+      DocumentReads reads = DocumentReads::joined(
+          *plugin, plugin->joint_kv(plugin->weights(), linked.keys, linked.values, linked.doc_counts, anchor,
+                                    linked.key_scales, linked.value_scales));
+      const at::Tensor prompt_ids = token_ids(prompt, 0, static_cast<int64_t>(prompt.size())).to(decoder.device());
+      RowAttention comb = row_attention(decoder, prompt_ids, &reads);
+      if (read_layers.empty()) {
+        for (int64_t l = 0; l < n_layer; ++l)
+          if (comb.joined[l] > 0) read_layers.push_back(l);
+        COMB_CHECK(!read_layers.empty(), "the plug-in's blocks read no documents at any layer");
+      }
+      const int64_t total = std::accumulate(lens.begin(), lens.end(), int64_t(0));
+      auto joined_spans = [&](int64_t layer) {
+        COMB_CHECK(comb.joined[layer] == total, "layer {} joins {} document keys, the documents have {} tokens", layer,
+                   comb.joined[layer], total);
+        return consecutive(lens, 0);
+      };
+      // full: every document in the context, after the prefix, in the same order.
+      std::vector<int32_t> whole = request.tokens();
+      RowAttention full =
+          row_attention(decoder, token_ids(whole, 0, static_cast<int64_t>(whole.size())).to(decoder.device()), nullptr);
+      auto context_spans = [&](int64_t) { return consecutive(lens, prefix); };
+      const Row r{lens[gold], total, Figures(masses(full, read_layers, context_spans), gold),
+                  Figures(masses(comb, read_layers, joined_spans), gold)};
+      for (int64_t l : read_layers) {
+        const LayerFigures &f = r.full.layers.at(l), &c = r.comb.layers.at(l);
+        layer_full_docs[l] += f.documents, layer_comb_docs[l] += c.documents;
+        layer_full[l] += f.share, layer_comb[l] += c.share;
+        layer_full_best[l] += f.best, layer_comb_best[l] += c.best;
+      }
+      all.add(r);
+      by_position[std::min<int64_t>(2, 3 * gold / n_docs)].add(r);
+      by_count[n_docs <= 8 ? 8 : n_docs <= 16 ? 16 : 24].add(r);
+      if (out.is_open()) {
+        out << fmt::format("{},{},{},{},{},{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f}\n", k,
+                           csv_field(item.id), n_docs, gold, r.gold_tokens, total, r.full.documents, r.full.share,
+                           r.full.first, r.full.best, r.comb.documents, r.comb.share, r.comb.first, r.comb.best)
+            << std::flush;
+        COMB_CHECK(out.good(), "writing '{}' failed at item {} (is the disk full?)", out_path, k);
+      }
+    } catch (const std::exception& e) {
+      if (tty) fmt::print(stderr, "\n");
+      COMB_FAIL("'{}' item {} (id '{}'): {}", data, k, item.id, e.what());
     }
     const size_t done = k + 1 - offset, n_items = end - offset;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
