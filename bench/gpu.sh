@@ -13,7 +13,8 @@
 # on COMB_GPU_PIC_ITEMS items (default 10) of the shapes in COMB_GPU_PIC_SHAPES (default 1b), with a
 # fresh joint plug-in made there (only speed is measured), the fused kernels on and off.
 # Needs: the comb binary (COMB_BIN, default build/comb), python3 with torch and transformers.
-# COMB_GPU_SHAPES="1b" runs one shape.
+# COMB_GPU_SHAPES="1b" runs one shape; COMB_GPU_GEMV=0 and COMB_GPU_GENERIC=0 leave out the own-GEMV
+# and generic-ATen columns (a shorter run).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 tok=${1:?usage: bench/gpu.sh TOKENIZER_DIR [WORK_DIR]}
@@ -33,12 +34,16 @@ done
     common=(--model "$m" --device cuda --dtype bfloat16 --repeat "$repeat" --json)
     log "$s: comb"
     "$comb" bench "${common[@]}" --prompt-tokens 128,512,2048 --decode-tokens 128 | sed "s/^/$s comb /"
-    log "$s: comb with its own GEMV for the step's matrices"
-    COMB_CUDA_GEMV=1 "$comb" bench "${common[@]}" --prompt-tokens 128 --decode-tokens 128 \
-      | grep '"decode"' | sed "s/^/$s gemv /"
-    log "$s: comb without its CUDA kernels (the generic ATen path)"
-    COMB_CUDA_KERNELS=0 "$comb" bench "${common[@]}" --prompt-tokens 128,512,2048 --decode-tokens 128 \
-      | sed "s/^/$s generic /"
+    if [[ ${COMB_GPU_GEMV:-1} != 0 ]]; then
+      log "$s: comb with its own GEMV for the step's matrices"
+      COMB_CUDA_GEMV=1 "$comb" bench "${common[@]}" --prompt-tokens 128 --decode-tokens 128 \
+        | grep '"decode"' | sed "s/^/$s gemv /"
+    fi
+    if [[ ${COMB_GPU_GENERIC:-1} != 0 ]]; then
+      log "$s: comb without its CUDA kernels (the generic ATen path)"
+      COMB_CUDA_KERNELS=0 "$comb" bench "${common[@]}" --prompt-tokens 128,512,2048 --decode-tokens 128 \
+        | sed "s/^/$s generic /"
+    fi
     log "$s: transformers"
     python3 "$here/hf_baseline.py" --model "$m" --device cuda --dtype bfloat16 --repeat "$repeat" \
       --prompt-tokens 128,512,2048 --decode-tokens 128 | sed "s/^/$s transformers /"
@@ -56,8 +61,10 @@ done
            --pic-methods full,naive,epic,cacheblend,comb)
       log "$s: caching methods"
       "$comb" "${pic[@]}" | grep -v '"item"' | sed "s/^/$s comb /"
-      log "$s: caching methods, generic ATen path"
-      COMB_CUDA_KERNELS=0 "$comb" "${pic[@]}" | grep -v '"item"' | sed "s/^/$s generic /"
+      if [[ ${COMB_GPU_GENERIC:-1} != 0 ]]; then
+        log "$s: caching methods, generic ATen path"
+        COMB_CUDA_KERNELS=0 "$comb" "${pic[@]}" | grep -v '"item"' | sed "s/^/$s generic /"
+      fi
     done
   fi
 } | python3 "$here/gpu_table.py" --work "$work"

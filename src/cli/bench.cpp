@@ -10,11 +10,11 @@ namespace comb::cli {
 // started it.
 namespace op_profile {
 struct Stat {
-  int64_t calls = 0, self_ns = 0, total_ns = 0;
+  int64_t calls = 0, self_ns = 0, total_ns = 0, inner = 0;  // inner: operations called inside it, at any depth
 };
 struct Frame {
   std::string name;
-  int64_t start_ns = 0, child_ns = 0;
+  int64_t start_ns = 0, child_ns = 0, inner = 0;
 };
 std::map<std::string, Stat> stats;
 std::vector<Frame> stack;
@@ -23,7 +23,7 @@ int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction& fn) {
-  stack.push_back({fn.name(), now_ns(), 0});
+  stack.push_back({fn.name(), now_ns(), 0, 0});
   return nullptr;
 }
 void leave(const at::RecordFunction&, at::ObserverContext*) {
@@ -35,10 +35,77 @@ void leave(const at::RecordFunction&, at::ObserverContext*) {
   ++s.calls;
   s.total_ns += total;
   s.self_ns += total - f.child_ns;
-  if (stack.empty())
+  s.inner += f.inner;
+  if (stack.empty()) {
     top_level_ns += total;
-  else
+  } else {
     stack.back().child_ns += total;
+    stack.back().inner += 1 + f.inner;
+  }
+}
+// Runs `work` under the callback; returns its wall time in microseconds (stats and top_level_ns
+// hold what it recorded).
+template <class F>
+double record(const F& work) {
+  stats.clear();
+  stack.clear();
+  top_level_ns = 0;
+  auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(enter, leave).needsInputs(false).scopes({at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE}));
+  const int64_t t0 = now_ns();
+  work();
+  const double us = (now_ns() - t0) / 1e3;
+  at::removeCallback(handle);
+  return us;
+}
+// Prints what `record` measured per unit (`per` units ran: steps, requests), the 16 operations of
+// most own time first; json lines carry `tags`.
+void print(const std::string& title, const std::string& unit, int64_t per, double wall_us, const nlohmann::json& tags, bool json,
+           size_t top = 16) {
+  std::vector<std::pair<std::string, Stat>> rows(stats.begin(), stats.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.self_ns > b.second.self_ns; });
+  const double unit_us = wall_us / per;
+  const double outside_us = unit_us - top_level_ns / 1e3 / per;
+  auto line = [&](const std::string& op, double calls, double us) {
+    nlohmann::json j = tags;
+    j["op"] = op;
+    if (calls >= 0) j["calls_per_" + unit] = calls;
+    j["self_us_per_" + unit] = us;
+    if (const auto it = stats.find(op); it != stats.end()) {
+      j["total_us_per_" + unit] = it->second.total_ns / 1e3 / per;
+      j["inner_ops_per_" + unit] = double(it->second.inner) / per;
+    }
+    j[unit + "_us"] = unit_us;
+    std::cout << j.dump() << std::endl;
+  };
+  // The `top` of most own time, and comb's own scopes (their inner operations say what they launch).
+  auto shown_row = [&](size_t r) { return r < top || rows[r].first.rfind("comb::", 0) == 0; };
+  if (json) {
+    for (size_t r = 0; r < rows.size(); ++r)
+      if (shown_row(r)) line(rows[r].first, double(rows[r].second.calls) / per, rows[r].second.self_ns / 1e3 / per);
+  } else {
+    fmt::print("{} (profiled: {:.0f} us a {})\n", title, unit_us, unit);
+    fmt::print("  {:<44} {:>10} {:>12} {:>7} {:>12} {:>10}\n", "operation", "calls/" + unit, "own us/" + unit, "share",
+               "with inner", "inner ops");
+  }
+  double shown = 0;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    if (!shown_row(r)) continue;
+    const double us = rows[r].second.self_ns / 1e3 / per;
+    shown += us;
+    if (!json)
+      fmt::print("  {:<44} {:>10.1f} {:>12.1f} {:>6.1f}% {:>12.1f} {:>10.1f}\n", rows[r].first,
+                 double(rows[r].second.calls) / per, us, 100 * us / unit_us, rows[r].second.total_ns / 1e3 / per,
+                 double(rows[r].second.inner) / per);
+  }
+  const double rest = top_level_ns / 1e3 / per - shown;
+  if (json) {
+    line("(every other operation)", -1, rest);
+    line("(outside every operation)", -1, outside_us);
+  } else {
+    fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(every other operation)", "", rest, 100 * rest / unit_us);
+    fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(outside every operation)", "", outside_us, 100 * outside_us / unit_us);
+  }
 }
 }  // namespace op_profile
 
@@ -47,8 +114,10 @@ namespace {
 // item by item (each item cold, then warm `repeat` times, a method after the other), so that a
 // drift of the machine falls on all of them alike; the ratio against the first method is taken
 // per item, then its median. Separate processes (bench/cost_table.sh) differ by 10% from load.
+// With `profile`, each method's cold and warm requests run once more over the items under the
+// operation profile (host time by operation: on a GPU, launches and the waits of copies to the host).
 int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, const std::string& method_list,
-              const comb::PicOptions& options, int repeat, bool json) {
+              const comb::PicOptions& options, int repeat, bool json, bool profile) {
   std::vector<comb::Method> methods;
   for (const auto& name : split_list(method_list)) methods.push_back(comb::parse_method(name));
   if (methods.size() < 2) throw Error("--pic-methods: expected two methods or more, comma separated, found '" + method_list + "'");
@@ -93,6 +162,27 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
       fmt::print("{:<10} {} items  cold p50 {:>8.1f} ms  warm p50 {:>7.1f} ms  per item against {}: cold {:.3f}, warm {:.3f}\n",
                  name, items.size(), median(cold[m]), median(warm[m]), comb::method_name(methods[0]),
                  median(cold_ratio[m]), median(warm_ratio[m]));
+    }
+  }
+  if (profile) {
+    std::vector<comb::PicRequest> requests;
+    for (const auto& item : items) requests.push_back(comb::qa_request(model, item.documents, item.question));
+    const auto n = static_cast<int64_t>(requests.size());
+    for (size_t m = 0; m < k; ++m) {
+      const std::string name = comb::method_name(methods[m]);
+      engines[m]->clear();
+      // Cold: the engine's store emptied once, so each item's documents are new to it (a document
+      // that two items share is warm the second time).
+      const double cold_us = op_profile::record([&] {
+        for (const auto& r : requests) engines[m]->generate(r, first);
+      });
+      op_profile::print(name + ": cold requests", "request", n, cold_us,
+                        nlohmann::json{{"bench", "pic_profile"}, {"method", name}, {"phase", "cold"}}, json, 12);
+      const double warm_us = op_profile::record([&] {
+        for (const auto& r : requests) engines[m]->generate(r, first);
+      });
+      op_profile::print(name + ": warm requests", "request", n, warm_us,
+                        nlohmann::json{{"bench", "pic_profile"}, {"method", name}, {"phase", "warm"}}, json, 12);
     }
   }
   return 0;
@@ -205,40 +295,9 @@ void bench_decode(Bench& b, int64_t n_decode, bool profile) {
   b.report("decode", n_decode, median(rates));
   if (profile) {
     double step_us = 0;
-    op_profile::stats.clear();
-    op_profile::top_level_ns = 0;
-    after_prompt([&](const auto& decode) {
-      auto handle = at::addThreadLocalCallback(
-          at::RecordFunctionCallback(op_profile::enter, op_profile::leave).needsInputs(false).scopes(
-              {at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE}));
-      const int64_t t0 = op_profile::now_ns();
-      decode();
-      step_us = (op_profile::now_ns() - t0) / 1e3 / n_decode;
-      at::removeCallback(handle);
-    });
-    std::vector<std::pair<std::string, op_profile::Stat>> rows(op_profile::stats.begin(), op_profile::stats.end());
-    std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.self_ns > b.second.self_ns; });
-    const double outside_us = step_us - op_profile::top_level_ns / 1e3 / n_decode;
-    if (json) {
-      for (const auto& [name, st] : rows)
-        std::cout << nlohmann::json{{"bench", "decode_profile"}, {"op", name}, {"calls_per_step", double(st.calls) / n_decode},
-                                    {"self_us_per_step", st.self_ns / 1e3 / n_decode}}.dump() << std::endl;
-      std::cout << nlohmann::json{{"bench", "decode_profile"}, {"op", "(outside every operation)"},
-                                  {"self_us_per_step", outside_us}, {"step_us", step_us}}.dump() << std::endl;
-    } else {
-      fmt::print("decode profile, {} steps (profiled: {:.0f} us a step)\n", n_decode, step_us);
-      fmt::print("  {:<44} {:>10} {:>12} {:>7}\n", "operation", "calls/step", "own us/step", "share");
-      double shown = 0;
-      for (size_t r = 0; r < rows.size() && r < 16; ++r) {
-        const double us = rows[r].second.self_ns / 1e3 / n_decode;
-        shown += us;
-        fmt::print("  {:<44} {:>10.1f} {:>12.1f} {:>6.1f}%\n", rows[r].first, double(rows[r].second.calls) / n_decode, us,
-                   100 * us / step_us);
-      }
-      const double rest = op_profile::top_level_ns / 1e3 / n_decode - shown;
-      fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(every other operation)", "", rest, 100 * rest / step_us);
-      fmt::print("  {:<44} {:>10} {:>12.1f} {:>6.1f}%\n", "(outside every operation)", "", outside_us, 100 * outside_us / step_us);
-    }
+    after_prompt([&](const auto& decode) { step_us = op_profile::record(decode); });
+    op_profile::print(fmt::format("decode profile, {} steps", n_decode), "step", n_decode, step_us,
+                      nlohmann::json{{"bench", "decode_profile"}}, json);
   }
 }
 
@@ -375,10 +434,11 @@ int cmd_bench(Args& args) {
     const int repeat = std::max(1, args.num<int>("repeat", 3));
     const comb::PicOptions options = pic_method_options(args);
     const bool json = args.has("json");
+    const bool profile = args.num<int>("profile", 0) != 0;
     args.str("json");
     args.check_all_used();
     c10::InferenceMode guard;
-    return bench_pic(model, pic_data, items, list, options, repeat, json);
+    return bench_pic(model, pic_data, items, list, options, repeat, json, profile);
   }
   std::string lengths = args.str("prompt-tokens", "128,512,2048");
   int64_t n_decode = args.num<int64_t>("decode-tokens", 64);

@@ -231,7 +231,9 @@ bench options:
   --repeat N             runs per figure; the median is reported (default 3)
   --profile 0|1          also profile --decode-tokens decode steps: time per step by operation (its own
                          time, without the operations it calls), and the time outside every operation
-                         (the decoder's own C++ between them) (default 0)
+                         (the decoder's own C++ between them); with --pic-data, each method's cold
+                         and warm requests once more over the items, time per request by operation
+                         (host time: on a GPU, launches and waits) (default 0)
   --pic-data FILE        instead: caching methods' TTFT on QA items (data format) in one process,
                          the methods alternated item by item: each item cold, then warm --repeat
                          times; p50s and the per-item ratio against the first method

@@ -607,6 +607,7 @@ COMB_INLINE DocumentKV Plugin::encode(const Decoder& base, const std::vector<int
 COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
                                                         const std::vector<std::vector<int32_t>>& documents,
                                                         const KVCache* prefix_states) const {
+  RECORD_FUNCTION("comb::encode_many", std::vector<c10::IValue>());
   std::vector<DocumentKV> out(documents.size());
   if (!encoder_is_base()) {  // one at a time (encode() checks each)
     for (size_t i = 0; i < documents.size(); ++i) out[i] = encode(base, documents[i]);
@@ -899,6 +900,7 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> Plugin::block_kv(const PluginWeigh
 COMB_INLINE std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::documents_kv(
     const PluginWeights& w, int64_t k, const at::Tensor& s, const std::vector<int64_t>& lens, const at::Tensor& back_cos,
     const at::Tensor& back_sin) const {
+  RECORD_FUNCTION("comb::documents_kv", std::vector<c10::IValue>());
   const auto& c = base_config_;
   const int64_t n_docs = s.size(0), m = s.size(1), n_kv = c.n_head_kv, hd = c.head_dim, kv_dim = n_kv * hd;
   COMB_CHECK(static_cast<int64_t>(lens.size()) == n_docs, "documents_kv: {} lengths for {} documents", lens.size(),

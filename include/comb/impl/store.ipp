@@ -4,6 +4,7 @@
 #pragma once
 #include "comb/detail/inline.hpp"
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <xxhash.h>
 
 #include <array>
@@ -484,6 +485,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::Impl::get_local(cons
 }
 
 COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& key, const DocumentKV& kv) {
+  RECORD_FUNCTION("comb::store_put", std::vector<c10::IValue>());
   COMB_CHECK(!kv.keys.empty() && kv.keys.size() == kv.values.size(), "cache entry {} has no K/V blocks", key.hex());
   std::unique_lock<std::mutex> lock(impl_->mutex);
   bool pinned = false;  // a replaced entry keeps its pin
