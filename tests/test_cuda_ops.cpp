@@ -474,6 +474,36 @@ TEST_CASE("quantize_int8 on CUDA makes the CPU's int8 codes and scales, bit for 
   CHECK(checked == 3 * 2 * 5 * 3);
 }
 
+TEST_CASE("the prefix cache fills a CUDA half cache in one launch, exactly", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  Options options{"cuda", "bfloat16"};
+  Model model = Model::load(env_or("COMB_CUDA_MODEL", model_path()), options);
+  const Decoder& dec = model.decoder();
+  std::vector<int32_t> tokens(40);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(100 + 7 * i);
+  KVCache cache = dec.make_cache(1, 48);
+  dec.forward(token_ids(tokens, 0, 40), cache);
+  PrefixCache prefix(16, int64_t(1) << 30);
+  prefix.insert(tokens, 40, cache);
+  const std::vector<uint64_t> held = prefix.acquire(tokens);
+  REQUIRE(held.size() == 2);  // two whole blocks of 16
+  KVCache filled = dec.make_cache(1, 48);
+  for (int64_t l = 0; l < dec.config().n_layer; ++l) {  // what no block covers stays as it was
+    filled.keys(l).fill_(7);
+    filled.values(l).fill_(-7);
+  }
+  prefix.fill(held, filled);
+  for (int64_t l = 0; l < dec.config().n_layer; ++l) {
+    INFO("layer " << l);
+    CHECK(at::equal(filled.keys(l).narrow(2, 0, 32), cache.keys(l).narrow(2, 0, 32)));
+    CHECK(at::equal(filled.values(l).narrow(2, 0, 32), cache.values(l).narrow(2, 0, 32)));
+    CHECK(filled.keys(l).narrow(2, 32, 16).eq(7).all().item<bool>());
+    CHECK(filled.values(l).narrow(2, 32, 16).eq(-7).all().item<bool>());
+  }
+  prefix.release(held);
+}
+
 TEST_CASE("COMB on a CUDA half model: documents kept int8 on the device, joined by one kernel, warm = cold",
           "[ops][cuda]") {
   if (!cuda_ops_here()) return;
@@ -498,7 +528,12 @@ TEST_CASE("COMB on a CUDA half model: documents kept int8 on the device, joined 
                              {"Beta", "Beta is a river town; its bridge opened in 1904."},
                              {"Gamma", "Gamma Lake freezes every winter, and skaters cross it to the island."}},
                             "When did the bridge in Beta open?");
-  PicEngine engine(model, Method::comb);
+  // Prefix blocks longer than any prompt: the warm request computes the same rows as the cold one
+  // (with the default blocks it takes the instruction's whole blocks from the prefix cache and
+  // computes fewer rows, and cuBLAS may round a product of another row count differently).
+  PicOptions same_rows;
+  same_rows.prefix_block = 1 << 20;
+  PicEngine engine(model, Method::comb, same_rows);
   PicPrefill cold = engine.prefill(r, 4);
   const StoreStats s = engine.store().stats();
   CHECK(s.device.entries == 3);  // the engine's store keeps them in device memory
@@ -538,6 +573,23 @@ TEST_CASE("COMB on a CUDA half model: documents kept int8 on the device, joined 
   PicPrefill b = naive.prefill(r, 4);
   CHECK(b.reused > a.reused);
   CHECK(at::equal(a.logits, b.logits));
+  // The cold request computed its four pieces (prefix and documents) in one padded forward, on the
+  // generic path; each piece alone runs the fused one-sequence path. Layer 0's K/V do not depend on
+  // the context: K = RoPE(Wk RMSNorm(e)), V = Wv RMSNorm(e), each path rounding the norm, the
+  // product (float32 sums) and the rotation's products and sum to bfloat16: at most four roundings
+  // of 2^-9 relative to values bounded by the largest, so within 2^-6 of the largest |K| or |V|.
+  {
+    const std::vector<int32_t>& doc = r.documents[1];
+    auto together = naive.documents().decoder_kv(doc, "");
+    bool computed = false;
+    auto alone = Documents(model).decoder_kv(doc, "", &computed);
+    REQUIRE(computed);
+    for (const auto& [x, y] : {std::pair{together->keys[0], alone->keys[0]}, std::pair{together->values[0], alone->values[0]}}) {
+      at::Tensor got = x.to(at::kFloat).cpu(), want = y.to(at::kFloat).cpu();
+      REQUIRE(got.sizes() == want.sizes());
+      CHECK((got - want).abs().max().item<double>() <= std::ldexp(want.abs().max().item<double>(), -6));
+    }
+  }
   const Decoder& dec = model.decoder();
   KVCache manual = dec.make_cache(1, b.cache.capacity());
   int64_t pos = 0;

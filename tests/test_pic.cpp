@@ -352,6 +352,52 @@ TEST_CASE("a per-document cache does not depend on the request that filled it", 
   }
 }
 
+TEST_CASE("decoder_kv_many: a request's pieces computed together (a GPU's way) or one by one", "[pic]") {
+  c10::InferenceMode guard;
+  const Model& m = tiny();
+  const auto& c = m.config();
+  const std::vector<std::vector<int32_t>> pieces{random_tokens(9, 1), random_tokens(4, 2), random_tokens(9, 1),
+                                                 random_tokens(13, 3)};
+  for (bool batched : {false, true}) {
+    INFO("batched " << batched);
+    PICacheStore store{StoreOptions{}};
+    Documents docs = documents_in(m, &store);
+    std::vector<bool> computed;
+    auto got = docs.decoder_kv_many(pieces, "", &computed, batched);
+    REQUIRE(got.size() == pieces.size());
+    CHECK(computed == std::vector<bool>{true, true, false, true});  // the repeated piece computed once
+    CHECK(got[0] == got[2]);
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      INFO("piece " << i);
+      CHECK(got[i] == store.get(docs.decoder_key(pieces[i], "")));  // kept under decoder_kv's key
+      auto alone = Documents(m).decoder_kv(pieces[i]);
+      const auto n = static_cast<int64_t>(pieces[i].size());
+      REQUIRE(got[i]->n_tokens == n);
+      for (int64_t l = 0; l < c.n_layer; ++l) {
+        INFO("layer " << l);
+        REQUIRE(got[i]->keys[l].sizes() == alone->keys[l].sizes());
+        if (!batched) {  // decoder_kv's own computation
+          CHECK(at::equal(got[i]->keys[l], alone->keys[l]));
+          CHECK(at::equal(got[i]->values[l], alone->values[l]));
+        } else {
+          // One padded forward of the three on the generic path (padding after each piece, which
+          // no real token reads), against the fused path of one: path_bound for l + 1 layers.
+          CHECK(max_diff(got[i]->keys[l], alone->keys[l]) <= path_bound(c, l + 1, n, magnitude(alone->keys[l])));
+          CHECK(max_diff(got[i]->values[l], alone->values[l]) <= path_bound(c, l + 1, n, magnitude(alone->values[l])));
+        }
+      }
+    }
+    auto again = docs.decoder_kv_many(pieces, "", &computed, batched);  // all found
+    CHECK(computed == std::vector<bool>(4, false));
+    CHECK(again == got);
+    // Without a store, each computed, the repeated one again (as decoder_kv computes it each time).
+    Documents bare(m);
+    bare.decoder_kv_many(pieces, "", &computed, batched);
+    CHECK(computed == std::vector<bool>(4, true));
+    CHECK_THROWS_WITH(docs.decoder_kv_many({pieces[1], {}}, "", nullptr, batched), Catch::Contains("empty"));
+  }
+}
+
 TEST_CASE("documents: the post-training methods' cache is the decoder's own K/V, whole or in pieces", "[pic]") {
   c10::InferenceMode guard;
   const Model& m = default_model();

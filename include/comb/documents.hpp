@@ -91,6 +91,15 @@ class Documents {
   CacheKey decoder_key(const std::vector<int32_t>& tokens, const std::string& tenant = "") const;
   std::shared_ptr<const DocumentKV> decoder_kv(const std::vector<int32_t>& tokens, const std::string& tenant = "",
                                                bool* computed = nullptr) const;
+  // decoder_kv() of each piece of a request. `batched` (default: on a CUDA decoder, where one
+  // forward costs what one piece's does): the missing ones computed together, in as few padded
+  // forwards as Plugin::encoding_batches allows (one for ten short documents; a piece alone takes
+  // decoder_kv's path); else one after another, as decoder_kv computes them. A piece given twice
+  // is computed once when there is a store. `computed`, if given, receives which were computed.
+  std::vector<std::shared_ptr<const DocumentKV>> decoder_kv_many(const std::vector<std::vector<int32_t>>& pieces,
+                                                                 const std::string& tenant = "",
+                                                                 std::vector<bool>* computed = nullptr,
+                                                                 std::optional<bool> batched = std::nullopt) const;
 
   // A document's cache (`kind`: the plug-in's encoder K/V or the decoder's) computed a piece at a
   // time, so that a server runs other work between the pieces and a long document never holds

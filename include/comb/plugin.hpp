@@ -149,6 +149,13 @@ class Plugin {
   const std::string& fingerprint() const { return fingerprint_; }
   // Cross block index that runs before decoder layer `layer`, or -1.
   int64_t block_before(int64_t layer) const;
+  // encode_many's batches (and Documents::decoder_kv_many's): indices of `documents`, by length
+  // then tokens (so the same documents make the same batches in any order), padded tokens within
+  // 5/4 of the real ones and 4096. On a GPU (`gpu`), where a forward costs its launches more than
+  // its padding, as few batches as 16,384 padded tokens allow: a request's ten short documents go
+  // through the layers once.
+  static std::vector<std::vector<size_t>> encoding_batches(const std::vector<std::vector<int32_t>>& documents,
+                                                           bool gpu = false);
 
   // Encodes one document [n] (positions 0..n-1) into per-block K/V. An encoder of the base's own
   // layers, causal, runs the base's cached forward (its fused kernels) after `prefix_states`, the
@@ -276,12 +283,6 @@ class Plugin {
   static std::vector<DocumentKV> split_documents(const std::vector<at::Tensor>& keys,
                                                  const std::vector<at::Tensor>& values,
                                                  const std::vector<int64_t>& lens);
-  // encode_many's batches: indices of `documents`, by length then tokens (so the same documents
-  // make the same batches in any order), padded tokens within 5/4 of the real ones and 4096. On a
-  // GPU (`gpu`), where a forward costs its launches more than its padding, as few batches as 16,384
-  // padded tokens allow: a request's ten short documents go through the layers once.
-  static std::vector<std::vector<size_t>> encoding_batches(const std::vector<std::vector<int32_t>>& documents,
-                                                           bool gpu = false);
   // One padded batch of documents ready for the base's cached forward: their lengths, embeddings
   // [n_docs, m, n_embd] (padding after each document), a cache holding the encoder prefix's
   // states, and (relative_positions) the turns back that end each document at -1.

@@ -94,6 +94,7 @@ COMB_INLINE c10::ScalarType Documents::kept_dtype() const {
 }
 
 COMB_INLINE void Documents::quantize_on_device(std::vector<DocumentKV>& kvs) const {
+  RECORD_FUNCTION("comb::quantize_on_device", std::vector<c10::IValue>());
   const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
   if (!ops || !ops->quantize_int8 || kvs.empty() || kept_dtype() != at::kChar) return;
   std::vector<std::vector<std::array<at::Tensor, 2>>> in(kvs.size());
@@ -136,6 +137,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> Documents::put(const CacheKey& key
 
 COMB_INLINE LinkedDocuments Documents::link(const std::vector<std::shared_ptr<const DocumentKV>>& entries,
                                            int64_t anchor) const {
+  RECORD_FUNCTION("comb::link", std::vector<c10::IValue>());
   LinkedDocuments linked = Linker(model_.decoder().device(), plugin().config().joint_attention).link(entries);
   linked.anchor = anchor;
   return linked;
@@ -150,6 +152,7 @@ COMB_INLINE CacheKey Documents::decoder_key(const std::vector<int32_t>& tokens, 
 
 COMB_INLINE std::optional<DocumentKV> Documents::decoder_piece(const std::vector<int32_t>& tokens, int64_t from,
                                                                int64_t to, std::optional<KVCache>& cache) const {
+  RECORD_FUNCTION("comb::decoder_piece", std::vector<c10::IValue>());
   const Decoder& dec = model_.decoder();
   const int64_t n = static_cast<int64_t>(tokens.size());
   if (!cache) cache.emplace(dec.make_cache(1, n));
@@ -178,6 +181,79 @@ COMB_INLINE std::shared_ptr<const DocumentKV> Documents::decoder_kv(const std::v
   std::optional<KVCache> cache;
   DocumentKV kv = *decoder_piece(tokens, 0, static_cast<int64_t>(tokens.size()), cache);
   return store_ ? store_->put(k, kv) : std::make_shared<const DocumentKV>(std::move(kv));
+}
+
+COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Documents::decoder_kv_many(
+    const std::vector<std::vector<int32_t>>& pieces, const std::string& tenant, std::vector<bool>* computed,
+    std::optional<bool> batched) const {
+  RECORD_FUNCTION("comb::decoder_kv_many", std::vector<c10::IValue>());
+  c10::InferenceMode inference;
+  const Decoder& dec = model_.decoder();
+  const size_t n = pieces.size();
+  std::vector<std::shared_ptr<const DocumentKV>> out(n);
+  if (computed) computed->assign(n, false);
+  if (!batched.value_or(dec.device().is_cuda())) {  // one after another
+    for (size_t i = 0; i < n; ++i) {
+      bool c = false;
+      out[i] = decoder_kv(pieces[i], tenant, &c);
+      if (computed) (*computed)[i] = c;
+    }
+    return out;
+  }
+  // The store's entries; each missing piece once, in the order first asked.
+  std::vector<CacheKey> keys(n);
+  std::vector<std::vector<int32_t>> missing;
+  std::vector<int64_t> source(n, -1);
+  for (size_t i = 0; i < n; ++i) {
+    COMB_CHECK(!pieces[i].empty(), "piece {} of {} is empty: an empty document has no cache", i, n);
+    keys[i] = decoder_key(pieces[i], tenant);
+    if (store_)
+      if (auto hit = store_->get(keys[i])) {
+        out[i] = std::move(hit);
+        continue;
+      }
+    auto same = std::find(missing.begin(), missing.end(), pieces[i]);
+    if (same == missing.end()) {
+      same = missing.insert(missing.end(), pieces[i]);
+      if (computed) (*computed)[i] = true;
+    } else if (computed) {
+      (*computed)[i] = !store_;  // without a store, decoder_kv would compute it again
+    }
+    source[i] = same - missing.begin();
+  }
+  std::vector<std::shared_ptr<const DocumentKV>> made(missing.size());
+  auto keep = [&](size_t j, DocumentKV kv) {
+    const CacheKey& k = keys[std::find(source.begin(), source.end(), static_cast<int64_t>(j)) - source.begin()];
+    made[j] = store_ ? store_->put(k, kv) : std::make_shared<const DocumentKV>(std::move(kv));
+  };
+  for (const auto& batch : Plugin::encoding_batches(missing, /*gpu=*/true)) {
+    if (batch.size() == 1) {  // alone: decoder_kv's path (a fused one-sequence forward)
+      std::optional<KVCache> cache;
+      keep(batch[0], *decoder_piece(missing[batch[0]], 0, static_cast<int64_t>(missing[batch[0]].size()), cache));
+      continue;
+    }
+    // Padding (token 0) after each piece's tokens: causally, no real token reads it.
+    const auto b = static_cast<int64_t>(batch.size());
+    int64_t m = 0;
+    for (size_t j : batch) m = std::max<int64_t>(m, static_cast<int64_t>(missing[j].size()));
+    std::vector<int64_t> flat(b * m, 0);
+    for (int64_t d = 0; d < b; ++d) std::copy(missing[batch[d]].begin(), missing[batch[d]].end(), flat.begin() + d * m);
+    KVCache cache = dec.make_cache(b, m);
+    dec.forward(at::tensor(flat, at::kLong).view({b, m}).to(dec.device()), cache);
+    for (int64_t d = 0; d < b; ++d) {
+      const int64_t len = static_cast<int64_t>(missing[batch[d]].size());
+      DocumentKV kv;  // positions [0, len) of each layer, copied out of the batch's cache
+      kv.n_tokens = len;
+      for (int64_t l = 0; l < cache.n_layers(); ++l) {
+        kv.keys.push_back(cache.keys(l)[d].narrow(1, 0, len).contiguous());
+        kv.values.push_back(cache.values(l)[d].narrow(1, 0, len).contiguous());
+      }
+      keep(batch[d], std::move(kv));
+    }
+  }
+  for (size_t i = 0; i < n; ++i)
+    if (source[i] >= 0) out[i] = made[static_cast<size_t>(source[i])];
+  return out;
 }
 
 COMB_INLINE std::unique_ptr<DocumentWork> Documents::begin(const std::vector<int32_t>& tokens, const std::string& tenant,

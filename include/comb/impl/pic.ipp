@@ -4,6 +4,7 @@
 #pragma once
 #include "comb/detail/inline.hpp"
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/core/InferenceMode.h>
 #include <xxhash.h>
 
@@ -111,6 +112,37 @@ COMB_INLINE void PrefixCache::release(const std::vector<uint64_t>& blocks) {
 }
 
 COMB_INLINE void PrefixCache::fill(const std::vector<uint64_t>& blocks, KVCache& cache) const {
+  RECORD_FUNCTION("comb::prefix_fill", std::vector<c10::IValue>());
+  const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
+  const at::Tensor& k0 = cache.keys(0);
+  const auto t = k0.scalar_type();
+  bool one_launch = !blocks.empty() && ops && ops->join_documents && k0.is_cuda() && cache.batch() == 1 &&
+                    (t == at::kBFloat16 || t == at::kHalf);
+  for (int64_t l = 0; one_launch && l < cache.n_layers(); ++l)
+    one_launch = cache.keys(l).is_contiguous() && cache.values(l).is_contiguous();
+  for (size_t b = 0; one_launch && b < blocks.size(); ++b)
+    for (const auto& k : blocks_.at(blocks[b]).k) one_launch = one_launch && k.device() == k0.device() && k.scalar_type() == t;
+  if (one_launch) {
+    // On a CUDA half cache every block of every layer in one launch (join_documents with the RoPE
+    // angle 0, cos 1 and sin 0: keys and values copied exactly), not a copy per block and layer.
+    std::vector<detail::JoinPart> parts;
+    std::vector<at::Tensor> keys, values;
+    for (int64_t l = 0; l < cache.n_layers(); ++l) {
+      keys.push_back(cache.keys(l));
+      values.push_back(cache.values(l));
+      for (size_t b = 0; b < blocks.size(); ++b) {
+        const Block& block = blocks_.at(blocks[b]);
+        detail::JoinPart part;
+        part.block = l, part.offset = static_cast<int64_t>(b) * block_;
+        part.keys = block.k[static_cast<size_t>(l)][0].contiguous();  // [n_head_kv, block, head_dim]
+        part.values = block.v[static_cast<size_t>(l)][0].contiguous();
+        parts.push_back(std::move(part));
+      }
+    }
+    const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat).device(k0.device());
+    ops->join_documents(parts, keys, values, at::ones({1, k0.size(3)}, f32), at::zeros({1, k0.size(3)}, f32));
+    return;
+  }
   for (size_t b = 0; b < blocks.size(); ++b) {
     const Block& block = blocks_.at(blocks[b]);
     for (size_t l = 0; l < block.k.size(); ++l)
@@ -259,6 +291,7 @@ COMB_INLINE bool PicEngine::continue_document(DocumentWork& w, int64_t max_token
 // Fills the cache with the prefix and every document reused as is (naive), each document's keys
 // rotated from positions [0, len) to where it stands. spans: where each document landed.
 COMB_INLINE void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, std::vector<DocSpan>& spans) {
+  RECORD_FUNCTION("comb::fill_reused", std::vector<c10::IValue>());
   const Decoder& dec = model_.decoder();
   // On a CUDA half decoder, every piece's K/V of every layer placed in one launch (each key turned
   // to its position in float32, rounded once), read as the store holds them (int8 or half, on the
@@ -267,10 +300,16 @@ COMB_INLINE void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, st
   const bool joined = ops && ops->join_documents && dec.cuda_kernels_apply(out.cache);
   std::vector<detail::JoinPart> parts;
   int64_t pos = 0;
-  auto place = [&](const std::vector<int32_t>& tokens, bool is_document) {
-    bool computed = false;
-    auto kv = documents_->decoder_kv(tokens, out.tenant, &computed);
-    const int64_t n = static_cast<int64_t>(tokens.size());
+  // Every piece's K/V first (the missing ones computed together on a GPU), then placed in order.
+  std::vector<std::vector<int32_t>> pieces;
+  if (!r.prefix.empty()) pieces.push_back(r.prefix);
+  pieces.insert(pieces.end(), r.documents.begin(), r.documents.end());
+  std::vector<bool> computed_pieces;
+  const auto kvs = documents_->decoder_kv_many(pieces, out.tenant, &computed_pieces);
+  auto place = [&](size_t piece, bool is_document) {
+    const bool computed = computed_pieces[piece];
+    auto kv = kvs[piece];
+    const int64_t n = static_cast<int64_t>(pieces[piece].size());
     (computed ? out.computed : out.reused) += n;
     if (joined) {
       // As stored where the kernel reads it (int8, float32 or the decoder's dtype on its device; int4
@@ -299,8 +338,7 @@ COMB_INLINE void PicEngine::fill_reused(const PicRequest& r, PicPrefill& out, st
     if (is_document) spans.push_back({pos, n});
     pos += n;
   };
-  if (!r.prefix.empty()) place(r.prefix, false);
-  for (const auto& d : r.documents) place(d, true);
+  for (size_t i = 0; i < pieces.size(); ++i) place(i, r.prefix.empty() || i > 0);
   COMB_CHECK(pos <= out.cache.capacity(), "the reused pieces fill {} positions of a cache of {}", pos,
              out.cache.capacity());
   if (!parts.empty()) {
@@ -472,6 +510,7 @@ COMB_INLINE std::vector<int64_t> PicEngine::cacheblend_selection(const at::Tenso
 // the decoder computes the prompt without them (its instruction prefix from the prefix cache when
 // the plug-in reads documents only after it).
 COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<int32_t>&, PicPrefill& out) {
+  RECORD_FUNCTION("comb::prefill_comb", std::vector<c10::IValue>());
   const Plugin& plugin = *model_.plugin();
   int64_t anchor = 0;
   if (plugin.config().documents_after_prefix) {
@@ -479,20 +518,43 @@ COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<
     // blocks come from the prefix cache and a warm request computes the question alone.
     const int64_t p = static_cast<int64_t>(r.prefix.size());
     anchor = p;
+    out.prefix_insert = p;  // the prefix is the first p of the decoder's tokens
     detail::pic::HeldBlocks held{*prefix_, prefix_->acquire(r.prefix, out.tenant)};
     const int64_t m = static_cast<int64_t>(held.blocks.size()) * prefix_->block_tokens();
-    prefix_->fill(held.blocks, out.cache);
-    out.cache.set_length(m);
-    out.prefix_insert = p;  // the prefix is the first p of the decoder's tokens
-    out.reused += m;
-    // Past the prefix cache's blocks, a prompt that starts with the plug-in's encoder prefix (the
-    // QA instruction) takes those tokens' K/V from the states the model holds for the encoder,
-    // which run through every layer of the decoder: the same computation, done once per model.
+    // A prompt that starts with the plug-in's encoder prefix (the QA instruction) can take those
+    // tokens' K/V from the states the model holds for the encoder, which run through every layer
+    // of the decoder: the same computation, done once per model.
     const auto& instruction = plugin.config().encoder_prefix;
     const int64_t pre = static_cast<int64_t>(instruction.size());
-    const KVCache* states = m < pre && pre <= p && std::equal(instruction.begin(), instruction.end(), r.prefix.begin())
-                                ? model_.encoder_prefix_states()
-                                : nullptr;
+    const bool instructed = pre > 0 && pre <= p && std::equal(instruction.begin(), instruction.end(), r.prefix.begin());
+    const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
+    if (instructed && m <= pre && ops && ops->join_documents && model_.decoder().cuda_kernels_apply(out.cache)) {
+      // On a CUDA half decoder the states cover every layer in one launch (keys turned by angle 0:
+      // copied exactly), in place of the prefix cache's blocks and a copy per block and layer.
+      const KVCache& states = *model_.encoder_prefix_states();
+      std::vector<detail::JoinPart> parts;
+      std::vector<at::Tensor> keys, values;
+      for (int64_t layer = 0; layer < model_.config().n_layer; ++layer) {
+        detail::JoinPart part;
+        part.block = layer;
+        part.keys = states.keys(layer)[0];  // [n_head_kv, pre, head_dim]: the states' capacity is pre
+        part.values = states.values(layer)[0];
+        parts.push_back(std::move(part));
+        keys.push_back(out.cache.keys(layer));
+        values.push_back(out.cache.values(layer));
+      }
+      const Decoder& dec = model_.decoder();
+      ops->join_documents(parts, keys, values, dec.rope_cos().narrow(0, 0, 1).to(at::kFloat).contiguous(),
+                          dec.rope_sin().narrow(0, 0, 1).to(at::kFloat).contiguous());
+      out.cache.set_length(pre);
+      out.reused += pre;
+    } else {
+      prefix_->fill(held.blocks, out.cache);
+      out.cache.set_length(m);
+      out.reused += m;
+    }
+    // Past the prefix cache's blocks, the rest of the instruction from those states.
+    const KVCache* states = instructed && out.cache.length() < pre ? model_.encoder_prefix_states() : nullptr;
     if (states) {
       for (int64_t layer = 0; layer < model_.config().n_layer; ++layer)
         out.cache.write(layer, m, states->keys(layer).narrow(2, m, pre - m), states->values(layer).narrow(2, m, pre - m));
