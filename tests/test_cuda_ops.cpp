@@ -474,6 +474,54 @@ TEST_CASE("quantize_int8 on CUDA makes the CPU's int8 codes and scales, bit for 
   CHECK(checked == 3 * 2 * 5 * 3);
 }
 
+TEST_CASE("encode_packed on CUDA: one FlashAttention launch over variable lengths gives the padded batch's K/V",
+          "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  Options options{"cuda", "bfloat16"};
+  Model model = Model::load(env_or("COMB_CUDA_MODEL", model_path()), options);
+  const Decoder& dec = model.decoder();
+  PluginInitOptions init;
+  init.reads = init.joint_attention = true;
+  for (int64_t l = 0; l + 1 < dec.config().n_layer; ++l) init.cross_layers.push_back(l);
+  init.encoder_prefix = {11, 12, 13, 14, 15};
+  const Plugin plugin = Plugin::fresh(dec, init);
+  const KVCache states = plugin.encoder_prefix_states(dec);
+  std::vector<std::vector<int32_t>> docs;
+  for (int64_t len : {5, 40, 17, 64}) {
+    docs.emplace_back();
+    for (int64_t j = 0; j < len; ++j) docs.back().push_back(static_cast<int32_t>(1000 + 37 * j + len));
+  }
+  std::vector<const std::vector<int32_t>*> ptrs;
+  for (const auto& d : docs) ptrs.push_back(&d);
+  const std::vector<DocumentKV> padded = plugin.encode_many(dec, docs, &states);
+  const std::vector<DocumentKV> varlen = plugin.encode_packed(dec, ptrs, states, /*varlen=*/true);
+  const std::vector<DocumentKV> apart = plugin.encode_packed(dec, ptrs, states, /*varlen=*/false);
+  int checked = 0;
+  for (size_t d = 0; d < docs.size(); ++d)
+    for (size_t k = 0; k < padded[d].keys.size(); ++k) {
+      INFO("document " << d << ", block " << k);
+      for (const auto* got : {&varlen, &apart}) {
+        REQUIRE((*got)[d].keys[k].sizes() == padded[d].keys[k].sizes());
+        CHECK(at::isfinite((*got)[d].keys[k]).all().item<bool>());
+      }
+      if (plugin.config().read_depth(static_cast<int64_t>(k)) > 1) continue;
+      // Within one encoder layer of the embeddings: each path rounds to bfloat16 (2^-9 relative)
+      // at the layer's norm, its two products, the rotation, the attention's output and the
+      // residual sums, a few roundings each of values no larger than the largest: within 2^-5 of
+      // it. A wrong mask or position would differ by the values themselves.
+      for (const auto* got : {&varlen, &apart}) {
+        for (bool keys : {true, false}) {
+          const at::Tensor a = (keys ? (*got)[d].keys[k] : (*got)[d].values[k]).to(at::kFloat).cpu();
+          const at::Tensor b = (keys ? padded[d].keys[k] : padded[d].values[k]).to(at::kFloat).cpu();
+          CHECK((a - b).abs().max().item<double>() <= std::ldexp(b.abs().max().item<double>(), -5));
+        }
+        ++checked;
+      }
+    }
+  CHECK(checked == 2 * 2 * 4);  // depths 0 and 1, two packed forms, four documents
+}
+
 TEST_CASE("the prefix cache fills a CUDA half cache in one launch, exactly", "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;

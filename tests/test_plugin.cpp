@@ -789,6 +789,58 @@ TEST_CASE("row_attention: the last row's probabilities in the forward a prompt r
   CHECK_THROWS_WITH(row_attention(base, ids.view({11, 1}), nullptr), Catch::Contains("expected tokens [1, n > 0]"));
 }
 
+TEST_CASE("encode_packed: documents packed in one row sequence give encode_many's K/V", "[plugin]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  const Decoder& base = model.decoder();
+  const auto& c = base.config();
+  std::mt19937 rng(21);
+  std::uniform_int_distribution<int32_t> token(1000, static_cast<int32_t>(c.n_vocab) - 1);
+  std::vector<std::vector<int32_t>> docs;
+  for (int64_t len : {5, 9, 3, 9}) {
+    docs.emplace_back();
+    for (int64_t j = 0; j < len; ++j) docs.back().push_back(token(rng));
+  }
+  std::vector<const std::vector<int32_t>*> ptrs;
+  for (const auto& d : docs) ptrs.push_back(&d);
+  for (bool with_prefix : {false, true})
+    for (bool relative : {false, true}) {
+      INFO("encoder prefix " << with_prefix << ", relative positions " << relative);
+      PluginInitOptions init;
+      init.reads = true;
+      init.joint_attention = relative;  // joint blocks read documents at relative positions only
+      init.relative_positions = relative;
+      init.cross_layers = {0, 1, 2};
+      if (!relative) init.probes = {{11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22}};  // the reading blocks' sinks come from probe prompts
+      if (with_prefix) init.encoder_prefix = {11, 12, 13, 14};
+      const Plugin plugin = Plugin::fresh(base, init);
+      const KVCache states = plugin.encoder_prefix_states(base);
+      const int64_t pre = static_cast<int64_t>(init.encoder_prefix.size());
+      const std::vector<DocumentKV> want = plugin.encode_many(base, docs, &states);
+      const std::vector<DocumentKV> got = plugin.encode_packed(base, ptrs, states, /*varlen=*/false);
+      REQUIRE(got.size() == docs.size());
+      for (size_t d = 0; d < docs.size(); ++d) {
+        INFO("document " << d);
+        const auto len = static_cast<int64_t>(docs[d].size());
+        CHECK(got[d].n_tokens == len);
+        REQUIRE(got[d].keys.size() == want[d].keys.size());
+        for (size_t k = 0; k < got[d].keys.size(); ++k) {
+          INFO("block " << k);
+          REQUIRE(got[d].keys[k].sizes() == want[d].keys[k].sizes());
+          // The same causal computation, packed against padded (and on the fused CPU path against
+          // the generic one): the block's depth in layers plus its projection, attention rows over
+          // the prefix and the document, helpers.hpp's path_bound.
+          const int64_t layers = plugin.config().read_depth(static_cast<int64_t>(k)) + 1;
+          CHECK(max_diff(got[d].keys[k], want[d].keys[k]) <= path_bound(c, layers, pre + len, magnitude(want[d].keys[k])));
+          CHECK(max_diff(got[d].values[k], want[d].values[k]) <=
+                path_bound(c, layers, pre + len, magnitude(want[d].values[k])));
+        }
+      }
+      CHECK_THROWS_WITH(plugin.encode_packed(base, ptrs, states, /*varlen=*/true),
+                        Catch::Contains("runs on a CUDA bfloat16 or float16 decoder"));
+    }
+}
+
 TEST_CASE("without gradients on CPU, joint attention and joined keys take direct paths with the same results",
           "[ops][plugin]") {
   // joint_attention: the context and the documents attended apart and merged by their log-sum-exp,

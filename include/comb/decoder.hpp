@@ -178,6 +178,25 @@ class Decoder {
   at::Tensor layer(int64_t i, const at::Tensor& x, KVCache& cache,
                    const JointKV* joint = nullptr) const;  // x: [batch, n, n_embd]
   at::Tensor logits(const at::Tensor& x, LogitsMode mode) const;                      // -> [batch, n|1, n_vocab]
+  // Several sequences packed in one row sequence, each after the same `pre` positions whose K/V a
+  // layer reads from elsewhere (Plugin::encode_packed: documents after the encoder prefix): sequence
+  // d holds rows [first[d], first[d + 1]) of x [1, first.back(), n_embd] at positions pre, pre + 1,
+  // ... Built once (on the decoder's device) for every layer of a pass; layer_packed() runs them.
+  struct PackedRows {
+    std::vector<int64_t> first;  // n_seq + 1 row offsets, from 0
+    int64_t pre = 0, longest = 0;
+    at::Tensor cos, sin;         // [rows, head_dim]: each row's RoPE angle
+    at::Tensor gather;           // long [n_seq * pre + rows]: each sequence's keys, the pre's then its own
+    at::Tensor cu_rows, cu_keys; // int32 [n_seq + 1]: each sequence's first row and first key
+  };
+  PackedRows packed_rows(const std::vector<int64_t>& lengths, int64_t pre) const;
+  // Layer `i` of the packed sequences: each attends to layer i's `pre` positions of prefix_keys and
+  // prefix_values ([1, n_head_kv, >= pre, head_dim], keys turned) and causally to itself; no cache
+  // is written. `varlen` (a CUDA bfloat16/float16 decoder): one FlashAttention launch over every
+  // sequence (variable lengths); else a sequence at a time. On a CUDA half decoder the norms and the
+  // activation are the fused kernels, else generic ATen ops.
+  at::Tensor layer_packed(int64_t i, const at::Tensor& x, const PackedRows& rows, const at::Tensor& prefix_keys,
+                          const at::Tensor& prefix_values, bool varlen) const;
   // Layer `i` for tokens at explicit, increasing `positions` [m] (batch 1): their K/V go into
   // `cache` at those positions, and each attends to every cached position up to its own among
   // [0, n_keys). For recomputing chosen tokens over a cache filled by other means.

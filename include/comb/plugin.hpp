@@ -149,6 +149,13 @@ class Plugin {
   const std::string& fingerprint() const { return fingerprint_; }
   // Cross block index that runs before decoder layer `layer`, or -1.
   int64_t block_before(int64_t layer) const;
+  // encode_many's documents (an encoder of the base's own layers) packed in one row sequence, after
+  // `prefix_states`' encoder prefix: encode_padded's K/V without the padding, up to rounding
+  // (Decoder::layer_packed; `varlen`: one FlashAttention launch a layer, a CUDA half base). On a
+  // CUDA half base encode_many runs it when COMB_CUDA_VARLEN=1 (not the default until a GPU run
+  // has compared it with the padded batch).
+  std::vector<DocumentKV> encode_packed(const Decoder& base, const std::vector<const std::vector<int32_t>*>& documents,
+                                        const KVCache& prefix_states, bool varlen) const;
   // encode_many's batches (and Documents::decoder_kv_many's): indices of `documents`, by length
   // then tokens (so the same documents make the same batches in any order), padded tokens within
   // 5/4 of the real ones and 4096. On a GPU (`gpu`), where a forward costs its launches more than

@@ -764,6 +764,92 @@ COMB_INLINE at::Tensor Decoder::layer_cuda(int64_t i, const at::Tensor& x, KVCac
   });
 }
 
+COMB_INLINE Decoder::PackedRows Decoder::packed_rows(const std::vector<int64_t>& lengths, int64_t pre) const {
+  COMB_CHECK(!lengths.empty() && pre >= 0, "packed_rows: {} sequences after {} positions", lengths.size(), pre);
+  PackedRows r;
+  r.pre = pre;
+  r.first.push_back(0);
+  std::vector<int64_t> positions, gather;
+  std::vector<int32_t> cu_rows{0}, cu_keys{0};
+  for (int64_t len : lengths) {
+    COMB_CHECK(len > 0 && pre + len <= config_.n_ctx, "packed_rows: a sequence of {} tokens after {} (context {})", len,
+               pre, config_.n_ctx);
+    const int64_t f = r.first.back();
+    for (int64_t p = 0; p < pre; ++p) gather.push_back(p);
+    for (int64_t j = 0; j < len; ++j) {
+      positions.push_back(pre + j);
+      gather.push_back(pre + f + j);  // in [prefix; every row]
+    }
+    r.first.push_back(f + len);
+    r.longest = std::max(r.longest, len);
+    cu_rows.push_back(static_cast<int32_t>(f + len));
+    cu_keys.push_back(static_cast<int32_t>(cu_keys.back() + pre + len));
+  }
+  const at::Tensor pos = at::tensor(positions, at::kLong).to(rope_cos_.device());
+  r.cos = rope_cos_.index_select(0, pos);
+  r.sin = rope_sin_.index_select(0, pos);
+  r.gather = at::tensor(gather, at::kLong).to(device_);
+  r.cu_rows = at::tensor(cu_rows, at::kInt).to(device_);
+  r.cu_keys = at::tensor(cu_keys, at::kInt).to(device_);
+  return r;
+}
+
+COMB_INLINE at::Tensor Decoder::layer_packed(int64_t i, const at::Tensor& x, const PackedRows& rows,
+                                             const at::Tensor& prefix_keys, const at::Tensor& prefix_values,
+                                             bool varlen) const {
+  RECORD_FUNCTION("comb::layer_packed", std::vector<c10::IValue>());
+  const auto& c = config_;
+  const auto& w = weights_.layers[i];
+  const int64_t n = x.size(1), n_seq = static_cast<int64_t>(rows.first.size()) - 1, pre = rows.pre;
+  COMB_CHECK(x.dim() == 3 && x.size(0) == 1 && n_seq > 0 && rows.first.back() == n && rows.cos.size(0) == n,
+             "layer_packed: rows [{}] for {} packed sequences of {} rows", fmt::join(x.sizes(), ", "), n_seq,
+             rows.first.back());
+  COMB_CHECK(pre == 0 || (prefix_keys.defined() && prefix_keys.dim() == 4 && prefix_keys.size(2) >= pre &&
+                          prefix_values.defined() && prefix_values.sizes() == prefix_keys.sizes()),
+             "layer_packed: the sequences follow {} positions; their keys and values should be [1, n_head_kv, >= {}, "
+             "head_dim]", pre, pre);
+  const bool half = device_.is_cuda() && (dtype_ == at::kBFloat16 || dtype_ == at::kHalf) && !at::GradMode::is_enabled();
+  COMB_CHECK(!varlen || half, "layer_packed: the variable-length attention runs on a CUDA bfloat16 or float16 decoder");
+  const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
+  detail::decoder::LayerMath math = detail::decoder::generic_math(w, c);
+  if (half && cuda_kernels_ && !weights_.quantized() && ops) {  // layer_cuda's row-wise kernels
+    math.norm = [&](const at::Tensor& t, const at::Tensor& weight) {
+      return ops->add_rms_norm(t.contiguous().view({-1, c.n_embd}), at::Tensor(), weight, c.rms_eps).view(t.sizes());
+    };
+    math.act = [&](const at::Tensor& gate_up) { return ops->silu_mul(gate_up.contiguous()); };
+  }
+  return detail::decoder::layer_body(x, w, math, [&](const at::Tensor& qkv) {
+    auto [q, k, v] = split_qkv(qkv, c);  // [1, heads, n, head_dim]
+    q = apply_rope(q, rows.cos, rows.sin);
+    k = apply_rope(k, rows.cos, rows.sin);
+    if (varlen) {
+      // Every sequence's keys, the prefix's then its own, gathered from [prefix; every row]
+      // ([keys, n_head_kv, head_dim]); FlashAttention's causal mask is aligned to the last key, so
+      // row j of a sequence sees the prefix and its rows up to j.
+      auto keys_of = [&](const at::Tensor& own, const at::Tensor& prefix) {
+        at::Tensor all = own[0].transpose(0, 1);
+        if (pre > 0) all = at::cat({prefix[0].narrow(1, 0, pre).transpose(0, 1), all}, 0);
+        return all.index_select(0, rows.gather);
+      };
+      at::Tensor out = std::get<0>(at::_flash_attention_forward(
+          q[0].transpose(0, 1).contiguous(), keys_of(k, prefix_keys), keys_of(v, prefix_values), rows.cu_rows,
+          rows.cu_keys, rows.longest, rows.longest + pre, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false));
+      return out.reshape({1, n, c.q_dim()});  // [rows, n_head, head_dim]
+    }
+    std::vector<at::Tensor> outs;
+    for (int64_t d = 0; d < n_seq; ++d) {
+      const int64_t f = rows.first[d], len = rows.first[d + 1] - f;
+      at::Tensor kd = k.narrow(2, f, len), vd = v.narrow(2, f, len);
+      if (pre > 0) {
+        kd = at::cat({prefix_keys.narrow(2, 0, pre).to(kd.scalar_type()), kd}, 2);
+        vd = at::cat({prefix_values.narrow(2, 0, pre).to(vd.scalar_type()), vd}, 2);
+      }
+      outs.push_back(detail::decoder::attend_after_cache(q.narrow(2, f, len), kd, vd, pre));
+    }
+    return at::cat(outs, 2).transpose(1, 2).reshape({1, n, c.q_dim()});
+  });
+}
+
 COMB_INLINE detail::DecodeStepSpec Decoder::decode_step_spec() const {
   const auto& c = config_;
   COMB_CHECK(!weights_.quantized(), "the CUDA decoding step reads dense weights, found weights kept quantized");

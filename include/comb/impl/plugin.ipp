@@ -12,7 +12,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "comb/detail/cpu_kernels.hpp"
@@ -616,10 +618,18 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
   for (const auto& d : documents) check_document(d);
   std::optional<KVCache> own;
   if (!prefix_states) prefix_states = &own.emplace(encoder_prefix_states(base));
+  // COMB_CUDA_VARLEN=1 on a CUDA half base: each batch packed, one FlashAttention launch a layer.
+  static const bool varlen_asked = [] {
+    const char* v = std::getenv("COMB_CUDA_VARLEN");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  const bool packed = varlen_asked && base.device().is_cuda() &&
+                      (base.dtype() == at::kBFloat16 || base.dtype() == at::kHalf) && !at::GradMode::is_enabled();
   for (const auto& indices : encoding_batches(documents, base.device().is_cuda())) {
     std::vector<const std::vector<int32_t>*> batch;
     for (size_t i : indices) batch.push_back(&documents[i]);
-    auto encoded = encode_padded(base, batch, *prefix_states);
+    auto encoded = packed ? encode_packed(base, batch, *prefix_states, /*varlen=*/true)
+                          : encode_padded(base, batch, *prefix_states);
     for (size_t i = 0; i < indices.size(); ++i) out[indices[i]] = std::move(encoded[i]);
   }
   return out;
@@ -854,6 +864,59 @@ COMB_INLINE DocumentKV Plugin::finish_encoding(const std::vector<std::vector<at:
     out.values.push_back(at::cat(values[k], 1).contiguous());
     COMB_CHECK(out.keys.back().size(1) == n_tokens, "finish_encoding: block {} holds {} of {} tokens", k,
                out.keys.back().size(1), n_tokens);
+  }
+  return out;
+}
+
+COMB_INLINE std::vector<DocumentKV> Plugin::encode_packed(const Decoder& base,
+                                                          const std::vector<const std::vector<int32_t>*>& documents,
+                                                          const KVCache& prefix_states, bool varlen) const {
+  RECORD_FUNCTION("comb::encode_packed", std::vector<c10::IValue>());
+  COMB_CHECK(encoder_is_base(), "encode_packed: the encoder is not the base's own causal layers");
+  COMB_CHECK(!documents.empty(), "encode_packed: no document");
+  const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size());
+  COMB_CHECK(pre == 0 || prefix_states.length() == pre,
+             "encode: prefix states of {} positions, the encoder prefix has {}", prefix_states.length(), pre);
+  std::vector<int64_t> lens, flat;
+  for (const auto* d : documents) {
+    check_document(*d);
+    lens.push_back(static_cast<int64_t>(d->size()));
+    flat.insert(flat.end(), d->begin(), d->end());
+  }
+  const Decoder::PackedRows rows = base.packed_rows(lens, pre);
+  const auto n_docs = static_cast<int64_t>(documents.size());
+  const int64_t n = rows.first.back();
+  at::Tensor h = base.embed(at::tensor(flat, at::kLong).view({1, n}).to(base.device()));
+  at::Tensor back_cos, back_sin;
+  if (config_.relative_positions) {  // token j of document d turned back by len_d - j, as back_rope
+    std::vector<int64_t> back;
+    for (int64_t len : lens)
+      for (int64_t j = 0; j < len; ++j) back.push_back(len - j);
+    const at::Tensor b = at::tensor(back, at::kLong).to(rope_cos_.device());
+    back_cos = rope_cos_.index_select(0, b).view({1, 1, n, -1});
+    back_sin = -rope_sin_.index_select(0, b).view({1, 1, n, -1});  // sin(-a) = -sin(a)
+  }
+  std::vector<DocumentKV> out(documents.size());
+  for (int64_t d = 0; d < n_docs; ++d) {
+    out[d].n_tokens = lens[d];
+    out[d].keys.resize(config_.n_blocks());
+    out[d].values.resize(config_.n_blocks());
+  }
+  auto project = [&](int64_t depth) {
+    for (int64_t k = 0; k < config_.n_blocks(); ++k)
+      if (config_.read_depth(k) == depth) {
+        auto [keys, values] = block_kv(weights_, k, h, back_cos, back_sin);  // [1, n_head_kv, n, head_dim]
+        for (int64_t d = 0; d < n_docs; ++d) {
+          out[d].keys[k] = keys[0].narrow(1, rows.first[d], lens[d]).contiguous();
+          out[d].values[k] = values[0].narrow(1, rows.first[d], lens[d]).contiguous();
+        }
+      }
+  };
+  project(0);
+  for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) {
+    h = base.layer_packed(j, h, rows, pre > 0 ? prefix_states.keys(j) : at::Tensor(),
+                          pre > 0 ? prefix_states.values(j) : at::Tensor(), varlen);
+    project(j + 1);
   }
   return out;
 }
