@@ -3,9 +3,11 @@
 // machine without them each case says so and checks nothing else.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdlib>
 
 #include "comb/comb.hpp"
 #include "comb/detail/decode_step.hpp"
@@ -494,6 +496,8 @@ TEST_CASE("encode_packed on CUDA: one FlashAttention launch over variable length
   }
   std::vector<const std::vector<int32_t>*> ptrs;
   for (const auto& d : docs) ptrs.push_back(&d);
+  const char* varlen_env = std::getenv("COMB_CUDA_VARLEN");
+  REQUIRE_FALSE((varlen_env && std::string(varlen_env) == "1"));  // the reference below is the padded batch
   const std::vector<DocumentKV> padded = plugin.encode_many(dec, docs, &states);
   const std::vector<DocumentKV> varlen = plugin.encode_packed(dec, ptrs, states, /*varlen=*/true);
   const std::vector<DocumentKV> apart = plugin.encode_packed(dec, ptrs, states, /*varlen=*/false);
@@ -522,6 +526,14 @@ TEST_CASE("encode_packed on CUDA: one FlashAttention launch over variable length
   CHECK(checked == 2 * 2 * 4);  // depths 0 and 1, two packed forms, four documents
 }
 
+namespace {
+int copy_calls = 0;  // aten::copy_ calls seen by count_copies
+std::unique_ptr<at::ObserverContext> count_copies(const at::RecordFunction& fn) {
+  if (std::string(fn.name()) == "aten::copy_") ++copy_calls;
+  return nullptr;
+}
+}  // namespace
+
 TEST_CASE("the prefix cache fills a CUDA half cache in one launch, exactly", "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;
@@ -541,7 +553,11 @@ TEST_CASE("the prefix cache fills a CUDA half cache in one launch, exactly", "[o
     filled.keys(l).fill_(7);
     filled.values(l).fill_(-7);
   }
+  copy_calls = 0;
+  auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(count_copies).needsInputs(false));
   prefix.fill(held, filled);
+  at::removeCallback(handle);
+  CHECK(copy_calls == 0);  // the one launch, not a copy a block and layer
   for (int64_t l = 0; l < dec.config().n_layer; ++l) {
     INFO("layer " << l);
     CHECK(at::equal(filled.keys(l).narrow(2, 0, 32), cache.keys(l).narrow(2, 0, 32)));
@@ -564,6 +580,8 @@ TEST_CASE("COMB on a CUDA half model: documents kept int8 on the device, joined 
     PluginInitOptions init;
     init.reads = init.joint_attention = init.consecutive_documents = init.documents_after_prefix = true;
     for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+    const auto instruction = qa_prefix(model);  // the encoder reads the whole instruction first, as the shipped one
+    init.encoder_prefix.assign(instruction.begin(), instruction.end());
     model.set_plugin(std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init)));
   }
   if (model.plugin()->config().cache_dtype != "int8") {
@@ -583,6 +601,20 @@ TEST_CASE("COMB on a CUDA half model: documents kept int8 on the device, joined 
   same_rows.prefix_block = 1 << 20;
   PicEngine engine(model, Method::comb, same_rows);
   PicPrefill cold = engine.prefill(r, 4);
+  {
+    // The instruction's K/V are the model's encoder-prefix states, placed in one launch: equal.
+    const auto& instruction = model.plugin()->config().encoder_prefix;
+    const auto pre = static_cast<int64_t>(instruction.size());
+    REQUIRE(pre > 0);
+    REQUIRE(pre <= static_cast<int64_t>(r.prefix.size()));
+    REQUIRE(std::equal(instruction.begin(), instruction.end(), r.prefix.begin()));
+    const KVCache* states = model.encoder_prefix_states();
+    REQUIRE(states);
+    for (int64_t l = 0; l < model.config().n_layer; ++l) {
+      CHECK(at::equal(cold.cache.keys(l).narrow(2, 0, pre), states->keys(l)));
+      CHECK(at::equal(cold.cache.values(l).narrow(2, 0, pre), states->values(l)));
+    }
+  }
   const StoreStats s = engine.store().stats();
   CHECK(s.device.entries == 3);  // the engine's store keeps them in device memory
   CHECK(s.host.entries == 0);

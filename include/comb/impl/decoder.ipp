@@ -828,7 +828,7 @@ COMB_INLINE at::Tensor Decoder::layer_packed(int64_t i, const at::Tensor& x, con
       // row j of a sequence sees the prefix and its rows up to j.
       auto keys_of = [&](const at::Tensor& own, const at::Tensor& prefix) {
         at::Tensor all = own[0].transpose(0, 1);
-        if (pre > 0) all = at::cat({prefix[0].narrow(1, 0, pre).transpose(0, 1), all}, 0);
+        if (pre > 0) all = at::cat({prefix[0].narrow(1, 0, pre).transpose(0, 1).to(all.scalar_type()), all}, 0);
         return all.index_select(0, rows.gather);
       };
       at::Tensor out = std::get<0>(at::_flash_attention_forward(

@@ -118,13 +118,19 @@ COMB_INLINE void PrefixCache::fill(const std::vector<uint64_t>& blocks, KVCache&
   const auto t = k0.scalar_type();
   bool one_launch = !blocks.empty() && ops && ops->join_documents && k0.is_cuda() && cache.batch() == 1 &&
                     (t == at::kBFloat16 || t == at::kHalf);
+  // (join_documents takes at most 65535 parts: one a block and layer.)
+  one_launch = one_launch && cache.n_layers() * static_cast<int64_t>(blocks.size()) <= 65535;
   for (int64_t l = 0; one_launch && l < cache.n_layers(); ++l)
     one_launch = cache.keys(l).is_contiguous() && cache.values(l).is_contiguous();
-  for (size_t b = 0; one_launch && b < blocks.size(); ++b)
-    for (const auto& k : blocks_.at(blocks[b]).k) one_launch = one_launch && k.device() == k0.device() && k.scalar_type() == t;
+  for (size_t b = 0; one_launch && b < blocks.size(); ++b) {
+    const Block& block = blocks_.at(blocks[b]);
+    one_launch = static_cast<int64_t>(block.k.size()) == cache.n_layers();
+    for (const auto& k : block.k) one_launch = one_launch && k.device() == k0.device() && k.scalar_type() == t;
+  }
   if (one_launch) {
     // On a CUDA half cache every block of every layer in one launch (join_documents with the RoPE
-    // angle 0, cos 1 and sin 0: keys and values copied exactly), not a copy per block and layer.
+    // angle 0, cos 1 and sin 0, which copies finite keys and values exactly), not a copy per block
+    // and layer.
     std::vector<detail::JoinPart> parts;
     std::vector<at::Tensor> keys, values;
     for (int64_t l = 0; l < cache.n_layers(); ++l) {
@@ -526,19 +532,23 @@ COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<
     // of the decoder: the same computation, done once per model.
     const auto& instruction = plugin.config().encoder_prefix;
     const int64_t pre = static_cast<int64_t>(instruction.size());
-    const bool instructed = pre > 0 && pre <= p && std::equal(instruction.begin(), instruction.end(), r.prefix.begin());
+    // (None when the encoder is not the base's own layers.)
+    const KVCache* states = pre > 0 && pre <= p && std::equal(instruction.begin(), instruction.end(), r.prefix.begin())
+                                ? model_.encoder_prefix_states()
+                                : nullptr;
     const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
-    if (instructed && m <= pre && ops && ops->join_documents && model_.decoder().cuda_kernels_apply(out.cache)) {
-      // On a CUDA half decoder the states cover every layer in one launch (keys turned by angle 0:
-      // copied exactly), in place of the prefix cache's blocks and a copy per block and layer.
-      const KVCache& states = *model_.encoder_prefix_states();
+    if (states && m <= pre && ops && ops->join_documents && model_.decoder().cuda_kernels_apply(out.cache)) {
+      // On a CUDA half decoder the states cover every layer in one launch (keys turned by angle 0,
+      // which copies finite values exactly), in place of the prefix cache's blocks and a copy per
+      // block and layer.
+      const KVCache& held_states = *states;
       std::vector<detail::JoinPart> parts;
       std::vector<at::Tensor> keys, values;
       for (int64_t layer = 0; layer < model_.config().n_layer; ++layer) {
         detail::JoinPart part;
         part.block = layer;
-        part.keys = states.keys(layer)[0];  // [n_head_kv, pre, head_dim]: the states' capacity is pre
-        part.values = states.values(layer)[0];
+        part.keys = held_states.keys(layer)[0];  // [n_head_kv, pre, head_dim]: the states' capacity is pre
+        part.values = held_states.values(layer)[0];
         parts.push_back(std::move(part));
         keys.push_back(out.cache.keys(layer));
         values.push_back(out.cache.values(layer));
@@ -554,8 +564,7 @@ COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<
       out.reused += m;
     }
     // Past the prefix cache's blocks, the rest of the instruction from those states.
-    const KVCache* states = instructed && out.cache.length() < pre ? model_.encoder_prefix_states() : nullptr;
-    if (states) {
+    if (states && out.cache.length() < pre) {
       for (int64_t layer = 0; layer < model_.config().n_layer; ++layer)
         out.cache.write(layer, m, states->keys(layer).narrow(2, m, pre - m), states->values(layer).narrow(2, m, pre - m));
       out.cache.set_length(pre);
