@@ -45,6 +45,8 @@ double ulp(at::ScalarType t) { return t == at::kBFloat16 ? 1.0 / 128 : 1.0 / 102
 
 const std::vector<at::ScalarType> kHalfTypes{at::kBFloat16, at::kHalf};
 
+// The model the CUDA cases load (COMB_CUDA_MODEL, else the default one) in bfloat16 on the GPU.
+Model cuda_bf16_model() { return Model::load(env_or("COMB_CUDA_MODEL", model_path()), Options{"cuda", "bfloat16"}); }
 }  // namespace
 
 TEST_CASE("comb::add_rms_norm equals the residual add and RMSNorm in ATen", "[ops][cuda]") {
@@ -480,8 +482,7 @@ TEST_CASE("encode_packed on CUDA: one FlashAttention launch over variable length
           "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;
-  Options options{"cuda", "bfloat16"};
-  Model model = Model::load(env_or("COMB_CUDA_MODEL", model_path()), options);
+  Model model = cuda_bf16_model();
   const Decoder& dec = model.decoder();
   PluginInitOptions init;
   init.reads = init.joint_attention = true;
@@ -537,8 +538,7 @@ std::unique_ptr<at::ObserverContext> count_copies(const at::RecordFunction& fn) 
 TEST_CASE("the prefix cache fills a CUDA half cache in one launch, exactly", "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;
-  Options options{"cuda", "bfloat16"};
-  Model model = Model::load(env_or("COMB_CUDA_MODEL", model_path()), options);
+  Model model = cuda_bf16_model();
   const Decoder& dec = model.decoder();
   std::vector<int32_t> tokens(40);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(100 + 7 * i);
@@ -572,8 +572,7 @@ TEST_CASE("COMB on a CUDA half model: documents kept int8 on the device, joined 
           "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;
-  Options options{"cuda", "bfloat16"};
-  Model model = Model::load(env_or("COMB_CUDA_MODEL", model_path()), options);
+  Model model = cuda_bf16_model();
   if (!model.plugin() || !model.plugin()->config().joint_attention) {
     // A model without the shipped plug-in (a random one made on the GPU machine): a fresh one of
     // the shipped layout (speed and placement do not depend on its training).

@@ -149,6 +149,11 @@ class Plugin {
   const std::string& fingerprint() const { return fingerprint_; }
   // Cross block index that runs before decoder layer `layer`, or -1.
   int64_t block_before(int64_t layer) const;
+  // Per block K, V [n_docs, n_head_kv, len, head_dim] cut into one DocumentKV per document
+  // (document d's first lens[d] positions, copied).
+  static std::vector<DocumentKV> split_documents(const std::vector<at::Tensor>& keys,
+                                                 const std::vector<at::Tensor>& values,
+                                                 const std::vector<int64_t>& lens);
   // encode_many's documents (an encoder of the base's own layers) packed in one row sequence, after
   // `prefix_states`' encoder prefix: encode_padded's K/V without the padding, up to rounding
   // (Decoder::layer_packed; `varlen`: one FlashAttention launch a layer, a CUDA half base). On a
@@ -286,10 +291,12 @@ class Plugin {
   // RoPE tables [n_docs, 1, len, head_dim] turning token j of document d (lens [n_docs]) to
   // position j - len_d; padding (j >= len_d) is not turned.
   std::pair<at::Tensor, at::Tensor> back_rope(const at::Tensor& lens, int64_t len) const;
-  // Per block K, V [n_docs, n_head_kv, len, head_dim] cut into one DocumentKV per document.
-  static std::vector<DocumentKV> split_documents(const std::vector<at::Tensor>& keys,
-                                                 const std::vector<at::Tensor>& values,
-                                                 const std::vector<int64_t>& lens);
+  // The encoder's pass that encode_padded and encode_packed share: documents of `lens` tokens, each
+  // block's K/V per document (`block(k)`: of the states so far) taken at the block's depth, before
+  // the first encoder layer and after each step `layer(j)`.
+  using BlockKV = std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>;
+  std::vector<DocumentKV> encoder_pass(const std::vector<int64_t>& lens, const std::function<BlockKV(int64_t k)>& block,
+                                       const std::function<void(int64_t j)>& layer) const;
   // One padded batch of documents ready for the base's cached forward: their lengths, embeddings
   // [n_docs, m, n_embd] (padding after each document), a cache holding the encoder prefix's
   // states, and (relative_positions) the turns back that end each document at -1.

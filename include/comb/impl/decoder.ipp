@@ -318,6 +318,17 @@ COMB_INLINE LayerMath generic_math(const LayerWeights& l, const ModelConfig& c) 
             return at::silu(parts[0]) * parts[1];
           }};
 }
+
+// generic_math with the CUDA row-wise kernels for the norms and the activation (a CUDA
+// bfloat16/float16 layer: layer_cuda, layer_packed).
+COMB_INLINE LayerMath cuda_math(const LayerWeights& l, const ModelConfig& c, const CudaLayerOps& ops) {
+  LayerMath math = generic_math(l, c);
+  math.norm = [&ops, n_embd = c.n_embd, eps = c.rms_eps](const at::Tensor& t, const at::Tensor& weight) {
+    return ops.add_rms_norm(t.contiguous().view({-1, n_embd}), at::Tensor(), weight, eps).view(t.sizes());
+  };
+  math.act = [&ops](const at::Tensor& gate_up) { return ops.silu_mul(gate_up.contiguous()); };
+  return math;
+}
 }  // namespace detail::decoder
 
 COMB_INLINE at::Tensor llama_layer(const at::Tensor& x, const LayerWeights& l, const ModelConfig& c, const at::Tensor& cos,
@@ -737,12 +748,7 @@ COMB_INLINE at::Tensor Decoder::layer_cuda(int64_t i, const at::Tensor& x, KVCac
   const int64_t n = x.size(1), start = cache.length();
   COMB_CHECK(start + n <= cache.capacity(), "KV cache full: {} positions held, {} more asked, capacity {}", start, n,
              cache.capacity());
-  detail::decoder::LayerMath math = detail::decoder::generic_math(w, c);
-  math.norm = [&](const at::Tensor& t, const at::Tensor& weight) {
-    return ops.add_rms_norm(t.contiguous().view({-1, c.n_embd}), at::Tensor(), weight, c.rms_eps).view(t.sizes());
-  };
-  math.act = [&](const at::Tensor& gate_up) { return ops.silu_mul(gate_up.contiguous()); };
-  return detail::decoder::layer_body(x, w, math, [&](const at::Tensor& qkv) {
+  return detail::decoder::layer_body(x, w, detail::decoder::cuda_math(w, c, ops), [&](const at::Tensor& qkv) {
     at::Tensor q = ops.rope_append(qkv.contiguous().view({n, -1}), rope_cos_, rope_sin_, cache.keys(i), cache.values(i),
                                    start, c.n_head);  // [n, n_head, head_dim]
     at::Tensor out;
@@ -811,13 +817,9 @@ COMB_INLINE at::Tensor Decoder::layer_packed(int64_t i, const at::Tensor& x, con
   const bool half = device_.is_cuda() && (dtype_ == at::kBFloat16 || dtype_ == at::kHalf) && !at::GradMode::is_enabled();
   COMB_CHECK(!varlen || half, "layer_packed: the variable-length attention runs on a CUDA bfloat16 or float16 decoder");
   const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
-  detail::decoder::LayerMath math = detail::decoder::generic_math(w, c);
-  if (half && cuda_kernels_ && !weights_.quantized() && ops) {  // layer_cuda's row-wise kernels
-    math.norm = [&](const at::Tensor& t, const at::Tensor& weight) {
-      return ops->add_rms_norm(t.contiguous().view({-1, c.n_embd}), at::Tensor(), weight, c.rms_eps).view(t.sizes());
-    };
-    math.act = [&](const at::Tensor& gate_up) { return ops->silu_mul(gate_up.contiguous()); };
-  }
+  const detail::decoder::LayerMath math = half && cuda_kernels_ && !weights_.quantized() && ops
+                                              ? detail::decoder::cuda_math(w, c, *ops)
+                                              : detail::decoder::generic_math(w, c);
   return detail::decoder::layer_body(x, w, math, [&](const at::Tensor& qkv) {
     auto [q, k, v] = split_qkv(qkv, c);  // [1, heads, n, head_dim]
     q = apply_rope(q, rows.cos, rows.sin);

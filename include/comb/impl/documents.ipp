@@ -240,16 +240,13 @@ COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Documents::decoder_kv
     for (int64_t d = 0; d < b; ++d) std::copy(missing[batch[d]].begin(), missing[batch[d]].end(), flat.begin() + d * m);
     KVCache cache = dec.make_cache(b, m);
     dec.forward(at::tensor(flat, at::kLong).view({b, m}).to(dec.device()), cache);
-    for (int64_t d = 0; d < b; ++d) {
-      const int64_t len = static_cast<int64_t>(missing[batch[d]].size());
-      DocumentKV kv;  // positions [0, len) of each layer, copied out of the batch's cache
-      kv.n_tokens = len;
-      for (int64_t l = 0; l < cache.n_layers(); ++l) {
-        kv.keys.push_back(cache.keys(l)[d].narrow(1, 0, len).contiguous());
-        kv.values.push_back(cache.values(l)[d].narrow(1, 0, len).contiguous());
-      }
-      keep(batch[d], std::move(kv));
-    }
+    // Each piece's positions [0, len) of each layer (a block a layer), copied out of the batch's cache.
+    std::vector<at::Tensor> keys, values;
+    for (int64_t l = 0; l < cache.n_layers(); ++l) keys.push_back(cache.keys(l)), values.push_back(cache.values(l));
+    std::vector<int64_t> lens;
+    for (size_t j : batch) lens.push_back(static_cast<int64_t>(missing[j].size()));
+    std::vector<DocumentKV> kvs = Plugin::split_documents(keys, values, lens);
+    for (int64_t d = 0; d < b; ++d) keep(batch[d], std::move(kvs[d]));
   }
   for (size_t i = 0; i < n; ++i)
     if (source[i] >= 0) out[i] = made[static_cast<size_t>(source[i])];

@@ -111,31 +111,43 @@ COMB_INLINE void PrefixCache::release(const std::vector<uint64_t>& blocks) {
   evict();
 }
 
-COMB_INLINE void PrefixCache::fill(const std::vector<uint64_t>& blocks, KVCache& cache) const {
-  RECORD_FUNCTION("comb::prefix_fill", std::vector<c10::IValue>());
-  const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
+namespace detail::pic {
+// Copies K/V pieces (`parts`: contiguous [n_head_kv, len, head_dim] of the cache's dtype and
+// device, each for the layer `block` at positions [offset, offset + len)) into a one-sequence CUDA
+// bfloat16/float16 cache in one join_documents launch: the RoPE angle 0 (cos 1, sin 0), which
+// copies finite keys and values exactly. False, and nothing copied, where that launch does not
+// apply (no CUDA ops, another cache or dtype, more than join_documents' 65535 parts).
+COMB_INLINE bool copy_in_one_launch(const std::vector<JoinPart>& parts, KVCache& cache) {
+  const CudaLayerOps* ops = cuda_layer_ops();
   const at::Tensor& k0 = cache.keys(0);
   const auto t = k0.scalar_type();
-  bool one_launch = !blocks.empty() && ops && ops->join_documents && k0.is_cuda() && cache.batch() == 1 &&
-                    (t == at::kBFloat16 || t == at::kHalf);
-  // (join_documents takes at most 65535 parts: one a block and layer.)
-  one_launch = one_launch && cache.n_layers() * static_cast<int64_t>(blocks.size()) <= 65535;
-  for (int64_t l = 0; one_launch && l < cache.n_layers(); ++l)
-    one_launch = cache.keys(l).is_contiguous() && cache.values(l).is_contiguous();
-  for (size_t b = 0; one_launch && b < blocks.size(); ++b) {
-    const Block& block = blocks_.at(blocks[b]);
-    one_launch = static_cast<int64_t>(block.k.size()) == cache.n_layers();
-    for (const auto& k : block.k) one_launch = one_launch && k.device() == k0.device() && k.scalar_type() == t;
+  if (parts.empty() || parts.size() > 65535 || !ops || !ops->join_documents || !k0.is_cuda() || cache.batch() != 1 ||
+      (t != at::kBFloat16 && t != at::kHalf))
+    return false;
+  std::vector<at::Tensor> keys, values;
+  for (int64_t l = 0; l < cache.n_layers(); ++l) {
+    if (!cache.keys(l).is_contiguous() || !cache.values(l).is_contiguous()) return false;
+    keys.push_back(cache.keys(l));
+    values.push_back(cache.values(l));
   }
-  if (one_launch) {
-    // On a CUDA half cache every block of every layer in one launch (join_documents with the RoPE
-    // angle 0, cos 1 and sin 0, which copies finite keys and values exactly), not a copy per block
-    // and layer.
+  for (const auto& p : parts)
+    if (p.block < 0 || p.block >= cache.n_layers() || p.keys.device() != k0.device() || p.keys.scalar_type() != t)
+      return false;
+  const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat).device(k0.device());
+  ops->join_documents(parts, keys, values, at::ones({1, k0.size(3)}, f32), at::zeros({1, k0.size(3)}, f32));
+  return true;
+}
+}  // namespace detail::pic
+
+COMB_INLINE void PrefixCache::fill(const std::vector<uint64_t>& blocks, KVCache& cache) const {
+  RECORD_FUNCTION("comb::prefix_fill", std::vector<c10::IValue>());
+  // On a CUDA half cache every block of every layer in one launch, not a copy per block and layer.
+  bool every_layer = !blocks.empty() && cache.keys(0).is_cuda();
+  for (size_t b = 0; every_layer && b < blocks.size(); ++b)
+    every_layer = static_cast<int64_t>(blocks_.at(blocks[b]).k.size()) == cache.n_layers();
+  if (every_layer) {
     std::vector<detail::JoinPart> parts;
-    std::vector<at::Tensor> keys, values;
-    for (int64_t l = 0; l < cache.n_layers(); ++l) {
-      keys.push_back(cache.keys(l));
-      values.push_back(cache.values(l));
+    for (int64_t l = 0; l < cache.n_layers(); ++l)
       for (size_t b = 0; b < blocks.size(); ++b) {
         const Block& block = blocks_.at(blocks[b]);
         detail::JoinPart part;
@@ -144,10 +156,7 @@ COMB_INLINE void PrefixCache::fill(const std::vector<uint64_t>& blocks, KVCache&
         part.values = block.v[static_cast<size_t>(l)][0].contiguous();
         parts.push_back(std::move(part));
       }
-    }
-    const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat).device(k0.device());
-    ops->join_documents(parts, keys, values, at::ones({1, k0.size(3)}, f32), at::zeros({1, k0.size(3)}, f32));
-    return;
+    if (detail::pic::copy_in_one_launch(parts, cache)) return;
   }
   for (size_t b = 0; b < blocks.size(); ++b) {
     const Block& block = blocks_.at(blocks[b]);
@@ -536,26 +545,21 @@ COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<
     const KVCache* states = pre > 0 && pre <= p && std::equal(instruction.begin(), instruction.end(), r.prefix.begin())
                                 ? model_.encoder_prefix_states()
                                 : nullptr;
-    const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
-    if (states && m <= pre && ops && ops->join_documents && model_.decoder().cuda_kernels_apply(out.cache)) {
-      // On a CUDA half decoder the states cover every layer in one launch (keys turned by angle 0,
-      // which copies finite values exactly), in place of the prefix cache's blocks and a copy per
-      // block and layer.
-      const KVCache& held_states = *states;
+    // On a CUDA half decoder the states cover every layer in one launch, in place of the prefix
+    // cache's blocks and a copy per block and layer.
+    bool placed = false;
+    if (states && m <= pre && model_.decoder().cuda_kernels_apply(out.cache)) {
       std::vector<detail::JoinPart> parts;
-      std::vector<at::Tensor> keys, values;
       for (int64_t layer = 0; layer < model_.config().n_layer; ++layer) {
         detail::JoinPart part;
         part.block = layer;
-        part.keys = held_states.keys(layer)[0];  // [n_head_kv, pre, head_dim]: the states' capacity is pre
-        part.values = held_states.values(layer)[0];
+        part.keys = states->keys(layer)[0];  // [n_head_kv, pre, head_dim]: the states' capacity is pre
+        part.values = states->values(layer)[0];
         parts.push_back(std::move(part));
-        keys.push_back(out.cache.keys(layer));
-        values.push_back(out.cache.values(layer));
       }
-      const Decoder& dec = model_.decoder();
-      ops->join_documents(parts, keys, values, dec.rope_cos().narrow(0, 0, 1).to(at::kFloat).contiguous(),
-                          dec.rope_sin().narrow(0, 0, 1).to(at::kFloat).contiguous());
+      placed = detail::pic::copy_in_one_launch(parts, out.cache);
+    }
+    if (placed) {
       out.cache.set_length(pre);
       out.reused += pre;
     } else {

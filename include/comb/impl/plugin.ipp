@@ -701,16 +701,24 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
                                                           const std::vector<const std::vector<int32_t>*>& documents,
                                                           const KVCache& prefix_states) const {
   PaddedBatch b = padded_batch(base, documents, prefix_states);
-  std::vector<DocumentKV> out(documents.size());
+  return encoder_pass(
+      b.lens, [&](int64_t k) { return documents_kv(weights_, k, b.h, b.lens, b.back_cos, b.back_sin); },
+      [&](int64_t j) { b.h = base.layer(j, b.h, b.cache); });
+}
+
+COMB_INLINE std::vector<DocumentKV> Plugin::encoder_pass(const std::vector<int64_t>& lens,
+                                                         const std::function<BlockKV(int64_t k)>& block,
+                                                         const std::function<void(int64_t j)>& layer) const {
+  std::vector<DocumentKV> out(lens.size());
   for (size_t d = 0; d < out.size(); ++d) {
-    out[d].n_tokens = b.lens[d];
+    out[d].n_tokens = lens[d];
     out[d].keys.resize(config_.n_blocks());
     out[d].values.resize(config_.n_blocks());
   }
   auto project = [&](int64_t depth) {
     for (int64_t k = 0; k < config_.n_blocks(); ++k)
       if (config_.read_depth(k) == depth) {
-        auto [keys, values] = documents_kv(weights_, k, b.h, b.lens, b.back_cos, b.back_sin);
+        auto [keys, values] = block(k);
         for (size_t d = 0; d < out.size(); ++d) {
           out[d].keys[k] = std::move(keys[d]);
           out[d].values[k] = std::move(values[d]);
@@ -719,7 +727,7 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
   };
   project(0);
   for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) {
-    b.h = base.layer(j, b.h, b.cache);
+    layer(j);
     project(j + 1);
   }
   return out;
@@ -896,29 +904,21 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_packed(const Decoder& base,
     back_cos = rope_cos_.index_select(0, b).view({1, 1, n, -1});
     back_sin = -rope_sin_.index_select(0, b).view({1, 1, n, -1});  // sin(-a) = -sin(a)
   }
-  std::vector<DocumentKV> out(documents.size());
-  for (int64_t d = 0; d < n_docs; ++d) {
-    out[d].n_tokens = lens[d];
-    out[d].keys.resize(config_.n_blocks());
-    out[d].values.resize(config_.n_blocks());
-  }
-  auto project = [&](int64_t depth) {
-    for (int64_t k = 0; k < config_.n_blocks(); ++k)
-      if (config_.read_depth(k) == depth) {
+  return encoder_pass(
+      lens,
+      [&](int64_t k) {
         auto [keys, values] = block_kv(weights_, k, h, back_cos, back_sin);  // [1, n_head_kv, n, head_dim]
+        BlockKV each;
         for (int64_t d = 0; d < n_docs; ++d) {
-          out[d].keys[k] = keys[0].narrow(1, rows.first[d], lens[d]).contiguous();
-          out[d].values[k] = values[0].narrow(1, rows.first[d], lens[d]).contiguous();
+          each.first.push_back(keys[0].narrow(1, rows.first[d], lens[d]).contiguous());
+          each.second.push_back(values[0].narrow(1, rows.first[d], lens[d]).contiguous());
         }
-      }
-  };
-  project(0);
-  for (int64_t j = 0; j < config_.n_encoder_layers(); ++j) {
-    h = base.layer_packed(j, h, rows, pre > 0 ? prefix_states.keys(j) : at::Tensor(),
-                          pre > 0 ? prefix_states.values(j) : at::Tensor(), varlen);
-    project(j + 1);
-  }
-  return out;
+        return each;
+      },
+      [&](int64_t j) {
+        h = base.layer_packed(j, h, rows, pre > 0 ? prefix_states.keys(j) : at::Tensor(),
+                              pre > 0 ? prefix_states.values(j) : at::Tensor(), varlen);
+      });
 }
 
 COMB_INLINE std::pair<at::Tensor, at::Tensor> Plugin::back_rope(const at::Tensor& lens, int64_t len) const {
