@@ -132,13 +132,10 @@ TEST_CASE("incremental decoding with the KV cache equals a full forward", "[deco
   }
 }
 
-// Every forward runs the one layer (detail::decoder::layer_body) with its own kernels and attention:
-// training's differentiable pass, the cached forward and the server's paged step agree.
-TEST_CASE("one layer on three paths: training's pass, the cached forward and the paged step agree", "[decoder]") {
-  c10::InferenceMode guard;
-  const Model& model = default_model();
-  const Decoder& dec = model.decoder();
-  REQUIRE(dec.cpu_kernels());
+namespace {
+// The paged step of `dec` against each row's cached forward, step after step: two sequences with
+// their blocks taken from the pool's free list (not in order), the second's last block part-filled.
+void check_paged_step(const Model& model, const Decoder& dec, bool row_wise) {
   const std::vector<std::vector<int32_t>> prompts = {model.chat_prompt("Name three rivers of Europe."),
                                                      model.chat_prompt("What is two plus two?")};
   std::vector<KVCache> caches;
@@ -148,7 +145,7 @@ TEST_CASE("one layer on three paths: training's pass, the cached forward and the
   for (const auto& p : prompts) {
     const int64_t n = static_cast<int64_t>(p.size());
     at::Tensor ids = ids_tensor(p);
-    // Training's pass (generic ops, no cache) against the cached forward (fused kernels).
+    // Training's pass (generic ops, no cache) against the cached forward.
     at::Tensor hidden = dec.hidden(ids);  // [1, n, n_embd]
     CHECK(hidden.size(1) == n);
     at::Tensor trained = at::linear(hidden[0], dec.weights().output).to(at::kFloat);
@@ -174,14 +171,52 @@ TEST_CASE("one layer on three paths: training's pass, the cached forward and the
       ++rows[r].position;
     }
   }
-  // A row alone is the same as in the batch: row-wise kernels.
+  // The pool holds what each row's own cache holds: every position, every layer (the paged step
+  // wrote each new token's K/V into its row's block and offset). The same RoPE and projections on
+  // one row or several: within a layer's bound of the cache's.
+  for (size_t r = 0; r < rows.size(); ++r)
+    for (int64_t l = 0; l < dec.config().n_layer; l += dec.config().n_layer - 1) {
+      const int64_t n = rows[r].position;
+      at::Tensor want = caches[r].keys(l)[0].narrow(1, 0, n);  // [n_head_kv, n, head_dim]
+      std::vector<at::Tensor> parts;
+      for (int64_t p0 = 0, j = 0; p0 < n; p0 += pool.block_tokens(), ++j)
+        parts.push_back(pool.keys(l)[blocks[r][j]].narrow(1, 0, std::min(pool.block_tokens(), n - p0)));
+      at::Tensor got = at::cat(parts, 1);
+      INFO("row " << r << " layer " << l);
+      CHECK(max_diff(got, want) <= path_bound(dec.config(), l + 1, n, magnitude(want)));
+    }
   at::Tensor both = dec.step_paged(pool, rows);
   at::Tensor first = dec.step_paged(pool, {rows[0]});
-  CHECK(at::equal(both[0], first[0]));
+  if (row_wise) {  // a row alone is the same as in the batch: row-wise kernels
+    CHECK(at::equal(both[0], first[0]));
+  } else {  // the batch's GEMMs (and padded attention) against one row's: within the path's bound
+    CHECK(max_diff(both[0], first[0]) <= path_tolerance(dec, rows[0].position + 1, first[0]));
+  }
   // A position past the row's blocks is refused with what was found.
   Decoder::PagedRow past = rows[0];
   past.position = static_cast<int64_t>(blocks[0].size()) * pool.block_tokens();
   CHECK_THROWS_WITH(dec.step_paged(pool, {past}), Catch::Contains("past the row's"));
+  // A pool of another dtype than the decoder's is refused.
+  BlockPool half(dec.config(), 2, 16, at::kBFloat16);
+  CHECK_THROWS_WITH(dec.step_paged(half, {rows[0]}), Catch::Contains("block pool of BFloat16"));
+}
+}  // namespace
+
+// Every forward runs the one layer (detail::decoder::layer_body) with its own kernels and attention:
+// training's differentiable pass, the cached forward and the server's paged step agree, on the
+// fused CPU path and on the generic one (the path a GPU's server takes).
+TEST_CASE("one layer on three paths: training's pass, the cached forward and the paged step agree", "[decoder]") {
+  c10::InferenceMode guard;
+  const Model& model = default_model();
+  REQUIRE(model.decoder().cpu_kernels());
+  SECTION("fused CPU kernels") { check_paged_step(model, model.decoder(), true); }
+  SECTION("generic ATen ops") {
+    Options o;
+    o.cpu_kernels = false;
+    const Model generic = Model::load(model_path(), o);
+    REQUIRE(!generic.decoder().cpu_kernels());
+    check_paged_step(generic, generic.decoder(), false);
+  }
 }
 
 TEST_CASE("a chunk after cached positions equals the same rows of one forward, on both CPU paths", "[decoder]") {

@@ -208,6 +208,60 @@ TEST_CASE("serving: joint layouts answer as PicEngine::generate, with float32 an
     }
 }
 
+// The engine off the fused CPU kernels takes the path a GPU's server takes (Decoder::step_paged's
+// generic ATen ops, the documents read as a forward reads them, Model::document_reads): every
+// method's greedy answer is PicEngine::generate's on the same path, alone and in a batch.
+TEST_CASE("serving on the generic path (a GPU's): greedy answers are PicEngine::generate's, alone and batched",
+          "[serving]") {
+  Options o;
+  o.plugin = test::env_or("COMB_SHIPPED_PLUGIN", "");
+  o.cpu_kernels = false;
+  const Model m = Model::load(test::model_path(), o);
+  REQUIRE(!m.decoder().cpu_kernels());
+  ServeOptions options;
+  options.prefill_chunk = 24;
+  options.block_tokens = 8;  // rows over several blocks, padded to the longest in the batch
+  ServeEngine engine(m, options);
+  const Method methods[] = {Method::comb, Method::full, Method::prefix, Method::naive, Method::epic, Method::cacheblend};
+  std::vector<ServeRequest> requests;
+  for (int i = 0; i < 8; ++i) requests.push_back(make(m, i, methods[i % 6], 8));
+  std::vector<ServeRequest> again = requests;
+  auto alone = run_all(engine, requests, false);
+  auto together = run_all(engine, std::move(again), true);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    PicEngine pic(m, alone[i].method, options.pic);
+    GenerateOptions g;
+    g.max_tokens = 8;
+    GenerationResult direct = pic.generate(requests[i].prompt, g);
+    INFO("request " << i << " (" << method_name(alone[i].method) << "): served '" << alone[i].text << "', batched '"
+                    << together[i].text << "', direct '" << direct.text << "'");
+    CHECK(alone[i].finish_reason != "error");
+    CHECK(!alone[i].tokens.empty());
+    CHECK(alone[i].tokens == direct.tokens);
+    CHECK(together[i].tokens == direct.tokens);
+  }
+  const auto stats = engine.stats();
+  CHECK(stats.blocks_free == stats.blocks_total);
+  CHECK(stats.batch_size.count > stats.batch_size.counts[0]);  // steps with several rows ran
+
+  // A plug-in of residual cross blocks (read before each layer, row by row) on the same path.
+  Model residual = Model::load(test::model_path(), o);
+  residual.set_plugin(test::random_plugin(residual.decoder()));
+  REQUIRE(!residual.plugin()->config().joint_attention);
+  ServeEngine residual_engine(residual, options);
+  std::vector<ServeRequest> comb_requests;
+  for (int i : {0, 1, 2}) comb_requests.push_back(make(residual, i, Method::comb, 6));
+  auto served = run_all(residual_engine, comb_requests, true);
+  for (size_t i = 0; i < comb_requests.size(); ++i) {
+    PicEngine pic(residual, Method::comb, options.pic);
+    GenerateOptions g;
+    g.max_tokens = 6;
+    GenerationResult direct = pic.generate(comb_requests[i].prompt, g);
+    INFO("residual plug-in, request " << i << ": served '" << served[i].text << "', direct '" << direct.text << "'");
+    CHECK(served[i].tokens == direct.tokens);
+  }
+}
+
 TEST_CASE("serving: a long document is computed in pieces, and other requests answer meanwhile", "[serving]") {
   const Model& m = model_with_plugin();
   std::string text;

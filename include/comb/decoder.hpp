@@ -167,10 +167,15 @@ class Decoder {
   };
   // Runs fn(0) .. fn(n - 1), in parallel where it can (which thread runs which must not matter).
   using ParallelFor = std::function<void(int64_t n, const std::function<void(int64_t)>& fn)>;
-  // One decoding step of several sequences whose K/V lie in `pool`: returns float32 logits [rows,
-  // n_vocab]. Row-wise kernels throughout, so a row's numbers do not depend on the other rows (a
-  // request's greedy output is the same in a batch of any size). The fused CPU path only
-  // (cpu_kernels()). `run` (null: at::parallel_for) runs its loops.
+  // One decoding step of several sequences whose K/V lie in `pool` (the decoder's dtype and
+  // device): returns float32 logits [rows, n_vocab] on the decoder's device.
+  // On the fused CPU path (cpu_kernels()): row-wise kernels throughout, so a row's numbers do not
+  // depend on the other rows (a request's greedy output is the same in a batch of any size); `run`
+  // (null: at::parallel_for) runs its loops; a row's documents as segments (Documents::paged_reads).
+  // Otherwise (any device and dtype, the GPU's server): every row through each matrix together,
+  // the rows without documents attending in one padded batch over their gathered blocks, a row
+  // with documents alone through joint_attention over the reads' joint() keys (documents read as
+  // a forward reads them, Model::document_reads).
   at::Tensor step_paged(BlockPool& pool, const std::vector<PagedRow>& rows, const ParallelFor& run = nullptr) const;
 
   // The steps of forward(), for wrappers that add blocks between layers.
@@ -242,6 +247,9 @@ class Decoder {
   mutable std::shared_ptr<std::mutex> cuda_step_mutex_ = std::make_shared<std::mutex>();
   at::Tensor cuda_step(int64_t token, KVCache& cache) const;
   at::Tensor layer_cuda(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const;
+  // step_paged's path off the fused CPU kernels (generic ATen ops; the CUDA norm and activation
+  // kernels on a CUDA half decoder).
+  at::Tensor step_paged_generic(BlockPool& pool, const std::vector<PagedRow>& rows) const;
   // oneDNN copies of each layer's {wqkv, wo, w_gate_up, w_down} for prefill GEMMs on CPU; the
   // dense weights above are views of the same memory (see prepack_onednn()), or empty.
   std::vector<std::array<at::Tensor, 4>> onednn_;

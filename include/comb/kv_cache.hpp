@@ -44,11 +44,14 @@ class KVCache {
 };
 
 // A paged K/V cache for many sequences at once (the server's running requests): per layer, keys
-// and values [n_blocks, n_head_kv, block_tokens, head_dim] (float32), allocated once; a sequence
-// holds whole blocks, listed in its block table.
+// and values [n_blocks, n_head_kv, block_tokens, head_dim] in the decoder's dtype, on its device
+// (float32 on the CPU), allocated once; a sequence holds whole blocks, listed in its block table.
 class BlockPool {
  public:
-  BlockPool(const ModelConfig& config, int64_t n_blocks, int64_t block_tokens);
+  BlockPool(const ModelConfig& config, int64_t n_blocks, int64_t block_tokens, c10::ScalarType dtype = c10::kFloat,
+            c10::Device device = c10::kCPU);
+  // Bytes of one block over every layer (keys and values) in `dtype`.
+  static int64_t block_bytes(const ModelConfig& config, int64_t block_tokens, c10::ScalarType dtype);
   // `n` free blocks, or an empty list (and nothing taken) when fewer are free.
   std::vector<int32_t> allocate(int64_t n);
   void release(const std::vector<int32_t>& blocks);

@@ -85,6 +85,11 @@ class Model {
   const KVCache* encoder_prefix_states() const;
   // The decoder's forward with linked documents read by the cross blocks; without documents (or
   // without a plug-in) exactly Decoder::forward.
+  // What the decoder's layers read of linked `documents` (checked against the plug-in), as
+  // forward() reads them: joined blocks (Plugin::joint_kv, kept in documents->joined) or residual
+  // blocks over the documents in place (they must outlive the reads). A paged step off the fused
+  // CPU path reads these (Decoder::step_paged).
+  std::unique_ptr<DocumentReads> document_reads(const LinkedDocuments& documents, int64_t batch = 1) const;
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache, const LinkedDocuments* documents = nullptr,
                      LogitsMode mode = LogitsMode::last) const;
   // Generates after `prompt`, reading `documents` when given; throws comb::Error when the prompt

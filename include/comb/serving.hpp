@@ -117,7 +117,9 @@ struct ServeStats {
 class ServeEngine {
  public:
   using Id = uint64_t;
-  // CPU only (float32 or kept-quantized weights); starts the scheduler thread.
+  // On the CPU (float32 activations; weights float32 or kept quantized) or a CUDA device (float32,
+  // bfloat16 or float16; the block pool and the document store's first tier in its memory).
+  // Starts the scheduler thread.
   ServeEngine(const Model& model, ServeOptions options);
   ~ServeEngine();  // shutdown(false)
   ServeEngine(const ServeEngine&) = delete;

@@ -900,8 +900,11 @@ COMB_INLINE at::Tensor Decoder::step_paged(BlockPool& pool, const std::vector<Pa
                                            const ParallelFor& run) const {
   namespace cpu = detail::cpu;
   const auto& c = config_;
-  COMB_CHECK(cpu_kernels(), "step_paged: the fused CPU path (a float32 decoder on the CPU with cpu_kernels on)");
   COMB_CHECK(!rows.empty(), "step_paged: no row");
+  COMB_CHECK(pool.keys(0).device() == device_ && pool.keys(0).scalar_type() == dtype_,
+             "step_paged: a block pool of {} on {} for a decoder of {} on {}",
+             c10::toString(pool.keys(0).scalar_type()), pool.keys(0).device().str(), c10::toString(dtype_),
+             device_.str());
   const int64_t B = static_cast<int64_t>(rows.size()), E = c.n_embd, hd = c.head_dim;
   const int64_t q_dim = c.q_dim(), kv_dim = c.kv_dim(), qkv_dim = q_dim + 2 * kv_dim, bt = pool.block_tokens();
   for (const auto& r : rows)
@@ -909,6 +912,7 @@ COMB_INLINE at::Tensor Decoder::step_paged(BlockPool& pool, const std::vector<Pa
                    r.position / bt < static_cast<int64_t>(r.blocks->size()),
                "step_paged: position {} past the row's {} blocks of {} tokens (or the context of {})", r.position,
                r.blocks ? r.blocks->size() : 0, bt, c.n_ctx);
+  if (!cpu_kernels()) return step_paged_generic(pool, rows);
   ParallelFor each = run ? run : ParallelFor([](int64_t n, const std::function<void(int64_t)>& fn) {
     at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) fn(j);
@@ -1020,6 +1024,96 @@ COMB_INLINE at::Tensor Decoder::step_paged(BlockPool& pool, const std::vector<Pa
   at::Tensor out = at::empty({B, n_vocab}, h.options());
   gemv(h.data_ptr<float>(), weights_.output.data_ptr<float>(), E, out.data_ptr<float>(), n_vocab);
   return out;
+}
+
+COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::vector<PagedRow>& rows) const {
+  RECORD_FUNCTION("comb::step_paged", std::vector<c10::IValue>());
+  const auto& c = config_;
+  const int64_t B = static_cast<int64_t>(rows.size()), bt = pool.block_tokens();
+  const int64_t n_blocks_max = [&] {
+    int64_t m = 0;
+    for (const auto& r : rows) m = std::max(m, r.position / bt + 1);
+    return m;
+  }();
+  // Per row: its position, the block and offset its new K/V go to, and its first blocks, padded
+  // with its own first block to the longest row's (the padding is masked out).
+  std::vector<int64_t> pos(B), dest_block(B), dest_offset(B), table(B * n_blocks_max);
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& r = rows[b];
+    pos[b] = r.position;
+    dest_block[b] = (*r.blocks)[r.position / bt];
+    dest_offset[b] = r.position % bt;
+    for (int64_t j = 0; j < n_blocks_max; ++j)
+      table[b * n_blocks_max + j] = (*r.blocks)[j <= r.position / bt ? j : 0];
+  }
+  auto on_device = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device_); };
+  const at::Tensor pos_t = on_device(pos), block_t = on_device(dest_block), offset_t = on_device(dest_offset);
+  const at::Tensor table_t = on_device(table);
+  // RoPE angles of each row's position: [B, 1, 1, head_dim], broadcast over heads.
+  const at::Tensor cos = rope_cos_.index_select(0, pos_t).view({B, 1, 1, c.head_dim});
+  const at::Tensor sin = rope_sin_.index_select(0, pos_t).view({B, 1, 1, c.head_dim});
+  // Which gathered keys each plain row sees: its positions [0, position].
+  const int64_t n_keys = n_blocks_max * bt;
+  const at::Tensor visible =
+      (at::arange(n_keys, at::TensorOptions().dtype(at::kLong).device(device_)).view({1, n_keys}) <= pos_t.view({B, 1}))
+          .view({B, 1, 1, n_keys});
+  std::vector<int64_t> plain;  // rows without joined keys at a layer: attended in one batch
+  std::vector<int64_t> ids(B);
+  for (int64_t b = 0; b < B; ++b) ids[b] = rows[b].token;
+  at::Tensor x = embed(at::tensor(ids, at::kLong).view({B, 1})).to(dtype_);  // [B, 1, n_embd]
+  const bool cuda_ops = device_.is_cuda() && (dtype_ == at::kBFloat16 || dtype_ == at::kHalf) &&
+                        !weights_.quantized() && detail::cuda_layer_ops() != nullptr && cuda_kernels_;
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    const auto& w = weights_.layers[i];
+    for (int64_t b = 0; b < B; ++b)  // a residual cross block before the layer, row by row
+      if (rows[b].reads) {
+        at::Tensor row = x.narrow(0, b, 1);
+        at::Tensor read = rows[b].reads->before(i, row, rows[b].position);
+        if (!read.is_same(row)) x.narrow(0, b, 1).copy_(read);
+      }
+    const auto math = cuda_ops ? detail::decoder::cuda_math(w, c, *detail::cuda_layer_ops())
+                               : detail::decoder::generic_math(w, c);
+    x = detail::decoder::layer_body(x, w, math, [&](const at::Tensor& qkv) {
+      auto [q, k, v] = split_qkv(qkv, c);  // q [B, n_head, 1, head_dim], k, v [B, n_head_kv, 1, head_dim]
+      q = apply_rope(q, cos, sin);
+      k = apply_rope(k, cos, sin);
+      using at::indexing::Slice;
+      at::Tensor pool_k = pool.keys(i), pool_v = pool.values(i);  // handles on the pool's memory
+      pool_k.index_put_({block_t, Slice(), offset_t}, k.squeeze(2));
+      pool_v.index_put_({block_t, Slice(), offset_t}, v.squeeze(2));
+      // Every row's blocks gathered: [B, n_head_kv, n_keys, head_dim].
+      auto gather = [&](const at::Tensor& t) {
+        return t.index_select(0, table_t)
+            .view({B, n_blocks_max, c.n_head_kv, bt, c.head_dim})
+            .permute({0, 2, 1, 3, 4})
+            .reshape({B, c.n_head_kv, n_keys, c.head_dim});
+      };
+      const at::Tensor keys = gather(pool.keys(i)), values = gather(pool.values(i));
+      at::Tensor out = at::empty_like(q);  // [B, n_head, 1, head_dim]
+      plain.clear();
+      for (int64_t b = 0; b < B; ++b) {
+        const JointKV* joint = rows[b].reads ? rows[b].reads->joint(i) : nullptr;
+        if (!joint) {
+          plain.push_back(b);
+          continue;
+        }
+        const int64_t len = rows[b].position + 1;
+        out.narrow(0, b, 1).copy_(joint_attention(q.narrow(0, b, 1), keys.narrow(0, b, 1).narrow(2, 0, len),
+                                                  values.narrow(0, b, 1).narrow(2, 0, len), rows[b].position, *joint));
+      }
+      if (static_cast<int64_t>(plain.size()) == B) {
+        out = at::scaled_dot_product_attention(q, keys, values, visible, 0.0, false, std::nullopt, /*enable_gqa=*/true);
+      } else if (!plain.empty()) {
+        const at::Tensor idx = on_device(plain);
+        out.index_copy_(0, idx,
+                        at::scaled_dot_product_attention(q.index_select(0, idx), keys.index_select(0, idx),
+                                                         values.index_select(0, idx), visible.index_select(0, idx),
+                                                         0.0, false, std::nullopt, /*enable_gqa=*/true));
+      }
+      return out.transpose(1, 2).reshape({B, 1, c.q_dim()});
+    });
+  }
+  return logits(x, LogitsMode::last).view({B, -1});
 }
 
 COMB_INLINE std::string base_fingerprint(const Decoder& base) {

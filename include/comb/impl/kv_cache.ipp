@@ -83,13 +83,15 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> rope_tables(const ModelConfig& c, 
 
 // ---- BlockPool ------------------------------------------------------------------------------
 
-COMB_INLINE BlockPool::BlockPool(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens)
+COMB_INLINE BlockPool::BlockPool(const ModelConfig& c, int64_t n_blocks, int64_t block_tokens, c10::ScalarType dtype,
+                                 c10::Device device)
     : n_blocks_(n_blocks), block_tokens_(block_tokens) {
   COMB_CHECK(block_tokens > 0, "block size must be > 0 tokens, found {}", block_tokens);
   COMB_CHECK(n_blocks > 0 && n_blocks < (int64_t(1) << 31), "a pool of {} blocks (expected 1 to 2^31 - 1)", n_blocks);
+  const auto opts = at::TensorOptions().dtype(dtype).device(device);
   for (int64_t l = 0; l < c.n_layer; ++l) {
-    k_.push_back(at::zeros({n_blocks, c.n_head_kv, block_tokens, c.head_dim}, at::kFloat));
-    v_.push_back(at::zeros({n_blocks, c.n_head_kv, block_tokens, c.head_dim}, at::kFloat));
+    k_.push_back(at::zeros({n_blocks, c.n_head_kv, block_tokens, c.head_dim}, opts));
+    v_.push_back(at::zeros({n_blocks, c.n_head_kv, block_tokens, c.head_dim}, opts));
   }
   free_.reserve(n_blocks);
   for (int64_t b = n_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
@@ -108,20 +110,51 @@ COMB_INLINE void BlockPool::release(const std::vector<int32_t>& blocks) {
 
 COMB_INLINE int64_t BlockPool::bytes() const {
   int64_t b = 0;
-  for (size_t l = 0; l < k_.size(); ++l) b += 2 * k_[l].numel() * int64_t(sizeof(float));
+  for (size_t l = 0; l < k_.size(); ++l) b += 2 * k_[l].numel() * static_cast<int64_t>(k_[l].element_size());
   return b;
+}
+
+COMB_INLINE int64_t BlockPool::block_bytes(const ModelConfig& c, int64_t block_tokens, c10::ScalarType dtype) {
+  return 2 * c.n_layer * c.n_head_kv * block_tokens * c.head_dim * static_cast<int64_t>(c10::elementSize(dtype));
 }
 
 COMB_INLINE void BlockPool::load(const KVCache& cache, int64_t n, const std::vector<int32_t>& blocks) {
   COMB_CHECK(cache.batch() == 1 && n <= cache.capacity() && blocks_for(n) <= static_cast<int64_t>(blocks.size()),
              "block pool: {} positions of a cache of batch {} into {} blocks of {}", n, cache.batch(), blocks.size(),
              block_tokens_);
+  if (k_[0].device().is_cpu()) {  // block by block: each copied once
+    for (int64_t l = 0; l < cache.n_layers(); ++l) {
+      at::Tensor k = cache.keys(l)[0], v = cache.values(l)[0];  // [n_head_kv, capacity, head_dim]
+      for (int64_t p0 = 0, j = 0; p0 < n; p0 += block_tokens_, ++j) {
+        const int64_t len = std::min(block_tokens_, n - p0);
+        k_[l][blocks[j]].narrow(1, 0, len).copy_(k.narrow(1, p0, len));
+        v_[l][blocks[j]].narrow(1, 0, len).copy_(v.narrow(1, p0, len));
+      }
+    }
+    return;
+  }
+  // On a GPU, the whole blocks in one copy a layer (not a launch a block), the last part-filled
+  // block apart.
+  const int64_t whole = n / block_tokens_, tail = n - whole * block_tokens_;
+  at::Tensor index;
+  if (whole > 0)
+    index = at::tensor(std::vector<int64_t>(blocks.begin(), blocks.begin() + whole), at::kLong).to(k_[0].device());
   for (int64_t l = 0; l < cache.n_layers(); ++l) {
-    at::Tensor k = cache.keys(l)[0], v = cache.values(l)[0];  // [n_head_kv, capacity, head_dim]
-    for (int64_t p0 = 0, j = 0; p0 < n; p0 += block_tokens_, ++j) {
-      const int64_t len = std::min(block_tokens_, n - p0);
-      k_[l][blocks[j]].narrow(1, 0, len).copy_(k.narrow(1, p0, len));
-      v_[l][blocks[j]].narrow(1, 0, len).copy_(v.narrow(1, p0, len));
+    at::Tensor k = cache.keys(l)[0], v = cache.values(l)[0];
+    const int64_t h = k.size(0), hd = k.size(2);
+    if (whole > 0) {
+      auto as_blocks = [&](const at::Tensor& t) {  // -> [whole, n_head_kv, block_tokens, head_dim]
+        return t.narrow(1, 0, whole * block_tokens_)
+            .reshape({h, whole, block_tokens_, hd})
+            .permute({1, 0, 2, 3})
+            .to(k_[l].scalar_type());
+      };
+      k_[l].index_copy_(0, index, as_blocks(k));
+      v_[l].index_copy_(0, index, as_blocks(v));
+    }
+    if (tail > 0) {
+      k_[l][blocks[whole]].narrow(1, 0, tail).copy_(k.narrow(1, whole * block_tokens_, tail));
+      v_[l][blocks[whole]].narrow(1, 0, tail).copy_(v.narrow(1, whole * block_tokens_, tail));
     }
   }
 }

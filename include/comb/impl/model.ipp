@@ -156,42 +156,43 @@ COMB_INLINE const KVCache* Model::encoder_prefix_states() const {
   return &*e.states;
 }
 
-COMB_INLINE at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, const LinkedDocuments* documents,
-                          LogitsMode mode) const {
-  if (!documents || documents->empty()) return decoder_->forward(tokens, cache, mode);
+COMB_INLINE std::unique_ptr<DocumentReads> Model::document_reads(const LinkedDocuments& documents, int64_t batch) const {
   COMB_CHECK(plugin_, "documents need a plug-in: load one with Options::plugin (--plugin FILE)");
-  COMB_CHECK(static_cast<int64_t>(documents->doc_counts.size()) == tokens.size(0),
-             "linked documents are for a batch of {}, the tokens a batch of {}", documents->doc_counts.size(),
-             tokens.size(0));
-  COMB_CHECK(static_cast<int64_t>(documents->keys.size()) == plugin_->config().n_blocks(),
-             "linked documents have {} blocks, the plug-in {}", documents->keys.size(),
-             plugin_->config().n_blocks());
-  COMB_CHECK(!plugin_->config().documents_after_prefix || documents->anchor > 0,
+  COMB_CHECK(static_cast<int64_t>(documents.doc_counts.size()) == batch,
+             "linked documents are for a batch of {}, the tokens a batch of {}", documents.doc_counts.size(), batch);
+  COMB_CHECK(static_cast<int64_t>(documents.keys.size()) == plugin_->config().n_blocks(),
+             "linked documents have {} blocks, the plug-in {}", documents.keys.size(), plugin_->config().n_blocks());
+  COMB_CHECK(!plugin_->config().documents_after_prefix || documents.anchor > 0,
              "this plug-in reads its documents after the instruction prefix: set LinkedDocuments::anchor to the "
              "prefix's length (qa_prefix(model).size(), as PicEngine and comb generate do); with anchor 0 every "
              "prompt token would read them, which it was not trained for");
   if (plugin_->config().joint_attention) {  // the blocks join their layers' attention
-    auto& joined = *documents->joined;
+    auto& joined = *documents.joined;
     std::vector<JointKV> joint;
     {
       std::lock_guard<std::mutex> lock(joined.mutex);
-      if (joined.plugin != plugin_->fingerprint() || joined.anchor != documents->anchor) {
-        joined.blocks = plugin_->joint_kv(plugin_->weights(), documents->keys, documents->values, documents->doc_counts,
-                                          documents->anchor, documents->key_scales, documents->value_scales);
+      if (joined.plugin != plugin_->fingerprint() || joined.anchor != documents.anchor) {
+        joined.blocks = plugin_->joint_kv(plugin_->weights(), documents.keys, documents.values, documents.doc_counts,
+                                          documents.anchor, documents.key_scales, documents.value_scales);
         joined.plugin = plugin_->fingerprint();
-        joined.anchor = documents->anchor;
+        joined.anchor = documents.anchor;
       }
       joint = joined.blocks;  // tensors are shared, not copied
     }
-    DocumentReads reads = DocumentReads::joined(*plugin_, std::move(joint));
-    return decoder_->forward(tokens, cache, mode, &reads);
+    return std::make_unique<DocumentReads>(DocumentReads::joined(*plugin_, std::move(joint)));
   }
-  COMB_CHECK(documents->anchor == 0, "documents anchored after a prefix need a plug-in with documents_after_prefix");
-  COMB_CHECK(documents->key_scales.empty(),
+  COMB_CHECK(documents.anchor == 0, "documents anchored after a prefix need a plug-in with documents_after_prefix");
+  COMB_CHECK(documents.key_scales.empty(),
              "documents linked int8 (Linker with keep_int8) are read by joint-attention plug-ins only; link them "
              "with Linker(device) for this plug-in");
-  DocumentReads reads = DocumentReads::residual(*plugin_, *documents);  // reads them in place
-  return decoder_->forward(tokens, cache, mode, &reads);
+  return std::make_unique<DocumentReads>(DocumentReads::residual(*plugin_, documents));  // reads them in place
+}
+
+COMB_INLINE at::Tensor Model::forward(const at::Tensor& tokens, KVCache& cache, const LinkedDocuments* documents,
+                          LogitsMode mode) const {
+  if (!documents || documents->empty()) return decoder_->forward(tokens, cache, mode);
+  const std::unique_ptr<DocumentReads> reads = document_reads(*documents, tokens.size(0));
+  return decoder_->forward(tokens, cache, mode, reads.get());
 }
 
 COMB_INLINE void Model::save(const std::string& dir) const {

@@ -75,9 +75,11 @@ COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
     : model_(model), options_(std::move(options)) {
   const Decoder& dec = model.decoder();
   const auto& c = dec.config();
-  COMB_CHECK(dec.device().is_cpu() && dec.dtype() == at::kFloat,
-             "the serving engine runs on the CPU with float32 activations (weights float32 or kept quantized), found "
-             "{} {}",
+  COMB_CHECK((dec.device().is_cpu() && dec.dtype() == at::kFloat) ||
+                 (dec.device().is_cuda() &&
+                  (dec.dtype() == at::kFloat || dec.dtype() == at::kBFloat16 || dec.dtype() == at::kHalf)),
+             "the serving engine runs on the CPU with float32 activations (weights float32 or kept quantized) or on a "
+             "CUDA device in float32, bfloat16 or float16, found {} {}",
              dec.device().str(), c10::toString(dec.dtype()));
   COMB_CHECK(options_.max_running > 0, "max running requests must be > 0, found {}", options_.max_running);
   COMB_CHECK(options_.max_queued >= 0, "max queued requests must be >= 0, found {}", options_.max_queued);
@@ -90,17 +92,18 @@ COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
              options_.block_tokens);
   if (options_.method == Method::comb)
     COMB_CHECK(model.plugin(), "the default method comb needs a plug-in (--plugin FILE, or another --method)");
-  StoreOptions so = options_.pic.store_options();
+  StoreOptions so = options_.pic.store_options(dec.device());  // on a GPU: a device tier first
   so.disk_dir = options_.cache_dir;
   so.disk_bytes = options_.cache_dir.empty() ? 0 : options_.cache_disk_bytes;
   store_ = std::make_shared<PICacheStore>(so);
   documents_ = std::make_shared<Documents>(model, store_);
   prefix_ = std::make_shared<PrefixCache>(options_.pic.prefix_block, options_.pic.cache_bytes);
-  const int64_t block_bytes = 2 * c.n_layer * c.n_head_kv * options_.block_tokens * c.head_dim * int64_t(sizeof(float));
+  // The pool holds K/V in the decoder's dtype on its device (GPU memory on a GPU).
+  const int64_t block_bytes = BlockPool::block_bytes(c, options_.block_tokens, dec.dtype());
   const int64_t n_blocks = options_.kv_bytes / block_bytes;
   COMB_CHECK(n_blocks >= 1, "KV memory of {} bytes holds no block of {} tokens ({} bytes)", options_.kv_bytes,
              options_.block_tokens, block_bytes);
-  pool_ = std::make_unique<BlockPool>(c, n_blocks, options_.block_tokens);
+  pool_ = std::make_unique<BlockPool>(c, n_blocks, options_.block_tokens, dec.dtype(), dec.device());
   if (options_.max_tokens_in_flight <= 0) options_.max_tokens_in_flight = n_blocks * options_.block_tokens;
   const Tokenizer& tok = model.tokenizer();
   if (auto eos = tok.eos_id()) stop_tokens_.push_back(*eos);
@@ -528,9 +531,11 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
   s.result.cached_tokens = f.reused;
   s.result.computed_tokens = f.computed;
   if (!f.documents.empty()) {
-    // What its decoding steps read of them, built once (Documents::paged_reads).
+    // What its decoding steps read of them, built once: segments for the fused CPU step
+    // (Documents::paged_reads), else as a forward reads them (Model::document_reads).
     s.documents = std::move(f.documents);
-    s.reads = documents_->paged_reads(s.documents);
+    s.reads = model_.decoder().cpu_kernels() ? documents_->paged_reads(s.documents)
+                                             : model_.document_reads(s.documents);
   }
   at::Tensor logits = f.logits;
   s.prefill.reset();  // the prompt's own cache goes
@@ -662,7 +667,7 @@ COMB_INLINE void ServeEngine::decode_step() {
   }
   if (rows.empty()) return;
   const auto t0 = Sequence::clock::now();
-  at::Tensor logits = batched_forward(rows);  // [rows, n_vocab]
+  at::Tensor logits = batched_forward(rows).to(at::kCPU);  // [rows, n_vocab]; from a GPU in one copy
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const double dt = detail::serving::seconds_since(t0);
