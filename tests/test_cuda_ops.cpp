@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <future>
 
 #include "comb/comb.hpp"
 #include "comb/detail/decode_step.hpp"
@@ -690,5 +691,172 @@ TEST_CASE("COMB on a CUDA half model: documents kept int8 on the device, joined 
     // the pair's norm): under 3.5 * 2^-8 of the largest placed key.
     CHECK((got - want).abs().max().item<double>() <= 3.5 * std::ldexp(want.abs().max().item<double>(), -8));
     CHECK(at::equal(b.cache.values(l).narrow(2, 0, pos), manual.values(l).narrow(2, 0, pos)));
+  }
+}
+
+TEST_CASE("a CUDA block pool loads a cache as the CPU's does, whole blocks in one copy a layer", "[ops][cuda]") {
+  if (!cuda_available()) {
+    WARN("no CUDA device: the CUDA block pool is not checked here");
+    return;
+  }
+  c10::InferenceMode guard;
+  const ModelConfig& c = default_model().config();
+  auto gen = at::detail::createCPUGenerator(21);
+  KVCache cpu(c, 1, 70, at::kFloat, at::kCPU);
+  for (int64_t l = 0; l < c.n_layer; ++l)
+    cpu.write(l, 0, at::randn({1, c.n_head_kv, 70, c.head_dim}, gen), at::randn({1, c.n_head_kv, 70, c.head_dim}, gen));
+  KVCache gpu(c, 1, 70, at::kBFloat16, at::kCUDA);
+  for (int64_t l = 0; l < c.n_layer; ++l) gpu.write(l, 0, cpu.keys(l), cpu.values(l));
+  const std::vector<int32_t> blocks = {5, 1, 7, 0, 3};  // 4 whole blocks of 16 and 3 positions of a fifth
+  for (int64_t n : {int64_t(67), int64_t(64), int64_t(9)}) {
+    BlockPool on_cpu(c, 8, 16, at::kBFloat16), on_gpu(c, 8, 16, at::kBFloat16, at::kCUDA);
+    KVCache cpu_bf16(c, 1, 70, at::kBFloat16, at::kCPU);
+    for (int64_t l = 0; l < c.n_layer; ++l) cpu_bf16.write(l, 0, gpu.keys(l).cpu(), gpu.values(l).cpu());
+    on_cpu.load(cpu_bf16, n, blocks);
+    on_gpu.load(gpu, n, blocks);
+    INFO(n << " positions");
+    CHECK(on_gpu.keys(0).is_cuda());
+    CHECK(on_gpu.bytes() == on_cpu.bytes());
+    for (int64_t l = 0; l < c.n_layer; ++l) {
+      CHECK(at::equal(on_gpu.keys(l).cpu(), on_cpu.keys(l)));
+      CHECK(at::equal(on_gpu.values(l).cpu(), on_cpu.values(l)));
+    }
+  }
+}
+
+// The server's paged step on a GPU: comb's paged kernels (RoPE into each row's block, attention
+// through each row's block table, a row's documents in the same softmax) against the generic ATen
+// path in the same dtype, both against float32.
+TEST_CASE("the paged step on CUDA: the paged kernels match the generic path, documents included", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  const std::string path = env_or("COMB_CUDA_MODEL", model_path());
+  Model f32 = Model::load(path, Options{"cuda"});
+  Model bf16 = Model::load(path, Options{"cuda", "bfloat16"});
+  const Decoder& fused = bf16.decoder();
+  Decoder generic(fused.config(), fused.weights(), fused.dtype(), fused.device());
+  generic.set_cuda_kernels(false);
+  const auto& c = fused.config();
+  auto gen = at::detail::createCPUGenerator(17);
+  // Three sequences of 37, 16 and 70 tokens in blocks of 16 taken out of order; the second reads
+  // joined keys (64 of them, a bias per head) as a COMB row does.
+  const std::vector<int64_t> lengths = {37, 16, 70};
+  at::Tensor joined_k = at::randn({1, c.n_head_kv, 64, c.head_dim}, gen), joined_v = at::randn_like(joined_k);
+  at::Tensor bias = at::randn({c.n_head}, gen) * 0.5;
+  struct Joined final : LayerReads {
+    JointKV kv;
+    const JointKV* joint(int64_t) const override { return &kv; }
+  };
+  auto reads_on = [&](const Decoder& d) {
+    auto r = std::make_unique<Joined>();
+    r->kv.keys = joined_k.to(d.device(), d.dtype());
+    r->kv.values = joined_v.to(d.device(), d.dtype());
+    r->kv.bias = bias.to(d.device());
+    return r;
+  };
+  std::vector<at::Tensor> prompts;
+  for (int64_t n : lengths) prompts.push_back(at::randint(c.n_vocab, {1, n}, gen));
+  at::Tensor fed = at::randint(c.n_vocab, {6, 3}, gen);
+  // Teacher-forced: each decoder's pool filled from its own cached forward, then 6 steps.
+  auto steps = [&](const Decoder& d) {
+    BlockPool pool(c, 16, 16, d.dtype(), d.device());
+    std::vector<std::vector<int32_t>> blocks = {{9, 2, 3, 14}, {0, 5}, {1, 12, 7, 4, 6, 11}};
+    auto reads = reads_on(d);
+    for (size_t r = 0; r < lengths.size(); ++r) {
+      KVCache cache = d.make_cache(1, lengths[r]);
+      d.forward(prompts[r], cache);
+      pool.load(cache, lengths[r], blocks[r]);
+    }
+    std::vector<at::Tensor> out;
+    for (int64_t s = 0; s < fed.size(0); ++s) {
+      std::vector<Decoder::PagedRow> rows;
+      for (size_t r = 0; r < lengths.size(); ++r)
+        rows.push_back({fed[s][r].item<int64_t>(), lengths[r] + s, &blocks[r], r == 1 ? reads.get() : nullptr});
+      out.push_back(d.step_paged(pool, rows).cpu());
+    }
+    return at::cat(out);  // [6 * 3, n_vocab]
+  };
+  at::Tensor want = steps(f32.decoder()), got = steps(fused), ref = steps(generic);
+  const double err_fused = (got - want).abs().max().item<double>(), err_generic = (ref - want).abs().max().item<double>();
+  const double rms_fused = (got - want).pow(2).mean().sqrt().item<double>();
+  const double rms_generic = (ref - want).pow(2).mean().sqrt().item<double>();
+  INFO("|logit - float32|, max and root mean square: paged kernels " << err_fused << ", " << rms_fused
+                                                                      << "; generic bf16 " << err_generic << ", "
+                                                                      << rms_generic);
+  // Both round at the same steps to bfloat16 and differ in the order of their float32 sums (as the
+  // fused layers above); over 18 rows of logits the spread is wider than over 144 (half again, and
+  // twice for the single largest difference).
+  CHECK(rms_fused <= 1.5 * rms_generic);
+  CHECK(err_fused <= 2 * err_generic);
+  at::Tensor top2 = std::get<0>(ref.topk(2, -1));
+  at::Tensor clear = (top2.select(-1, 0) - top2.select(-1, 1)) > 2 * (err_fused + err_generic);
+  CHECK(at::equal(got.argmax(-1).masked_select(clear), ref.argmax(-1).masked_select(clear)));
+}
+
+// The GPU's server: every method's greedy answers in float32 are PicEngine::generate's on the same
+// device, alone and batched; in bfloat16 it serves every method through the paged kernels.
+TEST_CASE("the serving engine on CUDA answers as PicEngine::generate, alone and batched", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  const std::string path = env_or("COMB_CUDA_MODEL", model_path());
+  for (const char* dtype : {"float32", "bfloat16"}) {
+    Model m = Model::load(path, Options{"cuda", dtype});
+    if (!m.plugin()) {  // a fresh plug-in of the shipped layout (answers, not accuracy, are compared)
+      PluginInitOptions init;
+      init.reads = init.joint_attention = init.consecutive_documents = init.documents_after_prefix = true;
+      for (int64_t l = 0; l < m.config().n_layer; ++l) init.cross_layers.push_back(l);
+      const auto instruction = qa_prefix(m);
+      init.encoder_prefix.assign(instruction.begin(), instruction.end());
+      m.set_plugin(std::make_shared<Plugin>(Plugin::fresh(m.decoder(), init)));
+    }
+    ServeOptions o;
+    o.kv_bytes = int64_t(256) << 20;
+    ServeEngine engine(m, o);
+    const Method methods[] = {Method::comb, Method::full, Method::prefix, Method::naive, Method::epic,
+                              Method::cacheblend};
+    std::vector<ServeRequest> requests;
+    for (int i = 0; i < 6; ++i) {
+      ServeRequest r;
+      r.prompt = qa_request(m,
+                            {{"Alpha", "The alpha station was built in 1931 on the northern ridge."},
+                             {"Beta", "Beta is a river town; its bridge opened in 1904."},
+                             {"Gamma", "Gamma Lake freezes every winter, and skaters cross it to the island."}},
+                            i % 2 ? "When did the bridge in Beta open?" : "What do skaters cross?");
+      r.method = methods[i];
+      r.max_tokens = 8;
+      requests.push_back(r);
+    }
+    auto run = [&](bool together) {
+      std::vector<std::shared_ptr<std::promise<ServeResult>>> done;
+      std::vector<ServeResult> out;
+      for (auto r : requests) {
+        done.push_back(std::make_shared<std::promise<ServeResult>>());
+        auto p = done.back();
+        r.on_done = [p](const ServeResult& result) { p->set_value(result); };
+        engine.submit(std::move(r));
+        if (!together) out.push_back(done.back()->get_future().get());
+      }
+      if (together)
+        for (auto& p : done) out.push_back(p->get_future().get());
+      return out;
+    };
+    const auto alone = run(false), together = run(true);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      PicEngine pic(m, *requests[i].method, o.pic);
+      GenerateOptions g;
+      g.max_tokens = 8;
+      const GenerationResult direct = pic.generate(requests[i].prompt, g);
+      INFO(dtype << " " << method_name(*requests[i].method) << ": served '" << alone[i].text << "', batched '"
+                 << together[i].text << "', direct '" << direct.text << "'");
+      CHECK(alone[i].finish_reason != "error");
+      if (std::string(dtype) == "float32") {
+        CHECK(alone[i].tokens == direct.tokens);
+        CHECK(together[i].tokens == direct.tokens);
+      } else {  // bfloat16 rounds differently on the paged and the cached path (the case above bounds it)
+        CHECK(!alone[i].tokens.empty());
+        CHECK(!together[i].tokens.empty());
+      }
+    }
+    const auto stats = engine.stats();
+    CHECK(stats.blocks_free == stats.blocks_total);
   }
 }

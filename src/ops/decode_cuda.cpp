@@ -201,6 +201,106 @@ at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   return out;
 }
 
+// The paged forms: a pool [n_blocks, n_head_kv, block_tokens, head_dim], each row's block table
+// (int32 [rows, max_blocks]) and position (int64 [rows]) on the device.
+k::CacheAt paged_at(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table,
+                    const at::Tensor& positions, int64_t rows, const at::Tensor& like, const char* op) {
+  check_like(k_pool, like, "the key pool", op);
+  check_like(v_pool, like, "the value pool", op);
+  COMB_CHECK(k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
+             "{}: pools [n_blocks, n_head_kv, block_tokens, head_dim], found keys [{}] and values [{}]", op,
+             fmt::join(k_pool.sizes(), ", "), fmt::join(v_pool.sizes(), ", "));
+  COMB_CHECK(table.is_cuda() && table.device() == like.device() && table.scalar_type() == at::kInt &&
+                 table.is_contiguous() && table.dim() == 2 && table.size(0) == rows && table.size(1) >= 1,
+             "{}: block tables int32 [{}, max_blocks] on {}, found {} [{}] on {}", op, rows, like.device().str(),
+             c10::toString(table.scalar_type()), fmt::join(table.sizes(), ", "), table.device().str());
+  COMB_CHECK(positions.is_cuda() && positions.device() == like.device() && positions.scalar_type() == at::kLong &&
+                 positions.is_contiguous() && positions.numel() == rows,
+             "{}: positions int64 [{}] on {}, found {} [{}] on {}", op, rows, like.device().str(),
+             c10::toString(positions.scalar_type()), fmt::join(positions.sizes(), ", "), positions.device().str());
+  k::CacheAt at;
+  at.keys = k_pool.data_ptr(), at.values = v_pool.data_ptr();
+  at.paged.table = table.data_ptr<int32_t>(), at.paged.positions = positions.data_ptr<int64_t>();
+  at.paged.max_blocks = table.size(1), at.paged.block_tokens = k_pool.size(2);
+  return at;
+}
+
+// qkv [rows, (n_head + 2 n_head_kv) head_dim], each row at its own position: rotated keys and the
+// values into its blocks of the pools; returns the rotated queries [rows, n_head, head_dim]. The
+// caller keeps positions within the tables and the RoPE tables (Decoder::step_paged checks them).
+at::Tensor paged_rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table,
+                            const at::Tensor& positions, int64_t n_head) {
+  const char* op = "comb::paged_rope_store";
+  const k::Half type = half_type(qkv, op);
+  check_like(qkv, qkv, "qkv", op);
+  check_like(cos, qkv, "cos", op);
+  check_like(sin, qkv, "sin", op);
+  const int64_t n = qkv.size(0);
+  const k::CacheAt at = paged_at(k_pool, v_pool, table, positions, n, qkv, op);
+  const int64_t n_kv = k_pool.size(1), hd = k_pool.size(3);
+  COMB_CHECK(qkv.dim() == 2 && qkv.size(1) == (n_head + 2 * n_kv) * hd && hd % 2 == 0 && cos.size(1) == hd &&
+                 cos.sizes() == sin.sizes(),
+             "{}: qkv [n, {}] for {} query heads and {} KV heads of {}, found [{}]", op, (n_head + 2 * n_kv) * hd,
+             n_head, n_kv, hd, fmt::join(qkv.sizes(), ", "));
+  c10::cuda::CUDAGuard guard(qkv.device());
+  at::Tensor q = at::empty({n, n_head, hd}, qkv.options());
+  check_launch(k::rope_store(type, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), at, q.data_ptr(), n, n_head, n_kv,
+                             hd, at::cuda::getCurrentCUDAStream()),
+               op);
+  return q;
+}
+
+// Rows q [rows, n_head, head_dim], each over its own sequence's positions [0, positions[r]] in the
+// pools (longest: the most keys a row reads, joined ones included, for the split count); joined
+// keys and values [n_head_kv, m, head_dim] (undefined: none) read by every row at positions >=
+// anchor in the same softmax, each score plus joined_bias [n_head] (float32; undefined: 0).
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& table, const at::Tensor& positions, int64_t longest,
+                           const at::Tensor& joined_keys, const at::Tensor& joined_values,
+                           const at::Tensor& joined_bias, int64_t anchor) {
+  const char* op = "comb::paged_attention";
+  const k::Half type = half_type(q, op);
+  check_like(q, q, "q", op);
+  const int64_t n = q.size(0);
+  const k::CacheAt at = paged_at(k_pool, v_pool, table, positions, n, q, op);
+  const int64_t n_kv = k_pool.size(1), hd = k_pool.size(3);
+  COMB_CHECK(q.dim() == 3 && q.size(2) == hd && q.size(1) % n_kv == 0 &&
+                 (hd == 32 || hd == 64 || hd == 128 || hd == 256),
+             "{}: q [n, n_head, head_dim] with head_dim 32, 64, 128 or 256 and n_head a multiple of {}, found [{}]", op,
+             n_kv, fmt::join(q.sizes(), ", "));
+  COMB_CHECK(n >= 1 && n <= 65535 && longest >= 1, "{}: {} rows reading up to {} keys", op, n, longest);
+  const int64_t n_head = q.size(1);
+  int64_t m = 0;
+  if (joined_keys.defined()) {
+    check_like(joined_keys, q, "joined keys", op);
+    check_like(joined_values, q, "joined values", op);
+    COMB_CHECK(joined_keys.dim() == 3 && joined_keys.size(0) == n_kv && joined_keys.size(2) == hd &&
+                   joined_values.sizes() == joined_keys.sizes(),
+               "{}: joined keys [{}] and values [{}] should be [{}, m, {}]", op, fmt::join(joined_keys.sizes(), ", "),
+               fmt::join(joined_values.sizes(), ", "), n_kv, hd);
+    m = joined_keys.size(1);
+  }
+  if (joined_bias.defined())
+    COMB_CHECK(joined_bias.is_cuda() && joined_bias.device() == q.device() &&
+                   joined_bias.scalar_type() == at::kFloat && joined_bias.is_contiguous() && joined_bias.numel() == n_head,
+               "{}: joined_bias should be float32 [{}] on {}", op, n_head, q.device().str());
+  c10::cuda::CUDAGuard guard(q.device());
+  k::RowsAttention a;
+  a.n_rows = n, a.n_head = n_head, a.n_head_kv = n_kv, a.head_dim = hd;
+  a.n_split = split_count(q, n_kv, n, longest);
+  at::Tensor partial = at::empty({n, n_head, a.n_split, hd + 2}, q.options().dtype(at::kFloat));
+  at::Tensor out = at::empty_like(q);
+  a.q = q.data_ptr(), a.cache = at, a.out = out.data_ptr(), a.partial = partial.data_ptr<float>();
+  if (m > 0) {
+    a.joined_keys = joined_keys.data_ptr(), a.joined_values = joined_values.data_ptr(), a.n_joined = m;
+    a.anchor = anchor;
+    if (joined_bias.defined()) a.joined_bias = joined_bias.data_ptr<float>();
+  }
+  check_launch(k::rows_attention(type, a, at::cuda::getCurrentCUDAStream()), op);
+  return out;
+}
+
 // A descriptor table in device memory, copied from pinned memory without waiting (the caching host
 // allocator keeps the buffer until the copy has run).
 template <typename Piece>
@@ -558,8 +658,9 @@ std::unique_ptr<comb::detail::DecodeStep> make_decode_step(const comb::detail::D
   return std::make_unique<GraphDecodeStep>(spec, graph);
 }
 
-const comb::detail::CudaLayerOps kLayerOps{&add_rms_norm, &rope_append, &place_keys, &silu_mul, &rows_attention,
-                                           &join_documents, &quantize_int8};
+const comb::detail::CudaLayerOps kLayerOps{&add_rms_norm,   &rope_append,   &place_keys,       &silu_mul,
+                                           &rows_attention, &join_documents, &quantize_int8, &paged_rope_store,
+                                           &paged_attention};
 
 // Registered when the module loads (comb::load_cuda_backend).
 [[maybe_unused]] const bool registered = (comb::detail::set_decode_step_factory(&make_decode_step),

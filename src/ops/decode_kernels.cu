@@ -49,6 +49,22 @@ __device__ inline CacheView<T> resolve(const CacheAt& at) {
   return {at.position, at.capacity, static_cast<T*>(at.keys), static_cast<T*>(at.values)};
 }
 
+// Row `row`'s position: its own in a pool, else the first row's plus row.
+template <typename T>
+__device__ inline int64_t row_position(const CacheAt& at, const CacheView<T>& cache, int64_t row) {
+  return at.paged.table ? at.paged.positions[row] : cache.position + row;
+}
+
+// The element offset of KV head h's position p in row `row`'s cache: [n_head_kv, capacity,
+// head_dim], or the block its table names in a pool [n_blocks, n_head_kv, block_tokens, head_dim].
+__device__ inline int64_t kv_offset(const CacheAt& at, int64_t capacity, int64_t row, int64_t h, int64_t p,
+                                    int64_t n_head_kv, int64_t head_dim) {
+  if (!at.paged.table) return (h * capacity + p) * head_dim;
+  const int64_t bt = at.paged.block_tokens;
+  const int64_t block = at.paged.table[row * at.paged.max_blocks + p / bt];
+  return ((block * n_head_kv + h) * bt + p % bt) * head_dim;
+}
+
 // The sum of v over the block (blockDim.x a multiple of 32, at most 1024), in every thread.
 __device__ inline float block_sum(float v) {
   __shared__ float warp_sums[32];
@@ -96,11 +112,11 @@ __global__ void rope_store_kernel(const T* qkv, const T* cos, const T* sin, Cach
   if (idx >= n * heads * half) return;
   const int64_t i = idx % half, h = (idx / half) % heads, row = idx / (half * heads);
   const CacheView<T> cache = resolve<T>(at);
-  const int64_t pos = cache.position + row, capacity = cache.capacity;
+  const int64_t pos = row_position(at, cache, row), capacity = cache.capacity;
   const T* src = qkv + row * heads * head_dim + h * head_dim;
   const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
   if (h >= n_head + n_head_kv) {  // a value head: into the cache as it is
-    T* v = cache.values + ((h - n_head - n_head_kv) * capacity + pos) * head_dim;
+    T* v = cache.values + kv_offset(at, capacity, row, h - n_head - n_head_kv, pos, n_head_kv, head_dim);
     v[i] = src[i];
     v[i + half] = src[i + half];
     return;
@@ -110,7 +126,7 @@ __global__ void rope_store_kernel(const T* qkv, const T* cos, const T* sin, Cach
   const float y1 = round_to<T>(round_to<T>(x1 * to_float(c[i])) + round_to<T>(-x2 * to_float(s[i])));
   const float y2 = round_to<T>(round_to<T>(x2 * to_float(c[i + half])) + round_to<T>(x1 * to_float(s[i + half])));
   T* dst = h < n_head ? q + (row * n_head + h) * head_dim
-                      : cache.keys + ((h - n_head) * capacity + pos) * head_dim;
+                      : cache.keys + kv_offset(at, capacity, row, h - n_head, pos, n_head_kv, head_dim);
   dst[i] = from_float<T>(y1);
   dst[i + half] = from_float<T>(y2);
 }
@@ -224,9 +240,7 @@ __global__ void rows_attention_kernel(const T* q, CacheAt at, Joined<T> joined, 
   __shared__ float merge[kAttnWarps][kMaxGroup][HD + 2];
   const int kvh = blockIdx.x, split = blockIdx.y, row = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const CacheView<T> cache = resolve<T>(at);
-  const int64_t position = cache.position + row, capacity = cache.capacity;
-  const T* keys = cache.keys + kvh * capacity * HD;
-  const T* values = cache.values + kvh * capacity * HD;
+  const int64_t position = row_position(at, cache, row), capacity = cache.capacity;
   const int64_t m = joined.m > 0 && position >= joined.anchor ? joined.m : 0;
   const T* joined_keys = joined.keys + kvh * joined.m * HD;
   const T* joined_values = joined.values + kvh * joined.m * HD;
@@ -251,8 +265,9 @@ __global__ void rows_attention_kernel(const T* q, CacheAt at, Joined<T> joined, 
     }
     for (int64_t j = begin + warp; j < end; j += kAttnWarps) {
       const bool from_joined = j < m;
-      const T* kp = from_joined ? joined_keys + j * HD : keys + (j - m) * HD;
-      const T* vp = from_joined ? joined_values + j * HD : values + (j - m) * HD;
+      const int64_t at_j = from_joined ? 0 : kv_offset(at, capacity, row, kvh, j - m, n_head_kv, HD);
+      const T* kp = from_joined ? joined_keys + j * HD : cache.keys + at_j;
+      const T* vp = from_joined ? joined_values + j * HD : cache.values + at_j;
       float k[E], v[E];
 #pragma unroll
       for (int e = 0; e < E; ++e) {

@@ -22,14 +22,26 @@ enum class Half { f16, bf16 };
 // Offsets in the parameter block.
 constexpr int64_t kParamPosition = 0, kParamCapacity = 1, kParamToken = 2, kParamCaches = 3;
 
+// Rows of several sequences whose K/V lie in a block pool (the server's decoding step): row r is at
+// position positions[r], and position p of its sequence lies in block table[r * max_blocks + p /
+// block_tokens] at offset p % block_tokens of the pool [n_blocks, n_head_kv, block_tokens,
+// head_dim]. table and positions in device memory.
+struct PagedAt {
+  const int32_t* table = nullptr;
+  const int64_t* positions = nullptr;
+  int64_t max_blocks = 0, block_tokens = 0;
+};
+
 // Layer `layer`'s cache and the first row's position: read from `params` on the device when it is
-// not null, else the fields below.
+// not null, else the fields below. With paged.table set: keys and values are the pool's, each row
+// at its own position in its own blocks (params, position and capacity unused).
 struct CacheAt {
   const int64_t* params = nullptr;
   int64_t layer = 0, n_layer = 1;
   int64_t position = 0, capacity = 0;
   void* keys = nullptr;
   void* values = nullptr;
+  PagedAt paged;
 };
 
 // residual [rows, dim] += delta (when delta is not null, rounded to Half), then
@@ -37,9 +49,9 @@ struct CacheAt {
 cudaError_t add_rms_norm(Half type, void* residual, const void* delta, const void* weight, void* out, int64_t rows,
                          int64_t dim, float eps, cudaStream_t stream);
 
-// Rows qkv [n, (n_head + 2 n_head_kv) * head_dim] at positions at.position + i: the rotate-half
-// RoPE (cos, sin [n_ctx, head_dim]) on queries and keys; queries to q [n, n_head, head_dim], keys
-// and values into the cache `at` names, at their positions.
+// Rows qkv [n, (n_head + 2 n_head_kv) * head_dim] at positions at.position + i (paged: each row's
+// own): the rotate-half RoPE (cos, sin [n_ctx, head_dim]) on queries and keys; queries to q [n,
+// n_head, head_dim], keys and values into the cache `at` names, at their positions.
 cudaError_t rope_store(Half type, const void* qkv, const void* cos, const void* sin, const CacheAt& at, void* q,
                        int64_t n, int64_t n_head, int64_t n_head_kv, int64_t head_dim, cudaStream_t stream);
 
@@ -62,7 +74,8 @@ cudaError_t gemv(Half type, const void* w, const void* x, void* y, int64_t n, in
 cudaError_t silu_mul(Half type, const void* gate_up, void* out, int64_t rows, int64_t n_ff, cudaStream_t stream);
 
 // Attention of n_rows rows q [n_rows, n_head, head_dim] at positions cache.position + r over the
-// cache `cache` names, causal (row r reads positions [0, params[0] + r]), grouped-query heads, scale
+// cache `cache` names, causal (row r reads positions [0, params[0] + r]; paged: each row its own
+// sequence's [0, positions[r]], through its block table), grouped-query heads, scale
 // 1/sqrt(head_dim); out [n_rows, n_head, head_dim]. With joined keys and values [n_head_kv,
 // n_joined, head_dim] (COMB's documents), rows at positions >= anchor also read them in the same
 // softmax, each of their scores plus joined_bias[h] (float32 [n_head], or null). Each row's keys

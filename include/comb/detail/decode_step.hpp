@@ -84,6 +84,21 @@ struct CudaLayerOps {
   // scales, value codes, value scales} (float16 scales), one allocation per document, two launches.
   void (*quantize_int8)(const std::vector<std::vector<std::array<at::Tensor, 2>>>& kv,
                         std::vector<std::vector<std::array<at::Tensor, 4>>>& out) = nullptr;
+  // The server's paged step (Decoder::step_paged): rows of several sequences whose K/V lie in a
+  // block pool [n_blocks, n_head_kv, block_tokens, head_dim], each with its block table (int32
+  // [rows, max_blocks]) and position (int64 [rows]) on the device.
+  // qkv [rows, (n_head + 2 n_head_kv) head_dim]: each row's rotated key and value into its block;
+  // returns the rotated queries [rows, n_head, head_dim].
+  at::Tensor (*paged_rope_store)(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                 const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table,
+                                 const at::Tensor& positions, int64_t n_head) = nullptr;
+  // q [rows, n_head, head_dim], each row over its own positions [0, position] (longest: the most
+  // keys a row reads, joined ones included), joined keys as rows_attention's for every row; returns
+  // [rows, n_head, head_dim].
+  at::Tensor (*paged_attention)(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                const at::Tensor& table, const at::Tensor& positions, int64_t longest,
+                                const at::Tensor& joined_keys, const at::Tensor& joined_values,
+                                const at::Tensor& joined_bias, int64_t anchor) = nullptr;
 };
 
 // graph: capture the step as a CUDA graph on its first run and replay it after (else: launch the

@@ -1029,40 +1029,46 @@ COMB_INLINE at::Tensor Decoder::step_paged(BlockPool& pool, const std::vector<Pa
 COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::vector<PagedRow>& rows) const {
   RECORD_FUNCTION("comb::step_paged", std::vector<c10::IValue>());
   const auto& c = config_;
-  const int64_t B = static_cast<int64_t>(rows.size()), bt = pool.block_tokens();
-  const int64_t n_blocks_max = [&] {
-    int64_t m = 0;
-    for (const auto& r : rows) m = std::max(m, r.position / bt + 1);
-    return m;
-  }();
-  // Per row: its position, the block and offset its new K/V go to, and its first blocks, padded
-  // with its own first block to the longest row's (the padding is masked out).
-  std::vector<int64_t> pos(B), dest_block(B), dest_offset(B), table(B * n_blocks_max);
+  const int64_t B = static_cast<int64_t>(rows.size()), bt = pool.block_tokens(), hd = c.head_dim;
+  int64_t n_blocks_max = 0, longest = 0;
+  for (const auto& r : rows) n_blocks_max = std::max(n_blocks_max, r.position / bt + 1);
+  for (const auto& r : rows) longest = std::max(longest, r.position + 1);
+  // Per row: its position, the block and offset its new K/V go to, and its block table, padded
+  // with its own first block to the longest row's (positions past its own are never read).
+  std::vector<int64_t> pos(B), dest_block(B), dest_offset(B), table(B * n_blocks_max), ids(B);
   for (int64_t b = 0; b < B; ++b) {
     const auto& r = rows[b];
     pos[b] = r.position;
+    ids[b] = r.token;
     dest_block[b] = (*r.blocks)[r.position / bt];
     dest_offset[b] = r.position % bt;
-    for (int64_t j = 0; j < n_blocks_max; ++j)
-      table[b * n_blocks_max + j] = (*r.blocks)[j <= r.position / bt ? j : 0];
+    for (int64_t j = 0; j < n_blocks_max; ++j) table[b * n_blocks_max + j] = (*r.blocks)[j <= r.position / bt ? j : 0];
   }
   auto on_device = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device_); };
-  const at::Tensor pos_t = on_device(pos), block_t = on_device(dest_block), offset_t = on_device(dest_offset);
-  const at::Tensor table_t = on_device(table);
-  // RoPE angles of each row's position: [B, 1, 1, head_dim], broadcast over heads.
-  const at::Tensor cos = rope_cos_.index_select(0, pos_t).view({B, 1, 1, c.head_dim});
-  const at::Tensor sin = rope_sin_.index_select(0, pos_t).view({B, 1, 1, c.head_dim});
-  // Which gathered keys each plain row sees: its positions [0, position].
-  const int64_t n_keys = n_blocks_max * bt;
-  const at::Tensor visible =
-      (at::arange(n_keys, at::TensorOptions().dtype(at::kLong).device(device_)).view({1, n_keys}) <= pos_t.view({B, 1}))
-          .view({B, 1, 1, n_keys});
-  std::vector<int64_t> plain;  // rows without joined keys at a layer: attended in one batch
-  std::vector<int64_t> ids(B);
-  for (int64_t b = 0; b < B; ++b) ids[b] = rows[b].token;
-  at::Tensor x = embed(at::tensor(ids, at::kLong).view({B, 1})).to(dtype_);  // [B, 1, n_embd]
+  const at::Tensor pos_t = on_device(pos), table_t = on_device(table);
+  // On a CUDA half decoder with comb's ops: the norms and the activation fused, and each row's RoPE,
+  // K/V store and attention read straight from its blocks (no gather).
+  const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
   const bool cuda_ops = device_.is_cuda() && (dtype_ == at::kBFloat16 || dtype_ == at::kHalf) &&
-                        !weights_.quantized() && detail::cuda_layer_ops() != nullptr && cuda_kernels_;
+                        !weights_.quantized() && ops != nullptr && cuda_kernels_;
+  const bool paged_kernels = cuda_ops && ops->paged_attention != nullptr && B <= 65535 &&
+                             (hd == 32 || hd == 64 || hd == 128 || hd == 256);
+  at::Tensor table32, block_t, offset_t, cos, sin, visible;
+  if (paged_kernels) {
+    table32 = table_t.to(at::kInt).view({B, n_blocks_max});
+  } else {
+    block_t = on_device(dest_block), offset_t = on_device(dest_offset);
+    // RoPE angles of each row's position: [B, 1, 1, head_dim], broadcast over heads.
+    cos = rope_cos_.index_select(0, pos_t).view({B, 1, 1, hd});
+    sin = rope_sin_.index_select(0, pos_t).view({B, 1, 1, hd});
+    // Which gathered keys each row sees: its positions [0, position].
+    const int64_t n_keys = n_blocks_max * bt;
+    visible = (at::arange(n_keys, at::TensorOptions().dtype(at::kLong).device(device_)).view({1, n_keys}) <=
+               pos_t.view({B, 1}))
+                  .view({B, 1, 1, n_keys});
+  }
+  std::vector<int64_t> plain;  // rows without joined keys at a layer: attended together
+  at::Tensor x = embed(at::tensor(ids, at::kLong).view({B, 1})).to(dtype_);  // [B, 1, n_embd]
   for (int64_t i = 0; i < c.n_layer; ++i) {
     const auto& w = weights_.layers[i];
     for (int64_t b = 0; b < B; ++b)  // a residual cross block before the layer, row by row
@@ -1071,25 +1077,34 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
         at::Tensor read = rows[b].reads->before(i, row, rows[b].position);
         if (!read.is_same(row)) x.narrow(0, b, 1).copy_(read);
       }
-    const auto math = cuda_ops ? detail::decoder::cuda_math(w, c, *detail::cuda_layer_ops())
-                               : detail::decoder::generic_math(w, c);
+    const auto math = cuda_ops ? detail::decoder::cuda_math(w, c, *ops) : detail::decoder::generic_math(w, c);
+    at::Tensor pool_k = pool.keys(i), pool_v = pool.values(i);  // handles on the pool's memory
     x = detail::decoder::layer_body(x, w, math, [&](const at::Tensor& qkv) {
-      auto [q, k, v] = split_qkv(qkv, c);  // q [B, n_head, 1, head_dim], k, v [B, n_head_kv, 1, head_dim]
-      q = apply_rope(q, cos, sin);
-      k = apply_rope(k, cos, sin);
-      using at::indexing::Slice;
-      at::Tensor pool_k = pool.keys(i), pool_v = pool.values(i);  // handles on the pool's memory
-      pool_k.index_put_({block_t, Slice(), offset_t}, k.squeeze(2));
-      pool_v.index_put_({block_t, Slice(), offset_t}, v.squeeze(2));
-      // Every row's blocks gathered: [B, n_head_kv, n_keys, head_dim].
-      auto gather = [&](const at::Tensor& t) {
-        return t.index_select(0, table_t)
-            .view({B, n_blocks_max, c.n_head_kv, bt, c.head_dim})
-            .permute({0, 2, 1, 3, 4})
-            .reshape({B, c.n_head_kv, n_keys, c.head_dim});
+      // q: [B, n_head, head_dim] from the kernel, else [B, n_head, 1, head_dim].
+      at::Tensor q;
+      if (paged_kernels) {
+        q = ops->paged_rope_store(qkv.reshape({B, -1}).contiguous(), rope_cos_, rope_sin_, pool_k, pool_v, table32,
+                                  pos_t, c.n_head);
+      } else {
+        auto [q4, k, v] = split_qkv(qkv, c);  // q [B, n_head, 1, head_dim], k, v [B, n_head_kv, 1, head_dim]
+        q = apply_rope(q4, cos, sin);
+        k = apply_rope(k, cos, sin);
+        using at::indexing::Slice;
+        pool_k.index_put_({block_t, Slice(), offset_t}, k.squeeze(2));
+        pool_v.index_put_({block_t, Slice(), offset_t}, v.squeeze(2));
+      }
+      // Row b's keys and values gathered from its blocks: [1, n_head_kv, position + 1, head_dim].
+      auto row_kv = [&](int64_t b) {
+        const int64_t nb = rows[b].position / bt + 1;
+        auto one = [&](const at::Tensor& t) {
+          return t.index_select(0, table_t.narrow(0, b * n_blocks_max, nb))
+              .permute({1, 0, 2, 3})
+              .reshape({1, c.n_head_kv, nb * bt, hd})
+              .narrow(2, 0, rows[b].position + 1);
+        };
+        return std::make_pair(one(pool_k), one(pool_v));
       };
-      const at::Tensor keys = gather(pool.keys(i)), values = gather(pool.values(i));
-      at::Tensor out = at::empty_like(q);  // [B, n_head, 1, head_dim]
+      at::Tensor out = at::empty_like(q);
       plain.clear();
       for (int64_t b = 0; b < B; ++b) {
         const JointKV* joint = rows[b].reads ? rows[b].reads->joint(i) : nullptr;
@@ -1097,20 +1112,46 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
           plain.push_back(b);
           continue;
         }
-        const int64_t len = rows[b].position + 1;
-        out.narrow(0, b, 1).copy_(joint_attention(q.narrow(0, b, 1), keys.narrow(0, b, 1).narrow(2, 0, len),
-                                                  values.narrow(0, b, 1).narrow(2, 0, len), rows[b].position, *joint));
+        if (paged_kernels && !joint->valid.defined() && joint->keys.size(0) == 1) {  // its documents in the softmax
+          at::Tensor jk, jv, bias;
+          const int64_t m = joint->keys.size(2);
+          if (m > 0) {
+            jk = joint->keys.to(dtype_).contiguous().view({c.n_head_kv, m, hd});
+            jv = joint->values.to(dtype_).contiguous().view({c.n_head_kv, m, hd});
+            if (joint->bias.defined()) bias = joint->bias.to(device_, at::kFloat).contiguous();
+          }
+          out.narrow(0, b, 1).copy_(ops->paged_attention(q.narrow(0, b, 1), pool_k, pool_v, table32.narrow(0, b, 1),
+                                                         pos_t.narrow(0, b, 1), m + rows[b].position + 1, jk, jv, bias,
+                                                         joint->anchor));
+          continue;
+        }
+        auto [keys, values] = row_kv(b);
+        const at::Tensor qb = paged_kernels ? q.narrow(0, b, 1).unsqueeze(2) : q.narrow(0, b, 1);
+        const at::Tensor o = joint_attention(qb, keys, values, rows[b].position, *joint);  // [1, n_head, 1, head_dim]
+        out.narrow(0, b, 1).copy_(paged_kernels ? o.squeeze(2) : o);
       }
-      if (static_cast<int64_t>(plain.size()) == B) {
-        out = at::scaled_dot_product_attention(q, keys, values, visible, 0.0, false, std::nullopt, /*enable_gqa=*/true);
-      } else if (!plain.empty()) {
-        const at::Tensor idx = on_device(plain);
-        out.index_copy_(0, idx,
-                        at::scaled_dot_product_attention(q.index_select(0, idx), keys.index_select(0, idx),
-                                                         values.index_select(0, idx), visible.index_select(0, idx),
-                                                         0.0, false, std::nullopt, /*enable_gqa=*/true));
+      const bool all = static_cast<int64_t>(plain.size()) == B;
+      const at::Tensor idx = all || plain.empty() ? at::Tensor() : on_device(plain);
+      auto some = [&](const at::Tensor& t) { return all ? t : t.index_select(0, idx); };
+      at::Tensor attn;
+      if (plain.empty()) {
+      } else if (paged_kernels) {
+        attn = ops->paged_attention(some(q), pool_k, pool_v, some(table32), some(pos_t), longest, {}, {}, {}, 0);
+      } else {  // every row's blocks gathered, [B, n_head_kv, n_keys, head_dim], the padding masked
+        auto gather = [&](const at::Tensor& t) {
+          return t.index_select(0, table_t)
+              .view({B, n_blocks_max, c.n_head_kv, bt, hd})
+              .permute({0, 2, 1, 3, 4})
+              .reshape({B, c.n_head_kv, n_blocks_max * bt, hd});
+        };
+        attn = at::scaled_dot_product_attention(some(q), some(gather(pool_k)), some(gather(pool_v)), some(visible),
+                                                0.0, false, std::nullopt, /*enable_gqa=*/true);
       }
-      return out.transpose(1, 2).reshape({B, 1, c.q_dim()});
+      if (attn.defined()) {
+        if (all) out = attn;
+        else out.index_copy_(0, idx, attn);
+      }
+      return (paged_kernels ? out : out.transpose(1, 2)).reshape({B, 1, c.q_dim()});
     });
   }
   return logits(x, LogitsMode::last).view({B, -1});
