@@ -9,10 +9,17 @@
 #    and 8b shapes (COMB_GPU_SHAPES, COMB_GPU_PIC_SHAPES to change), without the own-GEMV and
 #    generic columns;
 # 4. the caching methods' requests by operation (comb bench --profile 1, 1b shape);
-# 5. COMB's requests with the packed encoder (COMB_CUDA_VARLEN=1) against the padded batch (1b).
-# Each step's output goes to OUT_DIR (tests.txt, greedy-cuda-float32.txt, gpu.txt, gpu.err.txt,
-# pic-profile-1b.txt, varlen-1b.txt); a summary to stdout. COMB_BIN and COMB_TESTS name the binaries
-# (default build/comb, build/tests/comb_tests); python3 with torch and transformers is needed.
+# 5. COMB's requests with the packed encoder (COMB_CUDA_VARLEN=1) against the padded batch (1b);
+# 6. the serving engine's batched decoding step on the 8b shape (comb bench --batch-decode 1,16,64:
+#    tokens/s with 1, 16 and 64 sequences running, bf16, 128-token prompts);
+# 7. comb serve on the 8b shape (bf16) under comb loadgen: DATA's first 20 items as the document
+#    pool, 16 tokens out, prefix caching then COMB at a few Poisson rates (COMB_GPU_SERVE_S seconds
+#    each, default 15).
+# COMB_GPU_CHECK_STEPS (default "1 2 3 4 5 6 7") picks the steps; 3 makes the models the later
+# steps use. Each step's output goes to OUT_DIR (tests.txt, greedy-cuda-float32.txt, gpu.txt,
+# gpu.err.txt, pic-profile-1b.txt, varlen-1b.txt, batch-decode-8b.txt, serve-8b.txt,
+# serve-8b.log); a summary to stdout. COMB_BIN and COMB_TESTS name the binaries (default
+# build/comb, build/tests/comb_tests); python3 with torch and transformers is needed.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 tok=${1:?usage: bench/gpu_check.sh TOKENIZER_DIR GREEDY_DIR DATA OUT_DIR [WORK_DIR]}
@@ -26,40 +33,86 @@ mkdir -p "$out" "$work"
 start=$(date +%s)
 step() { printf '[gpu_check +%ds] %s\n' "$(($(date +%s) - start))" "$*"; }
 export PYTHONUNBUFFERED=1
+steps=" ${COMB_GPU_CHECK_STEPS:-1 2 3 4 5 6 7} "
+want() { [[ "$steps" == *" $1 "* ]]; }
 
-step "1. comb_tests [cuda]"
-python3 "$here/make_random_llama.py" --shape 135m --tokenizer "$tok" --out "$work/135m" >/dev/null 2>&1
-COMB_CUDA_MODEL=$work/135m timeout 180 "$tests" "[cuda]" > "$out/tests.txt" 2>&1
-echo "rc $?"
-grep -B3 -A15 "FAILED" "$out/tests.txt" | head -60
-tail -3 "$out/tests.txt"
-
-step "2. greedy answers, cuda float32 against the CPU's"
-COMB_BIN=$comb timeout 120 "$here/greedy_answers.sh" "$greedy" cuda float32 > "$out/greedy-cuda-float32.txt"
-if cmp -s "$greedy/cpu-float32.txt" "$out/greedy-cuda-float32.txt"; then
-  echo "identical: $(wc -l < "$out/greedy-cuda-float32.txt") answers"
-else
-  echo "DIFFER"
-  diff "$greedy/cpu-float32.txt" "$out/greedy-cuda-float32.txt" | head -20
-  tail -5 "$greedy/answers-cuda-float32.err"
+if want 1; then
+  step "1. comb_tests [cuda]"
+  python3 "$here/make_random_llama.py" --shape 135m --tokenizer "$tok" --out "$work/135m" >/dev/null 2>&1
+  COMB_CUDA_MODEL=$work/135m timeout 180 "$tests" "[cuda]" > "$out/tests.txt" 2>&1
+  echo "rc $?"
+  grep -B3 -A15 "FAILED" "$out/tests.txt" | head -60
+  tail -3 "$out/tests.txt"
 fi
 
-step "3. bench/gpu.sh"
-COMB_BIN=$comb COMB_GPU_REPEAT=${COMB_GPU_REPEAT:-3} COMB_GPU_GENERIC=0 COMB_GPU_GEMV=0 COMB_GPU_PIC_DATA=$data \
-  COMB_GPU_PIC_SHAPES=${COMB_GPU_PIC_SHAPES:-1b 8b} timeout 330 "$here/gpu.sh" "$tok" "$work" > "$out/gpu.txt" 2> "$out/gpu.err.txt"
-echo "rc $?"
-cat "$out/gpu.txt"
+if want 2; then
+  step "2. greedy answers, cuda float32 against the CPU's"
+  COMB_BIN=$comb timeout 120 "$here/greedy_answers.sh" "$greedy" cuda float32 > "$out/greedy-cuda-float32.txt"
+  if cmp -s "$greedy/cpu-float32.txt" "$out/greedy-cuda-float32.txt"; then
+    echo "identical: $(wc -l < "$out/greedy-cuda-float32.txt") answers"
+  else
+    echo "DIFFER"
+    diff "$greedy/cpu-float32.txt" "$out/greedy-cuda-float32.txt" | head -20
+    tail -5 "$greedy/answers-cuda-float32.err"
+  fi
+fi
+
+if want 3; then
+  step "3. bench/gpu.sh"
+  COMB_BIN=$comb COMB_GPU_REPEAT=${COMB_GPU_REPEAT:-3} COMB_GPU_GENERIC=0 COMB_GPU_GEMV=0 COMB_GPU_PIC_DATA=$data \
+    COMB_GPU_PIC_SHAPES=${COMB_GPU_PIC_SHAPES:-1b 8b} timeout 330 "$here/gpu.sh" "$tok" "$work" > "$out/gpu.txt" 2> "$out/gpu.err.txt"
+  echo "rc $?"
+  cat "$out/gpu.txt"
+fi
 
 pic=(bench --model "$work/1b" --plugin "$work/1b.plugin.safetensors" --device cuda --dtype bfloat16 --pic-data "$data"
      --pic-items 10)
-step "4. the caching methods by operation (1b)"
-timeout 90 "$comb" "${pic[@]}" --pic-methods full,naive,comb --repeat 1 --profile 1 2>&1 | tr '\r' '\n' \
-  | grep -v '^\[bench\] item' > "$out/pic-profile-1b.txt"
-grep "requests (profiled" "$out/pic-profile-1b.txt"
+if want 4; then
+  step "4. the caching methods by operation (1b)"
+  timeout 90 "$comb" "${pic[@]}" --pic-methods full,naive,comb --repeat 1 --profile 1 2>&1 | tr '\r' '\n' \
+    | grep -v '^\[bench\] item' > "$out/pic-profile-1b.txt"
+  grep "requests (profiled" "$out/pic-profile-1b.txt"
+fi
 
-step "5. COMB with the packed encoder (COMB_CUDA_VARLEN=1) against the padded batch (1b)"
-for v in 0 1; do
-  COMB_CUDA_VARLEN=$v timeout 60 "$comb" "${pic[@]}" --pic-methods full,comb --repeat 3 --json 2>/dev/null \
-    | grep -v '"item"' | sed "s/^/varlen=$v /"
-done | tee "$out/varlen-1b.txt"
+if want 5; then
+  step "5. COMB with the packed encoder (COMB_CUDA_VARLEN=1) against the padded batch (1b)"
+  for v in 0 1; do
+    COMB_CUDA_VARLEN=$v timeout 60 "$comb" "${pic[@]}" --pic-methods full,comb --repeat 3 --json 2>/dev/null \
+      | grep -v '"item"' | sed "s/^/varlen=$v /"
+  done | tee "$out/varlen-1b.txt"
+fi
+
+if want 6; then
+  step "6. the serving engine's batched decoding step (8b, bf16)"
+  timeout 150 "$comb" bench --model "$work/8b" --device cuda --dtype bfloat16 --prompt-tokens 128 --decode-tokens 64 \
+    --batch-decode 1,16,64 --repeat 1 > "$out/batch-decode-8b.txt" 2>&1
+  echo "rc $?"
+  grep -E "^batch|decode" "$out/batch-decode-8b.txt"
+fi
+
+if want 7; then
+  step "7. comb serve on the 8b shape (bf16) under comb loadgen"
+  serve_s=${COMB_GPU_SERVE_S:-15}
+  rm -f "$work/serve.port"
+  "$comb" serve --model "$work/8b" --plugin "$work/8b.plugin.safetensors" --device cuda --dtype bfloat16 --port 0 \
+    --port-file "$work/serve.port" --max-running 64 --max-queued 1024 --kv-mb 16384 --cache-mb 8192 \
+    --log-requests 0 2> "$out/serve-8b.log" &
+  server=$!
+  for _ in $(seq 1 600); do [ -f "$work/serve.port" ] && break; sleep 0.2; done
+  if [ -f "$work/serve.port" ]; then
+    port=$(cat "$work/serve.port")
+    head -n 2 "$out/serve-8b.log"
+    {
+      timeout 100 "$comb" loadgen --port "$port" --data "$data" --items 20 --methods prefix --rates 2,8 \
+        --duration "$serve_s" --max-tokens 16
+      timeout 100 "$comb" loadgen --port "$port" --data "$data" --items 20 --methods comb --rates 2,8,32 \
+        --duration "$serve_s" --max-tokens 16 | tail -n +2
+    } 2>&1 | tee "$out/serve-8b.txt"
+  else
+    echo "the server did not start:"
+    tail -5 "$out/serve-8b.log"
+  fi
+  kill -TERM "$server" 2>/dev/null
+  wait "$server" 2>/dev/null
+fi
 step "done"
