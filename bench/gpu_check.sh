@@ -11,13 +11,14 @@
 # 4. the caching methods' requests by operation (comb bench --profile 1, 1b shape);
 # 5. COMB's requests with the packed encoder (COMB_CUDA_VARLEN=1) against the padded batch (1b);
 # 6. the serving engine's batched decoding step on the 8b shape (comb bench --batch-decode 1,16,64:
-#    tokens/s with 1, 16 and 64 sequences running, bf16, 128-token prompts);
+#    tokens/s with 1, 16 and 64 sequences running, bf16, 128-token prompts), its kernels launched
+#    one by one and then replayed as CUDA graphs (COMB_CUDA_PAGED_GRAPHS=0, 1);
 # 7. comb serve on the 8b shape (bf16) under comb loadgen: DATA's first 20 items as the document
 #    pool, 16 tokens out, prefix caching then COMB at a few Poisson rates (COMB_GPU_SERVE_S seconds
 #    each, default 15).
 # COMB_GPU_CHECK_STEPS (default "1 2 3 4 5 6 7") picks the steps; 3 makes the models the later
 # steps use. Each step's output goes to OUT_DIR (tests.txt, greedy-cuda-float32.txt, gpu.txt,
-# gpu.err.txt, pic-profile-1b.txt, varlen-1b.txt, batch-decode-8b.txt, serve-8b.txt,
+# gpu.err.txt, pic-profile-1b.txt, varlen-1b.txt, batch-decode-8b-graphs{0,1}.txt, serve-8b.txt,
 # serve-8b.log); a summary to stdout. COMB_BIN and COMB_TESTS name the binaries (default
 # build/comb, build/tests/comb_tests); python3 with torch and transformers is needed.
 set -uo pipefail
@@ -84,10 +85,12 @@ fi
 
 if want 6; then
   step "6. the serving engine's batched decoding step (8b, bf16)"
-  timeout 150 "$comb" bench --model "$work/8b" --device cuda --dtype bfloat16 --prompt-tokens 128 --decode-tokens 64 \
-    --batch-decode 1,16,64 --repeat 1 > "$out/batch-decode-8b.txt" 2>&1
-  echo "rc $?"
-  grep -E "^batch|decode" "$out/batch-decode-8b.txt"
+  for g in 0 1; do  # the kernels launched one by one, then replayed as a graph per bucket
+    COMB_CUDA_PAGED_GRAPHS=$g timeout 150 "$comb" bench --model "$work/8b" --device cuda --dtype bfloat16 \
+      --prompt-tokens 128 --decode-tokens 64 --batch-decode 1,16,64 --repeat 1 > "$out/batch-decode-8b-graphs$g.txt" 2>&1
+    echo "COMB_CUDA_PAGED_GRAPHS=$g rc $?"
+    grep -E "^batch|decode" "$out/batch-decode-8b-graphs$g.txt"
+  done
 fi
 
 if want 7; then

@@ -175,7 +175,7 @@ void check_paged_step(const Model& model, const Decoder& dec, bool row_wise) {
   // wrote each new token's K/V into its row's block and offset). The same RoPE and projections on
   // one row or several: within a layer's bound of the cache's.
   for (size_t r = 0; r < rows.size(); ++r)
-    for (int64_t l = 0; l < dec.config().n_layer; l += dec.config().n_layer - 1) {
+    for (int64_t l : {int64_t(0), dec.config().n_layer - 1}) {  // the first and the last layer
       const int64_t n = rows[r].position;
       at::Tensor want = caches[r].keys(l)[0].narrow(1, 0, n);  // [n_head_kv, n, head_dim]
       std::vector<at::Tensor> parts;

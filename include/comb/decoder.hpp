@@ -126,6 +126,10 @@ class Decoder {
   // environment): generic ATen ops only; COMB_CUDA_GRAPHS=0 leaves out the graph alone. Where comb
   // has no CUDA ops the generic path runs either way.
   void set_cuda_kernels(bool on) { cuda_kernels_ = on; }
+  // The server's paged step (step_paged) over rows without documents replayed as one CUDA graph
+  // per bucket of rows (comb's kernels, a half-precision CUDA decoder). Off by default until
+  // measured on a GPU; COMB_CUDA_PAGED_GRAPHS=1 in the environment turns it on.
+  void set_cuda_paged_graphs(bool on) { cuda_paged_graphs_ = on; }
   // Whether a one-token step over `cache` takes the CUDA graph.
   bool cuda_graph_applies(const KVCache& cache) const;
   // Whether layers over `cache` take the fused CUDA kernels.
@@ -242,6 +246,7 @@ class Decoder {
   at::Tensor rope_cos_, rope_sin_;  // [n_ctx, head_dim]
   bool cpu_kernels_ = true;
   bool cuda_kernels_ = true;
+  bool cuda_paged_graphs_ = false;  // from COMB_CUDA_PAGED_GRAPHS at construction
   // The CUDA decoding step, made on first use; one caller at a time.
   mutable std::shared_ptr<detail::DecodeStep> cuda_step_;
   mutable std::shared_ptr<std::mutex> cuda_step_mutex_ = std::make_shared<std::mutex>();
@@ -250,6 +255,11 @@ class Decoder {
   // step_paged's path off the fused CPU kernels (generic ATen ops; the CUDA norm and activation
   // kernels on a CUDA half decoder).
   at::Tensor step_paged_generic(BlockPool& pool, const std::vector<PagedRow>& rows) const;
+  // Its rows without documents through comb's CUDA kernels, from device tensors alone (ids and
+  // positions int64 [n], block tables int32 [n, max_blocks]; longest: the most keys a row reads):
+  // float32 logits [n, n_vocab]. Run as it is, or captured (detail::PagedGraphs).
+  at::Tensor paged_kernels_step(BlockPool& pool, const at::Tensor& ids, const at::Tensor& positions,
+                                const at::Tensor& table, int64_t longest) const;
   // oneDNN copies of each layer's {wqkv, wo, w_gate_up, w_down} for prefill GEMMs on CPU; the
   // dense weights above are views of the same memory (see prepack_onednn()), or empty.
   std::vector<std::array<at::Tensor, 4>> onednn_;

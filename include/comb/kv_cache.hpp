@@ -6,6 +6,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -64,8 +65,12 @@ class BlockPool {
   int64_t n_free() const { return static_cast<int64_t>(free_.size()); }
   int64_t bytes() const;  // of the whole pool
   int64_t blocks_for(int64_t tokens) const { return (tokens + block_tokens_ - 1) / block_tokens_; }
+  // What the decoder stepping over this pool keeps with it (the CUDA graphs of its paged step,
+  // which hold the pool's addresses), released with the pool.
+  std::shared_ptr<void>& step_state() { return step_state_; }
 
  private:
+  std::shared_ptr<void> step_state_;
   std::vector<at::Tensor> k_, v_;
   std::vector<int32_t> free_;
   int64_t n_blocks_, block_tokens_;

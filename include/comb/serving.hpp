@@ -33,7 +33,12 @@ struct ServeOptions {
   PicOptions pic;                // the methods' options; cache_bytes: the document store's memory
   std::string cache_dir;         // the document store's disk tier ("" : none); it survives restarts
   int64_t cache_disk_bytes = int64_t(4) << 30;
-  int64_t kv_bytes = int64_t(1) << 30;  // the block pool of running sequences
+  // The block pool of running sequences, in bytes. 0: sized at start, 1 GiB on the CPU; on a GPU
+  // 90% of its free memory once the model is loaded, less the store's device tier and the prefix
+  // cache (pic.cache_bytes each) and 2 GiB left for prompts' own caches and the forwards'
+  // activations, at least 1 GiB (1 GiB where comb's CUDA ops are not loaded). options().kv_bytes
+  // then holds the size taken.
+  int64_t kv_bytes = 0;
   int64_t block_tokens = 16;
   int64_t max_running = 16;      // sequences decoding together
   int64_t max_queued = 64;       // requests waiting beyond them; more are refused (overloaded)
@@ -166,6 +171,9 @@ class ServeEngine {
   int64_t piece_tokens(const PieceRate& last) const;
   // A piece took `ms`: the decoding steps are owed ms / prefill_share before the next (scheduler thread).
   void owe_decoding(double ms);
+  // Waits for the decoder's device to finish what was launched (a GPU's), so that a piece's time
+  // is measured as the device spent it; nothing on the CPU.
+  void wait_for_device() const;
   // Whether a piece of a prompt or upload under way may run now (scheduler thread, mutex held).
   bool may_continue() const;
   void run_job(const std::function<void()>& job, bool piece);

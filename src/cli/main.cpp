@@ -254,7 +254,8 @@ serve options (with the model options above; docs/serving.md):
   --max-running N        requests decoding together, one batched step (default 16)
   --max-queued N         requests waiting beyond them; more get 429 with Retry-After (default 64)
   --max-tokens-in-flight N  prompt + max_tokens summed over admitted requests (default: the pool's size)
-  --kv-mb N              memory of the K/V block pool, allocated at start (default 1024)
+  --kv-mb N              memory of the K/V block pool, allocated at start (default 1024 on the CPU;
+                         on a GPU 90% of its free memory less twice --cache-mb and 2048, at least 1024)
   --block-tokens N       tokens per K/V block (default 16)
   --prefill-chunk N      prompt or document tokens computed between two decoding steps, at most
                          (default 256)

@@ -376,7 +376,7 @@ int cmd_serve(Args& args) {
   o.pic = pic_method_options(args, o.pic);
   o.cache_dir = args.str("cache-dir");
   o.cache_disk_bytes = o.pic.cache_bytes;  // --cache-mb bounds every tier, the disk's included
-  o.kv_bytes = args.num<int64_t>("kv-mb", 1024) << 20;
+  o.kv_bytes = args.num<int64_t>("kv-mb", 0) << 20;  // 0: sized by the engine (see ServeOptions)
   o.block_tokens = args.num<int64_t>("block-tokens", 16);
   o.max_running = args.num<int64_t>("max-running", 16);
   o.max_queued = args.num<int64_t>("max-queued", 64);
@@ -393,7 +393,7 @@ int cmd_serve(Args& args) {
   const int port = static_cast<int>(port64);
   COMB_CHECK(o.max_running > 0, "--max-running should be at least 1, found {}", o.max_running);
   COMB_CHECK(o.max_queued >= 0, "--max-queued should be at least 0, found {}", o.max_queued);
-  COMB_CHECK(o.kv_bytes > 0, "--kv-mb should be at least 1, found {}", o.kv_bytes >> 20);
+  COMB_CHECK(!args.has("kv-mb") || o.kv_bytes > 0, "--kv-mb should be at least 1, found {}", o.kv_bytes >> 20);
   COMB_CHECK(o.prefill_chunk > 0, "--prefill-chunk should be at least 1, found {}", o.prefill_chunk);
   COMB_CHECK(o.piece_ms >= 0 && o.piece_ms <= 1e6, "--piece-ms should be 0 to 1000000, found {}", o.piece_ms);
   COMB_CHECK(o.prefill_share >= 0 && o.prefill_share <= 1e6, "--prefill-share should be 0 to 1000000, found {}",
@@ -453,7 +453,7 @@ int cmd_serve(Args& args) {
              "up to {} running and {} queued\n", host, bound, name, method_name(o.method),
              model.plugin() ? "plug-in loaded" : "no plug-in", model.decoder().device().str(),
              c10::toString(model.decoder().dtype()), engine.stats().blocks_total, o.block_tokens,
-             o.kv_bytes >> 20, o.max_running, o.max_queued);
+             engine.options().kv_bytes >> 20, o.max_running, o.max_queued);
 
   std::atomic<bool> listen_ended{false};
   std::thread waiter([&] {

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <map>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -299,6 +300,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   }
   check_launch(k::rows_attention(type, a, at::cuda::getCurrentCUDAStream()), op);
   return out;
+}
+
+int64_t free_memory(int index) {
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (index >= 0) guard.emplace(static_cast<c10::DeviceIndex>(index));
+  size_t free = 0, total = 0;
+  check_launch(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return static_cast<int64_t>(free);
 }
 
 // A descriptor table in device memory, copied from pinned memory without waiting (the caching host
@@ -654,13 +663,75 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
   std::unique_ptr<at::cuda::CUDAGraph> graph_;
 };
 
+// The paged step's graphs, one per bucket (comb::detail::PagedGraphs).
+class CudaPagedGraphs final : public comb::detail::PagedGraphs {
+ public:
+  explicit CudaPagedGraphs(c10::Device device) : device_(device) {}
+
+  at::Tensor run(int64_t bucket, int64_t max_blocks, const std::vector<int64_t>& ids,
+                 const std::vector<int64_t>& positions, const std::vector<int32_t>& table,
+                 const Body& body) override {
+    COMB_CHECK(bucket >= 1 && max_blocks >= 1 && static_cast<int64_t>(ids.size()) == bucket &&
+                   static_cast<int64_t>(positions.size()) == bucket &&
+                   static_cast<int64_t>(table.size()) == bucket * max_blocks,
+               "paged graphs: {} ids, {} positions and {} table entries for a bucket of {} rows of {} blocks",
+               ids.size(), positions.size(), table.size(), bucket, max_blocks);
+    c10::cuda::CUDAGuard guard(device_);
+    Bucket& b = buckets_[bucket];
+    if (!b.graph) {
+      const auto on = at::TensorOptions().device(device_);
+      b.ids = at::zeros({bucket}, on.dtype(at::kLong));
+      b.positions = at::zeros({bucket}, on.dtype(at::kLong));
+      b.table = at::zeros({bucket, max_blocks}, on.dtype(at::kInt));
+      b.max_blocks = max_blocks;
+    }
+    COMB_CHECK(b.max_blocks == max_blocks, "paged graphs: tables of {} blocks, the bucket was captured with {}",
+               max_blocks, b.max_blocks);
+    // From pageable memory: each copy has read its vector when it returns.
+    b.ids.copy_(at::from_blob(const_cast<int64_t*>(ids.data()), {bucket}, at::kLong));
+    b.positions.copy_(at::from_blob(const_cast<int64_t*>(positions.data()), {bucket}, at::kLong));
+    b.table.copy_(at::from_blob(const_cast<int32_t*>(table.data()), {bucket, max_blocks}, at::kInt));
+    if (!b.graph) {
+      // As the one-sequence step: one plain run on a side stream (cuBLAS's workspace for it), then
+      // the capture there; the plain run writes the same K/V as the replay after it.
+      const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device_.index());
+      c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device_.index());
+      caller.synchronize();
+      c10::cuda::CUDAStreamGuard on_side(side);
+      body(b.ids, b.positions, b.table);
+      side.synchronize();
+      auto graph = std::make_unique<at::cuda::CUDAGraph>();
+      graph->capture_begin();
+      b.out = body(b.ids, b.positions, b.table);
+      graph->capture_end();
+      side.synchronize();
+      b.graph = std::move(graph);
+    }
+    b.graph->replay();
+    return b.out.clone();
+  }
+
+ private:
+  struct Bucket {
+    std::unique_ptr<at::cuda::CUDAGraph> graph;
+    at::Tensor ids, positions, table, out;
+    int64_t max_blocks = 0;
+  };
+  c10::Device device_;
+  std::map<int64_t, Bucket> buckets_;
+};
+
+std::unique_ptr<comb::detail::PagedGraphs> make_paged_graphs(c10::Device device) {
+  return std::make_unique<CudaPagedGraphs>(device);
+}
+
 std::unique_ptr<comb::detail::DecodeStep> make_decode_step(const comb::detail::DecodeStepSpec& spec, bool graph) {
   return std::make_unique<GraphDecodeStep>(spec, graph);
 }
 
 const comb::detail::CudaLayerOps kLayerOps{&add_rms_norm,   &rope_append,   &place_keys,       &silu_mul,
                                            &rows_attention, &join_documents, &quantize_int8, &paged_rope_store,
-                                           &paged_attention};
+                                           &paged_attention, &free_memory,  &make_paged_graphs};
 
 // Registered when the module loads (comb::load_cuda_backend).
 [[maybe_unused]] const bool registered = (comb::detail::set_decode_step_factory(&make_decode_step),

@@ -45,6 +45,22 @@ struct JoinPart {
   at::Tensor keys, values, key_scales, value_scales;
 };
 
+// The server's paged decoding step (Decoder::step_paged, rows without documents) as CUDA graphs,
+// one per batch-size bucket, each over static device buffers: ids [bucket] int64, positions
+// [bucket] int64, block tables [bucket, max_blocks] int32.
+class PagedGraphs {
+ public:
+  virtual ~PagedGraphs() = default;
+  // The step computed from the three buffers alone (nothing read from the host): its output.
+  using Body = std::function<at::Tensor(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& table)>;
+  // Copies ids, positions (bucket values each) and table (bucket * max_blocks) into the bucket's
+  // buffers and replays its graph, captured on the bucket's first run (after one plain run of body
+  // on a side stream); returns a copy of the output. body's kernels must outlive the graphs.
+  virtual at::Tensor run(int64_t bucket, int64_t max_blocks, const std::vector<int64_t>& ids,
+                         const std::vector<int64_t>& positions, const std::vector<int32_t>& table,
+                         const Body& body) = 0;
+};
+
 // The fused ops a CUDA layer of the generic forward runs (float16 or bfloat16, one sequence):
 // the same kernels as the step's, as functions of tensors.
 struct CudaLayerOps {
@@ -99,6 +115,11 @@ struct CudaLayerOps {
                                 const at::Tensor& table, const at::Tensor& positions, int64_t longest,
                                 const at::Tensor& joined_keys, const at::Tensor& joined_values,
                                 const at::Tensor& joined_bias, int64_t anchor) = nullptr;
+  // The free memory of CUDA device `index` (-1: the current one), in bytes (cudaMemGetInfo: what
+  // LibTorch's allocator caches counts as used).
+  int64_t (*free_memory)(int index) = nullptr;
+  // An empty set of paged-step graphs on `device`.
+  std::unique_ptr<PagedGraphs> (*paged_graphs)(c10::Device device) = nullptr;
 };
 
 // graph: capture the step as a CUDA graph on its first run and replay it after (else: launch the

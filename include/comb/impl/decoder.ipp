@@ -32,6 +32,8 @@ COMB_INLINE Decoder::Decoder(ModelConfig config, LlamaWeights weights, c10::Scal
     : config_(std::move(config)), weights_(std::move(weights)), dtype_(dtype), device_(device) {
   std::tie(rope_cos_, rope_sin_) = rope_tables(config_, weights_.rope_freqs, config_.n_ctx, dtype_, device_);
   if (device_.is_cpu() && dtype_ == at::kFloat) prepack_onednn();
+  const char* graphs = std::getenv("COMB_CUDA_PAGED_GRAPHS");
+  cuda_paged_graphs_ = graphs != nullptr && std::strcmp(graphs, "1") == 0;
 }
 
 // NOTE: oneDNN's fp32 GEMM beats the BLAS library's on the prefill shapes (by 15-30% on the
@@ -901,7 +903,9 @@ COMB_INLINE at::Tensor Decoder::step_paged(BlockPool& pool, const std::vector<Pa
   namespace cpu = detail::cpu;
   const auto& c = config_;
   COMB_CHECK(!rows.empty(), "step_paged: no row");
-  COMB_CHECK(pool.keys(0).device() == device_ && pool.keys(0).scalar_type() == dtype_,
+  const c10::Device pool_device = pool.keys(0).device();
+  COMB_CHECK(pool_device.type() == device_.type() && (!device_.has_index() || pool_device.index() == device_.index()) &&
+                 pool.keys(0).scalar_type() == dtype_,
              "step_paged: a block pool of {} on {} for a decoder of {} on {}",
              c10::toString(pool.keys(0).scalar_type()), pool.keys(0).device().str(), c10::toString(dtype_),
              device_.str());
@@ -1067,6 +1071,38 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
                pos_t.view({B, 1}))
                   .view({B, 1, 1, n_keys});
   }
+  if (paged_kernels && std::none_of(rows.begin(), rows.end(), [](const PagedRow& r) { return r.reads != nullptr; })) {
+    if (!cuda_paged_graphs_ || ops->paged_graphs == nullptr)
+      return paged_kernels_step(pool, on_device(ids), pos_t, table32, longest);
+    // One graph per bucket of rows (1, 2, 4, 8, then multiples of 8), tables of the context's
+    // blocks; the rows past B repeat the last row (the same K/V written to the same place).
+    const int64_t bucket = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : (B + 7) / 8 * 8;
+    const int64_t max_blocks = (c.n_ctx + bt - 1) / bt;
+    std::vector<int64_t> ids_b(bucket), pos_b(bucket);
+    std::vector<int32_t> table_b(bucket * max_blocks);
+    for (int64_t b = 0; b < bucket; ++b) {
+      const PagedRow& r = rows[std::min(b, B - 1)];
+      ids_b[b] = r.token, pos_b[b] = r.position;
+      for (int64_t j = 0; j < max_blocks; ++j) table_b[b * max_blocks + j] = (*r.blocks)[j <= r.position / bt ? j : 0];
+    }
+    struct State {
+      const Decoder* decoder = nullptr;
+      std::unique_ptr<detail::PagedGraphs> graphs;
+    };
+    auto state = std::static_pointer_cast<State>(pool.step_state());
+    if (!state || state->decoder != this) {
+      state = std::make_shared<State>();
+      state->decoder = this;
+      state->graphs = ops->paged_graphs(pool.keys(0).device());
+      pool.step_state() = state;
+    }
+    at::Tensor out = state->graphs->run(
+        bucket, max_blocks, ids_b, pos_b, table_b,
+        [&](const at::Tensor& i, const at::Tensor& p, const at::Tensor& t) {
+          return paged_kernels_step(pool, i, p, t, max_blocks * bt);
+        });
+    return out.narrow(0, 0, B);
+  }
   std::vector<int64_t> plain;  // rows without joined keys at a layer: attended together
   at::Tensor x = embed(at::tensor(ids, at::kLong).view({B, 1})).to(dtype_);  // [B, 1, n_embd]
   for (int64_t i = 0; i < c.n_layer; ++i) {
@@ -1137,15 +1173,17 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
       if (plain.empty()) {
       } else if (paged_kernels) {
         attn = ops->paged_attention(some(q), pool_k, pool_v, some(table32), some(pos_t), longest, {}, {}, {}, 0);
-      } else {  // every row's blocks gathered, [B, n_head_kv, n_keys, head_dim], the padding masked
+      } else {  // the plain rows' blocks gathered, [rows, n_head_kv, n_keys, head_dim], the padding masked
+        const int64_t n_plain = static_cast<int64_t>(plain.size());
+        const at::Tensor plain_table = some(table_t.view({B, n_blocks_max})).reshape({-1});
         auto gather = [&](const at::Tensor& t) {
-          return t.index_select(0, table_t)
-              .view({B, n_blocks_max, c.n_head_kv, bt, hd})
+          return t.index_select(0, plain_table)
+              .view({n_plain, n_blocks_max, c.n_head_kv, bt, hd})
               .permute({0, 2, 1, 3, 4})
-              .reshape({B, c.n_head_kv, n_blocks_max * bt, hd});
+              .reshape({n_plain, c.n_head_kv, n_blocks_max * bt, hd});
         };
-        attn = at::scaled_dot_product_attention(some(q), some(gather(pool_k)), some(gather(pool_v)), some(visible),
-                                                0.0, false, std::nullopt, /*enable_gqa=*/true);
+        attn = at::scaled_dot_product_attention(some(q), gather(pool_k), gather(pool_v), some(visible), 0.0, false,
+                                                std::nullopt, /*enable_gqa=*/true);
       }
       if (attn.defined()) {
         if (all) out = attn;
@@ -1155,6 +1193,25 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
     });
   }
   return logits(x, LogitsMode::last).view({B, -1});
+}
+
+COMB_INLINE at::Tensor Decoder::paged_kernels_step(BlockPool& pool, const at::Tensor& ids, const at::Tensor& positions,
+                                                   const at::Tensor& table, int64_t longest) const {
+  const auto& c = config_;
+  const detail::CudaLayerOps& ops = *detail::cuda_layer_ops();
+  const int64_t n = ids.size(0);
+  at::Tensor x = embed(ids.view({n, 1}));  // [n, 1, n_embd]
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    const auto& w = weights_.layers[i];
+    const at::Tensor pool_k = pool.keys(i), pool_v = pool.values(i);
+    x = detail::decoder::layer_body(x, w, detail::decoder::cuda_math(w, c, ops), [&](const at::Tensor& qkv) {
+      const at::Tensor q =
+          ops.paged_rope_store(qkv.reshape({n, -1}).contiguous(), rope_cos_, rope_sin_, pool_k, pool_v, table, positions,
+                               c.n_head);  // [n, n_head, head_dim]
+      return ops.paged_attention(q, pool_k, pool_v, table, positions, longest, {}, {}, {}, 0).reshape({n, 1, c.q_dim()});
+    });
+  }
+  return logits(x, LogitsMode::last).view({n, -1});
 }
 
 COMB_INLINE std::string base_fingerprint(const Decoder& base) {

@@ -4,6 +4,7 @@
 #pragma once
 #include "comb/detail/inline.hpp"
 #include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <ATen/record_function.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
@@ -66,6 +67,10 @@ COMB_INLINE Model Model::load(const std::string& path, const Options& options) {
     COMB_CHECK(cuda_available(), "device '{}' asked for, but this machine (or this LibTorch) has no CUDA device ({})",
                options.device, load_cuda_backend().detail);
     detail::model::attention_without_shape_plans();
+    // "cuda" names the current device: its index made explicit, so that the decoder's device
+    // compares equal to its tensors' (cuda:N) wherever one is checked against the other.
+    if (!device.has_index())
+      device = c10::Device(c10::kCUDA, c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index());
   }
   if (options.threads > 0) at::set_num_threads(options.threads);
   // No autograd while loading, but ordinary tensors (not inference tensors), so that training can

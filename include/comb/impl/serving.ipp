@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
 #include <chrono>
@@ -12,6 +13,7 @@
 #include <limits>
 
 #include "comb/detail/cpu_kernels.hpp"
+#include "comb/detail/decode_step.hpp"
 #include "comb/detail/spin_pool.hpp"
 #include "comb/detail/utf8.hpp"
 #include "comb/error.hpp"
@@ -99,6 +101,16 @@ COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
   documents_ = std::make_shared<Documents>(model, store_);
   prefix_ = std::make_shared<PrefixCache>(options_.pic.prefix_block, options_.pic.cache_bytes);
   // The pool holds K/V in the decoder's dtype on its device (GPU memory on a GPU).
+  COMB_CHECK(options_.kv_bytes >= 0, "KV memory must be >= 0 bytes (0: sized at start), found {}", options_.kv_bytes);
+  if (options_.kv_bytes == 0) {
+    const int64_t gib = int64_t(1) << 30;
+    options_.kv_bytes = gib;
+    const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
+    if (dec.device().is_cuda() && ops && ops->free_memory) {
+      const int64_t free = ops->free_memory(dec.device().has_index() ? dec.device().index() : -1);
+      options_.kv_bytes = std::max(gib, free / 10 * 9 - 2 * options_.pic.cache_bytes - 2 * gib);
+    }
+  }
   const int64_t block_bytes = BlockPool::block_bytes(c, options_.block_tokens, dec.dtype());
   const int64_t n_blocks = options_.kv_bytes / block_bytes;
   COMB_CHECK(n_blocks >= 1, "KV memory of {} bytes holds no block of {} tokens ({} bytes)", options_.kv_bytes,
@@ -128,6 +140,13 @@ COMB_INLINE ServeEngine::~ServeEngine() {
     shutdown(false);
   } catch (...) {
   }
+}
+
+COMB_INLINE void ServeEngine::wait_for_device() const {
+  const c10::Device d = model_.decoder().device();
+  if (!d.is_cuda()) return;
+  c10::impl::getDeviceGuardImpl(d.type())
+      ->synchronizeDevice(d.has_index() ? d.index() : c10::impl::getDeviceGuardImpl(d.type())->getDevice().index());
 }
 
 COMB_INLINE PicEngine& ServeEngine::engine(Method m) {
@@ -260,6 +279,7 @@ COMB_INLINE bool ServeEngine::warm_document(const std::vector<int32_t>& tokens, 
           const auto t0 = std::chrono::steady_clock::now();
           try {
             complete = engine(method).continue_document(*work, asked);
+            wait_for_device();
           } catch (...) {
             owe_decoding(detail::serving::seconds_since(t0) * 1e3);
             throw;
@@ -405,6 +425,7 @@ COMB_INLINE void ServeEngine::loop() {
                                  detail::serving::seconds_since(t0) * 1e3 <= std::max(1.0, options_.piece_ms);) {
           const auto t1 = Sequence::clock::now();
           tokens = prefill_step(*first);
+          wait_for_device();  // a piece's time is the device's
           if (tokens > 0) first->started = true;
           first->rate.record(first->piece_asked, tokens, detail::serving::seconds_since(t1) * 1e3);
         }
