@@ -903,6 +903,7 @@ TEST_CASE("the paged step's CUDA graphs match its kernels launched one by one", 
         REQUIRE(logits.size(0) == n_rows);
         out.push_back(logits.cpu());
       }
+      CHECK(static_cast<bool>(pool.step_state()) == (&d == &graphs));  // the graphs ran (only) there
       return at::cat(out);
     };
     at::Tensor want = steps(f32.decoder()), got = steps(graphs), ref = steps(eager);
@@ -916,6 +917,7 @@ TEST_CASE("the paged step's CUDA graphs match its kernels launched one by one", 
     // launched ones (the spread of two equally rounded walks over 15 to 40 rows of logits).
     CHECK(rms_graph <= 1.5 * rms_eager);
     CHECK(err_graph <= 2 * err_eager);
+    CHECK((got - ref).abs().max().item<double>() <= err_eager);  // the two walks correlated
     at::Tensor top2 = std::get<0>(ref.topk(2, -1));
     at::Tensor clear = (top2.select(-1, 0) - top2.select(-1, 1)) > 2 * (err_graph + err_eager);
     CHECK(at::equal(got.argmax(-1).masked_select(clear), ref.argmax(-1).masked_select(clear)));

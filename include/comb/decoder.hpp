@@ -247,6 +247,9 @@ class Decoder {
   bool cpu_kernels_ = true;
   bool cuda_kernels_ = true;
   bool cuda_paged_graphs_ = false;  // from COMB_CUDA_PAGED_GRAPHS at construction
+  // Who this decoder is to the paged step's graphs kept with a pool (they read its weights): a
+  // graph made for a decoder since destroyed is never replayed.
+  std::shared_ptr<const int> identity_ = std::make_shared<const int>(0);
   // The CUDA decoding step, made on first use; one caller at a time.
   mutable std::shared_ptr<detail::DecodeStep> cuda_step_;
   mutable std::shared_ptr<std::mutex> cuda_step_mutex_ = std::make_shared<std::mutex>();

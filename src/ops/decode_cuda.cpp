@@ -156,21 +156,23 @@ int64_t split_count(const at::Tensor& on, int64_t n_head_kv, int64_t n_rows, int
   return std::clamp<int64_t>(std::min(fill, (longest + 31) / 32), 1, 64);
 }
 
-at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start,
-                          const at::Tensor& joined_keys, const at::Tensor& joined_values, const at::Tensor& joined_bias,
-                          int64_t anchor) {
-  const char* op = "comb::rows_attention";
-  const k::Half type = half_type(q, op);
+// Checks q [n, n_head, head_dim] against n_kv KV heads of head_dim hd; returns n_head.
+int64_t check_queries(const at::Tensor& q, int64_t n_kv, int64_t hd, const char* op) {
   check_like(q, q, "q", op);
-  check_cache(k_cache, v_cache, q, op);
-  const int64_t n_kv = k_cache.size(1), hd = k_cache.size(3);
   COMB_CHECK(q.dim() == 3 && q.size(2) == hd && q.size(1) % n_kv == 0 &&
                  (hd == 32 || hd == 64 || hd == 128 || hd == 256),
              "{}: q [n, n_head, head_dim] with head_dim 32, 64, 128 or 256 and n_head a multiple of {}, found [{}]", op,
              n_kv, fmt::join(q.sizes(), ", "));
-  const int64_t n = q.size(0), n_head = q.size(1);
-  COMB_CHECK(n >= 1 && n <= 65535 && start >= 0 && start + n <= k_cache.size(2),
-             "{}: {} rows after {} positions in a cache of {}", op, n, start, k_cache.size(2));
+  return q.size(1);
+}
+
+// The rows kernel over the cache `at` names (one sequence's or a pool's), with the joined keys
+// checked: rows_attention and paged_attention. context: the most context keys a row reads.
+at::Tensor attend_rows(const at::Tensor& q, const k::CacheAt& at, int64_t n_kv, int64_t context,
+                       const at::Tensor& joined_keys, const at::Tensor& joined_values, const at::Tensor& joined_bias,
+                       int64_t anchor, const char* op) {
+  const k::Half type = half_type(q, op);
+  const int64_t n = q.size(0), n_head = q.size(1), hd = q.size(2);
   int64_t m = 0;
   if (joined_keys.defined()) {
     check_like(joined_keys, q, "joined keys", op);
@@ -188,11 +190,10 @@ at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   c10::cuda::CUDAGuard guard(q.device());
   k::RowsAttention a;
   a.n_rows = n, a.n_head = n_head, a.n_head_kv = n_kv, a.head_dim = hd;
-  a.n_split = split_count(q, n_kv, n, m + start + n);
+  a.n_split = split_count(q, n_kv, n, m + context);
   at::Tensor partial = at::empty({n, n_head, a.n_split, hd + 2}, q.options().dtype(at::kFloat));
   at::Tensor out = at::empty_like(q);
-  a.q = q.data_ptr(), a.cache = cache_at(k_cache, v_cache, start), a.out = out.data_ptr();
-  a.partial = partial.data_ptr<float>();
+  a.q = q.data_ptr(), a.cache = at, a.out = out.data_ptr(), a.partial = partial.data_ptr<float>();
   if (m > 0) {
     a.joined_keys = joined_keys.data_ptr(), a.joined_values = joined_values.data_ptr(), a.n_joined = m;
     a.anchor = anchor;
@@ -200,6 +201,21 @@ at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   }
   check_launch(k::rows_attention(type, a, at::cuda::getCurrentCUDAStream()), op);
   return out;
+}
+
+at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start,
+                          const at::Tensor& joined_keys, const at::Tensor& joined_values, const at::Tensor& joined_bias,
+                          int64_t anchor) {
+  const char* op = "comb::rows_attention";
+  half_type(q, op);
+  check_cache(k_cache, v_cache, q, op);
+  const int64_t n_kv = k_cache.size(1);
+  check_queries(q, n_kv, k_cache.size(3), op);
+  const int64_t n = q.size(0);
+  COMB_CHECK(n >= 1 && n <= 65535 && start >= 0 && start + n <= k_cache.size(2),
+             "{}: {} rows after {} positions in a cache of {}", op, n, start, k_cache.size(2));
+  return attend_rows(q, cache_at(k_cache, v_cache, start), n_kv, start + n, joined_keys, joined_values, joined_bias,
+                     anchor, op);
 }
 
 // The paged forms: a pool [n_blocks, n_head_kv, block_tokens, head_dim], each row's block table
@@ -253,7 +269,7 @@ at::Tensor paged_rope_store(const at::Tensor& qkv, const at::Tensor& cos, const 
 }
 
 // Rows q [rows, n_head, head_dim], each over its own sequence's positions [0, positions[r]] in the
-// pools (longest: the most keys a row reads, joined ones included, for the split count); joined
+// pools (longest: the most positions a row reads, the joined keys apart, for the split count); joined
 // keys and values [n_head_kv, m, head_dim] (undefined: none) read by every row at positions >=
 // anchor in the same softmax, each score plus joined_bias [n_head] (float32; undefined: 0).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -261,45 +277,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                            const at::Tensor& joined_keys, const at::Tensor& joined_values,
                            const at::Tensor& joined_bias, int64_t anchor) {
   const char* op = "comb::paged_attention";
-  const k::Half type = half_type(q, op);
-  check_like(q, q, "q", op);
+  half_type(q, op);
   const int64_t n = q.size(0);
   const k::CacheAt at = paged_at(k_pool, v_pool, table, positions, n, q, op);
-  const int64_t n_kv = k_pool.size(1), hd = k_pool.size(3);
-  COMB_CHECK(q.dim() == 3 && q.size(2) == hd && q.size(1) % n_kv == 0 &&
-                 (hd == 32 || hd == 64 || hd == 128 || hd == 256),
-             "{}: q [n, n_head, head_dim] with head_dim 32, 64, 128 or 256 and n_head a multiple of {}, found [{}]", op,
-             n_kv, fmt::join(q.sizes(), ", "));
+  const int64_t n_kv = k_pool.size(1);
+  check_queries(q, n_kv, k_pool.size(3), op);
   COMB_CHECK(n >= 1 && n <= 65535 && longest >= 1, "{}: {} rows reading up to {} keys", op, n, longest);
-  const int64_t n_head = q.size(1);
-  int64_t m = 0;
-  if (joined_keys.defined()) {
-    check_like(joined_keys, q, "joined keys", op);
-    check_like(joined_values, q, "joined values", op);
-    COMB_CHECK(joined_keys.dim() == 3 && joined_keys.size(0) == n_kv && joined_keys.size(2) == hd &&
-                   joined_values.sizes() == joined_keys.sizes(),
-               "{}: joined keys [{}] and values [{}] should be [{}, m, {}]", op, fmt::join(joined_keys.sizes(), ", "),
-               fmt::join(joined_values.sizes(), ", "), n_kv, hd);
-    m = joined_keys.size(1);
-  }
-  if (joined_bias.defined())
-    COMB_CHECK(joined_bias.is_cuda() && joined_bias.device() == q.device() &&
-                   joined_bias.scalar_type() == at::kFloat && joined_bias.is_contiguous() && joined_bias.numel() == n_head,
-               "{}: joined_bias should be float32 [{}] on {}", op, n_head, q.device().str());
-  c10::cuda::CUDAGuard guard(q.device());
-  k::RowsAttention a;
-  a.n_rows = n, a.n_head = n_head, a.n_head_kv = n_kv, a.head_dim = hd;
-  a.n_split = split_count(q, n_kv, n, longest);
-  at::Tensor partial = at::empty({n, n_head, a.n_split, hd + 2}, q.options().dtype(at::kFloat));
-  at::Tensor out = at::empty_like(q);
-  a.q = q.data_ptr(), a.cache = at, a.out = out.data_ptr(), a.partial = partial.data_ptr<float>();
-  if (m > 0) {
-    a.joined_keys = joined_keys.data_ptr(), a.joined_values = joined_values.data_ptr(), a.n_joined = m;
-    a.anchor = anchor;
-    if (joined_bias.defined()) a.joined_bias = joined_bias.data_ptr<float>();
-  }
-  check_launch(k::rows_attention(type, a, at::cuda::getCurrentCUDAStream()), op);
-  return out;
+  return attend_rows(q, at, n_kv, longest, joined_keys, joined_values, joined_bias, anchor, op);
 }
 
 int64_t free_memory(int index) {
@@ -677,16 +661,13 @@ class CudaPagedGraphs final : public comb::detail::PagedGraphs {
                "paged graphs: {} ids, {} positions and {} table entries for a bucket of {} rows of {} blocks",
                ids.size(), positions.size(), table.size(), bucket, max_blocks);
     c10::cuda::CUDAGuard guard(device_);
-    Bucket& b = buckets_[bucket];
+    Bucket& b = buckets_[{bucket, max_blocks}];
     if (!b.graph) {
       const auto on = at::TensorOptions().device(device_);
       b.ids = at::zeros({bucket}, on.dtype(at::kLong));
       b.positions = at::zeros({bucket}, on.dtype(at::kLong));
       b.table = at::zeros({bucket, max_blocks}, on.dtype(at::kInt));
-      b.max_blocks = max_blocks;
     }
-    COMB_CHECK(b.max_blocks == max_blocks, "paged graphs: tables of {} blocks, the bucket was captured with {}",
-               max_blocks, b.max_blocks);
     // From pageable memory: each copy has read its vector when it returns.
     b.ids.copy_(at::from_blob(const_cast<int64_t*>(ids.data()), {bucket}, at::kLong));
     b.positions.copy_(at::from_blob(const_cast<int64_t*>(positions.data()), {bucket}, at::kLong));
@@ -701,8 +682,20 @@ class CudaPagedGraphs final : public comb::detail::PagedGraphs {
       body(b.ids, b.positions, b.table);
       side.synchronize();
       auto graph = std::make_unique<at::cuda::CUDAGraph>();
-      graph->capture_begin();
-      b.out = body(b.ids, b.positions, b.table);
+      // Every bucket's graph in one memory pool: they replay one after another on one stream, and
+      // each output is copied out, so a new bucket mid-serve takes little memory of its own.
+      if (!pool_) pool_ = at::cuda::graph_pool_handle();
+      graph->capture_begin(*pool_);
+      try {
+        b.out = body(b.ids, b.positions, b.table);
+      } catch (...) {  // the capture ended, the stream usable again, the bucket left to capture anew
+        try {
+          graph->capture_end();
+        } catch (...) {
+        }
+        buckets_.erase({bucket, max_blocks});
+        throw;
+      }
       graph->capture_end();
       side.synchronize();
       b.graph = std::move(graph);
@@ -715,10 +708,10 @@ class CudaPagedGraphs final : public comb::detail::PagedGraphs {
   struct Bucket {
     std::unique_ptr<at::cuda::CUDAGraph> graph;
     at::Tensor ids, positions, table, out;
-    int64_t max_blocks = 0;
   };
   c10::Device device_;
-  std::map<int64_t, Bucket> buckets_;
+  std::map<std::pair<int64_t, int64_t>, Bucket> buckets_;  // (rows, table width)
+  std::optional<c10::MempoolId_t> pool_;
 };
 
 std::unique_ptr<comb::detail::PagedGraphs> make_paged_graphs(c10::Device device) {

@@ -109,7 +109,7 @@ struct CudaLayerOps {
                                  const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table,
                                  const at::Tensor& positions, int64_t n_head) = nullptr;
   // q [rows, n_head, head_dim], each row over its own positions [0, position] (longest: the most
-  // keys a row reads, joined ones included), joined keys as rows_attention's for every row; returns
+  // positions a row reads, the joined keys apart), joined keys as rows_attention's for every row; returns
   // [rows, n_head, head_dim].
   at::Tensor (*paged_attention)(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                 const at::Tensor& table, const at::Tensor& positions, int64_t longest,

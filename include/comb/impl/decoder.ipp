@@ -1048,8 +1048,6 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
     dest_offset[b] = r.position % bt;
     for (int64_t j = 0; j < n_blocks_max; ++j) table[b * n_blocks_max + j] = (*r.blocks)[j <= r.position / bt ? j : 0];
   }
-  auto on_device = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device_); };
-  const at::Tensor pos_t = on_device(pos), table_t = on_device(table);
   // On a CUDA half decoder with comb's ops: the norms and the activation fused, and each row's RoPE,
   // K/V store and attention read straight from its blocks (no gather).
   const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
@@ -1057,6 +1055,41 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
                         !weights_.quantized() && ops != nullptr && cuda_kernels_;
   const bool paged_kernels = cuda_ops && ops->paged_attention != nullptr && B <= 65535 &&
                              (hd == 32 || hd == 64 || hd == 128 || hd == 256);
+  const bool all_plain =
+      std::none_of(rows.begin(), rows.end(), [](const PagedRow& r) { return r.reads != nullptr; });
+  // One graph per bucket of rows (1, 2, 4, 8, then multiples of 8) and width of tables (a power of
+  // two of blocks, at least 16); the rows past B repeat the last row (the same K/V written to the
+  // same place). Before any copy to the device: the graph's buffers take the host's values.
+  const int64_t bucket = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : (B + 7) / 8 * 8;
+  if (paged_kernels && all_plain && cuda_paged_graphs_ && ops->paged_graphs != nullptr && bucket <= 65535) {
+    int64_t width = 16;
+    while (width < n_blocks_max) width *= 2;
+    std::vector<int64_t> ids_b(bucket), pos_b(bucket);
+    std::vector<int32_t> table_b(bucket * width);
+    for (int64_t b = 0; b < bucket; ++b) {
+      const PagedRow& r = rows[std::min(b, B - 1)];
+      ids_b[b] = r.token, pos_b[b] = r.position;
+      for (int64_t j = 0; j < width; ++j) table_b[b * width + j] = (*r.blocks)[j <= r.position / bt ? j : 0];
+    }
+    struct State {
+      std::weak_ptr<const int> decoder;  // the decoder whose weights the graphs read
+      std::unique_ptr<detail::PagedGraphs> graphs;
+    };
+    auto state = std::static_pointer_cast<State>(pool.step_state());
+    if (!state || state->decoder.lock() != identity_) {
+      state = std::make_shared<State>();
+      state->decoder = identity_;
+      state->graphs = ops->paged_graphs(pool.keys(0).device());
+      pool.step_state() = state;
+    }
+    at::Tensor out = state->graphs->run(bucket, width, ids_b, pos_b, table_b,
+                                        [&](const at::Tensor& i, const at::Tensor& p, const at::Tensor& t) {
+                                          return paged_kernels_step(pool, i, p, t, width * bt);
+                                        });
+    return out.narrow(0, 0, B);
+  }
+  auto on_device = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device_); };
+  const at::Tensor pos_t = on_device(pos), table_t = on_device(table);
   at::Tensor table32, block_t, offset_t, cos, sin, visible;
   if (paged_kernels) {
     table32 = table_t.to(at::kInt).view({B, n_blocks_max});
@@ -1071,38 +1104,7 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
                pos_t.view({B, 1}))
                   .view({B, 1, 1, n_keys});
   }
-  if (paged_kernels && std::none_of(rows.begin(), rows.end(), [](const PagedRow& r) { return r.reads != nullptr; })) {
-    if (!cuda_paged_graphs_ || ops->paged_graphs == nullptr)
-      return paged_kernels_step(pool, on_device(ids), pos_t, table32, longest);
-    // One graph per bucket of rows (1, 2, 4, 8, then multiples of 8), tables of the context's
-    // blocks; the rows past B repeat the last row (the same K/V written to the same place).
-    const int64_t bucket = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : (B + 7) / 8 * 8;
-    const int64_t max_blocks = (c.n_ctx + bt - 1) / bt;
-    std::vector<int64_t> ids_b(bucket), pos_b(bucket);
-    std::vector<int32_t> table_b(bucket * max_blocks);
-    for (int64_t b = 0; b < bucket; ++b) {
-      const PagedRow& r = rows[std::min(b, B - 1)];
-      ids_b[b] = r.token, pos_b[b] = r.position;
-      for (int64_t j = 0; j < max_blocks; ++j) table_b[b * max_blocks + j] = (*r.blocks)[j <= r.position / bt ? j : 0];
-    }
-    struct State {
-      const Decoder* decoder = nullptr;
-      std::unique_ptr<detail::PagedGraphs> graphs;
-    };
-    auto state = std::static_pointer_cast<State>(pool.step_state());
-    if (!state || state->decoder != this) {
-      state = std::make_shared<State>();
-      state->decoder = this;
-      state->graphs = ops->paged_graphs(pool.keys(0).device());
-      pool.step_state() = state;
-    }
-    at::Tensor out = state->graphs->run(
-        bucket, max_blocks, ids_b, pos_b, table_b,
-        [&](const at::Tensor& i, const at::Tensor& p, const at::Tensor& t) {
-          return paged_kernels_step(pool, i, p, t, max_blocks * bt);
-        });
-    return out.narrow(0, 0, B);
-  }
+  if (paged_kernels && all_plain) return paged_kernels_step(pool, on_device(ids), pos_t, table32, longest);
   std::vector<int64_t> plain;  // rows without joined keys at a layer: attended together
   at::Tensor x = embed(at::tensor(ids, at::kLong).view({B, 1})).to(dtype_);  // [B, 1, n_embd]
   for (int64_t i = 0; i < c.n_layer; ++i) {
@@ -1157,7 +1159,7 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
             if (joint->bias.defined()) bias = joint->bias.to(device_, at::kFloat).contiguous();
           }
           out.narrow(0, b, 1).copy_(ops->paged_attention(q.narrow(0, b, 1), pool_k, pool_v, table32.narrow(0, b, 1),
-                                                         pos_t.narrow(0, b, 1), m + rows[b].position + 1, jk, jv, bias,
+                                                         pos_t.narrow(0, b, 1), rows[b].position + 1, jk, jv, bias,
                                                          joint->anchor));
           continue;
         }
