@@ -46,6 +46,26 @@ double ulp(at::ScalarType t) { return t == at::kBFloat16 ? 1.0 / 128 : 1.0 / 102
 
 const std::vector<at::ScalarType> kHalfTypes{at::kBFloat16, at::kHalf};
 
+// Two half-precision computations of the same logits, `got` (comb's kernels) and `ref` (the
+// composition they replace or the same kernels launched otherwise), each against float32's `want`:
+// the largest and the root mean square difference of each.
+struct Spread {
+  double err_got, rms_got, err_ref, rms_ref;
+};
+Spread spread(const at::Tensor& got, const at::Tensor& ref, const at::Tensor& want) {
+  auto err = [&](const at::Tensor& t) { return (t - want).abs().max().item<double>(); };
+  auto rms = [&](const at::Tensor& t) { return (t - want).pow(2).mean().sqrt().item<double>(); };
+  return {err(got), rms(got), err(ref), rms(ref)};
+}
+
+// got's top token is ref's wherever ref's is clear of its runner-up by more than `margin` (both
+// paths' distance to float32, twice).
+void check_clear_top(const at::Tensor& got, const at::Tensor& ref, double margin) {
+  at::Tensor top2 = std::get<0>(ref.topk(2, -1));
+  at::Tensor clear = (top2.select(-1, 0) - top2.select(-1, 1)) > margin;
+  CHECK(at::equal(got.argmax(-1).masked_select(clear), ref.argmax(-1).masked_select(clear)));
+}
+
 // The model the CUDA cases load (COMB_CUDA_MODEL, else the default one) in bfloat16 on the GPU.
 Model cuda_bf16_model() { return Model::load(env_or("COMB_CUDA_MODEL", model_path()), Options{"cuda", "bfloat16"}); }
 }  // namespace
@@ -262,10 +282,7 @@ TEST_CASE("the fused CUDA layers and the one-launch decoding step match the gene
   auto [want, want_k] = steps(f32.decoder());
   auto [got, got_k] = steps(graph);
   auto [ref, ref_k] = steps(generic);
-  const double err_graph = (got - want).abs().max().item<double>();
-  const double err_generic = (ref - want).abs().max().item<double>();
-  const double rms_graph = (got - want).pow(2).mean().sqrt().item<double>();
-  const double rms_generic = (ref - want).pow(2).mean().sqrt().item<double>();
+  const auto [err_graph, rms_graph, err_generic, rms_generic] = spread(got, ref, want);
   INFO("|logit - float32| over 144 positions, max and root mean square: fused " << err_graph << ", " << rms_graph
                                                                                << "; generic bf16 " << err_generic
                                                                                << ", " << rms_generic);
@@ -277,9 +294,7 @@ TEST_CASE("the fused CUDA layers and the one-launch decoding step match the gene
   CHECK(err_graph <= 1.5 * err_generic);
   // The same top token as the generic path wherever that one is clear of its runner-up by more
   // than both paths' distance to float32.
-  at::Tensor top2 = std::get<0>(ref.topk(2, -1));
-  at::Tensor clear = (top2.select(-1, 0) - top2.select(-1, 1)) > 2 * (err_graph + err_generic);
-  CHECK(at::equal(got.argmax(-1).masked_select(clear), ref.argmax(-1).masked_select(clear)));
+  check_clear_top(got, ref, 2 * (err_graph + err_generic));
   // The keys the fused path wrote (the last layer's) as far from the generic path's, relative to
   // their size, as the logits are from float32's (twice, for the two paths' walks).
   const double rms = [](const at::Tensor& t) { return t.to(at::kFloat).pow(2).mean().sqrt().item<double>(); }(ref_k);
@@ -777,9 +792,7 @@ TEST_CASE("the paged step on CUDA: the paged kernels match the generic path, doc
     return at::cat(out);  // [6 * 3, n_vocab]
   };
   at::Tensor want = steps(f32.decoder()), got = steps(fused), ref = steps(generic);
-  const double err_fused = (got - want).abs().max().item<double>(), err_generic = (ref - want).abs().max().item<double>();
-  const double rms_fused = (got - want).pow(2).mean().sqrt().item<double>();
-  const double rms_generic = (ref - want).pow(2).mean().sqrt().item<double>();
+  const auto [err_fused, rms_fused, err_generic, rms_generic] = spread(got, ref, want);
   INFO("|logit - float32|, max and root mean square: paged kernels " << err_fused << ", " << rms_fused
                                                                       << "; generic bf16 " << err_generic << ", "
                                                                       << rms_generic);
@@ -788,9 +801,7 @@ TEST_CASE("the paged step on CUDA: the paged kernels match the generic path, doc
   // twice for the single largest difference).
   CHECK(rms_fused <= 1.5 * rms_generic);
   CHECK(err_fused <= 2 * err_generic);
-  at::Tensor top2 = std::get<0>(ref.topk(2, -1));
-  at::Tensor clear = (top2.select(-1, 0) - top2.select(-1, 1)) > 2 * (err_fused + err_generic);
-  CHECK(at::equal(got.argmax(-1).masked_select(clear), ref.argmax(-1).masked_select(clear)));
+  check_clear_top(got, ref, 2 * (err_fused + err_generic));
 }
 
 // The GPU's server: every method's greedy answers in float32 are PicEngine::generate's on the same
@@ -907,9 +918,7 @@ TEST_CASE("the paged step's CUDA graphs match its kernels launched one by one", 
       return at::cat(out);
     };
     at::Tensor want = steps(f32.decoder()), got = steps(graphs), ref = steps(eager);
-    const double err_graph = (got - want).abs().max().item<double>(), err_eager = (ref - want).abs().max().item<double>();
-    const double rms_graph = (got - want).pow(2).mean().sqrt().item<double>();
-    const double rms_eager = (ref - want).pow(2).mean().sqrt().item<double>();
+    const auto [err_graph, rms_graph, err_eager, rms_eager] = spread(got, ref, want);
     INFO(n_rows << " rows; |logit - float32|, max and root mean square: graphs " << err_graph << ", " << rms_graph
                 << "; kernels one by one " << err_eager << ", " << rms_eager);
     // The same kernels; the graph's GEMMs take the bucket's rows and its attention the context's
@@ -918,8 +927,6 @@ TEST_CASE("the paged step's CUDA graphs match its kernels launched one by one", 
     CHECK(rms_graph <= 1.5 * rms_eager);
     CHECK(err_graph <= 2 * err_eager);
     CHECK((got - ref).abs().max().item<double>() <= err_eager);  // the two walks correlated
-    at::Tensor top2 = std::get<0>(ref.topk(2, -1));
-    at::Tensor clear = (top2.select(-1, 0) - top2.select(-1, 1)) > 2 * (err_graph + err_eager);
-    CHECK(at::equal(got.argmax(-1).masked_select(clear), ref.argmax(-1).masked_select(clear)));
+    check_clear_top(got, ref, 2 * (err_graph + err_eager));
   }
 }

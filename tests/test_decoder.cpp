@@ -192,6 +192,37 @@ void check_paged_step(const Model& model, const Decoder& dec, bool row_wise) {
   } else {  // the batch's GEMMs (and padded attention) against one row's: within the path's bound
     CHECK(max_diff(both[0], first[0]) <= path_tolerance(dec, rows[0].position + 1, first[0]));
   }
+  // A prompt's piece beside the rows (the GPU server's mixed step): its rows go through every
+  // matrix with the decoding rows'. The rows' logits are those of the step without it, the piece's
+  // forward()'s over the same cache, and its K/V land in its cache, each within the path's bound.
+  const std::vector<int32_t> prompt = model.chat_prompt("Which sea is the saltiest?");
+  const int64_t n_prompt = static_cast<int64_t>(prompt.size()), head = n_prompt / 2;
+  const at::Tensor prompt_ids = ids_tensor(prompt);
+  KVCache mixed_cache = dec.make_cache(1, n_prompt), alone_cache = dec.make_cache(1, n_prompt);
+  dec.forward(prompt_ids.narrow(1, 0, head), mixed_cache);
+  dec.forward(prompt_ids.narrow(1, 0, head), alone_cache);
+  Decoder::PagedPiece piece{prompt_ids.narrow(1, head, n_prompt - head), &mixed_cache, nullptr, {}};
+  if (row_wise) {  // the fused step computes rows one by one: no piece
+    CHECK_THROWS_WITH(dec.step_paged(pool, rows, nullptr, &piece), Catch::Contains("generic path"));
+  } else {
+    at::Tensor with_piece = dec.step_paged(pool, rows, nullptr, &piece);
+    at::Tensor without = dec.step_paged(pool, rows);  // the same K/V written again in place
+    at::Tensor want = dec.forward(prompt_ids.narrow(1, head, n_prompt - head), alone_cache)[0][0];
+    CHECK(mixed_cache.length() == n_prompt);
+    REQUIRE(piece.logits.defined());
+    CHECK(max_diff(piece.logits, want) <= path_tolerance(dec, n_prompt, want));
+    for (size_t r = 0; r < rows.size(); ++r) {
+      INFO("row " << r << " beside a piece");
+      CHECK(max_diff(with_piece[r], without[r]) <= path_tolerance(dec, rows[r].position + 1, without[r]));
+    }
+    const int64_t last = dec.config().n_layer - 1;
+    at::Tensor got = mixed_cache.keys(last).narrow(2, head, n_prompt - head);
+    at::Tensor expected = alone_cache.keys(last).narrow(2, head, n_prompt - head);
+    CHECK(max_diff(got, expected) <= path_bound(dec.config(), last + 1, n_prompt, magnitude(expected)));
+    // A piece past its cache's capacity is refused with what was found.
+    Decoder::PagedPiece over{prompt_ids, &mixed_cache, nullptr, {}};
+    CHECK_THROWS_WITH(dec.step_paged(pool, rows, nullptr, &over), Catch::Contains("a piece of"));
+  }
   // A position past the row's blocks is refused with what was found.
   Decoder::PagedRow past = rows[0];
   past.position = static_cast<int64_t>(blocks[0].size()) * pool.block_tokens();

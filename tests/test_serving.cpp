@@ -243,6 +243,9 @@ TEST_CASE("serving on the generic path (a GPU's): greedy answers are PicEngine::
   const auto stats = engine.stats();
   CHECK(stats.blocks_free == stats.blocks_total);
   CHECK(stats.batch_size.count > stats.batch_size.counts[0]);  // steps with several rows ran
+  // Prompts' pieces went through decoding steps (the mixed step), and their answers are above.
+  CHECK(stats.mixed_steps > 0);
+  CHECK(stats.mixed_tokens >= stats.mixed_steps);
 
   // A plug-in of residual cross blocks (read before each layer, row by row) on the same path.
   Model residual = Model::load(test::model_path(), o);

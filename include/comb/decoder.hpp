@@ -180,7 +180,23 @@ class Decoder {
   // the rows without documents attending in one padded batch over their gathered blocks, a row
   // with documents alone through joint_attention over the reads' joint() keys (documents read as
   // a forward reads them, Model::document_reads).
-  at::Tensor step_paged(BlockPool& pool, const std::vector<PagedRow>& rows, const ParallelFor& run = nullptr) const;
+  //
+  // `piece` (off the fused CPU path only, paged_piece_applies()): a piece of one sequence's prompt
+  // computed in the same forward, its rows through each matrix with the decoding rows': tokens
+  // [1, n] (int64) at positions cache->length() .. + n, their K/V appended to *cache (advanced by n
+  // after), each attending causally over the cache and what `reads` gives (its documents), as
+  // forward() would. piece->logits receives float32 [n_vocab] after its last token.
+  struct PagedPiece {
+    at::Tensor tokens;
+    KVCache* cache = nullptr;
+    const LayerReads* reads = nullptr;
+    at::Tensor logits;  // out
+  };
+  at::Tensor step_paged(BlockPool& pool, const std::vector<PagedRow>& rows, const ParallelFor& run = nullptr,
+                        PagedPiece* piece = nullptr) const;
+  // Whether step_paged takes a prompt's piece beside its rows (the generic path: not the fused CPU
+  // kernels, whose rows are computed one by one).
+  bool paged_piece_applies() const { return !cpu_kernels(); }
 
   // The steps of forward(), for wrappers that add blocks between layers.
   at::Tensor embed(const at::Tensor& tokens) const;                                    // -> [batch, n, n_embd]
@@ -257,7 +273,13 @@ class Decoder {
   at::Tensor layer_cuda(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const;
   // step_paged's path off the fused CPU kernels (generic ATen ops; the CUDA norm and activation
   // kernels on a CUDA half decoder).
-  at::Tensor step_paged_generic(BlockPool& pool, const std::vector<PagedRow>& rows) const;
+  at::Tensor step_paged_generic(BlockPool& pool, const std::vector<PagedRow>& rows, PagedPiece* piece) const;
+  // A piece's attention of layer i over its cache (and joined keys), as layer() would take it:
+  // comb's CUDA kernels where they apply (attend_cuda), else generic ATen ops (attention()).
+  at::Tensor attend_piece(int64_t i, const at::Tensor& qkv, KVCache& cache, const JointKV* joint) const;
+  // layer_cuda's attention from qkv [1, n, q_dim + 2 kv_dim]: RoPE and the cache append in one
+  // kernel, then the rows kernel (few rows or joined keys) or SDPA; [1, n, q_dim].
+  at::Tensor attend_cuda(int64_t i, const at::Tensor& qkv, KVCache& cache, const JointKV* joint) const;
   // Its rows without documents through comb's CUDA kernels, from device tensors alone (ids and
   // positions int64 [n], block tables int32 [n, max_blocks]; longest: the most keys a row reads):
   // float32 logits [n, n_vocab]. Run as it is, or captured (detail::PagedGraphs).

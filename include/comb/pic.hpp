@@ -2,6 +2,7 @@
 // Position-independent caching methods in one engine, for comparison with COMB on the same work:
 // full prefill, prefix caching, naive reuse, CacheBlend, EPIC, and COMB itself.
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <memory>
 #include <string>
@@ -131,6 +132,12 @@ class PicEngine {
   // result is prefill()'s, up to the rounding of other matrix shapes.
   PicPrefill start(const PicRequest& request, int64_t max_new_tokens);
   bool advance(PicPrefill& prefill, int64_t max_tokens);
+  // advance() with the piece's forward done by the caller (a server computes it in its decoding
+  // step, Decoder::step_paged's piece): forward(tokens [1, n], cache, reads) runs the tokens over the
+  // prompt's cache (appending their K/V and advancing it) with `reads` (its documents, or null) and
+  // returns float32 logits [1, 1, n_vocab] after the last of them, as Decoder::forward does.
+  using PieceForward = std::function<at::Tensor(const at::Tensor& tokens, KVCache& cache, const LayerReads* reads)>;
+  bool advance(PicPrefill& prefill, int64_t max_tokens, const PieceForward& forward);
   // prefill() then decoding; `counts` receives the prefill's token counts if given.
   GenerationResult generate(const PicRequest& request, const GenerateOptions& options, PicCounts* counts = nullptr);
   // Forgets every cached document and prefix block.

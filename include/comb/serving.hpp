@@ -54,6 +54,11 @@ struct ServeOptions {
   // prefill_share); work under way waits at most piece_ms / prefill_share. A new request's first
   // piece goes at once. 0: a piece between every two decoding steps.
   double prefill_share = 0.3;
+  // Off the fused CPU kernels (a GPU's engine), a prompt's piece goes through the decoding step's
+  // forward beside the decoding rows (Decoder::step_paged's piece: one read of the weights for
+  // both) instead of a forward of its own before it; sized and owed time as a piece alone is. The
+  // CPU's fused step computes rows one by one and takes none.
+  bool mixed_step = true;
 };
 
 // Thrown by submit() when the queue is full or the engine is stopping: try again later.
@@ -113,8 +118,9 @@ struct ServeStats {
   uint64_t prompt_tokens = 0, cached_tokens = 0, computed_tokens = 0, generated_tokens = 0;
   uint64_t decode_steps = 0;
   double decode_seconds = 0;      // inside batched decoding steps
+  uint64_t mixed_steps = 0, mixed_tokens = 0;  // of them, steps with a prompt's piece, and its tokens
   Histogram ttft, inter_token, batch_size;
-  std::map<int64_t, std::pair<uint64_t, double>> steps_by_batch;  // rows -> (steps, seconds)
+  std::map<int64_t, std::pair<uint64_t, double>> steps_by_batch;  // rows -> (steps, seconds), without a piece
   StoreStats store;
   int64_t prefix_bytes = 0, prefix_blocks = 0;
 };
@@ -157,6 +163,11 @@ class ServeEngine {
   // Computes one piece of s's prompt; the tokens computed in a piece sized by piece_tokens() (0
   // for a step that is not: a document found in the store, the method's start()).
   int64_t prefill_step(Sequence& s);
+  // s's prompt is complete (s.prefill done): its K/V move into its blocks and its first token is sampled.
+  void prefill_done(Sequence& s);
+  // Whether s's next piece goes through the next decoding step (ServeOptions::mixed_step): a prompt
+  // under way, requests decoding, the decoder off the fused CPU kernels (scheduler thread).
+  bool mixes(const Sequence& s) const;
   // A piece of work's last whole piece (the tokens it was asked for, all computed) and its time,
   // which sizes the next; a piece cut short (a document's tail) does not.
   struct PieceRate {
@@ -177,7 +188,9 @@ class ServeEngine {
   // Whether a piece of a prompt or upload under way may run now (scheduler thread, mutex held).
   bool may_continue() const;
   void run_job(const std::function<void()>& job, bool piece);
-  void decode_step();
+  // One decoding step of every running request, with a piece of `rider`'s prompt (mixes()) if
+  // given; returns the piece's share of the step's time in ms (0 without one).
+  double decode_step(Sequence* rider = nullptr);
   bool emit(Sequence& s, const at::Tensor& logits);
   void hand_out(Sequence& s, size_t upto);
   void finish(Sequence& s, const std::string& reason, const std::string& error = "");
@@ -185,7 +198,7 @@ class ServeEngine {
   void pin(Sequence& s, const CacheKey& key);
   void unpin_all(Sequence& s);
   PicEngine& engine(Method m);
-  at::Tensor batched_forward(const std::vector<Sequence*>& rows);
+  at::Tensor batched_forward(const std::vector<Sequence*>& rows, Decoder::PagedPiece* piece = nullptr);
 
   const Model& model_;
   ServeOptions options_;

@@ -319,9 +319,9 @@ void bench_batch_decode(Bench& bench, const std::string& batch_decode, int64_t n
       o.method = comb::Method::full;
       o.max_running = b;
       o.prefill_share = 0;  // prompts between every two steps: all B soon decode together
-      o.kv_bytes = std::max<int64_t>(int64_t(1) << 30, b * (128 + n_decode + 16) * 2 * model.config().n_layer *
-                                                     model.config().kv_dim() *
-                                                     int64_t(c10::elementSize(model.decoder().dtype())));
+      o.kv_bytes = std::max<int64_t>(int64_t(1) << 30, b * (128 + n_decode + 16) *
+                                                     comb::BlockPool::block_bytes(model.config(), 1,
+                                                                                  model.decoder().dtype()));
       comb::ServeEngine engine(model, o);
       std::vector<std::promise<void>> done(static_cast<size_t>(b));
       for (int64_t i = 0; i < b; ++i) {

@@ -43,7 +43,7 @@ void check_numbers(const Args& args) {
                         "prefix-block", "save-every", "steps", "teacher-tokens", "teacher-top-k", "tokenize", "top-k",
                         "warm", "warmup"})
     probe.num<int64_t>(o, 0);
-  for (const char* o : {"consecutive-documents", "cpu-kernels", "documents-after-prefix", "encoder-prefix", "profile", "reading-check",
+  for (const char* o : {"consecutive-documents", "cpu-kernels", "documents-after-prefix", "encoder-prefix", "mixed-step", "profile", "reading-check",
                         "relative-positions", "repeat", "resume", "threads"})
     probe.num<int>(o, 0);
   probe.num<int>("log-requests", 0);

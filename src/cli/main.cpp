@@ -266,6 +266,8 @@ serve options (with the model options above; docs/serving.md):
                          before the next piece of work under way (which waits at most --piece-ms / R),
                          so a long prompt slows their tokens by about 1 + R (default 0.3; 0: a piece
                          between every two decoding steps)
+  --mixed-step 0|1       off the CPU's fused kernels (a GPU's server), a prompt's piece goes through
+                         the decoding step's forward beside the decoding rows (default 1)
   --max-documents N      documents per request (default 32)
   --max-request-document-tokens N  tokens of all a request's documents, cached or not; more get
                          413 (default 16384)

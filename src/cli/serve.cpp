@@ -376,7 +376,10 @@ int cmd_serve(Args& args) {
   o.pic = pic_method_options(args, o.pic);
   o.cache_dir = args.str("cache-dir");
   o.cache_disk_bytes = o.pic.cache_bytes;  // --cache-mb bounds every tier, the disk's included
-  o.kv_bytes = args.num<int64_t>("kv-mb", 0) << 20;  // 0: sized by the engine (see ServeOptions)
+  const int64_t kv_mb = args.num<int64_t>("kv-mb", 0);
+  COMB_CHECK(!args.has("kv-mb") || (kv_mb >= 1 && kv_mb <= (int64_t(1) << 30)),
+             "--kv-mb should be 1 to 1073741824 (MiB), found {}", kv_mb);
+  o.kv_bytes = kv_mb << 20;  // 0: sized by the engine (see ServeOptions)
   o.block_tokens = args.num<int64_t>("block-tokens", 16);
   o.max_running = args.num<int64_t>("max-running", 16);
   o.max_queued = args.num<int64_t>("max-queued", 64);
@@ -384,6 +387,7 @@ int cmd_serve(Args& args) {
   o.prefill_chunk = args.num<int64_t>("prefill-chunk", 256);
   o.piece_ms = args.num<double>("piece-ms", o.piece_ms);
   o.prefill_share = args.num<double>("prefill-share", o.prefill_share);
+  o.mixed_step = args.num<int>("mixed-step", 1) != 0;
   serve::Limits limits;
   limits.max_documents = args.num<int64_t>("max-documents", 32);
   limits.max_request_document_tokens = args.num<int64_t>("max-request-document-tokens", limits.max_request_document_tokens);
@@ -393,7 +397,6 @@ int cmd_serve(Args& args) {
   const int port = static_cast<int>(port64);
   COMB_CHECK(o.max_running > 0, "--max-running should be at least 1, found {}", o.max_running);
   COMB_CHECK(o.max_queued >= 0, "--max-queued should be at least 0, found {}", o.max_queued);
-  COMB_CHECK(!args.has("kv-mb") || o.kv_bytes > 0, "--kv-mb should be at least 1, found {}", o.kv_bytes >> 20);
   COMB_CHECK(o.prefill_chunk > 0, "--prefill-chunk should be at least 1, found {}", o.prefill_chunk);
   COMB_CHECK(o.piece_ms >= 0 && o.piece_ms <= 1e6, "--piece-ms should be 0 to 1000000, found {}", o.piece_ms);
   COMB_CHECK(o.prefill_share >= 0 && o.prefill_share <= 1e6, "--prefill-share should be 0 to 1000000, found {}",

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <cstdlib>
 #include <cstring>
@@ -478,6 +479,37 @@ at::Tensor rows_attention_op(const at::Tensor& q, const at::Tensor& k_cache, con
 
 // ---- The one-launch decoding step ---------------------------------------------------------------
 
+// A CUDA graph of `body` as the decoding steps capture one: one plain run on a side stream first
+// (cuBLAS sets up its workspace for a stream on first use, which a capture may not do; the plain
+// run writes what the replay after it writes), then the capture there, in `pool` if given. A body
+// that throws ends the capture (the stream usable again) and rethrows. The caller's stream is
+// synchronized first, and the side stream after.
+std::unique_ptr<at::cuda::CUDAGraph> capture_on_side(c10::Device device, const std::function<void()>& body,
+                                                     std::optional<c10::MempoolId_t> pool = std::nullopt) {
+  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device.index());
+  c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device.index());
+  side.synchronize();
+  caller.synchronize();
+  c10::cuda::CUDAStreamGuard on_side(side);
+  body();
+  side.synchronize();
+  auto graph = std::make_unique<at::cuda::CUDAGraph>();
+  if (pool) graph->capture_begin(*pool);
+  else graph->capture_begin();
+  try {
+    body();
+  } catch (...) {
+    try {
+      graph->capture_end();
+    } catch (...) {
+    }
+    throw;
+  }
+  graph->capture_end();
+  side.synchronize();
+  return graph;
+}
+
 class GraphDecodeStep final : public comb::detail::DecodeStep {
  public:
   GraphDecodeStep(const comb::detail::DecodeStepSpec& spec, bool graph) : s_(spec), graph_wanted_(graph) {
@@ -614,25 +646,7 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
     logits_f32_.copy_(logits_);
   }
 
-  // NOTE: captured on a side stream after one plain run there (cuBLAS sets up its workspace for a
-  // stream on first use, which a capture may not do); the caller's stream then waits for it.
-  void capture() {
-    const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device_.index());
-    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device_.index());
-    side.synchronize();
-    caller.synchronize();
-    {
-      c10::cuda::CUDAStreamGuard on_side(side);
-      body();  // writes the same K/V at the same position as the replay after it
-      side.synchronize();
-      auto graph = std::make_unique<at::cuda::CUDAGraph>();
-      graph->capture_begin();
-      body();
-      graph->capture_end();
-      side.synchronize();
-      graph_ = std::move(graph);
-    }
-  }
+  void capture() { graph_ = capture_on_side(device_, [this] { body(); }); }
 
   comb::detail::DecodeStepSpec s_;
   bool graph_wanted_;
@@ -673,32 +687,15 @@ class CudaPagedGraphs final : public comb::detail::PagedGraphs {
     b.positions.copy_(at::from_blob(const_cast<int64_t*>(positions.data()), {bucket}, at::kLong));
     b.table.copy_(at::from_blob(const_cast<int32_t*>(table.data()), {bucket, max_blocks}, at::kInt));
     if (!b.graph) {
-      // As the one-sequence step: one plain run on a side stream (cuBLAS's workspace for it), then
-      // the capture there; the plain run writes the same K/V as the replay after it.
-      const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device_.index());
-      c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device_.index());
-      caller.synchronize();
-      c10::cuda::CUDAStreamGuard on_side(side);
-      body(b.ids, b.positions, b.table);
-      side.synchronize();
-      auto graph = std::make_unique<at::cuda::CUDAGraph>();
       // Every bucket's graph in one memory pool: they replay one after another on one stream, and
       // each output is copied out, so a new bucket mid-serve takes little memory of its own.
       if (!pool_) pool_ = at::cuda::graph_pool_handle();
-      graph->capture_begin(*pool_);
       try {
-        b.out = body(b.ids, b.positions, b.table);
-      } catch (...) {  // the capture ended, the stream usable again, the bucket left to capture anew
-        try {
-          graph->capture_end();
-        } catch (...) {
-        }
+        b.graph = capture_on_side(device_, [&] { b.out = body(b.ids, b.positions, b.table); }, pool_);
+      } catch (...) {  // the bucket left to capture anew
         buckets_.erase({bucket, max_blocks});
         throw;
       }
-      graph->capture_end();
-      side.synchronize();
-      b.graph = std::move(graph);
     }
     b.graph->replay();
     return b.out.clone();

@@ -744,32 +744,41 @@ COMB_INLINE bool Decoder::cuda_graph_applies(const KVCache& cache) const {
 
 COMB_INLINE at::Tensor Decoder::layer_cuda(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
   RECORD_FUNCTION("comb::layer_cuda", std::vector<c10::IValue>());
-  const auto& c = config_;
   const auto& w = weights_.layers[i];
+  return detail::decoder::layer_body(x, w, detail::decoder::cuda_math(w, config_, *detail::cuda_layer_ops()),
+                                     [&](const at::Tensor& qkv) { return attend_cuda(i, qkv, cache, joint); });
+}
+
+COMB_INLINE at::Tensor Decoder::attend_cuda(int64_t i, const at::Tensor& qkv, KVCache& cache, const JointKV* joint) const {
+  const auto& c = config_;
   const detail::CudaLayerOps& ops = *detail::cuda_layer_ops();
-  const int64_t n = x.size(1), start = cache.length();
+  const int64_t n = qkv.size(1), start = cache.length();
   COMB_CHECK(start + n <= cache.capacity(), "KV cache full: {} positions held, {} more asked, capacity {}", start, n,
              cache.capacity());
-  return detail::decoder::layer_body(x, w, detail::decoder::cuda_math(w, c, ops), [&](const at::Tensor& qkv) {
-    at::Tensor q = ops.rope_append(qkv.contiguous().view({n, -1}), rope_cos_, rope_sin_, cache.keys(i), cache.values(i),
-                                   start, c.n_head);  // [n, n_head, head_dim]
-    at::Tensor out;
-    if (joint || n <= detail::decoder::kCudaRowsMax) {
-      at::Tensor jk, jv, bias;
-      int64_t anchor = 0;
-      if (joint && joint->keys.size(2) > 0) {
-        jk = joint->keys.to(dtype_).contiguous().view({c.n_head_kv, -1, c.head_dim});
-        jv = joint->values.to(dtype_).contiguous().view({c.n_head_kv, -1, c.head_dim});
-        if (joint->bias.defined()) bias = joint->bias.to(device_, at::kFloat).contiguous();
-        anchor = joint->anchor;
-      }
-      out = ops.rows_attention(q, cache.keys(i), cache.values(i), start, jk, jv, bias, anchor);
-    } else {  // a long prompt: FlashAttention through SDPA over the cache
-      at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
-      out = detail::decoder::attend_after_cache(q.transpose(0, 1).unsqueeze(0), keys, values, start)[0].transpose(0, 1);
+  at::Tensor q = ops.rope_append(qkv.contiguous().view({n, -1}), rope_cos_, rope_sin_, cache.keys(i), cache.values(i),
+                                 start, c.n_head);  // [n, n_head, head_dim]
+  at::Tensor out;
+  if (joint || n <= detail::decoder::kCudaRowsMax) {
+    at::Tensor jk, jv, bias;
+    int64_t anchor = 0;
+    if (joint && joint->keys.size(2) > 0) {
+      jk = joint->keys.to(dtype_).contiguous().view({c.n_head_kv, -1, c.head_dim});
+      jv = joint->values.to(dtype_).contiguous().view({c.n_head_kv, -1, c.head_dim});
+      if (joint->bias.defined()) bias = joint->bias.to(device_, at::kFloat).contiguous();
+      anchor = joint->anchor;
     }
-    return out.reshape({1, n, c.q_dim()});
-  });
+    out = ops.rows_attention(q, cache.keys(i), cache.values(i), start, jk, jv, bias, anchor);
+  } else {  // a long prompt: FlashAttention through SDPA over the cache
+    at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
+    out = detail::decoder::attend_after_cache(q.transpose(0, 1).unsqueeze(0), keys, values, start)[0].transpose(0, 1);
+  }
+  return out.reshape({1, n, c.q_dim()});
+}
+
+COMB_INLINE at::Tensor Decoder::attend_piece(int64_t i, const at::Tensor& qkv, KVCache& cache, const JointKV* joint) const {
+  if ((!joint || (!joint->valid.defined() && joint->keys.size(0) == 1)) && cuda_kernels_apply(cache))
+    return attend_cuda(i, qkv, cache, joint);
+  return attention(i, qkv, cache, joint);
 }
 
 COMB_INLINE Decoder::PackedRows Decoder::packed_rows(const std::vector<int64_t>& lengths, int64_t pre) const {
@@ -898,8 +907,8 @@ COMB_INLINE at::Tensor Decoder::hidden(const at::Tensor& tokens, const LayerRead
 
 // ---- The paged, batched decoding step -------------------------------------------------------------
 
-COMB_INLINE at::Tensor Decoder::step_paged(BlockPool& pool, const std::vector<PagedRow>& rows,
-                                           const ParallelFor& run) const {
+COMB_INLINE at::Tensor Decoder::step_paged(BlockPool& pool, const std::vector<PagedRow>& rows, const ParallelFor& run,
+                                           PagedPiece* piece) const {
   namespace cpu = detail::cpu;
   const auto& c = config_;
   COMB_CHECK(!rows.empty(), "step_paged: no row");
@@ -916,7 +925,20 @@ COMB_INLINE at::Tensor Decoder::step_paged(BlockPool& pool, const std::vector<Pa
                    r.position / bt < static_cast<int64_t>(r.blocks->size()),
                "step_paged: position {} past the row's {} blocks of {} tokens (or the context of {})", r.position,
                r.blocks ? r.blocks->size() : 0, bt, c.n_ctx);
-  if (!cpu_kernels()) return step_paged_generic(pool, rows);
+  if (piece) {
+    COMB_CHECK(paged_piece_applies(), "step_paged: a prompt's piece beside the rows needs the generic path, not the "
+                                      "fused CPU kernels (Decoder::paged_piece_applies)");
+    COMB_CHECK(piece->cache && piece->tokens.defined() && piece->tokens.dim() == 2 && piece->tokens.size(0) == 1 &&
+                   piece->tokens.size(1) > 0,
+               "step_paged: a piece should be tokens [1, n>0] with a cache, found {}",
+               piece->tokens.defined() ? fmt::format("[{}]", fmt::join(piece->tokens.sizes(), ", ")) : "no tokens");
+    const KVCache& pc = *piece->cache;
+    const int64_t from = pc.length(), n = piece->tokens.size(1);
+    COMB_CHECK(pc.batch() == 1 && from + n <= pc.capacity() && from + n <= c.n_ctx,
+               "step_paged: a piece of {} tokens after {} in a cache of batch {} holding {} (context {})", n, from,
+               pc.batch(), pc.capacity(), c.n_ctx);
+  }
+  if (!cpu_kernels()) return step_paged_generic(pool, rows, piece);
   ParallelFor each = run ? run : ParallelFor([](int64_t n, const std::function<void(int64_t)>& fn) {
     at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) fn(j);
@@ -1030,7 +1052,8 @@ COMB_INLINE at::Tensor Decoder::step_paged(BlockPool& pool, const std::vector<Pa
   return out;
 }
 
-COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::vector<PagedRow>& rows) const {
+COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::vector<PagedRow>& rows,
+                                                   PagedPiece* piece) const {
   RECORD_FUNCTION("comb::step_paged", std::vector<c10::IValue>());
   const auto& c = config_;
   const int64_t B = static_cast<int64_t>(rows.size()), bt = pool.block_tokens(), hd = c.head_dim;
@@ -1039,7 +1062,8 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
   for (const auto& r : rows) longest = std::max(longest, r.position + 1);
   // Per row: its position, the block and offset its new K/V go to, and its block table, padded
   // with its own first block to the longest row's (positions past its own are never read).
-  std::vector<int64_t> pos(B), dest_block(B), dest_offset(B), table(B * n_blocks_max), ids(B);
+  std::vector<int64_t> pos(B), dest_block(B), dest_offset(B), ids(B);
+  std::vector<int32_t> table(B * n_blocks_max);
   for (int64_t b = 0; b < B; ++b) {
     const auto& r = rows[b];
     pos[b] = r.position;
@@ -1055,7 +1079,7 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
                         !weights_.quantized() && ops != nullptr && cuda_kernels_;
   const bool paged_kernels = cuda_ops && ops->paged_attention != nullptr && B <= 65535 &&
                              (hd == 32 || hd == 64 || hd == 128 || hd == 256);
-  const bool all_plain =
+  const bool all_plain = !piece &&
       std::none_of(rows.begin(), rows.end(), [](const PagedRow& r) { return r.reads != nullptr; });
   // One graph per bucket of rows (1, 2, 4, 8, then multiples of 8) and width of tables (a power of
   // two of blocks, at least 16); the rows past B repeat the last row (the same K/V written to the
@@ -1089,11 +1113,11 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
     return out.narrow(0, 0, B);
   }
   auto on_device = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device_); };
-  const at::Tensor pos_t = on_device(pos), table_t = on_device(table);
-  at::Tensor table32, block_t, offset_t, cos, sin, visible;
-  if (paged_kernels) {
-    table32 = table_t.to(at::kInt).view({B, n_blocks_max});
-  } else {
+  // The block tables, int32 as the kernels take them (index_select takes them too).
+  const at::Tensor pos_t = on_device(pos), table_t = at::tensor(table, at::kInt).to(device_);
+  const at::Tensor table32 = table_t.view({B, n_blocks_max});
+  at::Tensor block_t, offset_t, cos, sin, visible;
+  if (!paged_kernels) {
     block_t = on_device(dest_block), offset_t = on_device(dest_offset);
     // RoPE angles of each row's position: [B, 1, 1, head_dim], broadcast over heads.
     cos = rope_cos_.index_select(0, pos_t).view({B, 1, 1, hd});
@@ -1107,6 +1131,10 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
   if (paged_kernels && all_plain) return paged_kernels_step(pool, on_device(ids), pos_t, table32, longest);
   std::vector<int64_t> plain;  // rows without joined keys at a layer: attended together
   at::Tensor x = embed(at::tensor(ids, at::kLong).view({B, 1})).to(dtype_);  // [B, 1, n_embd]
+  // A prompt's piece: its n rows after the B decoding rows, [B + n, 1, n_embd], through every
+  // matrix together; its attention is forward()'s over its own cache.
+  const int64_t n_piece = piece ? piece->tokens.size(1) : 0, piece_start = piece ? piece->cache->length() : 0;
+  if (piece) x = at::cat({x, embed(piece->tokens.to(device_)).to(dtype_).view({n_piece, 1, c.n_embd})});
   for (int64_t i = 0; i < c.n_layer; ++i) {
     const auto& w = weights_.layers[i];
     for (int64_t b = 0; b < B; ++b)  // a residual cross block before the layer, row by row
@@ -1115,9 +1143,20 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
         at::Tensor read = rows[b].reads->before(i, row, rows[b].position);
         if (!read.is_same(row)) x.narrow(0, b, 1).copy_(read);
       }
+    if (piece && piece->reads) {  // the piece's, as forward() reads it: [1, n, n_embd] at its first position
+      at::Tensor rows_of_piece = x.narrow(0, B, n_piece).view({1, n_piece, c.n_embd});
+      at::Tensor read = piece->reads->before(i, rows_of_piece, piece_start);
+      if (!read.is_same(rows_of_piece)) x.narrow(0, B, n_piece).copy_(read.view({n_piece, 1, c.n_embd}));
+    }
     const auto math = cuda_ops ? detail::decoder::cuda_math(w, c, *ops) : detail::decoder::generic_math(w, c);
     at::Tensor pool_k = pool.keys(i), pool_v = pool.values(i);  // handles on the pool's memory
-    x = detail::decoder::layer_body(x, w, math, [&](const at::Tensor& qkv) {
+    x = detail::decoder::layer_body(x, w, math, [&](const at::Tensor& qkv_all) {
+      const at::Tensor qkv = piece ? qkv_all.narrow(0, 0, B) : qkv_all;
+      at::Tensor piece_out;
+      if (piece)
+        piece_out = attend_piece(i, qkv_all.narrow(0, B, n_piece).reshape({1, n_piece, -1}), *piece->cache,
+                                 piece->reads ? piece->reads->joint(i) : nullptr)
+                        .reshape({n_piece, 1, c.q_dim()});
       // q: [B, n_head, head_dim] from the kernel, else [B, n_head, 1, head_dim].
       at::Tensor q;
       if (paged_kernels) {
@@ -1191,10 +1230,16 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
         if (all) out = attn;
         else out.index_copy_(0, idx, attn);
       }
-      return (paged_kernels ? out : out.transpose(1, 2)).reshape({B, 1, c.q_dim()});
+      at::Tensor rows_out = (paged_kernels ? out : out.transpose(1, 2)).reshape({B, 1, c.q_dim()});
+      return piece ? at::cat({rows_out, piece_out.to(rows_out.scalar_type())}) : rows_out;
     });
   }
-  return logits(x, LogitsMode::last).view({B, -1});
+  if (!piece) return logits(x, LogitsMode::last).view({B, -1});
+  piece->cache->advance(n_piece);
+  // The rows' logits and the piece's last token's, through the head together.
+  at::Tensor all = logits(at::cat({x.narrow(0, 0, B), x.narrow(0, B + n_piece - 1, 1)}), LogitsMode::last).view({B + 1, -1});
+  piece->logits = all[B];
+  return all.narrow(0, 0, B);
 }
 
 COMB_INLINE at::Tensor Decoder::paged_kernels_step(BlockPool& pool, const at::Tensor& ids, const at::Tensor& positions,

@@ -401,12 +401,26 @@ COMB_INLINE PicPrefill PicEngine::prefill(const PicRequest& r, int64_t max_new_t
 }
 
 COMB_INLINE bool PicEngine::advance(PicPrefill& out, int64_t max_tokens) {
+  return advance(out, max_tokens, nullptr);
+}
+
+COMB_INLINE bool PicEngine::advance(PicPrefill& out, int64_t max_tokens, const PieceForward& forward) {
   if (out.done()) return true;
   COMB_CHECK(max_tokens > 0 || out.pending() == 0, "advance() by {} tokens", max_tokens);
   c10::InferenceMode guard;
   const int64_t from = out.cache.length(), to = std::min(out.n_prompt, from + std::max<int64_t>(max_tokens, 1));
-  at::Tensor logits = model_.forward(token_ids(out.tokens, from, to), out.cache,
-                                     out.documents.empty() ? nullptr : &out.documents);
+  const at::Tensor tokens = token_ids(out.tokens, from, to);
+  at::Tensor logits;
+  if (!forward) {
+    logits = model_.forward(tokens, out.cache, out.documents.empty() ? nullptr : &out.documents);
+  } else {
+    const std::unique_ptr<DocumentReads> reads =
+        out.documents.empty() ? nullptr : model_.document_reads(out.documents, 1);
+    logits = forward(tokens, out.cache, reads.get());
+    COMB_CHECK(out.cache.length() == to && logits.dim() == 3 && logits.size(0) == 1,
+               "a piece's forward should advance the prompt's cache to {} and return logits [1, n, n_vocab]; found "
+               "the cache at {} and logits [{}]", to, out.cache.length(), fmt::join(logits.sizes(), ", "));
+  }
   out.computed += to - from;
   if (to < out.n_prompt) return false;
   out.logits = logits[0][-1];

@@ -415,14 +415,32 @@ COMB_INLINE void ServeEngine::loop() {
           break;
         }
     }
+    // Where a prompt ended or took its turn: running once complete, else behind the others.
+    auto settle = [&](Sequence* s) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = std::find_if(prefilling_.begin(), prefilling_.end(), [&](const auto& p) { return p.get() == s; });
+      if (it == prefilling_.end()) return;
+      if (s->done || s->next >= 0) {
+        if (!s->done) running_.push_back(std::move(*it));
+        prefilling_.erase(it);
+      } else {  // its next piece waits for one of each other prompt's: a long one holds none of them
+        std::rotate(it, it + 1, prefilling_.end());
+      }
+    };
+    Sequence* rider = nullptr;  // a prompt whose piece goes through this turn's decoding step
     if (first) {
       const auto t0 = Sequence::clock::now();
       try {
         // Steps that compute no piece of tokens (a document found in the store; the method's
         // start(), which for EPIC and CacheBlend is their whole recomputation, not split) go on in
-        // the same turn, up to a piece that computes tokens or the end of the prompt.
+        // the same turn, up to a piece that computes tokens (or rides on the decoding step) or the
+        // end of the prompt.
         for (int64_t tokens = 0; tokens == 0 && !first->done && first->next < 0 &&
                                  detail::serving::seconds_since(t0) * 1e3 <= std::max(1.0, options_.piece_ms);) {
+          if (mixes(*first)) {
+            rider = first;
+            break;
+          }
           const auto t1 = Sequence::clock::now();
           tokens = prefill_step(*first);
           wait_for_device();  // a piece's time is the device's
@@ -433,19 +451,8 @@ COMB_INLINE void ServeEngine::loop() {
         finish(*first, "error", e.what());
       }
       const double ms = detail::serving::seconds_since(t0) * 1e3;
-      if (under_way) last_continued_ = Sequence::clock::now();
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        auto it = std::find_if(prefilling_.begin(), prefilling_.end(), [&](const auto& p) { return p.get() == first; });
-        if (it != prefilling_.end()) {
-          if (first->done || first->next >= 0) {
-            if (!first->done) running_.push_back(std::move(*it));
-            prefilling_.erase(it);
-          } else {  // its next piece waits for one of each other prompt's: a long one holds none of them
-            std::rotate(it, it + 1, prefilling_.end());
-          }
-        }
-      }
+      if (under_way && !rider) last_continued_ = Sequence::clock::now();
+      if (!rider) settle(first);
       owe_decoding(ms);  // the time the requests decoding waited
       std::lock_guard<std::mutex> lock(mutex_);
       stats_.prefix_bytes = prefix_->bytes();
@@ -456,12 +463,19 @@ COMB_INLINE void ServeEngine::loop() {
       std::lock_guard<std::mutex> lock(mutex_);
       any = !running_.empty();
     }
+    if (!any && rider) settle(rider);  // no step to ride on after all: its piece waits for its turn
     if (any) {
       try {
         const auto t0 = Sequence::clock::now();
-        decode_step();
-        owed_ms_ = std::max(0.0, owed_ms_ - detail::serving::seconds_since(t0) * 1e3);
+        const double piece_ms = decode_step(rider);
+        owed_ms_ = std::max(0.0, owed_ms_ - (detail::serving::seconds_since(t0) * 1e3 - piece_ms));
+        if (rider) {
+          owe_decoding(piece_ms);
+          if (under_way) last_continued_ = Sequence::clock::now();
+          settle(rider);
+        }
       } catch (const std::exception& e) {
+        if (rider) settle(rider);
         std::vector<Sequence*> rows;
         {
           std::lock_guard<std::mutex> lock(mutex_);
@@ -546,6 +560,18 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
     computed = s.prefill->cache.length() - before;
     if (!complete) return computed;
   }
+  prefill_done(s);
+  return computed;
+}
+
+COMB_INLINE bool ServeEngine::mixes(const Sequence& s) const {
+  if (!options_.mixed_step || !model_.decoder().paged_piece_applies() || !s.prefill || s.prefill->done() || s.done)
+    return false;
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !running_.empty();
+}
+
+COMB_INLINE void ServeEngine::prefill_done(Sequence& s) {
   PicPrefill& f = *s.prefill;
   pool_->load(f.cache, f.n_prompt, s.blocks);
   s.length = f.n_prompt;
@@ -567,7 +593,6 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
     stats_.computed_tokens += s.result.computed_tokens;
   }
   emit(s, logits);
-  return computed;
 }
 
 // Samples the next token from `logits` and hands out what it completes; false (and the request
@@ -679,16 +704,40 @@ COMB_INLINE void ServeEngine::unpin_all(Sequence& s) {
   s.pinned.clear();
 }
 
-COMB_INLINE void ServeEngine::decode_step() {
+COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
   std::vector<Sequence*> rows;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& s : running_)
       if (!s->done) rows.push_back(s.get());
   }
-  if (rows.empty()) return;
+  if (rows.empty()) return 0;
   const auto t0 = Sequence::clock::now();
-  at::Tensor logits = batched_forward(rows).to(at::kCPU);  // [rows, n_vocab]; from a GPU in one copy
+  at::Tensor logits;  // [rows, n_vocab]; from a GPU in one copy
+  int64_t computed = 0;
+  bool mixed = false, complete = false;
+  if (rider) {
+    Sequence& s = *rider;
+    const int64_t before = s.prefill->cache.length();
+    s.piece_asked = piece_tokens(s.rate);
+    try {
+      complete = engine(s.method).advance(
+          *s.prefill, s.piece_asked, [&](const at::Tensor& tokens, KVCache& cache, const LayerReads* reads) {
+            Decoder::PagedPiece piece{tokens, &cache, reads, {}};
+            logits = batched_forward(rows, &piece).to(at::kCPU);
+            return piece.logits.view({1, 1, -1});
+          });
+      computed = s.prefill->cache.length() - before;
+      mixed = true;
+    } catch (const std::exception& e) {
+      // The piece's request alone fails; the rows' step runs again without it (a row's K/V written
+      // again in place are the same).
+      finish(s, "error", e.what());
+      logits = at::Tensor();
+    }
+  }
+  if (!logits.defined()) logits = batched_forward(rows).to(at::kCPU);
+  double piece_ms = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const double dt = detail::serving::seconds_since(t0);
@@ -696,25 +745,46 @@ COMB_INLINE void ServeEngine::decode_step() {
     stats_.decode_seconds += dt;
     stats_.batch_size.add(static_cast<double>(rows.size()));
     auto& by = stats_.steps_by_batch[static_cast<int64_t>(rows.size())];
-    ++by.first;
-    by.second += dt;
+    if (mixed) {
+      ++stats_.mixed_steps;
+      stats_.mixed_tokens += static_cast<uint64_t>(computed);
+      // The piece's share: the step's time beyond a plain step of as many rows, at least 5% of it
+      // (all of it before a plain step is known).
+      const double plain = by.first > 0 ? by.second / static_cast<double>(by.first) : 0.0;
+      piece_ms = (plain > 0 ? std::max(dt - plain, 0.05 * dt) : dt) * 1e3;
+    } else {
+      ++by.first;
+      by.second += dt;
+    }
   }
   for (size_t b = 0; b < rows.size(); ++b) {
     Sequence& s = *rows[b];
     ++s.length;
     emit(s, logits[static_cast<int64_t>(b)]);
   }
+  if (mixed) {
+    Sequence& s = *rider;
+    if (computed > 0) s.started = true;
+    s.rate.record(s.piece_asked, computed, piece_ms);
+    if (complete) {
+      try {
+        prefill_done(s);
+      } catch (const std::exception& e) {
+        finish(s, "error", e.what());
+      }
+    }
+  }
+  return piece_ms;
 }
 
 // One decoding step of every row: token s.next at position s.length, K/V written into its blocks,
 // computed by the decoder (Decoder::step_paged) with its documents' reads.
-COMB_INLINE at::Tensor ServeEngine::batched_forward(const std::vector<Sequence*>& rows) {
+COMB_INLINE at::Tensor ServeEngine::batched_forward(const std::vector<Sequence*>& rows, Decoder::PagedPiece* piece) {
   std::vector<Decoder::PagedRow> paged;
   paged.reserve(rows.size());
   for (const Sequence* s : rows) paged.push_back({s->next, s->length, &s->blocks, s->reads.get()});
-  return model_.decoder().step_paged(*pool_, paged, [this](int64_t n, const std::function<void(int64_t)>& fn) {
-    workers_->run(n, fn);
-  });
+  return model_.decoder().step_paged(
+      *pool_, paged, [this](int64_t n, const std::function<void(int64_t)>& fn) { workers_->run(n, fn); }, piece);
 }
 
 }  // namespace comb
