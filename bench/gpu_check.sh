@@ -15,12 +15,14 @@
 #    one by one and then replayed as CUDA graphs (COMB_CUDA_PAGED_GRAPHS=0, 1);
 # 7. comb serve on the 8b shape (bf16) under comb loadgen: DATA's first 20 items as the document
 #    pool, 16 tokens out, prefix caching then COMB at a few Poisson rates (COMB_GPU_SERVE_S seconds
-#    each, default 15).
-# COMB_GPU_CHECK_STEPS (default "1 2 3 4 5 6 7") picks the steps; 3 makes the models the later
+#    each, default 15), the decoding steps taking prompts' pieces (the mixed step);
+# 8. step 7's server with --mixed-step 0 at its higher rates.
+# COMB_GPU_CHECK_STEPS (default "1 2 3 4 5 6 7 8") picks the steps; 3 makes the models the later
 # steps use. Each step's output goes to OUT_DIR (tests.txt, greedy-cuda-float32.txt, gpu.txt,
 # gpu.err.txt, pic-profile-1b.txt, varlen-1b.txt, batch-decode-8b-graphs{0,1}.txt, serve-8b.txt,
-# serve-8b.log); a summary to stdout. COMB_BIN and COMB_TESTS name the binaries (default
-# build/comb, build/tests/comb_tests); python3 with torch and transformers is needed.
+# serve-8b.log, serve-8b-unmixed.txt, serve-8b-unmixed.log); a summary to stdout. COMB_BIN and
+# COMB_TESTS name the binaries (default build/comb, build/tests/comb_tests); python3 with torch and
+# transformers is needed.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 tok=${1:?usage: bench/gpu_check.sh TOKENIZER_DIR GREEDY_DIR DATA OUT_DIR [WORK_DIR]}
@@ -34,7 +36,7 @@ mkdir -p "$out" "$work"
 start=$(date +%s)
 step() { printf '[gpu_check +%ds] %s\n' "$(($(date +%s) - start))" "$*"; }
 export PYTHONUNBUFFERED=1
-steps=" ${COMB_GPU_CHECK_STEPS:-1 2 3 4 5 6 7} "
+steps=" ${COMB_GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 
 if want 1; then
@@ -93,29 +95,42 @@ if want 6; then
   done
 fi
 
-if want 7; then
-  step "7. comb serve on the 8b shape (bf16) under comb loadgen"
-  serve_s=${COMB_GPU_SERVE_S:-15}
+# comb serve on the 8b shape under comb loadgen: serve_8b NAME "SERVE OPTIONS" PREFIX_RATES COMB_RATES
+serve_8b() {
+  local name=$1 options=$2 prefix_rates=$3 comb_rates=$4 serve_s=${COMB_GPU_SERVE_S:-15}
   rm -f "$work/serve.port"
+  # shellcheck disable=SC2086
   "$comb" serve --model "$work/8b" --plugin "$work/8b.plugin.safetensors" --device cuda --dtype bfloat16 --port 0 \
     --port-file "$work/serve.port" --max-running 64 --max-queued 1024 --kv-mb 16384 --cache-mb 8192 \
-    --log-requests 0 2> "$out/serve-8b.log" &
-  server=$!
+    --log-requests 0 $options 2> "$out/$name.log" &
+  local server=$!
   for _ in $(seq 1 600); do [ -f "$work/serve.port" ] && break; sleep 0.2; done
   if [ -f "$work/serve.port" ]; then
+    local port
     port=$(cat "$work/serve.port")
-    head -n 2 "$out/serve-8b.log"
+    head -n 2 "$out/$name.log"
     {
-      timeout 100 "$comb" loadgen --port "$port" --data "$data" --items 20 --methods prefix --rates 2,8 \
+      timeout 100 "$comb" loadgen --port "$port" --data "$data" --items 20 --methods prefix --rates "$prefix_rates" \
         --duration "$serve_s" --max-tokens 16
-      timeout 100 "$comb" loadgen --port "$port" --data "$data" --items 20 --methods comb --rates 2,8,32 \
+      timeout 100 "$comb" loadgen --port "$port" --data "$data" --items 20 --methods comb --rates "$comb_rates" \
         --duration "$serve_s" --max-tokens 16 | tail -n +2
-    } 2>&1 | tee "$out/serve-8b.txt"
+      curl -s "http://127.0.0.1:$port/metrics" | grep -E '^comb_(mixed|decode)_' || true
+    } 2>&1 | tee "$out/$name.txt"
   else
     echo "the server did not start:"
-    tail -5 "$out/serve-8b.log"
+    tail -5 "$out/$name.log"
   fi
   kill -TERM "$server" 2>/dev/null
   wait "$server" 2>/dev/null
+}
+
+if want 7; then
+  step "7. comb serve on the 8b shape (bf16) under comb loadgen"
+  serve_8b serve-8b "" 2,8 2,8,32
+fi
+
+if want 8; then
+  step "8. the same without the mixed step (prompts' pieces between the decoding steps)"
+  serve_8b serve-8b-unmixed "--mixed-step 0" 8 8,32
 fi
 step "done"

@@ -930,3 +930,60 @@ TEST_CASE("the paged step's CUDA graphs match its kernels launched one by one", 
     check_clear_top(got, ref, 2 * (err_graph + err_eager));
   }
 }
+
+// The mixed step on a GPU: a prompt's piece (80 tokens: past the rows kernel's 64, so its
+// attention is SDPA's over its cache) and a second (20 tokens, the rows kernel) beside three
+// decoding rows, in bfloat16 through comb's kernels, against the piece's forward alone and the
+// rows' step alone in the same dtype, both against float32.
+TEST_CASE("the mixed step on CUDA: a prompt's piece beside the decoding rows as its forward alone", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  const std::string path = env_or("COMB_CUDA_MODEL", model_path());
+  Model f32 = Model::load(path, Options{"cuda"});
+  Model bf16 = Model::load(path, Options{"cuda", "bfloat16"});
+  const auto& c = bf16.config();
+  auto gen = at::detail::createCPUGenerator(31);
+  const std::vector<int64_t> lengths = {23, 40, 7};
+  std::vector<at::Tensor> prompts;
+  for (int64_t n : lengths) prompts.push_back(at::randint(c.n_vocab, {1, n}, gen));
+  const at::Tensor fed = at::randint(c.n_vocab, {3}, gen), piece_ids = at::randint(c.n_vocab, {1, 130}, gen);
+  for (int64_t n_piece : {int64_t(80), int64_t(20)}) {
+    // Each decoder's pool and the piece's cache (its first 30 tokens computed before); then one
+    // step with the piece beside the rows, or the rows' step and the piece's forward apart.
+    auto run = [&](const Decoder& d, bool mixed) {
+      BlockPool pool(c, 16, 16, d.dtype(), d.device());
+      std::vector<std::vector<int32_t>> blocks = {{3, 1}, {0, 7, 9}, {4}};
+      std::vector<Decoder::PagedRow> rows;
+      for (size_t r = 0; r < lengths.size(); ++r) {
+        KVCache cache = d.make_cache(1, lengths[r]);
+        d.forward(prompts[r], cache);
+        pool.load(cache, lengths[r], blocks[r]);
+        rows.push_back({fed[r].item<int64_t>(), lengths[r], &blocks[r], nullptr});
+      }
+      KVCache prompt_cache = d.make_cache(1, 130);
+      d.forward(piece_ids.narrow(1, 0, 30), prompt_cache);
+      const at::Tensor piece_tokens = piece_ids.narrow(1, 30, n_piece);
+      at::Tensor rows_logits, piece_logits;
+      if (mixed) {
+        Decoder::PagedPiece piece{piece_tokens, &prompt_cache, nullptr, {}};
+        rows_logits = d.step_paged(pool, rows, nullptr, &piece);
+        piece_logits = piece.logits;
+      } else {
+        rows_logits = d.step_paged(pool, rows);
+        piece_logits = d.forward(piece_tokens.to(d.device()), prompt_cache)[0][0];
+      }
+      CHECK(prompt_cache.length() == 30 + n_piece);
+      return at::cat({rows_logits, piece_logits.view({1, -1})}).cpu();  // [4, n_vocab]
+    };
+    at::Tensor want = run(f32.decoder(), false), got = run(bf16.decoder(), true), ref = run(bf16.decoder(), false);
+    const auto [err_mixed, rms_mixed, err_apart, rms_apart] = spread(got, ref, want);
+    INFO(n_piece << "-token piece; |logit - float32|, max and root mean square: mixed " << err_mixed << ", "
+                 << rms_mixed << "; apart " << err_apart << ", " << rms_apart);
+    // The same kernels; the GEMMs take 3 + n rows instead of 3 and n, so their float32 sums may
+    // run in another order: as close to float32 as apart (4 rows of logits spread as in the cases
+    // above).
+    CHECK(rms_mixed <= 1.5 * rms_apart);
+    CHECK(err_mixed <= 2 * err_apart);
+    check_clear_top(got, ref, 2 * (err_mixed + err_apart));
+  }
+}
