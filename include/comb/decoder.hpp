@@ -25,6 +25,13 @@ struct DecodeStepSpec;  // detail/decode_step.hpp
 // Which positions get logits.
 enum class LogitsMode { last, all };
 
+class LayerReads;
+// A piece of one sequence's forward done by a caller that computes it with other work (a server's
+// decoding step, Decoder::step_paged's PagedPiece): runs tokens [1, n] over `cache` (appending their
+// K/V and advancing it) with `reads` (documents, or null) and returns float32 logits [1, 1,
+// n_vocab] after the last of them, as Decoder::forward(tokens, cache, LogitsMode::last, reads) does.
+using PieceForward = std::function<at::Tensor(const at::Tensor& tokens, KVCache& cache, const LayerReads* reads)>;
+
 // RMSNorm over the last dimension, Hugging Face semantics: normalise in fp32, scale in x's dtype.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // Splits a fused projection [batch, n, q_dim + 2 kv_dim] into views q [batch, n_head, n, head_dim]

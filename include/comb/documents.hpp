@@ -108,7 +108,9 @@ class Documents {
   // layers computes the whole document in its first piece.
   enum class Cache { encoder, decoder };
   std::unique_ptr<DocumentWork> begin(const std::vector<int32_t>& tokens, const std::string& tenant, Cache kind) const;
-  bool advance(DocumentWork& work, int64_t max_tokens) const;
+  // `forward` (the decoder's K/V only): the piece's forward done by the caller (decoder.hpp's
+  // PieceForward, a server's decoding step), over the document's cache without reads.
+  bool advance(DocumentWork& work, int64_t max_tokens, const PieceForward& forward = nullptr) const;
 
   // What a paged decoding step (Decoder::step_paged) reads of a request's `linked` documents, built
   // once a request, in float32 on the CPU: the rotated keys the prompt's forward joined (documents
@@ -140,9 +142,9 @@ class Documents {
                  std::vector<bool>* from_cache) const;
   const Plugin& plugin() const;
   // The decoder over `tokens` [from, to) after the positions `cache` holds (made on the first
-  // piece); the document's decoder K/V once `to` is its end, else nothing.
+  // piece; through `forward` if given); the document's decoder K/V once `to` is its end, else nothing.
   std::optional<DocumentKV> decoder_piece(const std::vector<int32_t>& tokens, int64_t from, int64_t to,
-                                          std::optional<KVCache>& cache) const;
+                                          std::optional<KVCache>& cache, const PieceForward& forward = nullptr) const;
   // The dtype a document's entry is read back in: the store's (StoreOptions::dtype) where it sets
   // one, else the plug-in's cache dtype, else Undefined (as computed).
   c10::ScalarType kept_dtype() const;

@@ -132,11 +132,8 @@ class PicEngine {
   // result is prefill()'s, up to the rounding of other matrix shapes.
   PicPrefill start(const PicRequest& request, int64_t max_new_tokens);
   bool advance(PicPrefill& prefill, int64_t max_tokens);
-  // advance() with the piece's forward done by the caller (a server computes it in its decoding
-  // step, Decoder::step_paged's piece): forward(tokens [1, n], cache, reads) runs the tokens over the
-  // prompt's cache (appending their K/V and advancing it) with `reads` (its documents, or null) and
-  // returns float32 logits [1, 1, n_vocab] after the last of them, as Decoder::forward does.
-  using PieceForward = std::function<at::Tensor(const at::Tensor& tokens, KVCache& cache, const LayerReads* reads)>;
+  // advance() with the piece's forward done by the caller (decoder.hpp's PieceForward: a server
+  // computes it in its decoding step) over the prompt's cache and its documents' reads.
   bool advance(PicPrefill& prefill, int64_t max_tokens, const PieceForward& forward);
   // prefill() then decoding; `counts` receives the prefill's token counts if given.
   GenerationResult generate(const PicRequest& request, const GenerateOptions& options, PicCounts* counts = nullptr);
@@ -150,7 +147,9 @@ class PicEngine {
   // method keeps none); each continue_document() computes at most `max_tokens` more of it and is
   // true once the cache is computed and stored.
   std::unique_ptr<DocumentWork> begin_document(const std::vector<int32_t>& document, const std::string& tenant);
-  bool continue_document(DocumentWork& work, int64_t max_tokens);
+  // `forward` (a decoder-K/V piece only, DocumentWork::decoder): the piece's forward done by the
+  // caller, as advance()'s.
+  bool continue_document(DocumentWork& work, int64_t max_tokens, const PieceForward& forward = nullptr);
   // The store's key of that cache.
   CacheKey document_key(const std::vector<int32_t>& document, const std::string& tenant) const;
   Method method() const { return method_; }

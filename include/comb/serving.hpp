@@ -54,10 +54,11 @@ struct ServeOptions {
   // prefill_share); work under way waits at most piece_ms / prefill_share. A new request's first
   // piece goes at once. 0: a piece between every two decoding steps.
   double prefill_share = 0.3;
-  // Off the fused CPU kernels (a GPU's engine), a prompt's piece goes through the decoding step's
-  // forward beside the decoding rows (Decoder::step_paged's piece: one read of the weights for
-  // both) instead of a forward of its own before it; sized and owed time as a piece alone is. The
-  // CPU's fused step computes rows one by one and takes none.
+  // Off the fused CPU kernels (a GPU's engine), a piece of a prompt or of a document's decoder K/V
+  // (naive, EPIC, CacheBlend) goes through the decoding step's forward beside the decoding rows
+  // (Decoder::step_paged's piece: one read of the weights for both) instead of a forward of its
+  // own before it; sized and owed time as a piece alone is. The CPU's fused step computes rows one
+  // by one and takes none; an encoder's pieces (comb) run apart.
   bool mixed_step = true;
 };
 
@@ -118,7 +119,8 @@ struct ServeStats {
   uint64_t prompt_tokens = 0, cached_tokens = 0, computed_tokens = 0, generated_tokens = 0;
   uint64_t decode_steps = 0;
   double decode_seconds = 0;      // inside batched decoding steps
-  uint64_t mixed_steps = 0, mixed_tokens = 0;  // of them, steps with a prompt's piece, and its tokens
+  uint64_t mixed_steps = 0, mixed_tokens = 0;  // of them, steps with a piece of work, and its tokens
+  uint64_t mixed_document_tokens = 0;          // of those, tokens of documents' decoder K/V
   Histogram ttft, inter_token, batch_size;
   std::map<int64_t, std::pair<uint64_t, double>> steps_by_batch;  // rows -> (steps, seconds), without a piece
   StoreStats store;
@@ -165,8 +167,11 @@ class ServeEngine {
   int64_t prefill_step(Sequence& s);
   // s's prompt is complete (s.prefill done): its K/V move into its blocks and its first token is sampled.
   void prefill_done(Sequence& s);
+  // s's document docs_warmed is in the store (computed, or found): pinned, and the next one's turn.
+  void document_done(Sequence& s);
   // Whether s's next piece goes through the next decoding step (ServeOptions::mixed_step): a prompt
-  // under way, requests decoding, the decoder off the fused CPU kernels (scheduler thread).
+  // under way or a document's decoder K/V, requests decoding, the decoder off the fused CPU kernels
+  // (scheduler thread).
   bool mixes(const Sequence& s) const;
   // A piece of work's last whole piece (the tokens it was asked for, all computed) and its time,
   // which sizes the next; a piece cut short (a document's tail) does not.

@@ -61,7 +61,9 @@ std::string Metrics::text(const ServeStats& s, const std::optional<GuardedServer
   counter("comb_decode_steps_total", "Batched decoding steps", s.decode_steps);
   counter("comb_decode_seconds_total", "Time inside batched decoding steps", s.decode_seconds);
   counter("comb_mixed_steps_total", "Decoding steps that computed a prompt's piece too", s.mixed_steps);
-  counter("comb_mixed_tokens_total", "Prompt tokens computed inside decoding steps", s.mixed_tokens);
+  counter("comb_mixed_tokens_total", "Prompt and document tokens computed inside decoding steps", s.mixed_tokens);
+  counter("comb_mixed_document_tokens_total", "Documents' decoder-K/V tokens computed inside decoding steps",
+          s.mixed_document_tokens);
   {
     const auto now = std::chrono::steady_clock::now();
     std::lock_guard<std::mutex> lock(mutex_);

@@ -151,12 +151,19 @@ COMB_INLINE CacheKey Documents::decoder_key(const std::vector<int32_t>& tokens, 
 }
 
 COMB_INLINE std::optional<DocumentKV> Documents::decoder_piece(const std::vector<int32_t>& tokens, int64_t from,
-                                                               int64_t to, std::optional<KVCache>& cache) const {
+                                                               int64_t to, std::optional<KVCache>& cache,
+                                                               const PieceForward& forward) const {
   RECORD_FUNCTION("comb::decoder_piece", std::vector<c10::IValue>());
   const Decoder& dec = model_.decoder();
   const int64_t n = static_cast<int64_t>(tokens.size());
   if (!cache) cache.emplace(dec.make_cache(1, n));
-  dec.forward(token_ids(tokens, from, to), *cache);
+  if (forward) {
+    forward(token_ids(tokens, from, to), *cache, nullptr);
+    COMB_CHECK(cache->length() == to, "a document piece's forward should advance its cache to {}, found {}", to,
+               cache->length());
+  } else {
+    dec.forward(token_ids(tokens, from, to), *cache);
+  }
   if (to < n) return std::nullopt;
   DocumentKV kv;  // positions [0, n) of each layer: a block a layer
   kv.n_tokens = n;
@@ -264,12 +271,13 @@ COMB_INLINE std::unique_ptr<DocumentWork> Documents::begin(const std::vector<int
   return work;
 }
 
-COMB_INLINE bool Documents::advance(DocumentWork& w, int64_t max_tokens) const {
+COMB_INLINE bool Documents::advance(DocumentWork& w, int64_t max_tokens, const PieceForward& forward) const {
   c10::InferenceMode guard;
   const int64_t n = static_cast<int64_t>(w.tokens.size());
   COMB_CHECK(w.done < n, "Documents::advance: the document is complete");
   const int64_t from = w.done, to = std::min(n, from + std::max<int64_t>(max_tokens, 1));
   const Decoder& dec = model_.decoder();
+  COMB_CHECK(!forward || w.decoder, "Documents::advance: only a decoder-K/V piece takes a caller's forward");
   if (!w.decoder) {
     const Plugin& plugin = this->plugin();
     if (!plugin.encoder_is_base()) {  // not resumable: the whole document now
@@ -282,7 +290,7 @@ COMB_INLINE bool Documents::advance(DocumentWork& w, int64_t max_tokens) const {
     if (to < n) return false;
     put(w.key, Plugin::finish_encoding(w.keys, w.values, n));
   } else {
-    std::optional<DocumentKV> kv = decoder_piece(w.tokens, from, to, w.cache);
+    std::optional<DocumentKV> kv = decoder_piece(w.tokens, from, to, w.cache, forward);
     w.done = to;
     if (!kv) return false;
     if (store_) store_->put(w.key, *kv);

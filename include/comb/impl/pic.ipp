@@ -299,8 +299,8 @@ COMB_INLINE std::unique_ptr<DocumentWork> PicEngine::begin_document(const std::v
   return documents_->begin(document, tenant, method_ == Method::comb ? Documents::Cache::encoder : Documents::Cache::decoder);
 }
 
-COMB_INLINE bool PicEngine::continue_document(DocumentWork& w, int64_t max_tokens) {
-  return documents_->advance(w, max_tokens);
+COMB_INLINE bool PicEngine::continue_document(DocumentWork& w, int64_t max_tokens, const PieceForward& forward) {
+  return documents_->advance(w, max_tokens, forward);
 }
 
 // Fills the cache with the prefix and every document reused as is (naive), each document's keys

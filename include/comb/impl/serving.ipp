@@ -531,18 +531,18 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
       // One document's cache, pinned in memory so that start() finds it (and, for comb, every
       // decoding step after it).
       const auto& d = p.documents[s.docs_warmed];
-      if (!s.document_work) s.document_work = e.begin_document(d, tenant);
+      if (!s.document_work) {
+        s.document_work = e.begin_document(d, tenant);
+        if (s.document_work && mixes(s)) return 0;  // its pieces ride on the decoding steps
+      }
       if (s.document_work) {
         const int64_t before = s.document_work->done;
         s.piece_asked = piece_tokens(s.rate);
         const bool complete = e.continue_document(*s.document_work, s.piece_asked);
         computed = s.document_work->done - before;
         if (!complete) return computed;
-        s.document_work.reset();
-        s.warm_computed += static_cast<int64_t>(d.size());
       }
-      ++s.docs_warmed;
-      pin(s, e.document_key(d, tenant));
+      document_done(s);
       return computed;
     }
     s.prefill = std::make_unique<PicPrefill>(e.start(p, 1));
@@ -564,9 +564,20 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
   return computed;
 }
 
+COMB_INLINE void ServeEngine::document_done(Sequence& s) {
+  const PicRequest& p = s.request.prompt;
+  const auto& d = p.documents[s.docs_warmed];
+  if (s.document_work) {
+    s.document_work.reset();
+    s.warm_computed += static_cast<int64_t>(d.size());
+  }
+  ++s.docs_warmed;
+  pin(s, engine(s.method).document_key(d, p.tenant.empty() ? options_.pic.tenant : p.tenant));
+}
+
 COMB_INLINE bool ServeEngine::mixes(const Sequence& s) const {
-  if (!options_.mixed_step || !model_.decoder().paged_piece_applies() || !s.prefill || s.prefill->done() || s.done)
-    return false;
+  const bool piece_under_way = (s.prefill && !s.prefill->done()) || (s.document_work && s.document_work->decoder);
+  if (!options_.mixed_step || !model_.decoder().paged_piece_applies() || !piece_under_way || s.done) return false;
   std::lock_guard<std::mutex> lock(mutex_);
   return !running_.empty();
 }
@@ -718,16 +729,20 @@ COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
   bool mixed = false, complete = false;
   if (rider) {
     Sequence& s = *rider;
-    const int64_t before = s.prefill->cache.length();
+    // A prompt's piece, or a document's (its decoder K/V).
+    auto done = [&] { return s.prefill ? s.prefill->cache.length() : s.document_work->done; };
+    const int64_t before = done();
     s.piece_asked = piece_tokens(s.rate);
+    const PieceForward forward = [&](const at::Tensor& tokens, KVCache& cache, const LayerReads* reads) {
+      Decoder::PagedPiece piece{tokens, &cache, reads, {}};
+      logits = batched_forward(rows, &piece).to(at::kCPU);
+      return piece.logits.view({1, 1, -1});
+    };
     try {
-      complete = engine(s.method).advance(
-          *s.prefill, s.piece_asked, [&](const at::Tensor& tokens, KVCache& cache, const LayerReads* reads) {
-            Decoder::PagedPiece piece{tokens, &cache, reads, {}};
-            logits = batched_forward(rows, &piece).to(at::kCPU);
-            return piece.logits.view({1, 1, -1});
-          });
-      computed = s.prefill->cache.length() - before;
+      PicEngine& e = engine(s.method);
+      complete = s.prefill ? e.advance(*s.prefill, s.piece_asked, forward)
+                           : e.continue_document(*s.document_work, s.piece_asked, forward);
+      computed = done() - before;
       mixed = true;
     } catch (const std::exception& e) {
       // The piece's request alone fails; the rows' step runs again without it (a row's K/V written
@@ -748,6 +763,7 @@ COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
     if (mixed) {
       ++stats_.mixed_steps;
       stats_.mixed_tokens += static_cast<uint64_t>(computed);
+      if (!rider->prefill) stats_.mixed_document_tokens += static_cast<uint64_t>(computed);
       // The piece's share: the step's time beyond a plain step of as many rows, at least 5% of it
       // (all of it before a plain step is known).
       const double plain = by.first > 0 ? by.second / static_cast<double>(by.first) : 0.0;
@@ -768,7 +784,8 @@ COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
     s.rate.record(s.piece_asked, computed, piece_ms);
     if (complete) {
       try {
-        prefill_done(s);
+        if (s.prefill) prefill_done(s);
+        else document_done(s);
       } catch (const std::exception& e) {
         finish(s, "error", e.what());
       }
