@@ -228,7 +228,24 @@ TEST_CASE("serving on the generic path (a GPU's): greedy answers are PicEngine::
   // Together first: documents' decoder K/V (naive, EPIC, CacheBlend) and prompts are computed in
   // pieces while other requests decode, riding on their steps. Then alone, and together again with
   // the documents from the store (prompts soon done: several rows decode at once).
+  // A long answer decodes while they arrive, so that their first pieces (EPIC's and CacheBlend's
+  // documents among them) find a decoding step to ride on.
+  ServeRequest longer = make(m, 3, Method::full, 96);
+  longer.ignore_eos = true;
+  std::promise<void> first_text;
+  std::promise<ServeResult> longer_done;
+  std::atomic<bool> started{false};
+  longer.on_text = [&](const std::string&, const std::vector<comb::TokenLogprob>&) {
+    if (!started.exchange(true)) first_text.set_value();
+  };
+  longer.on_done = [&](const ServeResult& r) {
+    if (!started.exchange(true)) first_text.set_value();
+    longer_done.set_value(r);
+  };
+  engine.submit(std::move(longer));
+  first_text.get_future().wait();
   auto fresh = run_all(engine, requests, true);
+  CHECK(longer_done.get_future().get().tokens.size() == 96);
   CHECK(engine.stats().mixed_document_tokens > 0);
   auto alone = run_all(engine, requests, false);
   auto together = run_all(engine, requests, true);

@@ -49,6 +49,7 @@ struct ServeEngine::Sequence {
   PieceRate rate;              // its last whole piece, for sizing the next
   int64_t piece_asked = 0;     // the tokens its last piece was asked for
   bool started = false;        // it has computed tokens in a piece (a prompt under way)
+  bool mix = true;             // its pieces may ride on the decoding steps (not after one failed there)
   std::unique_ptr<PicPrefill> prefill;
   std::vector<CacheKey> pinned;
   // Decoding
@@ -577,7 +578,8 @@ COMB_INLINE void ServeEngine::document_done(Sequence& s) {
 
 COMB_INLINE bool ServeEngine::mixes(const Sequence& s) const {
   const bool piece_under_way = (s.prefill && !s.prefill->done()) || (s.document_work && s.document_work->decoder);
-  if (!options_.mixed_step || !model_.decoder().paged_piece_applies() || !piece_under_way || s.done) return false;
+  if (!options_.mixed_step || !s.mix || !model_.decoder().paged_piece_applies() || !piece_under_way || s.done)
+    return false;
   std::lock_guard<std::mutex> lock(mutex_);
   return !running_.empty();
 }
@@ -744,10 +746,11 @@ COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
                            : e.continue_document(*s.document_work, s.piece_asked, forward);
       computed = done() - before;
       mixed = true;
-    } catch (const std::exception& e) {
-      // The piece's request alone fails; the rows' step runs again without it (a row's K/V written
-      // again in place are the same).
-      finish(s, "error", e.what());
+    } catch (const std::exception&) {
+      // The fault may be the piece's or the rows': the rows' step runs again without it (a row's
+      // K/V written again in place are the same), and the piece runs alone at its next turn (its
+      // cache advances only when its forward succeeds), where its own error fails its request.
+      s.mix = false;
       logits = at::Tensor();
     }
   }
@@ -768,16 +771,12 @@ COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
       // (all of it before a plain step is known).
       const double plain = by.first > 0 ? by.second / static_cast<double>(by.first) : 0.0;
       piece_ms = (plain > 0 ? std::max(dt - plain, 0.05 * dt) : dt) * 1e3;
-    } else {
+    } else if (!rider) {  // a plain step's time (not one whose piece failed)
       ++by.first;
       by.second += dt;
     }
   }
-  for (size_t b = 0; b < rows.size(); ++b) {
-    Sequence& s = *rows[b];
-    ++s.length;
-    emit(s, logits[static_cast<int64_t>(b)]);
-  }
+  // The piece's work first: its prompt or document is complete whatever the rows' sampling does.
   if (mixed) {
     Sequence& s = *rider;
     if (computed > 0) s.started = true;
@@ -790,6 +789,11 @@ COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
         finish(s, "error", e.what());
       }
     }
+  }
+  for (size_t b = 0; b < rows.size(); ++b) {
+    Sequence& s = *rows[b];
+    ++s.length;
+    emit(s, logits[static_cast<int64_t>(b)]);
   }
   return piece_ms;
 }
