@@ -46,6 +46,53 @@ inline double logits_bound(const Model& m, int64_t n_keys, const at::Tensor& wan
   return path_bound(c, layers, n_keys, magnitude(want));
 }
 
+// The logits a PicEngine's greedy answer `tokens` (max_tokens at most) was chosen from, computed as
+// generate() computes them: after the prompt, then after each token; one row more (the step that
+// chose a stop token) when the answer stopped before max_tokens. [steps, n_vocab] float32.
+inline at::Tensor answer_logits(const Model& m, PicEngine& pic, const PicRequest& r, const std::vector<int32_t>& tokens,
+                                int64_t max_tokens) {
+  c10::InferenceMode guard;
+  const int64_t n = static_cast<int64_t>(tokens.size()), steps = std::min(n + 1, max_tokens);
+  PicPrefill p = pic.prefill(r, max_tokens);
+  std::vector<at::Tensor> rows{p.logits};
+  for (int64_t t = 0; t + 1 < steps; ++t)
+    rows.push_back(m.forward(at::full({1, 1}, static_cast<int64_t>(tokens[static_cast<size_t>(t)]), at::kLong), p.cache,
+                             p.documents.empty() ? nullptr : &p.documents)[0][-1]);
+  return at::stack(rows).to(at::kFloat);
+}
+
+// Whether greedy tokens `got` are `want`, the same answer computed on another float32 path from
+// want_logits (answer_logits): equal; or equal up to a step t where got's token is within 2 * bound
+// of the largest of want_logits[t] (bound: logits_bound over the prompt and answer), a tie that two
+// paths, each logit within `bound` of the other's, may break either way. The contexts differ after
+// it, so nothing after it is compared. A step where got stopped and want did not is not a tie
+// (got's stop token is not known). `why` says what was found.
+inline bool same_greedy(const Model& m, int64_t n_prompt, const std::vector<int32_t>& got,
+                        const std::vector<int32_t>& want, const at::Tensor& want_logits, std::string& why) {
+  const size_t n = std::min(got.size(), want.size());
+  size_t t = 0;
+  while (t < n && got[t] == want[t]) ++t;
+  if (t == got.size() && t == want.size()) {
+    why = "equal";
+    return true;
+  }
+  if (t == got.size()) {
+    why = "the served answer stopped at token " + std::to_string(t) + ", the other did not";
+    return false;
+  }
+  if (t >= static_cast<size_t>(want_logits.size(0))) {
+    why = "token " + std::to_string(t) + " served past the other answer's max_tokens";
+    return false;
+  }
+  const at::Tensor row = want_logits[static_cast<int64_t>(t)];
+  const double gap = (row.max() - row[got[t]]).item<double>();
+  const double bound = logits_bound(m, n_prompt + static_cast<int64_t>(want_logits.size(0)), row);
+  why = "token " + std::to_string(t) + " served " + std::to_string(got[t]) + ", the other path's " +
+        (t < want.size() ? std::to_string(want[t]) : std::string("a stop token")) + ": a gap of " +
+        std::to_string(gap) + " in its logits against a tie bound of " + std::to_string(2 * bound);
+  return gap <= 2 * bound;
+}
+
 // The largest sum of |q_i| |k_i| over a row of q and a row of k (rows: the last dimension, any
 // shapes, as many tensors of keys as given), times `scale`: what a score's rounding is relative to.
 inline double score_terms(const at::Tensor& q, const std::vector<at::Tensor>& keys, double scale) {

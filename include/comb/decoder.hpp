@@ -284,6 +284,9 @@ class Decoder {
   // A piece's attention of layer i over its cache (and joined keys), as layer() would take it:
   // comb's CUDA kernels where they apply (attend_cuda), else generic ATen ops (attention()).
   at::Tensor attend_piece(int64_t i, const at::Tensor& qkv, KVCache& cache, const JointKV* joint) const;
+  // Whether attention over `cache` (and `joint`'s keys: one batch row, no padding) takes comb's
+  // CUDA kernels: the one condition layer() and attend_piece() share.
+  bool cuda_attention_applies(const KVCache& cache, const JointKV* joint) const;
   // layer_cuda's attention from qkv [1, n, q_dim + 2 kv_dim]: RoPE and the cache append in one
   // kernel, then the rows kernel (few rows or joined keys) or SDPA; [1, n, q_dim].
   at::Tensor attend_cuda(int64_t i, const at::Tensor& qkv, KVCache& cache, const JointKV* joint) const;

@@ -678,8 +678,7 @@ COMB_INLINE at::Tensor Decoder::layer(int64_t i, const at::Tensor& x, KVCache& c
   // a warm request's question was 8% faster or 9% slower than naive reuse's from one process to the
   // next (`comb bench --pic-data`, code words); on the fused path, as naive reuse, it is steady.
   if (cpu_kernels() && (!joint || merged_attention_applies(*joint))) return layer_cpu(i, x, cache, joint);
-  if (x.size(0) == 1 && (!joint || (!joint->valid.defined() && joint->keys.size(0) == 1)) && cuda_kernels_apply(cache))
-    return layer_cuda(i, x, cache, joint);
+  if (x.size(0) == 1 && cuda_attention_applies(cache, joint)) return layer_cuda(i, x, cache, joint);
   const auto& w = weights_.layers[i];
   return detail::decoder::layer_body(x, w, detail::decoder::generic_math(w, config_),
                                      [&](const at::Tensor& qkv) { return attention(i, qkv, cache, joint); });
@@ -775,10 +774,12 @@ COMB_INLINE at::Tensor Decoder::attend_cuda(int64_t i, const at::Tensor& qkv, KV
   return out.reshape({1, n, c.q_dim()});
 }
 
+COMB_INLINE bool Decoder::cuda_attention_applies(const KVCache& cache, const JointKV* joint) const {
+  return (!joint || (!joint->valid.defined() && joint->keys.size(0) == 1)) && cuda_kernels_apply(cache);
+}
+
 COMB_INLINE at::Tensor Decoder::attend_piece(int64_t i, const at::Tensor& qkv, KVCache& cache, const JointKV* joint) const {
-  if ((!joint || (!joint->valid.defined() && joint->keys.size(0) == 1)) && cuda_kernels_apply(cache))
-    return attend_cuda(i, qkv, cache, joint);
-  return attention(i, qkv, cache, joint);
+  return cuda_attention_applies(cache, joint) ? attend_cuda(i, qkv, cache, joint) : attention(i, qkv, cache, joint);
 }
 
 COMB_INLINE Decoder::PackedRows Decoder::packed_rows(const std::vector<int64_t>& lengths, int64_t pre) const {
@@ -1216,7 +1217,7 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
         attn = ops->paged_attention(some(q), pool_k, pool_v, some(table32), some(pos_t), longest, {}, {}, {}, 0);
       } else {  // the plain rows' blocks gathered, [rows, n_head_kv, n_keys, head_dim], the padding masked
         const int64_t n_plain = static_cast<int64_t>(plain.size());
-        const at::Tensor plain_table = some(table_t.view({B, n_blocks_max})).reshape({-1});
+        const at::Tensor plain_table = some(table32).reshape({-1});
         auto gather = [&](const at::Tensor& t) {
           return t.index_select(0, plain_table)
               .view({n_plain, n_blocks_max, c.n_head_kv, bt, hd})
