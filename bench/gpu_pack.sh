@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Packs what bench/gpu_check.sh needs on a GPU machine that has python3 with torch and transformers
+# but neither this project's build nor its Debian libraries, from a build made here:
+#   bench/gpu_pack.sh DIR        (after scripts/build.sh and `ctest -R oracle`; DIR: e.g. .gpu)
+# then, on the GPU machine, from a copy of the repository with DIR beside it:
+#   bash DIR/run.sh OUT_DIR [STEPS]     (STEPS: gpu_check.sh's, default "1 2 3 4 5 6 7 8")
+# DIR gets bin/ (comb, comb_tests), lib/ (libcomb*, and the libraries they link that a bare machine
+# may lack; run.sh puts only those it does not find there on the library path), tokenizer/ (the
+# default model's), greedy/ (bench/greedy_answers.sh's inputs: the tests' tiny random Llama stored
+# bfloat16 with the default model's chat template, 4 code-word items, three fresh plug-ins, and
+# the answers on this CPU in float32), items.jsonl (the first 20 items of $COMB_DATA's
+# nq-multidoc-10.dev, the caching methods' data) and run.sh. About 55 MB.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+dir=${1:?usage: bench/gpu_pack.sh DIR}
+build=${COMB_BUILD_DIR:-$root/build}
+py=${COMB_VENV:-$root/.venv}/bin/python
+data=${COMB_DATA:-$root/../shared/data}/nq-multidoc-10.dev.jsonl.gz
+tiny=$build/oracle/tiny-llama
+for f in "$build/comb" "$build/tests/comb_tests" "$tiny/config.json" "$data"; do
+  [ -e "$f" ] || { echo "gpu_pack: $f is missing (scripts/build.sh, ctest -R oracle, COMB_DATA)" >&2; exit 1; }
+done
+mkdir -p "$dir"
+dir=$(cd "$dir" && pwd)
+rm -rf "$dir/bin" "$dir/lib" "$dir/tokenizer" "$dir/greedy"
+mkdir -p "$dir/bin" "$dir/lib" "$dir/greedy/plugins"
+say() { echo "[gpu_pack] $*" >&2; }
+
+say "binaries and libraries"
+cp "$build/comb" "$build/tests/comb_tests" "$dir/bin/"
+cp -P "$build"/libcomb*.so* "$dir/lib/"
+# The Debian libraries they link, less the C and C++ runtimes every Linux machine has (CUDA's and
+# torch's come from the GPU machine's python3).
+for b in "$build/comb" "$build/tests/comb_tests" "$build"/libcomb*.so; do ldd "$b"; done |
+  awk '$3 ~ /^\/(usr\/)?lib\/x86_64-linux-gnu\// {print $3}' | sort -u |
+  grep -v -E '/(libc|libm|libdl|librt|libpthread|libutil|libstdc\+\+|libgcc_s|ld-linux[^/]*|libcu[a-z]*|libnccl|libnvJitLink)\.so' |
+  while read -r lib; do cp -L "$lib" "$dir/lib/"; done
+
+say "the default model's tokenizer"
+"$py" "$root/bench/export_tokenizer.py" "$dir/tokenizer" >/dev/null
+
+say "the greedy check's inputs"
+mkdir -p "$dir/greedy/model"
+cp "$tiny"/*.json "$dir/greedy/model/"
+"$py" - "$tiny" "$dir/greedy/model" <<'EOF'
+import sys, glob, os
+from safetensors.torch import load_file, save_file
+import torch
+src, out = sys.argv[1], sys.argv[2]
+for f in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
+    t = {k: v.to(torch.bfloat16) for k, v in load_file(f).items()}
+    save_file(t, os.path.join(out, os.path.basename(f)), metadata={"format": "pt"})
+EOF
+cp "$dir/tokenizer"/tokenizer_config.json "$dir/tokenizer"/chat_template.* "$dir/greedy/model/"  # the chat template
+"$build/comb" make-data --split test --items 4 --seed 7 --out "$dir/greedy/items.jsonl" >/dev/null
+"$build/comb" plugin init --model "$dir/greedy/model" --init reads --cross-layers 0,1,2 \
+  --out "$dir/greedy/plugins/reads.safetensors" >/dev/null
+"$build/comb" plugin init --model "$dir/greedy/model" --init joint --cross-layers 0,1,2 \
+  --out "$dir/greedy/plugins/joint.safetensors" >/dev/null
+"$build/comb" plugin init --model "$dir/greedy/model" --init joint --cross-layers 0,1,2 --consecutive-documents 1 \
+  --out "$dir/greedy/plugins/joint-consecutive.safetensors" >/dev/null
+say "the greedy answers on this CPU (float32)"
+COMB_BIN=$build/comb bash "$root/bench/greedy_answers.sh" "$dir/greedy" cpu float32 > "$dir/greedy/cpu-float32.txt"
+if grep -q FAILED "$dir/greedy/cpu-float32.txt"; then
+  say "a method failed on the CPU:"; grep FAILED "$dir/greedy/cpu-float32.txt" >&2; exit 1
+fi
+
+say "the caching methods' items"
+"$py" - "$data" "$dir/items.jsonl" <<'EOF'
+import gzip, sys
+with gzip.open(sys.argv[1], "rt") as f, open(sys.argv[2], "w") as out:
+    for i, line in enumerate(f):
+        if i == 20:
+            break
+        out.write(line)
+EOF
+
+cat > "$dir/run.sh" <<'EOF'
+#!/usr/bin/env bash
+# bench/gpu_pack.sh's folder run on a GPU machine, from the repository root:
+#   bash DIR/run.sh OUT_DIR [STEPS]
+set -uo pipefail
+pack=$(cd "$(dirname "$0")" && pwd)
+out=${1:?usage: DIR/run.sh OUT_DIR [STEPS]}
+torch_lib=$(python3 -c 'import torch, os; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+nvidia=$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__file__))' 2>/dev/null || true)
+# comb's libraries, and of the system ones carried only those this machine lacks.
+needed=$(mktemp -d)
+for lib in "$pack"/lib/*; do
+  name=$(basename "$lib")
+  case "$name" in
+    libcomb*) ln -s "$lib" "$needed/$name" ;;
+    *) ldconfig -p | grep -q "/$name\$" || ln -s "$lib" "$needed/$name" ;;
+  esac
+done
+echo "carried libraries used: $(ls "$needed" | tr '\n' ' ')"
+export LD_LIBRARY_PATH=$needed:$torch_lib:$(ls -d "$nvidia"/*/lib 2>/dev/null | tr '\n' ':')${LD_LIBRARY_PATH:-}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+missing=$(ldd "$pack/bin/comb" "$pack/bin/comb_tests" | grep "not found" | sort -u)
+[ -z "$missing" ] || { echo "libraries not found: $missing"; exit 1; }
+[ -f bench/gpu_check.sh ] || { echo "run it from the repository root (bench/gpu_check.sh not found)"; exit 1; }
+mkdir -p "$out"
+COMB_BIN=$pack/bin/comb COMB_TESTS=$pack/bin/comb_tests COMB_GPU_CHECK_STEPS=${2:-1 2 3 4 5 6 7 8} \
+  bash bench/gpu_check.sh "$pack/tokenizer" "$pack/greedy" "$pack/items.jsonl" "$out"
+EOF
+chmod +x "$dir/run.sh"
+say "$dir: $(du -sh "$dir" | cut -f1)"
