@@ -9,7 +9,8 @@
 # default model's), greedy/ (bench/greedy_answers.sh's inputs: the tests' tiny random Llama stored
 # bfloat16 with the default model's chat template, 4 code-word items, three fresh plug-ins, and
 # the answers on this CPU in float32), items.jsonl (the first 20 items of $COMB_DATA's
-# nq-multidoc-10.dev, the caching methods' data) and run.sh. About 55 MB.
+# nq-multidoc-10.dev, the caching methods' data), torch-version.txt (the LibTorch it was built
+# against: run.sh refuses another) and run.sh. About 37 MB.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir=${1:?usage: bench/gpu_pack.sh DIR}
@@ -31,10 +32,14 @@ cp "$build/comb" "$build/tests/comb_tests" "$dir/bin/"
 cp -P "$build"/libcomb*.so* "$dir/lib/"
 # The Debian libraries they link, less the C and C++ runtimes every Linux machine has (CUDA's and
 # torch's come from the GPU machine's python3).
+runtime='libc|libm|libdl|librt|libpthread|libutil|libstdc\+\+|libgcc_s|ld-linux[^/]*'
+cuda='libcuda|libcudart|libcublas|libcublasLt|libcufft|libcurand|libcusparse|libcusolver|libcudnn|libcupti|libnccl'
+cuda+='|libnvJitLink|libnvrtc'
 for b in "$build/comb" "$build/tests/comb_tests" "$build"/libcomb*.so; do ldd "$b"; done |
   awk '$3 ~ /^\/(usr\/)?lib\/x86_64-linux-gnu\// {print $3}' | sort -u |
-  grep -v -E '/(libc|libm|libdl|librt|libpthread|libutil|libstdc\+\+|libgcc_s|ld-linux[^/]*|libcu[a-z]*|libnccl|libnvJitLink)\.so' |
+  { grep -v -E "/($runtime|$cuda)\.so" || true; } |
   while read -r lib; do cp -L "$lib" "$dir/lib/"; done
+"$py" -c 'import torch; print(torch.__version__)' > "$dir/torch-version.txt"
 
 say "the default model's tokenizer"
 "$py" "$root/bench/export_tokenizer.py" "$dir/tokenizer" >/dev/null
@@ -49,7 +54,9 @@ import torch
 src, out = sys.argv[1], sys.argv[2]
 for f in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
     t = {k: v.to(torch.bfloat16) for k, v in load_file(f).items()}
-    save_file(t, os.path.join(out, os.path.basename(f)), metadata={"format": "pt"})
+    path = os.path.join(out, os.path.basename(f))
+    save_file(t, path, metadata={"format": "pt"})
+    os.chmod(path, 0o644)
 EOF
 cp "$dir/tokenizer"/tokenizer_config.json "$dir/tokenizer"/chat_template.* "$dir/greedy/model/"  # the chat template
 "$build/comb" make-data --split test --items 4 --seed 7 --out "$dir/greedy/items.jsonl" >/dev/null
@@ -82,21 +89,35 @@ cat > "$dir/run.sh" <<'EOF'
 set -uo pipefail
 pack=$(cd "$(dirname "$0")" && pwd)
 out=${1:?usage: DIR/run.sh OUT_DIR [STEPS]}
+# The binaries link this LibTorch's libraries, whose names carry no version: another one fails
+# only when a symbol is looked up.
+torch_version=$(python3 -c 'import torch; print(torch.__version__)') || { echo "python3 has no torch"; exit 1; }
+[ "$torch_version" = "$(cat "$pack/torch-version.txt")" ] ||
+  { echo "built against torch $(cat "$pack/torch-version.txt"), python3 has $torch_version"; exit 1; }
 torch_lib=$(python3 -c 'import torch, os; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
-nvidia=$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__file__))' 2>/dev/null || true)
+# CUDA's libraries from pip (nvidia is a namespace package: its folders are in __path__).
+cuda_libs=$(python3 -c 'import nvidia; print(":".join(p for p in nvidia.__path__))' 2>/dev/null || true)
+cuda_path=""
+for folder in ${cuda_libs//:/ }; do
+  for lib in "$folder"/*/lib; do [ -d "$lib" ] && cuda_path+="$lib:"; done
+done
 # comb's libraries, and of the system ones carried only those this machine lacks.
 needed=$(mktemp -d)
+trap 'rm -rf "$needed"' EXIT
+known=$(ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true)
 for lib in "$pack"/lib/*; do
   name=$(basename "$lib")
   case "$name" in
     libcomb*) ln -s "$lib" "$needed/$name" ;;
-    *) ldconfig -p | grep -q "/$name\$" || ln -s "$lib" "$needed/$name" ;;
+    *) [[ "$known" == *"/$name"$'\n'* || "$known" == *"/$name" ]] || ln -s "$lib" "$needed/$name" ;;
   esac
 done
 echo "carried libraries used: $(ls "$needed" | tr '\n' ' ')"
-export LD_LIBRARY_PATH=$needed:$torch_lib:$(ls -d "$nvidia"/*/lib 2>/dev/null | tr '\n' ':')${LD_LIBRARY_PATH:-}
+export LD_LIBRARY_PATH=$needed:$torch_lib:$cuda_path${LD_LIBRARY_PATH:-}
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH%:}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
-missing=$(ldd "$pack/bin/comb" "$pack/bin/comb_tests" | grep "not found" | sort -u)
+# libcomb_cuda.so is opened at run time (beside libcomb): its libraries are checked too.
+missing=$(ldd "$pack/bin/comb" "$pack/bin/comb_tests" "$needed/libcomb_cuda.so" | grep "not found" | sort -u)
 [ -z "$missing" ] || { echo "libraries not found: $missing"; exit 1; }
 [ -f bench/gpu_check.sh ] || { echo "run it from the repository root (bench/gpu_check.sh not found)"; exit 1; }
 mkdir -p "$out"

@@ -46,13 +46,15 @@ inline double logits_bound(const Model& m, int64_t n_keys, const at::Tensor& wan
   return path_bound(c, layers, n_keys, magnitude(want));
 }
 
-// The logits a PicEngine's greedy answer `tokens` (max_tokens at most) was chosen from, computed as
-// generate() computes them: after the prompt, then after each token; one row more (the step that
+// The logits a greedy answer `tokens` (max_tokens at most) of `method` was chosen from, on
+// PicEngine's path with nothing cached (a fresh engine: its documents computed, as a first
+// generate() computes them): after the prompt, then after each token; one row more (the step that
 // chose a stop token) when the answer stopped before max_tokens. [steps, n_vocab] float32.
-inline at::Tensor answer_logits(const Model& m, PicEngine& pic, const PicRequest& r, const std::vector<int32_t>& tokens,
-                                int64_t max_tokens) {
+inline at::Tensor answer_logits(const Model& m, Method method, const PicOptions& options, const PicRequest& r,
+                                const std::vector<int32_t>& tokens, int64_t max_tokens) {
   c10::InferenceMode guard;
   const int64_t n = static_cast<int64_t>(tokens.size()), steps = std::min(n + 1, max_tokens);
+  PicEngine pic(m, method, options);
   PicPrefill p = pic.prefill(r, max_tokens);
   std::vector<at::Tensor> rows{p.logits};
   for (int64_t t = 0; t + 1 < steps; ++t)

@@ -284,7 +284,8 @@ TEST_CASE("serving on the generic path (a GPU's): greedy answers are PicEngine::
     CHECK(!alone[i].tokens.empty());
     // Two float32 paths (the batched paged step, one sequence's forward): the same tokens, or the
     // same up to a tie within their rounding (helpers.hpp's same_greedy).
-    const at::Tensor logits = test::answer_logits(m, pic, requests[i].prompt, direct.tokens, 8);
+    const at::Tensor logits =
+        test::answer_logits(m, alone[i].method, options.pic, requests[i].prompt, direct.tokens, 8);
     for (const ServeResult* r : {&alone[i], &together[i], &fresh[i]}) {
       std::string why;
       const bool same = same_greedy(m, r->prompt_tokens, r->tokens, direct.tokens, logits, why);
@@ -312,9 +313,10 @@ TEST_CASE("serving on the generic path (a GPU's): greedy answers are PicEngine::
     GenerateOptions g;
     g.max_tokens = 6;
     GenerationResult direct = pic.generate(comb_requests[i].prompt, g);
+    const at::Tensor logits =
+        test::answer_logits(residual, Method::comb, options.pic, comb_requests[i].prompt, direct.tokens, 6);
     std::string why;
-    const bool same = same_greedy(residual, served[i].prompt_tokens, served[i].tokens, direct.tokens,
-                                  test::answer_logits(residual, pic, comb_requests[i].prompt, direct.tokens, 6), why);
+    const bool same = same_greedy(residual, served[i].prompt_tokens, served[i].tokens, direct.tokens, logits, why);
     INFO("residual plug-in, request " << i << ": served '" << served[i].text << "', direct '" << direct.text << "': "
                                       << why);
     CHECK(same);
