@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -64,13 +65,15 @@ inline at::Tensor answer_logits(const Model& m, Method method, const PicOptions&
 }
 
 // Whether greedy tokens `got` are `want`, the same answer computed on another float32 path from
-// want_logits (answer_logits): equal; or equal up to a step t where got's token is within 2 * bound
-// of the largest of want_logits[t] (bound: logits_bound over the prompt and answer), a tie that two
-// paths, each logit within `bound` of the other's, may break either way. The contexts differ after
-// it, so nothing after it is compared. A step where got stopped and want did not is not a tie
-// (got's stop token is not known). `why` says what was found.
+// the logits want_logits() gives (answer_logits; asked for only where the tokens differ): equal; or
+// equal up to a step t where got's token is within 2 * bound of the largest of those logits at t
+// (bound: logits_bound over the prompt and answer), a tie that two paths, each logit within `bound`
+// of the other's, may break either way. The contexts differ after it, so nothing after it is
+// compared. A step where got stopped and want did not is not a tie (got's stop token is not known).
+// `why` says what was found.
 inline bool same_greedy(const Model& m, int64_t n_prompt, const std::vector<int32_t>& got,
-                        const std::vector<int32_t>& want, const at::Tensor& want_logits, std::string& why) {
+                        const std::vector<int32_t>& want, const std::function<at::Tensor()>& want_logits,
+                        std::string& why) {
   const size_t n = std::min(got.size(), want.size());
   size_t t = 0;
   while (t < n && got[t] == want[t]) ++t;
@@ -82,13 +85,14 @@ inline bool same_greedy(const Model& m, int64_t n_prompt, const std::vector<int3
     why = "the served answer stopped at token " + std::to_string(t) + ", the other did not";
     return false;
   }
-  if (t >= static_cast<size_t>(want_logits.size(0))) {
+  const at::Tensor logits = want_logits();
+  if (t >= static_cast<size_t>(logits.size(0))) {
     why = "token " + std::to_string(t) + " served past the other answer's max_tokens";
     return false;
   }
-  const at::Tensor row = want_logits[static_cast<int64_t>(t)];
+  const at::Tensor row = logits[static_cast<int64_t>(t)];
   const double gap = (row.max() - row[got[t]]).item<double>();
-  const double bound = logits_bound(m, n_prompt + static_cast<int64_t>(want_logits.size(0)), row);
+  const double bound = logits_bound(m, n_prompt + static_cast<int64_t>(logits.size(0)), row);
   why = "token " + std::to_string(t) + " served " + std::to_string(got[t]) + ", the other path's " +
         (t < want.size() ? std::to_string(want[t]) : std::string("a stop token")) + ": a gap of " +
         std::to_string(gap) + " in its logits against a tie bound of " + std::to_string(2 * bound);

@@ -219,14 +219,15 @@ TEST_CASE("serving: same_greedy takes a tie within rounding, not a clear choice"
   const double bound = logits_bound(m, 100 + 3, logits[1]);
   logits[1][9] = 10 - bound;  // within 2 * bound of the top: a tie
   logits[1][8] = 10 - 3 * bound;  // past it
+  auto given = [&] { return logits; };
   std::string why;
-  CHECK(same_greedy(m, 100, {5, 6, 7}, {5, 6, 7}, logits, why));
+  CHECK(same_greedy(m, 100, {5, 6, 7}, {5, 6, 7}, given, why));
   CHECK(why == "equal");
-  CHECK(same_greedy(m, 100, {5, 9, 1}, {5, 6, 7}, logits, why));  // parted at a tie; after it nothing compared
-  CHECK(!same_greedy(m, 100, {5, 8, 7}, {5, 6, 7}, logits, why));
-  CHECK(!same_greedy(m, 100, {4, 6, 7}, {5, 6, 7}, logits, why));
-  CHECK(!same_greedy(m, 100, {5, 6}, {5, 6, 7}, logits, why));  // stopped early: its stop token unknown
-  CHECK(!same_greedy(m, 100, {5, 6, 7, 7}, {5, 6, 7}, logits, why));  // past the rows given
+  CHECK(same_greedy(m, 100, {5, 9, 1}, {5, 6, 7}, given, why));  // parted at a tie; after it nothing compared
+  CHECK(!same_greedy(m, 100, {5, 8, 7}, {5, 6, 7}, given, why));
+  CHECK(!same_greedy(m, 100, {4, 6, 7}, {5, 6, 7}, given, why));
+  CHECK(!same_greedy(m, 100, {5, 6}, {5, 6, 7}, given, why));  // stopped early: its stop token unknown
+  CHECK(!same_greedy(m, 100, {5, 6, 7, 7}, {5, 6, 7}, given, why));  // past the rows given
 }
 
 // The engine off the fused CPU kernels takes the path a GPU's server takes (Decoder::step_paged's
@@ -245,9 +246,7 @@ TEST_CASE("serving on the generic path (a GPU's): greedy answers are PicEngine::
   ServeEngine engine(m, options);
   const Method methods[] = {Method::comb, Method::full, Method::prefix, Method::naive, Method::epic, Method::cacheblend};
   std::vector<ServeRequest> requests;
-  for (int i = 0; i < 8; ++i) {
-    requests.push_back(make(m, i, methods[i % 6], 8));
-  }
+  for (int i = 0; i < 8; ++i) requests.push_back(make(m, i, methods[i % 6], 8));
   // Together first: documents' decoder K/V (naive, EPIC, CacheBlend) and prompts are computed in
   // pieces while other requests decode, riding on their steps. Then alone, and together again with
   // the documents from the store (prompts soon done: several rows decode at once).
@@ -284,8 +283,9 @@ TEST_CASE("serving on the generic path (a GPU's): greedy answers are PicEngine::
     CHECK(!alone[i].tokens.empty());
     // Two float32 paths (the batched paged step, one sequence's forward): the same tokens, or the
     // same up to a tie within their rounding (helpers.hpp's same_greedy).
-    const at::Tensor logits =
-        test::answer_logits(m, alone[i].method, options.pic, requests[i].prompt, direct.tokens, 8);
+    auto logits = [&] {
+      return test::answer_logits(m, alone[i].method, options.pic, requests[i].prompt, direct.tokens, 8);
+    };
     for (const ServeResult* r : {&alone[i], &together[i], &fresh[i]}) {
       std::string why;
       const bool same = same_greedy(m, r->prompt_tokens, r->tokens, direct.tokens, logits, why);
@@ -313,8 +313,9 @@ TEST_CASE("serving on the generic path (a GPU's): greedy answers are PicEngine::
     GenerateOptions g;
     g.max_tokens = 6;
     GenerationResult direct = pic.generate(comb_requests[i].prompt, g);
-    const at::Tensor logits =
-        test::answer_logits(residual, Method::comb, options.pic, comb_requests[i].prompt, direct.tokens, 6);
+    auto logits = [&] {
+      return test::answer_logits(residual, Method::comb, options.pic, comb_requests[i].prompt, direct.tokens, 6);
+    };
     std::string why;
     const bool same = same_greedy(residual, served[i].prompt_tokens, served[i].tokens, direct.tokens, logits, why);
     INFO("residual plug-in, request " << i << ": served '" << served[i].text << "', direct '" << direct.text << "': "
