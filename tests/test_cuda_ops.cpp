@@ -999,3 +999,49 @@ TEST_CASE("the mixed step on CUDA: a prompt's piece beside the decoding rows as 
     check_clear_top(got, ref, 2 * (err_mixed + err_apart));
   }
 }
+
+TEST_CASE("pin_host and to_device_async: one page-locked allocation, a copy the current stream waits for",
+          "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  const comb::detail::CudaLayerOps* ops = comb::detail::cuda_layer_ops();
+  if (ops == nullptr) {
+    WARN("COMB_CUDA_KERNELS=0: comb's CUDA ops are off, nothing to check");
+    return;
+  }
+  const c10::Device cuda(c10::kCUDA, 0);
+  // Parts of several dtypes and sizes, as a quantized entry has them.
+  const std::vector<at::Tensor> parts{at::randn({3, 1000, 64}), at::randint(-127, 128, {3, 1000, 64}).to(at::kChar),
+                                      at::randn({3, 1, 64}).to(at::kHalf), at::randn({5})};
+  auto check_pinned = [&](const std::vector<at::Tensor>& got) {
+    REQUIRE(got.size() == parts.size());
+    for (size_t i = 0; i < parts.size(); ++i) {
+      CHECK(got[i].device().is_cpu());
+      CHECK(got[i].is_pinned());
+      CHECK(got[i].is_alias_of(got[0]));  // one allocation
+      CHECK(at::equal(got[i], parts[i]));
+    }
+  };
+  const std::vector<at::Tensor> pinned = ops->pin_host(parts);
+  check_pinned(pinned);
+  CHECK(ops->pin_host(pinned)[1].is_same(pinned[1]));  // page-locked already: themselves
+  std::vector<at::Tensor> on_device;
+  for (const at::Tensor& p : parts) on_device.push_back(p.to(cuda));
+  check_pinned(ops->pin_host(on_device));  // straight from the device
+  // Back to the device, page-locked or not, equal.
+  for (const auto* from : {&pinned, &parts}) {
+    const std::vector<at::Tensor> back = ops->to_device_async(*from, cuda);
+    for (size_t i = 0; i < parts.size(); ++i) CHECK(at::equal(back[i].cpu(), parts[i]));
+  }
+  // 256 MiB: the copy takes milliseconds, and the current stream reads it at once.
+  const int64_t n = int64_t(64) << 20;
+  const at::Tensor want = at::full({n}, 1.5f, at::TensorOptions().device(cuda));
+  at::Tensor big = at::empty({n}, at::TensorOptions().pinned_memory(true)).fill_(1.5f);
+  std::vector<at::Tensor> got = ops->to_device_async({big}, cuda);
+  CHECK(at::equal(got[0], want));
+  // The source dropped while its copy runs: a new page-locked tensor of its size written at once
+  // must not land in its memory before the copy has read it.
+  got = ops->to_device_async({big}, cuda);
+  big.reset();
+  const at::Tensor other = at::empty({n}, at::TensorOptions().pinned_memory(true)).fill_(-2.0f);
+  CHECK(at::equal(got[0], want));
+}

@@ -3,6 +3,8 @@
 // ThreadSanitizer build compiles this file without the test PCH, which has the same order.
 #include "helpers.hpp"
 
+#include "comb/detail/decode_step.hpp"
+
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <filesystem>
@@ -646,4 +648,71 @@ TEST_CASE("the device tier demotes to host memory and promotes back (CUDA)", "[s
   REQUIRE(kv);
   CHECK(kv->keys[0].is_cuda());
   CHECK(holds(std::make_shared<const DocumentKV>(kv->to(c10::kCPU, at::kFloat)), 0));
+}
+
+TEST_CASE("the host tier beside a CUDA device tier is page-locked and promotes on a side stream", "[store][cuda]") {
+  if (!comb::cuda_available()) {
+    WARN("no CUDA device: the page-locked host tier is not checked here");
+    return;
+  }
+  // Without comb's CUDA ops (or with COMB_CUDA_KERNELS=0) the host tier stays pageable.
+  const bool ops = comb::detail::cuda_layer_ops() != nullptr;
+  if (!ops) WARN("comb's CUDA ops are not loaded: the host tier is checked to be pageable");
+  const c10::Device cuda(c10::kCUDA, 0);
+  auto every_part = [](const DocumentKV& kv, const std::function<bool(const at::Tensor&)>& p) {
+    for (const auto* v : {&kv.keys, &kv.values, &kv.key_scales, &kv.value_scales})
+      for (const at::Tensor& t : *v)
+        if (!p(t)) return false;
+    return true;
+  };
+  for (const bool pinned_host : {true, false})
+    for (const c10::ScalarType dtype : {c10::ScalarType::Undefined, at::kChar}) {
+      CAPTURE(pinned_host, cache_dtype_name(dtype));
+      // Entries of 64 MiB (float32) and 13 MiB (int8): a copy to the device takes a millisecond or
+      // more, so a read that did not wait for it would find other numbers.
+      const int64_t len = int64_t(1) << 20;
+      // (No zeros: fresh device memory may hold them.)
+      auto make = [&](int i) { return dtype == at::kChar ? random_entry(len / 16, 10 + i) : entry(i + 1, len); };
+      const DocumentKV first = make(0);
+      StoreOptions options;
+      options.device = cuda;
+      options.dtype = dtype;
+      options.pinned_host = pinned_host;
+      const int64_t bytes =
+          DocumentKV::storage_bytes(dtype == at::kChar ? at::kChar : at::kFloat, static_cast<int64_t>(first.keys.size()),
+                                    first.keys[0].size(0), first.head_dim(), first.n_tokens);
+      options.device_bytes = 2 * bytes;
+      options.host_bytes = 4 * bytes;
+      PICacheStore store(options);
+      store.put(key_of(0), first);
+      for (int i = 1; i < 3; ++i) store.put(key_of(i), make(i));  // 0 goes down a tier, from the device
+      REQUIRE(store.stats().host.entries == 1);
+      // Every entry pinned: each read where it is, none moved.
+      for (int i = 0; i < 3; ++i) REQUIRE(store.pin(key_of(i)));
+      auto host = store.get(key_of(0));
+      REQUIRE(host);
+      CHECK(host->keys[0].device().is_cpu());
+      CHECK(every_part(*host, [&](const at::Tensor& t) { return t.is_pinned() == (ops && pinned_host); }));
+      std::vector<at::Tensor> want;
+      for (const auto* v : {&host->keys, &host->values, &host->key_scales, &host->value_scales})
+        for (const at::Tensor& t : *v) want.push_back(t.clone());
+      for (int i = 0; i < 3; ++i) store.unpin(key_of(i));
+      // Room on the device without demoting anything (1 and 2 replaced by small entries), so the
+      // promotion's copy is not waited for by a copy to the host; read at once on the current stream.
+      for (int i = 1; i < 3; ++i) store.put(key_of(i), entry(i, 8));
+      REQUIRE(store.stats().device.entries == 2);
+      auto moved = store.get(key_of(0));
+      REQUIRE(moved);
+      size_t i = 0;
+      for (const auto* v : {&moved->keys, &moved->values, &moved->key_scales, &moved->value_scales})
+        for (const at::Tensor& t : *v) {
+          CHECK(t.device() == cuda);
+          CHECK(at::equal(t.cpu(), want.at(i++)));
+        }
+      CHECK(i == want.size());
+      if (dtype != at::kChar) CHECK(holds(moved, 1.0f));  // the entry put, as it was put
+      auto s = store.stats();
+      CHECK(s.device.entries == 3);
+      CHECK(s.host.entries == 0);
+    }
 }

@@ -32,6 +32,20 @@ struct StoreOptions {
   // ("auto", the default): each entry in the dtype it is put in.
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   c10::Device device = c10::kCPU;      // the device tier's device
+  // With an enabled CUDA device tier: the host tier keeps each entry in one page-locked allocation
+  // (copied there straight from the device when demoted), and an entry promoted back to the
+  // device is copied on a stream of comb's own without the host waiting for the copy (unless the
+  // promotion demotes another entry: that copy to the host waits for all the current stream's
+  // work, the promotion's included). The device's current stream waits for it on the device;
+  // readers on other streams must wait for that stream. The budget counts the entries' bytes;
+  // LibTorch's caching host allocator rounds each allocation up to a power of two and keeps a
+  // freed one for requests of its size only, so the page-locked memory held is up to twice the
+  // budget for each size class that peaks, and more when entries' sizes change over time (it is
+  // given back when an allocation fails; an entry that still cannot be page-locked is kept in
+  // pageable memory, logged once). Needs comb's CUDA ops (not with COMB_CUDA_KERNELS=0). Off
+  // (pageable memory, plain copies) until a GPU run measures it; PicOptions::store_options turns
+  // it on with COMB_CUDA_PINNED_HOST=1.
+  bool pinned_host = false;
   // The remote tier, shared by replicas: a Redis server, "redis://[:PASSWORD@]HOST[:PORT][/DB]"
   // ("": none). Looked up after the disk tier; a hit is promoted into the local tiers. Entries are
   // the disk tier's bytes under "comb:kv:<key hex>", written in the background.

@@ -3,6 +3,8 @@
 // step's kernels and cuBLAS GEMMs over static buffers, captured once as a CUDA graph and replayed.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CachingHostAllocator.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -11,6 +13,7 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -293,6 +296,95 @@ int64_t free_memory(int index) {
   size_t free = 0, total = 0;
   check_launch(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
   return static_cast<int64_t>(free);
+}
+
+std::vector<at::Tensor> pin_host(const std::vector<at::Tensor>& parts) {
+  const char* op = "comb::pin_host";
+  bool there = true;
+  std::optional<c10::Device> cuda;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& p = parts[i];
+    COMB_CHECK(p.defined() && (p.device().is_cpu() || p.is_cuda()) && (!cuda || !p.is_cuda() || p.device() == *cuda),
+               "{}: part {} of {} is not a defined CPU tensor or one on the other parts' CUDA device", op, i,
+               parts.size());
+    if (p.is_cuda()) cuda = p.device();
+    there = there && p.device().is_cpu() && p.is_pinned();
+  }
+  if (there) return parts;
+  // One page-locked allocation for all the parts (LibTorch's caching host allocator rounds each
+  // allocation up to a power of two), each part a view at a 64-byte boundary.
+  constexpr int64_t kAlign = 64;
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (const at::Tensor& p : parts) {
+    offsets.push_back(total);
+    total += (p.numel() * p.element_size() + kAlign - 1) / kAlign * kAlign;
+  }
+  // Freed blocks are kept for requests of their own size only: when page-locked memory runs out,
+  // they go back to the system and the allocation is tried once more.
+  auto allocate = [&] {
+    return at::empty({std::max<int64_t>(total, kAlign)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  };
+  at::Tensor buffer;
+  try {
+    buffer = allocate();
+  } catch (const c10::Error&) {
+    at::getHostAllocator(at::kCUDA)->empty_cache();
+    buffer = allocate();
+  }
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (cuda) guard.emplace(*cuda);
+  std::vector<at::Tensor> out;
+  out.reserve(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& p = parts[i];
+    at::Tensor view = buffer.narrow(0, offsets[i], p.numel() * p.element_size()).view(p.scalar_type()).view(p.sizes());
+    view.copy_(p, /*non_blocking=*/p.is_cuda());  // from the device: queued, then waited for below
+    out.push_back(std::move(view));
+  }
+  // The host waits for the copies from the device, so the sources may go at once.
+  if (cuda) at::cuda::getCurrentCUDAStream().synchronize();
+  return out;
+}
+
+// A stream of comb's own per device for copies to it (not one of the pool's, which also capture
+// graphs), made once and kept for the process.
+at::cuda::CUDAStream copy_stream(c10::DeviceIndex index) {
+  static std::mutex mutex;
+  static std::map<c10::DeviceIndex, cudaStream_t> streams;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = streams.find(index);
+  if (it == streams.end()) {
+    cudaStream_t stream = nullptr;
+    check_launch(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    it = streams.emplace(index, stream).first;
+  }
+  return at::cuda::getStreamFromExternal(it->second, index);
+}
+
+std::vector<at::Tensor> to_device_async(const std::vector<at::Tensor>& from, c10::Device device) {
+  const char* op = "comb::to_device_async";
+  COMB_CHECK(device.is_cuda(), "{}: expected a CUDA device, found {}", op, device.str());
+  for (size_t i = 0; i < from.size(); ++i)
+    COMB_CHECK(from[i].defined() && from[i].device().is_cpu(), "{}: tensor {} of {} is not a defined CPU tensor", op,
+               i, from.size());
+  const c10::cuda::CUDAGuard guard(device);
+  const at::cuda::CUDAStream current = at::cuda::getCurrentCUDAStream();
+  const at::cuda::CUDAStream side = copy_stream(current.device_index());
+  std::vector<at::Tensor> out;
+  out.reserve(from.size());
+  {
+    // Allocated and written on the side stream: the caching allocator hands it memory that no
+    // work of its own still uses, whatever is queued on the current stream.
+    const c10::cuda::CUDAStreamGuard on_side(side);
+    for (const at::Tensor& t : from) out.push_back(t.to(t.options().device(device), /*non_blocking=*/t.is_pinned()));
+  }
+  at::cuda::CUDAEvent copied;
+  copied.record(side);
+  copied.block(current);
+  // Freed later by work on the current stream: the allocator then waits for that stream too.
+  for (at::Tensor& t : out) t.record_stream(current);
+  return out;
 }
 
 // A descriptor table in device memory, copied from pinned memory without waiting (the caching host
@@ -721,7 +813,8 @@ std::unique_ptr<comb::detail::DecodeStep> make_decode_step(const comb::detail::D
 
 const comb::detail::CudaLayerOps kLayerOps{&add_rms_norm,   &rope_append,   &place_keys,       &silu_mul,
                                            &rows_attention, &join_documents, &quantize_int8, &paged_rope_store,
-                                           &paged_attention, &free_memory,  &make_paged_graphs};
+                                           &paged_attention, &free_memory,  &make_paged_graphs, &pin_host,
+                                           &to_device_async};
 
 // Registered when the module loads (comb::load_cuda_backend).
 [[maybe_unused]] const bool registered = (comb::detail::set_decode_step_factory(&make_decode_step),

@@ -120,6 +120,18 @@ struct CudaLayerOps {
   int64_t (*free_memory)(int index) = nullptr;
   // An empty set of paged-step graphs on `device`.
   std::unique_ptr<PagedGraphs> (*paged_graphs)(c10::Device device) = nullptr;
+  // CPU or CUDA tensors (one device) copied into one page-locked host allocation, a view each
+  // (themselves when all are page-locked already): a host tier entry beside a CUDA device tier,
+  // whose copies to the device then need no staging. The host waits for copies from the device.
+  std::vector<at::Tensor> (*pin_host)(const std::vector<at::Tensor>& parts) = nullptr;
+  // Host tensors copied to CUDA `device` on a stream of comb's own, without the host waiting
+  // (page-locked ones; others are staged as a plain copy would). The device's current stream waits
+  // for the copies on the device (an event): everything launched on it after the call reads them,
+  // and what was queued on it before runs beside them. Other streams are not ordered after them.
+  // The copies are allocated on comb's stream and marked as used by the current one (their memory,
+  // once freed, is reused for comb's stream); sources from LibTorch's page-locked allocator are
+  // kept until their copy has run.
+  std::vector<at::Tensor> (*to_device_async)(const std::vector<at::Tensor>& from, c10::Device device) = nullptr;
 };
 
 // graph: capture the step as a CUDA graph on its first run and replay it after (else: launch the

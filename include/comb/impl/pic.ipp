@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "comb/detail/decode_step.hpp"
 #include "comb/error.hpp"
@@ -47,6 +49,11 @@ COMB_INLINE StoreOptions PicOptions::store_options(c10::Device device) const {
   if (device.is_cuda()) {
     store.device = device;
     store.device_bytes = cache_bytes;
+    static const bool pinned = [] {
+      const char* v = std::getenv("COMB_CUDA_PINNED_HOST");
+      return v != nullptr && std::strcmp(v, "1") == 0;
+    }();
+    store.pinned_host = pinned;
   }
   store.dtype = cache_dtype;
   store.remote_url = cache_url;

@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "comb/cuda_backend.hpp"
+#include "comb/detail/decode_step.hpp"
 #include "comb/detail/mapped_file.hpp"
 #include "comb/detail/redis_tier.hpp"
 #include "comb/error.hpp"
@@ -233,6 +234,33 @@ struct MemoryTier {
   }
 };
 
+// Every part of an entry: per block its keys and values, then (int8 or int4) its scales.
+COMB_INLINE std::vector<at::Tensor> parts_of(const DocumentKV& kv) {
+  std::vector<at::Tensor> parts;
+  for (const auto* v : {&kv.keys, &kv.values, &kv.key_scales, &kv.value_scales})
+    parts.insert(parts.end(), v->begin(), v->end());
+  return parts;
+}
+// An entry like `like` whose parts are `parts` (parts_of's order).
+COMB_INLINE DocumentKV with_parts(const DocumentKV& like, std::vector<at::Tensor> parts) {
+  DocumentKV out;
+  out.n_tokens = like.n_tokens;
+  size_t i = 0;
+  for (auto [from, to] : {std::pair{&like.keys, &out.keys}, std::pair{&like.values, &out.values},
+                          std::pair{&like.key_scales, &out.key_scales}, std::pair{&like.value_scales, &out.value_scales}})
+    for (size_t b = 0; b < from->size(); ++b) to->push_back(std::move(parts.at(i++)));
+  return out;
+}
+// `kv` with every part in one page-locked host allocation (itself when it is there already).
+COMB_INLINE std::shared_ptr<const DocumentKV> pinned(std::shared_ptr<const DocumentKV> kv,
+                                                    const detail::CudaLayerOps& ops) {
+  std::vector<at::Tensor> parts = parts_of(*kv);
+  std::vector<at::Tensor> out = ops.pin_host(parts);
+  bool same = true;
+  for (size_t i = 0; i < parts.size(); ++i) same = same && out[i].is_same(parts[i]);
+  return same ? kv : std::make_shared<const DocumentKV>(with_parts(*kv, std::move(out)));
+}
+
 }  // namespace detail::store
 
 struct PICacheStore::Impl {
@@ -249,7 +277,54 @@ struct PICacheStore::Impl {
   TierStats remote_stats;
 
   bool disk_enabled() const { return options.disk_bytes > 0 && !options.disk_dir.empty(); }
+  // comb's CUDA ops when memory tier `t` is the host tier beside an enabled CUDA device tier and
+  // keeps its entries page-locked (StoreOptions::pinned_host); else null.
+  const detail::CudaLayerOps* pinning(size_t t) const {
+    if (!options.pinned_host || t == 0 || !memory[0].device.is_cuda() || !memory[0].enabled() ||
+        !memory[t].device.is_cpu())
+      return nullptr;
+    const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
+    return ops && ops->pin_host && ops->to_device_async ? ops : nullptr;
+  }
+  // A host tier entry (tier `t`) copied to the device tier in the storage dtype: page-locked ones
+  // on a side stream (to_device_async), others as DocumentKV::to copies.
+  DocumentKV promoted(size_t t, const DocumentKV& kv) const {
+    const detail::CudaLayerOps* ops = pinning(t);
+    if (!ops || kv.dtype() != dtype_for(kv)) return kv.to(memory[0].device, dtype_for(kv));
+    return detail::store::with_parts(kv, ops->to_device_async(detail::store::parts_of(kv), memory[0].device));
+  }
   std::string path_of(const CacheKey& k) const { return options.disk_dir + "/" + k.hex() + ".kv"; }
+  // `kv` as memory tier `t` keeps it: on its device, in the storage dtype, page-locked where it
+  // pins (copied there straight from the device when the dtype is the storage one). Where
+  // page-locked memory runs out, the entry is kept in pageable memory (logged once).
+  std::shared_ptr<const DocumentKV> converted(size_t t, std::shared_ptr<const DocumentKV> kv) {
+    const detail::CudaLayerOps* pin = pinning(t);
+    const bool same_dtype = kv->dtype() == dtype_for(*kv);
+    if (pin && same_dtype) {
+      try {
+        return detail::store::pinned(kv, *pin);
+      } catch (const std::exception& e) {
+        warn_unpinned(e);
+      }
+    }
+    if (kv->keys[0].device() != memory[t].device || !same_dtype)
+      kv = std::make_shared<const DocumentKV>(kv->to(memory[t].device, dtype_for(*kv)));
+    if (pin && !same_dtype) {
+      try {
+        return detail::store::pinned(kv, *pin);
+      } catch (const std::exception& e) {
+        warn_unpinned(e);
+      }
+    }
+    return kv;
+  }
+  bool warned_unpinned = false;
+  void warn_unpinned(const std::exception& e) {
+    if (!warned_unpinned)
+      log(LogLevel::warning, "cache store: host tier entries kept in pageable memory (page-locked memory failed: {})",
+          e.what());
+    warned_unpinned = true;
+  }
 
   // Inserts into memory tier `t` (or the ones after it), evicting LRU unpinned entries; never
   // exceeds a budget. An entry evicted from a tier moves to the next memory tier, if any.
@@ -261,8 +336,7 @@ struct PICacheStore::Impl {
       // ones is neither copied to its device nor allowed to evict anything.
       const int64_t bytes = storage_bytes(*kv);
       if (!fits(tier, bytes)) continue;
-      if (kv->keys[0].device() != tier.device || kv->dtype() != dtype_for(*kv))
-        kv = std::make_shared<const DocumentKV>(kv->to(tier.device, dtype_for(*kv)));
+      kv = converted(t, std::move(kv));
       std::vector<std::pair<CacheKey, std::shared_ptr<const DocumentKV>>> evicted;
       while (tier.stats.bytes + bytes > tier.budget) {  // ends: the unpinned bytes cover the excess
         auto victim = tier.lru.rbegin();
@@ -449,7 +523,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::Impl::get_local(cons
     std::shared_ptr<const DocumentKV> kv = it->second.kv;
     if (t > 0 && !it->second.pinned && fits(memory[0], it->second.bytes)) {  // promote to the fastest tier
       // The copy first: if it throws (device memory), the entry stays where it was.
-      auto moved = std::make_shared<const DocumentKV>(kv->to(memory[0].device, dtype_for(*kv)));
+      auto moved = std::make_shared<const DocumentKV>(promoted(t, *kv));
       memory[t].erase(key);
       return insert(0, key, moved);
     }
@@ -499,7 +573,10 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& 
   auto top = std::find_if(impl_->memory.begin(), impl_->memory.end(),
                           [&](const detail::store::MemoryTier& t) { return Impl::fits(t, bytes); });
   c10::Device where = top == impl_->memory.end() ? c10::Device(c10::kCPU) : top->device;
-  auto entry = std::make_shared<const DocumentKV>(kv.to(where, impl_->dtype_for(kv)));
+  const size_t tier = static_cast<size_t>(top - impl_->memory.begin());
+  auto entry = top != impl_->memory.end() && impl_->pinning(tier)  // page-locked: one copy
+                   ? impl_->converted(tier, std::make_shared<const DocumentKV>(kv))
+                   : std::make_shared<const DocumentKV>(kv.to(where, impl_->dtype_for(kv)));
   impl_->disk_write(key, *entry);
   auto stored = impl_->insert(0, key, entry);
   if (pinned)
