@@ -659,11 +659,11 @@ TEST_CASE("the host tier beside a CUDA device tier is page-locked and promotes o
   const bool ops = comb::detail::cuda_layer_ops() != nullptr;
   if (!ops) WARN("comb's CUDA ops are not loaded: the host tier is checked to be pageable");
   const c10::Device cuda(c10::kCUDA, 0);
-  auto every_part = [](const DocumentKV& kv, const std::function<bool(const at::Tensor&)>& p) {
+  auto parts = [](const DocumentKV& kv) {  // keys, values, then the scales
+    std::vector<at::Tensor> out;
     for (const auto* v : {&kv.keys, &kv.values, &kv.key_scales, &kv.value_scales})
-      for (const at::Tensor& t : *v)
-        if (!p(t)) return false;
-    return true;
+      out.insert(out.end(), v->begin(), v->end());
+    return out;
   };
   for (const bool pinned_host : {true, false})
     for (const c10::ScalarType dtype : {c10::ScalarType::Undefined, at::kChar}) {
@@ -692,10 +692,11 @@ TEST_CASE("the host tier beside a CUDA device tier is page-locked and promotes o
       auto host = store.get(key_of(0));
       REQUIRE(host);
       CHECK(host->keys[0].device().is_cpu());
-      CHECK(every_part(*host, [&](const at::Tensor& t) { return t.is_pinned() == (ops && pinned_host); }));
       std::vector<at::Tensor> want;
-      for (const auto* v : {&host->keys, &host->values, &host->key_scales, &host->value_scales})
-        for (const at::Tensor& t : *v) want.push_back(t.clone());
+      for (const at::Tensor& t : parts(*host)) {
+        CHECK(t.is_pinned() == (ops && pinned_host));
+        want.push_back(t.clone());
+      }
       for (int i = 0; i < 3; ++i) store.unpin(key_of(i));
       // Room on the device without demoting anything (1 and 2 replaced by small entries), so the
       // promotion's copy is not waited for by a copy to the host; read at once on the current stream.
@@ -703,13 +704,12 @@ TEST_CASE("the host tier beside a CUDA device tier is page-locked and promotes o
       REQUIRE(store.stats().device.entries == 2);
       auto moved = store.get(key_of(0));
       REQUIRE(moved);
-      size_t i = 0;
-      for (const auto* v : {&moved->keys, &moved->values, &moved->key_scales, &moved->value_scales})
-        for (const at::Tensor& t : *v) {
-          CHECK(t.device() == cuda);
-          CHECK(at::equal(t.cpu(), want.at(i++)));
-        }
-      CHECK(i == want.size());
+      const std::vector<at::Tensor> got = parts(*moved);
+      REQUIRE(got.size() == want.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        CHECK(got[i].device() == cuda);
+        CHECK(at::equal(got[i].cpu(), want[i]));
+      }
       if (dtype != at::kChar) CHECK(holds(moved, 1.0f));  // the entry put, as it was put
       auto s = store.stats();
       CHECK(s.device.entries == 3);

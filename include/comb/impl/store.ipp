@@ -298,24 +298,16 @@ struct PICacheStore::Impl {
   // pins (copied there straight from the device when the dtype is the storage one). Where
   // page-locked memory runs out, the entry is kept in pageable memory (logged once).
   std::shared_ptr<const DocumentKV> converted(size_t t, std::shared_ptr<const DocumentKV> kv) {
-    const detail::CudaLayerOps* pin = pinning(t);
-    const bool same_dtype = kv->dtype() == dtype_for(*kv);
-    if (pin && same_dtype) {
+    if (const detail::CudaLayerOps* pin = pinning(t)) {
+      if (kv->dtype() != dtype_for(*kv)) kv = std::make_shared<const DocumentKV>(kv->to(memory[t].device, dtype_for(*kv)));
       try {
         return detail::store::pinned(kv, *pin);
       } catch (const std::exception& e) {
         warn_unpinned(e);
       }
     }
-    if (kv->keys[0].device() != memory[t].device || !same_dtype)
+    if (kv->keys[0].device() != memory[t].device || kv->dtype() != dtype_for(*kv))
       kv = std::make_shared<const DocumentKV>(kv->to(memory[t].device, dtype_for(*kv)));
-    if (pin && !same_dtype) {
-      try {
-        return detail::store::pinned(kv, *pin);
-      } catch (const std::exception& e) {
-        warn_unpinned(e);
-      }
-    }
     return kv;
   }
   bool warned_unpinned = false;
