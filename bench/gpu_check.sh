@@ -42,7 +42,8 @@ want() { [[ "$steps" == *" $1 "* ]]; }
 if want 1; then
   step "1. comb_tests [cuda]"
   python3 "$here/make_random_llama.py" --shape 135m --tokenizer "$tok" --out "$work/135m" >/dev/null 2>&1
-  COMB_CUDA_MODEL=$work/135m timeout 180 "$tests" "[cuda]" > "$out/tests.txt" 2>&1
+  # Two cases load the default model (COMB_MODEL); where it was not brought, the random one of its shape.
+  COMB_MODEL=${COMB_MODEL:-$work/135m} COMB_CUDA_MODEL=$work/135m timeout 180 "$tests" "[cuda]" > "$out/tests.txt" 2>&1
   echo "rc $?"
   grep -B3 -A15 "FAILED" "$out/tests.txt" | head -60
   tail -3 "$out/tests.txt"
@@ -89,7 +90,7 @@ if want 6; then
   step "6. the serving engine's batched decoding step (8b, bf16)"
   for g in 0 1; do  # the kernels launched one by one, then replayed as a graph per bucket
     COMB_CUDA_PAGED_GRAPHS=$g timeout 150 "$comb" bench --model "$work/8b" --device cuda --dtype bfloat16 \
-      --prompt-tokens 128 --decode-tokens 64 --batch-decode 1,16,64 --repeat 1 > "$out/batch-decode-8b-graphs$g.txt" 2>&1
+      --prompt-tokens 128 --decode-tokens 256 --batch-decode 1,16,64 --repeat 1 > "$out/batch-decode-8b-graphs$g.txt" 2>&1
     echo "COMB_CUDA_PAGED_GRAPHS=$g rc $?"
     grep -E "^batch|decode" "$out/batch-decode-8b-graphs$g.txt"
   done

@@ -521,9 +521,7 @@ TEST_CASE("encode_packed on CUDA: one FlashAttention launch over variable length
   }
   std::vector<const std::vector<int32_t>*> ptrs;
   for (const auto& d : docs) ptrs.push_back(&d);
-  const char* varlen_env = std::getenv("COMB_CUDA_VARLEN");
-  REQUIRE_FALSE((varlen_env && std::string(varlen_env) == "1"));  // the reference below is the padded batch
-  const std::vector<DocumentKV> padded = plugin.encode_many(dec, docs, &states);
+  const std::vector<DocumentKV> padded = plugin.encode_padded(dec, ptrs, states);
   const std::vector<DocumentKV> varlen = plugin.encode_packed(dec, ptrs, states, /*varlen=*/true);
   const std::vector<DocumentKV> apart = plugin.encode_packed(dec, ptrs, states, /*varlen=*/false);
   int checked = 0;
@@ -581,7 +579,9 @@ TEST_CASE("the prefix cache fills a CUDA half cache in one launch, exactly", "[o
   auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(count_copies).needsInputs(false));
   prefix.fill(held, filled);
   at::removeCallback(handle);
-  CHECK(copy_calls == 0);  // the one launch, not a copy a block and layer
+  // The one launch uploads its table of pieces (one host-to-device copy); a copy a block and layer
+  // would be 2 x n_layer x 2.
+  CHECK(copy_calls <= 1);
   for (int64_t l = 0; l < dec.config().n_layer; ++l) {
     INFO("layer " << l);
     CHECK(at::equal(filled.keys(l).narrow(2, 0, 32), cache.keys(l).narrow(2, 0, 32)));
@@ -829,6 +829,7 @@ TEST_CASE("the serving engine on CUDA answers as PicEngine::generate, alone and 
     ServeOptions o;
     o.kv_bytes = int64_t(256) << 20;
     ServeEngine engine(m, o);
+    CHECK(engine.options().prefill_chunk == 2048);  // sized at start: a GPU's
     const Method methods[] = {Method::comb, Method::full, Method::prefix, Method::naive, Method::epic,
                               Method::cacheblend};
     std::vector<ServeRequest> requests;

@@ -398,6 +398,9 @@ TEST_CASE("serving: cancellation frees blocks, overload is refused, stop strings
   o.max_queued = 1;
   ServeEngine engine(m, o);
   const int64_t total = engine.stats().blocks_total;
+  CHECK(engine.options().prefill_chunk == 256);  // sized at start: the CPU's
+  o.prefill_chunk = -1;
+  CHECK_THROWS_WITH(ServeEngine(m, o), Catch::Contains("prefill chunk must be >= 0 tokens"));
 
   // A long request, cancelled after its first pieces.
   std::promise<ServeResult> long_done;

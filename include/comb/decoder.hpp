@@ -134,8 +134,8 @@ class Decoder {
   // has no CUDA ops the generic path runs either way.
   void set_cuda_kernels(bool on) { cuda_kernels_ = on; }
   // The server's paged step (step_paged) over rows without documents replayed as one CUDA graph
-  // per bucket of rows (comb's kernels, a half-precision CUDA decoder). Off by default until
-  // measured on a GPU; COMB_CUDA_PAGED_GRAPHS=1 in the environment turns it on.
+  // per bucket of rows (comb's kernels, a half-precision CUDA decoder). On by default (on one H200,
+  // docs/benchmarks.md); COMB_CUDA_PAGED_GRAPHS=0 in the environment turns it off.
   void set_cuda_paged_graphs(bool on) { cuda_paged_graphs_ = on; }
   // Whether a one-token step over `cache` takes the CUDA graph.
   bool cuda_graph_applies(const KVCache& cache) const;
@@ -269,7 +269,7 @@ class Decoder {
   at::Tensor rope_cos_, rope_sin_;  // [n_ctx, head_dim]
   bool cpu_kernels_ = true;
   bool cuda_kernels_ = true;
-  bool cuda_paged_graphs_ = false;  // from COMB_CUDA_PAGED_GRAPHS at construction
+  bool cuda_paged_graphs_ = true;  // from COMB_CUDA_PAGED_GRAPHS at construction
   // Who this decoder is to the paged step's graphs kept with a pool (they read its weights): a
   // graph made for a decoder since destroyed is never replayed.
   std::shared_ptr<const int> identity_ = std::make_shared<const int>(0);

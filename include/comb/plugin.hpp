@@ -157,10 +157,12 @@ class Plugin {
   // encode_many's documents (an encoder of the base's own layers) packed in one row sequence, after
   // `prefix_states`' encoder prefix: encode_padded's K/V without the padding, up to rounding
   // (Decoder::layer_packed; `varlen`: one FlashAttention launch a layer, a CUDA half base). On a
-  // CUDA half base encode_many runs it when COMB_CUDA_VARLEN=1 (not the default until a GPU run
-  // has compared it with the padded batch).
+  // CUDA half base encode_many runs it (COMB_CUDA_VARLEN=0 in the environment: the padded batch).
   std::vector<DocumentKV> encode_packed(const Decoder& base, const std::vector<const std::vector<int32_t>*>& documents,
                                         const KVCache& prefix_states, bool varlen) const;
+  // encoder_is_base(): documents [n_docs] through the base's cached forward as one padded batch.
+  std::vector<DocumentKV> encode_padded(const Decoder& base, const std::vector<const std::vector<int32_t>*>& documents,
+                                        const KVCache& prefix_states) const;
   // encode_many's batches (and Documents::decoder_kv_many's): indices of `documents`, by length
   // then tokens (so the same documents make the same batches in any order), padded tokens within
   // 5/4 of the real ones and 4096. On a GPU (`gpu`), where a forward costs its launches more than
@@ -307,9 +309,6 @@ class Plugin {
   };
   PaddedBatch padded_batch(const Decoder& base, const std::vector<const std::vector<int32_t>*>& documents,
                            const KVCache& prefix_states) const;
-  // encoder_is_base(): documents [n_docs] through the base's cached forward as one padded batch.
-  std::vector<DocumentKV> encode_padded(const Decoder& base, const std::vector<const std::vector<int32_t>*>& documents,
-                                        const KVCache& prefix_states) const;
   PluginConfig config_;
   PluginWeights weights_;
   ModelConfig base_config_;

@@ -43,8 +43,8 @@ struct StoreOptions {
   // budget for each size class that peaks, and more when entries' sizes change over time (it is
   // given back when an allocation fails; an entry that still cannot be page-locked is kept in
   // pageable memory, logged once). Needs comb's CUDA ops (not with COMB_CUDA_KERNELS=0). Off
-  // (pageable memory, plain copies) until a GPU run measures it; PicOptions::store_options turns
-  // it on with COMB_CUDA_PINNED_HOST=1.
+  // (pageable memory, plain copies) until a benchmark measures it (its CUDA tests pass on one
+  // H200); PicOptions::store_options turns it on with COMB_CUDA_PINNED_HOST=1.
   bool pinned_host = false;
   // The remote tier, shared by replicas: a Redis server, "redis://[:PASSWORD@]HOST[:PORT][/DB]"
   // ("": none). Looked up after the disk tier; a hit is promoted into the local tiers. Entries are

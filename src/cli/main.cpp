@@ -258,7 +258,8 @@ serve options (with the model options above; docs/serving.md):
                          on a GPU 90% of its free memory less twice --cache-mb and 2048, at least 1024)
   --block-tokens N       tokens per K/V block (default 16)
   --prefill-chunk N      prompt or document tokens computed between two decoding steps, at most
-                         (default 256)
+                         (default 256 on the CPU, 2048 on a GPU; a request's first piece is 64
+                         tokens on the CPU, a quarter of N on a GPU)
   --piece-ms MS          a prompt or document piece is sized to take about MS (from its last piece's
                          time and tokens): about the longest a new request waits (default 100;
                          0: --prefill-chunk tokens each)

@@ -384,7 +384,7 @@ int cmd_serve(Args& args) {
   o.max_running = args.num<int64_t>("max-running", 16);
   o.max_queued = args.num<int64_t>("max-queued", 64);
   o.max_tokens_in_flight = args.num<int64_t>("max-tokens-in-flight", 0);
-  o.prefill_chunk = args.num<int64_t>("prefill-chunk", 256);
+  o.prefill_chunk = args.num<int64_t>("prefill-chunk", 0);  // 0: by the device (ServeOptions)
   o.piece_ms = args.num<double>("piece-ms", o.piece_ms);
   o.prefill_share = args.num<double>("prefill-share", o.prefill_share);
   o.mixed_step = args.num<int>("mixed-step", 1) != 0;
@@ -397,7 +397,8 @@ int cmd_serve(Args& args) {
   const int port = static_cast<int>(port64);
   COMB_CHECK(o.max_running > 0, "--max-running should be at least 1, found {}", o.max_running);
   COMB_CHECK(o.max_queued >= 0, "--max-queued should be at least 0, found {}", o.max_queued);
-  COMB_CHECK(o.prefill_chunk > 0, "--prefill-chunk should be at least 1, found {}", o.prefill_chunk);
+  COMB_CHECK(!args.has("prefill-chunk") || o.prefill_chunk >= 1, "--prefill-chunk should be at least 1, found {}",
+             o.prefill_chunk);
   COMB_CHECK(o.piece_ms >= 0 && o.piece_ms <= 1e6, "--piece-ms should be 0 to 1000000, found {}", o.piece_ms);
   COMB_CHECK(o.prefill_share >= 0 && o.prefill_share <= 1e6, "--prefill-share should be 0 to 1000000, found {}",
              o.prefill_share);

@@ -28,12 +28,19 @@ __attribute__((weak)) void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor
 
 namespace comb {
 
+namespace detail::decoder {  // this file's own helpers
+// Whether the environment leaves `name` on (unset, or anything but "0"); read once per name.
+COMB_INLINE bool env_on(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+}  // namespace detail::decoder
+
 COMB_INLINE Decoder::Decoder(ModelConfig config, LlamaWeights weights, c10::ScalarType dtype, c10::Device device)
     : config_(std::move(config)), weights_(std::move(weights)), dtype_(dtype), device_(device) {
   std::tie(rope_cos_, rope_sin_) = rope_tables(config_, weights_.rope_freqs, config_.n_ctx, dtype_, device_);
   if (device_.is_cpu() && dtype_ == at::kFloat) prepack_onednn();
-  const char* graphs = std::getenv("COMB_CUDA_PAGED_GRAPHS");
-  cuda_paged_graphs_ = graphs != nullptr && std::strcmp(graphs, "1") == 0;
+  cuda_paged_graphs_ = detail::decoder::env_on("COMB_CUDA_PAGED_GRAPHS");
 }
 
 // NOTE: oneDNN's fp32 GEMM beats the BLAS library's on the prefill shapes (by 15-30% on the
@@ -718,14 +725,6 @@ COMB_INLINE at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache
 }
 
 // ---- The CUDA decoding step -----------------------------------------------------------------------
-
-namespace detail::decoder {  // this file's own helpers
-// Whether the environment leaves `name` on (unset, or anything but "0"); read once per name.
-COMB_INLINE bool env_on(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
-}  // namespace detail::decoder
 
 COMB_INLINE bool Decoder::cuda_kernels_apply(const KVCache& cache) const {
   const int64_t hd = config_.head_dim;  // (COMB_CUDA_KERNELS=0: no ops, detail/decode_step.hpp)

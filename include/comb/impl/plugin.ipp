@@ -618,10 +618,11 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
   for (const auto& d : documents) check_document(d);
   std::optional<KVCache> own;
   if (!prefix_states) prefix_states = &own.emplace(encoder_prefix_states(base));
-  // COMB_CUDA_VARLEN=1 on a CUDA half base: each batch packed, one FlashAttention launch a layer.
+  // On a CUDA half base each batch packed, one FlashAttention launch a layer (COMB_CUDA_VARLEN=0: the
+  // padded batch).
   static const bool varlen_asked = [] {
     const char* v = std::getenv("COMB_CUDA_VARLEN");
-    return v != nullptr && std::string(v) == "1";
+    return v == nullptr || std::string(v) != "0";
   }();
   const bool packed = varlen_asked && base.device().is_cuda() &&
                       (base.dtype() == at::kBFloat16 || base.dtype() == at::kHalf) && !at::GradMode::is_enabled();

@@ -86,7 +86,10 @@ COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
              dec.device().str(), c10::toString(dec.dtype()));
   COMB_CHECK(options_.max_running > 0, "max running requests must be > 0, found {}", options_.max_running);
   COMB_CHECK(options_.max_queued >= 0, "max queued requests must be >= 0, found {}", options_.max_queued);
-  COMB_CHECK(options_.prefill_chunk > 0, "prefill chunk must be > 0 tokens, found {}", options_.prefill_chunk);
+  COMB_CHECK(options_.prefill_chunk >= 0, "prefill chunk must be >= 0 tokens (0: sized at start), found {}",
+             options_.prefill_chunk);
+  if (options_.prefill_chunk == 0) options_.prefill_chunk = dec.device().is_cuda() ? 2048 : 256;
+  first_piece_ = std::min<int64_t>(options_.prefill_chunk, dec.device().is_cuda() ? options_.prefill_chunk / 4 : 64);
   COMB_CHECK(options_.piece_ms >= 0 && std::isfinite(options_.piece_ms), "piece time must be >= 0 ms, found {}",
              options_.piece_ms);
   COMB_CHECK(options_.prefill_share >= 0 && std::isfinite(options_.prefill_share),
@@ -492,7 +495,7 @@ COMB_INLINE void ServeEngine::loop() {
 COMB_INLINE int64_t ServeEngine::piece_tokens(const PieceRate& last) const {
   const int64_t most = options_.prefill_chunk, least = std::min<int64_t>(most, 16);
   if (options_.piece_ms <= 0) return most;
-  if (last.tokens <= 0 || last.ms <= 0) return std::min<int64_t>(most, 64);  // a first piece
+  if (last.tokens <= 0 || last.ms <= 0) return std::max<int64_t>(first_piece_, least);  // a first piece
   // A piece's time is about a fixed part (a read of every weight) plus a part per token that grows
   // with its position: scaled from the last piece, at most doubled or halved at once.
   const double scaled = static_cast<double>(last.tokens) * options_.piece_ms / last.ms;
