@@ -8,19 +8,22 @@
 # 3. bench/gpu.sh with the caching methods on DATA (items of the nq-multidoc-10 kind) for the 1b
 #    and 8b shapes (COMB_GPU_SHAPES, COMB_GPU_PIC_SHAPES to change), without the own-GEMV and
 #    generic columns;
-# 4. the caching methods' requests by operation (comb bench --profile 1, 1b shape);
-# 5. COMB's requests with the packed encoder (COMB_CUDA_VARLEN=1) against the padded batch (1b);
+# 4. the caching methods' requests by operation (comb bench --profile 1, 1b shape; first over 10
+#    further items, whose lengths the process has not met);
+# 5. COMB's requests with the packed encoder (the default) against the padded batch (COMB_CUDA_VARLEN=0; 1b);
 # 6. the serving engine's batched decoding step on the 8b shape (comb bench --batch-decode 1,16,64:
 #    tokens/s with 1, 16 and 64 sequences running, bf16, 128-token prompts), its kernels launched
 #    one by one and then replayed as CUDA graphs (COMB_CUDA_PAGED_GRAPHS=0, 1);
 # 7. comb serve on the 8b shape (bf16) under comb loadgen: DATA's first 20 items as the document
 #    pool, 16 tokens out, prefix caching then COMB at a few Poisson rates (COMB_GPU_SERVE_S seconds
 #    each, default 15), the decoding steps taking prompts' pieces (the mixed step);
-# 8. step 7's server with --mixed-step 0 at its higher rates.
-# COMB_GPU_CHECK_STEPS (default "1 2 3 4 5 6 7 8") picks the steps; 3 makes the models the later
+# 8. step 7's server with --mixed-step 0 at its higher rates;
+# 9. comb serve on the 8b shape under a plain load: 16 and 64 closed-loop clients (comb loadgen
+#    --concurrency), prompts of 48 words (about 128 tokens), 128 tokens out.
+# COMB_GPU_CHECK_STEPS (default "1 2 3 4 5 6 7 8 9") picks the steps; 3 makes the models the later
 # steps use. Each step's output goes to OUT_DIR (tests.txt, greedy-cuda-float32.txt, gpu.txt,
 # gpu.err.txt, pic-profile-1b.txt, varlen-1b.txt, batch-decode-8b-graphs{0,1}.txt, serve-8b.txt,
-# serve-8b.log, serve-8b-unmixed.txt, serve-8b-unmixed.log); a summary to stdout. COMB_BIN and
+# serve-8b.log, serve-8b-unmixed.txt, serve-8b-unmixed.log, serve-8b-plain.txt, serve-8b-plain.log); a summary to stdout. COMB_BIN and
 # COMB_TESTS name the binaries (default build/comb, build/tests/comb_tests); python3 with torch and
 # transformers is needed.
 set -uo pipefail
@@ -36,7 +39,7 @@ mkdir -p "$out" "$work"
 start=$(date +%s)
 step() { printf '[gpu_check +%ds] %s\n' "$(($(date +%s) - start))" "$*"; }
 export PYTHONUNBUFFERED=1
-steps=" ${COMB_GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8} "
+steps=" ${COMB_GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8 9} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 
 if want 1; then
@@ -75,11 +78,11 @@ if want 4; then
   step "4. the caching methods by operation (1b)"
   timeout 90 "$comb" "${pic[@]}" --pic-methods full,naive,comb --repeat 1 --profile 1 2>&1 | tr '\r' '\n' \
     | grep -v '^\[bench\] item' > "$out/pic-profile-1b.txt"
-  grep "requests (profiled" "$out/pic-profile-1b.txt"
+  grep "(profiled" "$out/pic-profile-1b.txt"
 fi
 
 if want 5; then
-  step "5. COMB with the packed encoder (COMB_CUDA_VARLEN=1) against the padded batch (1b)"
+  step "5. COMB with the packed encoder (the default) against the padded batch (COMB_CUDA_VARLEN=0; 1b)"
   for v in 0 1; do
     COMB_CUDA_VARLEN=$v timeout 60 "$comb" "${pic[@]}" --pic-methods full,comb --repeat 3 --json 2>/dev/null \
       | grep -v '"item"' | sed "s/^/varlen=$v /"
@@ -96,9 +99,25 @@ if want 6; then
   done
 fi
 
-# comb serve on the 8b shape under comb loadgen: serve_8b NAME "SERVE OPTIONS" PREFIX_RATES COMB_RATES
+serve_s=${COMB_GPU_SERVE_S:-15}
+# The retrieval load: DATA's items as the document pool, prefix caching then COMB at Poisson rates.
+retrieval_load() {
+  local port=$1 prefix_rates=$2 comb_rates=$3
+  timeout 100 "$comb" loadgen --port "$port" --data "$data" --items 20 --methods prefix --rates "$prefix_rates" \
+    --duration "$serve_s" --max-tokens 16
+  timeout 100 "$comb" loadgen --port "$port" --data "$data" --items 20 --methods comb --rates "$comb_rates" \
+    --duration "$serve_s" --max-tokens 16 | tail -n +2
+}
+# A plain decoding load: closed-loop clients, prompts of 48 words (about 128 tokens), 128 tokens out.
+plain_load() {
+  local port=$1 clients=$2
+  timeout 100 "$comb" loadgen --port "$port" --data "$data" --items 20 --concurrency "$clients" --prompt-words 48 \
+    --max-tokens 128 --warm 0 --duration "$serve_s"
+}
+# comb serve on the 8b shape under comb loadgen: serve_8b NAME "SERVE OPTIONS" LOAD [LOAD ARGS...]
 serve_8b() {
-  local name=$1 options=$2 prefix_rates=$3 comb_rates=$4 serve_s=${COMB_GPU_SERVE_S:-15}
+  local name=$1 options=$2 load=$3
+  shift 3
   rm -f "$work/serve.port"
   # shellcheck disable=SC2086
   "$comb" serve --model "$work/8b" --plugin "$work/8b.plugin.safetensors" --device cuda --dtype bfloat16 --port 0 \
@@ -111,10 +130,7 @@ serve_8b() {
     port=$(cat "$work/serve.port")
     head -n 2 "$out/$name.log"
     {
-      timeout 100 "$comb" loadgen --port "$port" --data "$data" --items 20 --methods prefix --rates "$prefix_rates" \
-        --duration "$serve_s" --max-tokens 16
-      timeout 100 "$comb" loadgen --port "$port" --data "$data" --items 20 --methods comb --rates "$comb_rates" \
-        --duration "$serve_s" --max-tokens 16 | tail -n +2
+      "$load" "$port" "$@"
       curl -s "http://127.0.0.1:$port/metrics" | grep -E '^comb_(mixed|decode)_' || true
     } 2>&1 | tee "$out/$name.txt"
   else
@@ -127,11 +143,15 @@ serve_8b() {
 
 if want 7; then
   step "7. comb serve on the 8b shape (bf16) under comb loadgen"
-  serve_8b serve-8b "" 2,8 2,8,32
+  serve_8b serve-8b "" retrieval_load 2,8,16 2,8,32
 fi
 
 if want 8; then
   step "8. the same without the mixed step (prompts' pieces between the decoding steps)"
-  serve_8b serve-8b-unmixed "--mixed-step 0" 8 8,32
+  serve_8b serve-8b-unmixed "--mixed-step 0" retrieval_load 8 8,32
+fi
+if want 9; then
+  step "9. comb serve on the 8b shape under a plain decoding load (16 and 64 clients)"
+  serve_8b serve-8b-plain "" plain_load 16,64
 fi
 step "done"

@@ -115,7 +115,9 @@ namespace {
 // drift of the machine falls on all of them alike; the ratio against the first method is taken
 // per item, then its median. Separate processes (bench/cost_table.sh) differ by 10% from load.
 // With `profile`, each method's cold and warm requests run once more over the items under the
-// operation profile (host time by operation: on a GPU, launches and the waits of copies to the host).
+// operation profile (host time by operation: on a GPU, launches and the waits of copies to the host),
+// after cold requests over as many further items of the file, whose lengths the process has not met
+// (on a GPU a new shape can cost what a seen one does not).
 int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, const std::string& method_list,
               const comb::PicOptions& options, int repeat, bool json, bool profile) {
   std::vector<comb::Method> methods;
@@ -165,11 +167,23 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
     }
   }
   if (profile) {
-    std::vector<comb::PicRequest> requests;
+    std::vector<comb::PicRequest> requests, unseen;
     for (const auto& item : items) requests.push_back(comb::qa_request(model, item.documents, item.question));
+    const auto further = comb::read_qa_items(data, 2 * n_items);
+    for (size_t i = items.size(); i < further.size(); ++i)
+      unseen.push_back(comb::qa_request(model, further[i].documents, further[i].question));
     const auto n = static_cast<int64_t>(requests.size());
     for (size_t m = 0; m < k; ++m) {
       const std::string name = comb::method_name(methods[m]);
+      if (!unseen.empty()) {  // every method meets them in turn: the first pays for shapes new to them all
+        engines[m]->clear();
+        const double new_us = op_profile::record([&] {
+          for (const auto& r : unseen) engines[m]->generate(r, first);
+        });
+        op_profile::print(name + ": cold requests of further items (lengths not met before)", "request",
+                          static_cast<int64_t>(unseen.size()), new_us,
+                          nlohmann::json{{"bench", "pic_profile"}, {"method", name}, {"phase", "cold_unseen"}}, json, 12);
+      }
       engines[m]->clear();
       // Cold: the engine's store emptied once, so each item's documents are new to it (a document
       // that two items share is warm the second time).

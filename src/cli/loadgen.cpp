@@ -3,13 +3,19 @@
 // documents are a pool that requests share, as in retrieval-augmented generation) with a caching
 // method named per run. With --documents prompt the documents are written into the user message
 // instead (the same text as comb's QA prompt), for any OpenAI-compatible server; the methods
-// then only label the runs. Prints completed requests/s, output tokens/s, time to first token p50 and
+// then only label the runs. With --concurrency the load is a closed loop instead: N clients, each
+// sending its next request when its last is answered; with --prompt-words a request is a user
+// message of that many words taken from the items' documents, with no documents of its own (a
+// plain serving load). Prints completed requests/s, output tokens/s, time to first token p50 and
 // p99 (measured by the client, to the first streamed token) and the share of prompt tokens read
 // from a cache.
 #include <httplib.h>
 
 #include <atomic>
+#include <cmath>
 #include <mutex>
+#include <random>
+#include <sstream>
 #include <thread>
 
 #include "comb/detail/json.hpp"
@@ -126,20 +132,35 @@ int cmd_loadgen(Args& args) {
   const bool warm = args.num<int>("warm", 1) != 0;
   const bool json_out = args.has("json");
   if (json_out) args.str("json");
+  // A run's load: a Poisson rate (requests/s), or with --concurrency a number of closed-loop clients.
+  const bool closed = args.has("concurrency");
+  COMB_CHECK(!(closed && args.has("rates")), "--rates (Poisson arrivals) and --concurrency (closed-loop clients) "
+             "exclude each other: give one");
   std::vector<double> rates;
-  for (const auto& r : split(args.str("rates", "1"))) {
+  for (const auto& r : split(closed ? args.str("concurrency") : args.str("rates", "1"))) {
     char* end = nullptr;
     const double v = std::strtod(r.c_str(), &end);
-    COMB_CHECK(end && *end == 0 && std::isfinite(v) && v > 0,
-               "--rates: each rate (requests per second, comma-separated) should be a number above 0, found '{}'", r);
+    if (closed)
+      COMB_CHECK(end && *end == 0 && v >= 1 && v <= 1024 && v == std::floor(v),
+                 "--concurrency: each count of clients (comma-separated) should be a whole number from 1 to 1024, "
+                 "found '{}'", r);
+    else
+      COMB_CHECK(end && *end == 0 && std::isfinite(v) && v > 0,
+                 "--rates: each rate (requests per second, comma-separated) should be a number above 0, found '{}'", r);
     rates.push_back(v);
   }
+  COMB_CHECK(!rates.empty(), "--{}: no value given", closed ? "concurrency" : "rates");
+  const int64_t prompt_words = args.num<int64_t>("prompt-words", 0);
+  COMB_CHECK(prompt_words >= 0 && prompt_words <= 100000, "--prompt-words should be 0 to 100000, found {}",
+             prompt_words);
   const std::string documents = args.str("documents", "field");
   COMB_CHECK(documents == "field" || documents == "prompt",
              "--documents should be field (comb's documents and method fields) or prompt (the documents written into "
              "the message, for any OpenAI-compatible server), found '{}'", documents);
   const bool in_prompt = documents == "prompt";
-  const std::vector<std::string> methods = split(args.str("methods", in_prompt ? "prompt" : "comb,prefix"));
+  COMB_CHECK(!(in_prompt && prompt_words > 0), "--prompt-words writes no documents: --documents prompt does not apply");
+  const std::vector<std::string> methods =
+      split(args.str("methods", in_prompt ? "prompt" : prompt_words > 0 ? "full" : "comb,prefix"));
   args.check_all_used();
   COMB_CHECK(duration > 0, "--duration should be above 0 seconds, found {}", duration);
 
@@ -155,12 +176,30 @@ int cmd_loadgen(Args& args) {
   }
   std::vector<QaItem> items = read_qa_items(data, pool);
   COMB_CHECK(!items.empty(), "'{}' has no items", data);
+  std::vector<std::string> words;  // --prompt-words: the items' documents' words, in order
+  if (prompt_words > 0) {
+    for (const auto& item : items)
+      for (const auto& doc : item.documents) {
+        std::istringstream in(doc.text);
+        for (std::string w; in >> w;) words.push_back(w);
+      }
+    COMB_CHECK(!words.empty(), "--prompt-words: the items of '{}' have no document text to take words from", data);
+  }
   auto body_for = [&](const QaItem& item, const std::string& method, std::mt19937_64& rng) {
     std::vector<QaDocument> docs = item.documents;
     std::shuffle(docs.begin(), docs.end(), rng);
     json j = {{"model", model}, {"max_tokens", max_tokens}, {"temperature", 0}, {"stream", true},
               {"stream_options", {{"include_usage", true}}}};
-    if (in_prompt) {  // the text comb's QA prompt holds, in one user message: instruction, documents, question
+    if (prompt_words > 0) {  // N words from a random place, wrapping around
+      const size_t at = std::uniform_int_distribution<size_t>(0, words.size() - 1)(rng);
+      std::string text;
+      for (int64_t i = 0; i < prompt_words; ++i) {
+        if (i) text += ' ';
+        text += words[(at + static_cast<size_t>(i)) % words.size()];
+      }
+      j["messages"] = json::array({{{"role", "user"}, {"content", text}}});
+      j["method"] = method;
+    } else if (in_prompt) {  // the text comb's QA prompt holds, in one user message: instruction, documents, question
       std::string text = std::string(kQaInstruction) + "\n\n";
       for (const auto& doc : docs) text += Documents::text(doc);
       text += qa_question_text(item.question);
@@ -174,11 +213,16 @@ int cmd_loadgen(Args& args) {
     }
     return j.dump();
   };
-  fmt::print(stderr, "[loadgen] {} items of {} as the document pool; {} s per run; methods {}; rates {}\n", items.size(),
-             data_name(data), duration, fmt::join(methods, ","), fmt::join(rates, ","));
+  if (prompt_words > 0)
+    fmt::print(stderr, "[loadgen] prompts of {} words from the documents of {} items of {}", prompt_words, items.size(),
+               data_name(data));
+  else
+    fmt::print(stderr, "[loadgen] {} items of {} as the document pool", items.size(), data_name(data));
+  fmt::print(stderr, "; {} s per run; methods {}; {} {}\n", duration, fmt::join(methods, ","),
+             closed ? "clients" : "rates", fmt::join(rates, ","));
   if (!json_out)
-    fmt::print("{:<8} {:>6} {:>5} {:>5} {:>4} {:>8} {:>8} {:>9} {:>9} {:>7}\n", "method", "rate", "sent", "done", "err",
-               "req/s", "tok/s", "ttft_p50", "ttft_p99", "cached");
+    fmt::print("{:<8} {:>6} {:>5} {:>5} {:>4} {:>8} {:>8} {:>9} {:>9} {:>7} {:>7}\n", "method", closed ? "conc" : "rate",
+               "sent", "done", "err", "req/s", "tok/s", "ttft_p50", "ttft_p99", "cached", "prompt");
   for (const auto& method : methods) {
     std::mt19937_64 rng(seed);
     if (warm) {  // every item once, one at a time: the caches a server has after a while
@@ -195,16 +239,31 @@ int cmd_loadgen(Args& args) {
       std::vector<Outcome> outcomes;
       std::vector<std::thread> threads;
       const auto start = clock_type::now();
-      double at = gap(rng);
-      while (at < duration) {
-        std::this_thread::sleep_until(start + std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(at)));
-        std::string body = body_for(items[pick(rng)], method, rng);
-        threads.emplace_back([&, body] {
-          Outcome o = one_request(host, port, body);
-          std::lock_guard<std::mutex> lock(mutex);
-          outcomes.push_back(o);
-        });
-        at += gap(rng);
+      if (closed) {  // each client sends its next request when its last is answered, until the duration
+        const auto end = start + std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(duration));
+        for (int c = 0; c < static_cast<int>(rate); ++c) {
+          std::mt19937_64 own(rng());  // a client's own draws: the threads share no generator
+          threads.emplace_back([&, own, pick]() mutable {
+            while (clock_type::now() < end) {
+              std::string body = body_for(items[pick(own)], method, own);
+              Outcome o = one_request(host, port, body);
+              std::lock_guard<std::mutex> lock(mutex);
+              outcomes.push_back(o);
+            }
+          });
+        }
+      } else {
+        double at = gap(rng);
+        while (at < duration) {
+          std::this_thread::sleep_until(start + std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(at)));
+          std::string body = body_for(items[pick(rng)], method, rng);
+          threads.emplace_back([&, body] {
+            Outcome o = one_request(host, port, body);
+            std::lock_guard<std::mutex> lock(mutex);
+            outcomes.push_back(o);
+          });
+          at += gap(rng);
+        }
       }
       for (auto& t : threads) t.join();
       const double elapsed = std::chrono::duration<double>(clock_type::now() - start).count();
@@ -228,20 +287,24 @@ int cmd_loadgen(Args& args) {
       const double req_s = done / elapsed, tok_s = tokens / elapsed;
       const double p50 = percentile(ttft, 0.5), p99 = percentile(ttft, 0.99);
       const double hit = prompt > 0 ? double(cached) / double(prompt) : 0;
+      const double prompt_mean = done > 0 ? double(prompt) / double(done) : 0;
       if (json_out) {
         json st = json::object();
         for (auto& [k, v] : statuses) st[std::to_string(k)] = v;
-        fmt::print("{}\n", json{{"method", method}, {"rate", rate}, {"sent", outcomes.size()}, {"completed", done},
+        fmt::print("{}\n", json{{"method", method}, {closed ? "concurrency" : "rate", closed ? json(static_cast<int64_t>(rate)) : json(rate)}, {"sent", outcomes.size()},
+                                {"completed", done}, {"prompt_tokens_mean", prompt_mean},
                                 {"errors", errors}, {"statuses", st}, {"elapsed_s", elapsed},
                                 {"requests_per_s", req_s}, {"output_tokens_per_s", tok_s}, {"ttft_p50_s", p50},
                                 {"ttft_p99_s", p99}, {"cache_hit_ratio", hit}}
                                .dump());
       } else {
-        fmt::print("{:<8} {:>6.2f} {:>5} {:>5} {:>4} {:>8.2f} {:>8.1f} {:>8.3f}s {:>8.3f}s {:>6.1f}%\n", method, rate,
-                   outcomes.size(), done, errors, req_s, tok_s, p50, p99, 100 * hit);
+        fmt::print("{:<8} {:>6.{}f} {:>5} {:>5} {:>4} {:>8.2f} {:>8.1f} {:>8.3f}s {:>8.3f}s {:>6.1f}% {:>7.0f}\n", method,
+                   rate, closed ? 0 : 2, outcomes.size(), done, errors, req_s, tok_s, p50, p99, 100 * hit, prompt_mean);
       }
       std::fflush(stdout);
-      if (!first_error.empty()) fmt::print(stderr, "[loadgen] {} at {}/s: first failure: {}\n", method, rate, first_error);
+      if (!first_error.empty())
+        fmt::print(stderr, "[loadgen] {} at {}{}: first failure: {}\n", method, rate, closed ? " clients" : "/s",
+                   first_error);
     }
   }
   return 0;

@@ -233,7 +233,8 @@ bench options:
                          time, without the operations it calls), and the time outside every operation
                          (the decoder's own C++ between them); with --pic-data, each method's cold
                          and warm requests once more over the items, time per request by operation
-                         (host time: on a GPU, launches and waits) (default 0)
+                         (host time: on a GPU, launches and waits), after cold requests over as many
+                         further items of the file, of lengths not met before (default 0)
   --pic-data FILE        instead: caching methods' TTFT on QA items (data format) in one process,
                          the methods alternated item by item: each item cold, then warm --repeat
                          times; p50s and the per-item ratio against the first method
@@ -296,6 +297,10 @@ loadgen options (no model loaded; docs/benchmarks.md):
                          question: the text of comb's QA prompt), for any OpenAI-compatible server
                          (llama.cpp's llama-server); --methods then only labels the runs
   --rates R1,R2          Poisson arrival rates, requests per second (default 1)
+  --concurrency N1,N2    instead of --rates: N closed-loop clients, each sending its next request when
+                         its last is answered
+  --prompt-words N       each request a user message of N words taken from the items' documents, with
+                         no documents (a plain serving load; --methods default full)
   --duration S           seconds of arrivals per run (default 30); the run then waits for them
   --max-tokens N         per request (default 16), greedy
   --warm 0|1             before a method's runs, every item once (default 1)

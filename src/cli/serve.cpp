@@ -454,10 +454,10 @@ int cmd_serve(Args& args) {
     std::filesystem::rename(port_file + ".tmp", port_file);
   }
   fmt::print(stderr, "[serve] http://{}:{} model '{}' method {} ({}), {} {}, K/V pool {} blocks of {} tokens ({} MiB), "
-             "up to {} running and {} queued\n", host, bound, name, method_name(o.method),
-             model.plugin() ? "plug-in loaded" : "no plug-in", model.decoder().device().str(),
+             "up to {} running and {} queued, prompts in pieces of up to {} tokens\n", host, bound, name,
+             method_name(o.method), model.plugin() ? "plug-in loaded" : "no plug-in", model.decoder().device().str(),
              c10::toString(model.decoder().dtype()), engine.stats().blocks_total, o.block_tokens,
-             engine.options().kv_bytes >> 20, o.max_running, o.max_queued);
+             engine.options().kv_bytes >> 20, o.max_running, o.max_queued, engine.options().prefill_chunk);
 
   std::atomic<bool> listen_ended{false};
   std::thread waiter([&] {

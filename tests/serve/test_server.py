@@ -284,6 +284,18 @@ def test_loadgen(s):
         rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
         ok = out.returncode == 0 and len(rows) == 1 and rows[0]["completed"] == rows[0]["sent"] and rows[0]["errors"] == 0
         check(ok, f"loadgen --documents {mode}: every request answered ({rows or out.stderr[-300:]})")
+    # Closed-loop clients with plain prompts of --prompt-words words (no documents).
+    out = subprocess.run([COMB, "loadgen", "--port", str(s.port), "--data", data, "--items", "3", "--concurrency", "2",
+                          "--prompt-words", "30", "--duration", "1", "--max-tokens", "4", "--warm", "0", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    ok = (out.returncode == 0 and len(rows) == 1 and rows[0]["concurrency"] == 2 and rows[0]["sent"] >= 2 and
+          rows[0]["completed"] == rows[0]["sent"] and rows[0]["errors"] == 0 and rows[0]["prompt_tokens_mean"] >= 30 and
+          rows[0]["method"] == "full")
+    check(ok, f"loadgen --concurrency 2 --prompt-words 30: every request answered ({rows or out.stderr[-300:]})")
+    out = subprocess.run([COMB, "loadgen", "--port", str(s.port), "--data", data, "--rates", "1", "--concurrency", "2"],
+                         capture_output=True, text=True, timeout=60)
+    check(out.returncode != 0 and "exclude each other" in out.stderr, f"loadgen: --rates with --concurrency refused ({out.stderr[-200:]!r})")
 
 
 def hostile_requests(model):

@@ -29,7 +29,7 @@ __attribute__((weak)) void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor
 namespace comb {
 
 namespace detail::decoder {  // this file's own helpers
-// Whether the environment leaves `name` on (unset, or anything but "0"); read once per name.
+// Whether the environment leaves `name` on (unset, or anything but "0").
 COMB_INLINE bool env_on(const char* name) {
   const char* v = std::getenv(name);
   return v == nullptr || std::strcmp(v, "0") != 0;

@@ -624,8 +624,11 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
     const char* v = std::getenv("COMB_CUDA_VARLEN");
     return v == nullptr || std::string(v) != "0";
   }();
+  // With comb's CUDA ops loaded (built for Ampere and Hopper; not with COMB_CUDA_KERNELS=0), as
+  // the fused layers that the packed rows go through are.
   const bool packed = varlen_asked && base.device().is_cuda() &&
-                      (base.dtype() == at::kBFloat16 || base.dtype() == at::kHalf) && !at::GradMode::is_enabled();
+                      (base.dtype() == at::kBFloat16 || base.dtype() == at::kHalf) && !at::GradMode::is_enabled() &&
+                      detail::cuda_layer_ops() != nullptr;
   for (const auto& indices : encoding_batches(documents, base.device().is_cuda())) {
     std::vector<const std::vector<int32_t>*> batch;
     for (size_t i : indices) batch.push_back(&documents[i]);
