@@ -1,6 +1,7 @@
 // Post-training PIC methods in the engine: prefix reuse, exact RoPE re-rotation, and the settings
 // where naive, CacheBlend and EPIC must equal full prefill.
 #include <catch2/catch.hpp>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <set>
@@ -165,6 +166,45 @@ TEST_CASE("placing cached K/V at a later position equals computing them there, o
   KVCache other = tiny().decoder().make_cache(1, 64);
   at::Tensor k = at::zeros({1, default_model().config().n_head_kv, 8, default_model().config().head_dim});
   CHECK_THROWS_AS(default_model().decoder().place(0, other, 4, k, k), Error);
+}
+
+namespace {
+int fingerprints = 0;  // base_fingerprint computations seen by count_fingerprints
+std::unique_ptr<at::ObserverContext> count_fingerprints(const at::RecordFunction& fn) {
+  if (std::string(fn.name()) == "comb::base_fingerprint") ++fingerprints;
+  return nullptr;
+}
+}  // namespace
+
+// It reads the whole embedding (on a GPU a copy of it to the host): a fresh store (PicEngine::clear,
+// a new Documents) must not compute it again.
+TEST_CASE("a decoder's fingerprint is computed once, not again for each fresh document store", "[pic]") {
+  c10::InferenceMode guard;
+  const Model& m = default_model();
+  REQUIRE(m.decoder().weights().fingerprint.empty());  // float weights: the memo's path
+  const std::string first = base_fingerprint(m.decoder());
+  fingerprints = 0;
+  auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(count_fingerprints).needsInputs(false));
+  PicEngine engine(m, Method::naive, PicOptions{});
+  const PicRequest r = qa_request(m, {{"Alpha", "The alpha station was built in 1931."}, {"Beta", "Beta is a river town."}},
+                                  "When was the alpha station built?");
+  GenerateOptions one;
+  one.max_tokens = 1;
+  for (int i = 0; i < 2; ++i) {
+    engine.clear();
+    engine.generate(r, one);
+  }
+  at::removeCallback(handle);
+  CHECK(fingerprints == 0);
+  CHECK(base_fingerprint(m.decoder()) == first);
+  // A decoder of its own (the same weights) computes its own, once, with the same value.
+  Decoder other(m.decoder().config(), m.decoder().weights(), m.decoder().dtype(), m.decoder().device());
+  fingerprints = 0;
+  handle = at::addThreadLocalCallback(at::RecordFunctionCallback(count_fingerprints).needsInputs(false));
+  CHECK(base_fingerprint(other) == first);
+  CHECK(base_fingerprint(other) == first);
+  at::removeCallback(handle);
+  CHECK(fingerprints == 1);
 }
 
 TEST_CASE("naive with one document equals full", "[pic]") {

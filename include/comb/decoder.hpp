@@ -276,6 +276,14 @@ class Decoder {
   // The CUDA decoding step, made on first use; one caller at a time.
   mutable std::shared_ptr<detail::DecodeStep> cuda_step_;
   mutable std::shared_ptr<std::mutex> cuda_step_mutex_ = std::make_shared<std::mutex>();
+  // base_fingerprint(), computed once per decoder (it reads the whole embedding: on a GPU a copy of
+  // it to the host), shared by copies of the decoder, which share its weights.
+  struct FingerprintMemo {
+    std::once_flag once;
+    std::string value;
+  };
+  std::shared_ptr<FingerprintMemo> fingerprint_ = std::make_shared<FingerprintMemo>();
+  friend std::string base_fingerprint(const Decoder& base);
   at::Tensor cuda_step(int64_t token, KVCache& cache) const;
   at::Tensor layer_cuda(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const;
   // step_paged's path off the fused CPU kernels (generic ATen ops; the CUDA norm and activation
@@ -302,7 +310,8 @@ class Decoder {
 };
 
 // A fingerprint of a base decoder: its dimensions and (bf16-rounded) embedding and norms, so that
-// the same base loaded from GGUF or safetensors, in any dtype, gives the same string.
+// the same base loaded from GGUF or safetensors, in any dtype, gives the same string. Computed on
+// the first call for a decoder, then remembered.
 std::string base_fingerprint(const Decoder& base);
 
 }  // namespace comb

@@ -1264,9 +1264,14 @@ COMB_INLINE at::Tensor Decoder::paged_kernels_step(BlockPool& pool, const at::Te
 COMB_INLINE std::string base_fingerprint(const Decoder& base) {
   const auto& w = base.weights();
   if (!w.fingerprint.empty()) return w.fingerprint;  // weights kept quantized: computed on load
-  BaseFingerprint f(base.config());
-  for (const at::Tensor* t : {&w.tok_embd, &w.output_norm, &w.layers[0].attn_norm, &w.layers[0].wqkv}) f.add(*t);
-  return f.finish();
+  Decoder::FingerprintMemo& memo = *base.fingerprint_;
+  std::call_once(memo.once, [&] {
+    RECORD_FUNCTION("comb::base_fingerprint", std::vector<c10::IValue>());
+    BaseFingerprint f(base.config());
+    for (const at::Tensor* t : {&w.tok_embd, &w.output_norm, &w.layers[0].attn_norm, &w.layers[0].wqkv}) f.add(*t);
+    memo.value = f.finish();
+  });
+  return memo.value;
 }
 
 }  // namespace comb
