@@ -173,6 +173,9 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
     const auto further = comb::read_qa_items(data, 2 * n_items);
     for (size_t i = items.size(); i < further.size(); ++i)
       unseen.push_back(comb::qa_request(model, further[i].documents, further[i].question));
+    if (unseen.empty())
+      fmt::print(stderr, "[bench] --profile: the file has no items beyond the {} measured: no profile of lengths not met "
+                 "before\n", items.size());
     const auto n = static_cast<int64_t>(requests.size());
     for (size_t m = 0; m < k; ++m) {
       const std::string name = comb::method_name(methods[m]);

@@ -243,12 +243,18 @@ int cmd_loadgen(Args& args) {
         const auto end = start + std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(duration));
         for (int c = 0; c < static_cast<int>(rate); ++c) {
           std::mt19937_64 own(rng());  // a client's own draws: the threads share no generator
-          threads.emplace_back([&, own, pick]() mutable {
+          threads.emplace_back([&, own, pick, end]() mutable {
             while (clock_type::now() < end) {
               std::string body = body_for(items[pick(own)], method, own);
               Outcome o = one_request(host, port, body);
-              std::lock_guard<std::mutex> lock(mutex);
-              outcomes.push_back(o);
+              const bool failed = o.status != 200 || !o.error.empty();
+              {
+                std::lock_guard<std::mutex> lock(mutex);
+                outcomes.push_back(o);
+              }
+              // A refused or failed request (429 past the server's queue, a lost server) is not sent
+              // again at once: a second, the Retry-After comb serve names, or the run's end.
+              if (failed) std::this_thread::sleep_until(std::min(end, clock_type::now() + std::chrono::seconds(1)));
             }
           });
         }
