@@ -124,8 +124,14 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
   std::vector<comb::Method> methods;
   for (const auto& name : split_list(method_list)) methods.push_back(comb::parse_method(name));
   if (methods.size() < 2) throw Error("--pic-methods: expected two methods or more, comma separated, found '" + method_list + "'");
-  auto items = comb::read_qa_items(data, n_items);
+  // With `profile`, as many further items too (one read of the file), kept apart for its first section.
+  auto items = comb::read_qa_items(data, profile ? 2 * n_items : n_items);
   if (items.empty()) throw Error("--pic-data: no item in '" + data + "'");
+  std::vector<comb::QaItem> further;
+  if (static_cast<int64_t>(items.size()) > n_items) {
+    further.assign(items.begin() + n_items, items.end());
+    items.resize(static_cast<size_t>(n_items));
+  }
   std::vector<std::unique_ptr<comb::PicEngine>> engines;
   for (auto m : methods) engines.push_back(std::make_unique<comb::PicEngine>(model, m, options));
   comb::GenerateOptions first;
@@ -170,9 +176,7 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
   if (profile) {
     std::vector<comb::PicRequest> requests, unseen;
     for (const auto& item : items) requests.push_back(comb::qa_request(model, item.documents, item.question));
-    const auto further = comb::read_qa_items(data, 2 * n_items);
-    for (size_t i = items.size(); i < further.size(); ++i)
-      unseen.push_back(comb::qa_request(model, further[i].documents, further[i].question));
+    for (const auto& item : further) unseen.push_back(comb::qa_request(model, item.documents, item.question));
     if (unseen.empty())
       fmt::print(stderr, "[bench] --profile: the file has no items beyond the {} measured: no profile of lengths not met "
                  "before\n", items.size());

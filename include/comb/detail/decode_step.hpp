@@ -7,10 +7,18 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <vector>
 
 namespace comb::detail {
+
+// Whether the environment leaves the CUDA path's switch `name` on: unset, or anything but "0".
+inline bool env_on(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
 
 // What the step reads of a decoder: its sizes and dense weights (all on one CUDA device, one dtype).
 struct DecodeStepSpec {

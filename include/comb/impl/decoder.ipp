@@ -28,19 +28,11 @@ __attribute__((weak)) void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor
 
 namespace comb {
 
-namespace detail::decoder {  // this file's own helpers
-// Whether the environment leaves `name` on (unset, or anything but "0").
-COMB_INLINE bool env_on(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
-}  // namespace detail::decoder
-
 COMB_INLINE Decoder::Decoder(ModelConfig config, LlamaWeights weights, c10::ScalarType dtype, c10::Device device)
     : config_(std::move(config)), weights_(std::move(weights)), dtype_(dtype), device_(device) {
   std::tie(rope_cos_, rope_sin_) = rope_tables(config_, weights_.rope_freqs, config_.n_ctx, dtype_, device_);
   if (device_.is_cpu() && dtype_ == at::kFloat) prepack_onednn();
-  cuda_paged_graphs_ = detail::decoder::env_on("COMB_CUDA_PAGED_GRAPHS");
+  cuda_paged_graphs_ = detail::env_on("COMB_CUDA_PAGED_GRAPHS");
 }
 
 // NOTE: oneDNN's fp32 GEMM beats the BLAS library's on the prefill shapes (by 15-30% on the
@@ -736,7 +728,7 @@ COMB_INLINE bool Decoder::cuda_kernels_apply(const KVCache& cache) const {
 }
 
 COMB_INLINE bool Decoder::cuda_graph_applies(const KVCache& cache) const {
-  static const bool env = detail::decoder::env_on("COMB_CUDA_GRAPHS");
+  static const bool env = detail::env_on("COMB_CUDA_GRAPHS");
   return env && detail::decode_step_factory() != nullptr && cuda_kernels_apply(cache);
 }
 

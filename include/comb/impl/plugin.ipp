@@ -620,10 +620,7 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
   if (!prefix_states) prefix_states = &own.emplace(encoder_prefix_states(base));
   // On a CUDA half base each batch packed, one FlashAttention launch a layer (COMB_CUDA_VARLEN=0: the
   // padded batch).
-  static const bool varlen_asked = [] {
-    const char* v = std::getenv("COMB_CUDA_VARLEN");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  static const bool varlen_asked = detail::env_on("COMB_CUDA_VARLEN");
   // With comb's CUDA ops loaded (built for Ampere and Hopper; not with COMB_CUDA_KERNELS=0), as
   // the fused layers that the packed rows go through are.
   const bool packed = varlen_asked && base.device().is_cuda() &&
