@@ -10,19 +10,22 @@
 #    generic columns;
 # 4. the caching methods' requests by operation (comb bench --profile 1, 1b shape; first over 10
 #    further items, whose lengths the process has not met);
-# 5. COMB's requests with the packed encoder (the default) against the padded batch (COMB_CUDA_VARLEN=0; 1b);
+# 5. COMB's requests with the packed encoder (the default) against the padded batch (COMB_CUDA_VARLEN=0; 1b),
+#    then full's, naive's and COMB's with short forwards as CUDA graphs (the default) against the
+#    fused layers launched one by one (COMB_CUDA_GRAPHS=0; 1b);
 # 6. the serving engine's batched decoding step on the 8b shape (comb bench --batch-decode 1,16,64:
 #    tokens/s with 1, 16 and 64 sequences running, bf16, 128-token prompts), its kernels launched
 #    one by one and then replayed as CUDA graphs (COMB_CUDA_PAGED_GRAPHS=0, 1);
 # 7. comb serve on the 8b shape (bf16) under comb loadgen: DATA's first 20 items as the document
 #    pool, 16 tokens out, prefix caching then COMB at a few Poisson rates (COMB_GPU_SERVE_S seconds
-#    each, default 15), the decoding steps taking prompts' pieces (the mixed step);
+#    each, default 15), then full and naive reuse at 2 requests/s (warm TTFT against full's at
+#    COMB's lowest rate), the decoding steps taking prompts' pieces (the mixed step);
 # 8. step 7's server with --mixed-step 0 at its higher rates;
 # 9. comb serve on the 8b shape under a plain load: 16 and 64 closed-loop clients (comb loadgen
 #    --concurrency), prompts of 48 words (about 128 tokens), 128 tokens out.
 # COMB_GPU_CHECK_STEPS (default "1 2 3 4 5 6 7 8 9") picks the steps; 3 makes the models the later
 # steps use. Each step's output goes to OUT_DIR (tests.txt, greedy-cuda-float32.txt, gpu.txt,
-# gpu.err.txt, pic-profile-1b.txt, varlen-1b.txt, batch-decode-8b-graphs{0,1}.txt, serve-8b.txt,
+# gpu.err.txt, pic-profile-1b.txt, varlen-1b.txt, graphs-1b.txt, batch-decode-8b-graphs{0,1}.txt, serve-8b.txt,
 # serve-8b.log, serve-8b-unmixed.txt, serve-8b-unmixed.log, serve-8b-plain.txt, serve-8b-plain.log); a summary to stdout. COMB_BIN and
 # COMB_TESTS name the binaries (default build/comb, build/tests/comb_tests); python3 with torch and
 # transformers is needed.
@@ -82,11 +85,15 @@ if want 4; then
 fi
 
 if want 5; then
-  step "5. COMB with the packed encoder (the default) against the padded batch (COMB_CUDA_VARLEN=0; 1b)"
+  step "5. COMB with the packed encoder against the padded batch (COMB_CUDA_VARLEN=0/1), short forwards launched and as graphs (COMB_CUDA_GRAPHS=0/1; 1b)"
   for v in 0 1; do
     COMB_CUDA_VARLEN=$v timeout 60 "$comb" "${pic[@]}" --pic-methods full,comb --repeat 3 --json 2>/dev/null \
       | grep -v '"item"' | sed "s/^/varlen=$v /"
   done | tee "$out/varlen-1b.txt"
+  for g in 0 1; do  # a warm request's question and a decoding step: launched, then one graph
+    COMB_CUDA_GRAPHS=$g timeout 60 "$comb" "${pic[@]}" --pic-methods full,naive,comb --repeat 3 --json 2>/dev/null \
+      | grep -v '"item"' | sed "s/^/graphs=$g /"
+  done | tee "$out/graphs-1b.txt"
 fi
 
 if want 6; then
@@ -100,13 +107,18 @@ if want 6; then
 fi
 
 serve_s=${COMB_GPU_SERVE_S:-15}
-# The retrieval load: DATA's items as the document pool, prefix caching then COMB at Poisson rates.
+# The retrieval load: DATA's items as the document pool, prefix caching then COMB at Poisson rates,
+# then (when given) full and naive reuse at other rates, for warm TTFT against full's at one rate.
 retrieval_load() {
-  local port=$1 prefix_rates=$2 comb_rates=$3
+  local port=$1 prefix_rates=$2 comb_rates=$3 other_rates=${4:-}
   timeout 180 "$comb" loadgen --port "$port" --data "$data" --items 20 --methods prefix --rates "$prefix_rates" \
     --duration "$serve_s" --max-tokens 16 || echo "prefix caching's load: rc $?"
   timeout 100 "$comb" loadgen --port "$port" --data "$data" --items 20 --methods comb --rates "$comb_rates" \
     --duration "$serve_s" --max-tokens 16 | tail -n +2
+  if [ -n "$other_rates" ]; then
+    timeout 100 "$comb" loadgen --port "$port" --data "$data" --items 20 --methods full,naive --rates "$other_rates" \
+      --duration "$serve_s" --max-tokens 16 | tail -n +2
+  fi
 }
 # A plain decoding load: closed-loop clients, prompts of 48 words (about 128 tokens), 128 tokens out.
 plain_load() {
@@ -143,7 +155,7 @@ serve_8b() {
 
 if want 7; then
   step "7. comb serve on the 8b shape (bf16) under comb loadgen"
-  serve_8b serve-8b "" retrieval_load 2,8,16 2,8,32
+  serve_8b serve-8b "" retrieval_load 2,8,16 2,8,32 2
 fi
 
 if want 8; then

@@ -320,8 +320,8 @@ TEST_CASE("the fused CUDA layers and the one-launch decoding step match the gene
   }
   for (int64_t pos = 0; pos < 20; ++pos) {
     const int64_t token = fed[pos % fed.size(0)].item<int64_t>();
-    at::Tensor x = launched->run(token, pos, ak, av);
-    at::Tensor y = replayed->run(token, pos, bk, bv);
+    at::Tensor x = launched->run({token}, pos, ak, av, {});
+    at::Tensor y = replayed->run({token}, pos, bk, bv, {});
     INFO("position " << pos);
     REQUIRE(at::equal(x, y));
   }
@@ -330,7 +330,156 @@ TEST_CASE("the fused CUDA layers and the one-launch decoding step match the gene
     CHECK(at::equal(a.values(l).narrow(2, 0, 20), b.values(l).narrow(2, 0, 20)));
   }
   // Past the cache: an error naming it, nothing launched.
-  CHECK_THROWS_WITH(replayed->run(1, 32, bk, bv), Catch::Contains("past the cache's capacity 32"));
+  CHECK_THROWS_WITH(replayed->run({1}, 32, bk, bv, {}), Catch::Contains("past the cache's capacity 32"));
+  // A bucket past the cache: 3 tokens run as 4 rows, one more than the 3 positions left.
+  CHECK_THROWS_WITH(replayed->run({1, 2, 3}, 29, bk, bv, {}), Catch::Contains("a bucket of 4"));
+}
+
+namespace {
+int layer_cuda_calls = 0;  // comb::layer_cuda records seen by count_layer_cuda
+std::unique_ptr<at::ObserverContext> count_layer_cuda(const at::RecordFunction& fn) {
+  if (std::string(fn.name()) == "comb::layer_cuda") ++layer_cuda_calls;
+  return nullptr;
+}
+
+// Joint blocks for a decoder's forward: joint[layer] where defined, nothing else (no residual block).
+class TestJoint final : public LayerReads {
+ public:
+  explicit TestJoint(std::vector<JointKV> joint) : joint_(std::move(joint)) {}
+  bool changes_state() const override { return false; }
+  const JointKV* joint(int64_t layer) const override {
+    return joint_[layer].keys.defined() ? &joint_[layer] : nullptr;
+  }
+
+ private:
+  std::vector<JointKV> joint_;
+};
+}  // namespace
+
+TEST_CASE("the graph step runs short forwards in buckets of rows, with joint blocks, as the fused layers do",
+          "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  CudaModels models = cuda_models();
+  const Decoder& f32 = models.f32.decoder();
+  const Decoder& bf16 = models.bf16.decoder();
+  const auto& c = bf16.config();
+  auto gen = at::detail::createCPUGenerator(29);
+  // Joined keys for two layers (30 and 7 of them, a bias on one), read by rows from position 20 on.
+  const int64_t anchor = 20;
+  std::vector<JointKV> joint_bf16(c.n_layer), joint_f32(c.n_layer);
+  for (int64_t layer : {int64_t(1), c.n_layer - 1}) {
+    const int64_t m = layer == 1 ? 30 : 7;
+    at::Tensor k = (at::randn({1, c.n_head_kv, m, c.head_dim}, gen) * 2).to(at::kCUDA, at::kBFloat16);
+    at::Tensor v = at::randn({1, c.n_head_kv, m, c.head_dim}, gen).to(at::kCUDA, at::kBFloat16);
+    at::Tensor bias = layer == 1 ? at::randn({c.n_head}, gen).to(at::kCUDA) : at::Tensor();
+    joint_bf16[layer] = JointKV{k, v, {}, bias, anchor};
+    joint_f32[layer] = JointKV{k.to(at::kFloat), v.to(at::kFloat), {}, bias, anchor};  // the same values
+  }
+  const TestJoint reads_bf16(joint_bf16), reads_f32(joint_f32);
+  at::Tensor fed = at::randint(c.n_vocab, {1, 140}, gen);
+  // Pieces of 1, 3 (a bucket of 4), 17 (32), 64 and 12 tokens, then one-token steps: the last
+  // row's logits of each, the pieces straddling the anchor.
+  const std::vector<int64_t> pieces{1, 3, 17, 64, 12, 1, 1, 1};
+  // How each forward runs: the graph step (the last row), or the fused layers (every row, the
+  // last kept) which a forward asking for every row's logits takes.
+  auto run = [&](const Decoder& d, const LayerReads* reads, LogitsMode mode) {
+    KVCache cache = d.make_cache(1, 200);
+    std::vector<at::Tensor> out;
+    int64_t at = 0;
+    for (int64_t n : pieces) {
+      at::Tensor logits = d.forward(fed.narrow(1, at, n).to(d.device()), cache, mode, reads);
+      out.push_back(logits[0][-1].cpu());
+      at += n;
+    }
+    return std::make_pair(at::stack(out), cache.keys(c.n_layer - 1).narrow(2, 0, at).cpu());
+  };
+  for (const bool with_documents : {false, true}) {
+    INFO((with_documents ? "with" : "without") << " joint blocks");
+    const LayerReads* rb = with_documents ? &reads_bf16 : nullptr;
+    const LayerReads* rf = with_documents ? &reads_f32 : nullptr;
+    REQUIRE(bf16.cuda_graph_applies(bf16.make_cache(1, 8)));
+    auto [want, want_k] = run(f32, rf, LogitsMode::last);
+    layer_cuda_calls = 0;
+    auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(count_layer_cuda).needsInputs(false));
+    auto [layers, layers_k] = run(bf16, rb, LogitsMode::all);
+    const int by_layers = layer_cuda_calls;
+    auto [got, got_k] = run(bf16, rb, LogitsMode::last);
+    at::removeCallback(handle);
+    // The fused layers ran the four pieces of several tokens (one-token ones take the step either
+    // way); the forwards asking for the last row alone ran none.
+    CHECK(by_layers == 4 * c.n_layer);
+    CHECK(layer_cuda_calls == by_layers);
+    const auto [err_got, rms_got, err_layers, rms_layers] = spread(got, layers, want);
+    INFO("|logit - float32|, max and root mean square: graph step " << err_got << ", " << rms_got << "; fused layers "
+                                                                   << err_layers << ", " << rms_layers);
+    // The same roundings at the same steps; the sums' order differs: cuBLAS's GEMMs see a bucket's
+    // rows (up to 64) instead of the piece's, the attention's split count is the bucket's, and the
+    // output norm is the fused kernel instead of Decoder::logits' ATen one. Two equally rounded
+    // walks, each as near float32 as the other; over 8 rows of logits (fewer than the one-token
+    // case's 144) as the paged step's 18-row case allows: half again, twice for the largest.
+    CHECK(rms_got <= 1.5 * rms_layers);
+    CHECK(err_got <= 2 * err_layers);
+    check_clear_top(got, layers, 2 * (err_got + err_layers));
+    // The last layer's keys as near each other, relative to their size, as the logits are to
+    // float32's (twice, for the two walks), as in the one-token case.
+    const auto rms = [](const at::Tensor& t) { return t.to(at::kFloat).pow(2).mean().sqrt().item<double>(); };
+    CHECK(rms(got_k.to(at::kFloat) - layers_k.to(at::kFloat)) / rms(layers_k) <= 2 * rms_layers / rms(want));
+  }
+
+  // Where the step does not fit, the forward runs the layers: a bucket past the cache (17 tokens
+  // run as 32 rows, 20 positions left), joined keys with a padding mask.
+  {
+    layer_cuda_calls = 0;
+    auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(count_layer_cuda).needsInputs(false));
+    KVCache tight = bf16.make_cache(1, 20);
+    at::Tensor by_layers = bf16.forward(fed.narrow(1, 0, 17).to(at::kCUDA), tight, LogitsMode::last);
+    CHECK(layer_cuda_calls == c.n_layer);
+    CHECK(tight.length() == 17);
+    std::vector<JointKV> masked = joint_bf16;
+    masked[1].valid = at::ones({1, masked[1].keys.size(2)}, at::TensorOptions().dtype(at::kBool).device(at::kCUDA));
+    const TestJoint reads_masked(masked);
+    KVCache roomy = bf16.make_cache(1, 64);
+    layer_cuda_calls = 0;
+    at::Tensor masked_logits = bf16.forward(fed.narrow(1, 0, 5).to(at::kCUDA), roomy, LogitsMode::last, &reads_masked);
+    at::removeCallback(handle);
+    // Every layer but 1, whose joined keys carry a mask, takes the fused path (layer 1 the generic one).
+    CHECK(layer_cuda_calls == c.n_layer - 1);
+    CHECK(roomy.length() == 5);
+    CHECK(at::isfinite(by_layers).all().item<bool>());
+    CHECK(at::isfinite(masked_logits).all().item<bool>());
+  }
+
+  // Replayed against launched, in every bucket, with the joined keys: equal, and the same caches.
+  auto spec = bf16.decode_step_spec();
+  auto launched = comb::detail::decode_step_factory()(spec, /*graph=*/false);
+  auto replayed = comb::detail::decode_step_factory()(spec, /*graph=*/true);
+  KVCache a = bf16.make_cache(1, 200), b = bf16.make_cache(1, 200);
+  std::vector<at::Tensor> ak, av, bk, bv;
+  std::vector<comb::detail::StepJoined> joined(c.n_layer);
+  for (int64_t l = 0; l < c.n_layer; ++l) {
+    ak.push_back(a.keys(l)), av.push_back(a.values(l)), bk.push_back(b.keys(l)), bv.push_back(b.values(l));
+    if (joint_bf16[l].keys.defined())
+      joined[l] = {joint_bf16[l].keys[0].contiguous(), joint_bf16[l].values[0].contiguous(), joint_bf16[l].bias, anchor};
+  }
+  int64_t at = 0;
+  for (int64_t n : {1, 2, 3, 5, 9, 17, 33, 64, 1}) {
+    const at::Tensor t = fed[0].narrow(0, at % 70, n).contiguous();
+    const std::vector<int64_t> ids(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
+    at::Tensor x = launched->run(ids, at, ak, av, joined);
+    at::Tensor y = replayed->run(ids, at, bk, bv, joined);
+    INFO(n << " rows at position " << at);
+    REQUIRE(at::equal(x, y));
+    at += n;
+  }
+  for (int64_t l = 0; l < c.n_layer; ++l) {  // the real rows' positions (past them: padding)
+    CHECK(at::equal(a.keys(l).narrow(2, 0, at), b.keys(l).narrow(2, 0, at)));
+    CHECK(at::equal(a.values(l).narrow(2, 0, at), b.values(l).narrow(2, 0, at)));
+  }
+  // Joined keys of another type: refused by name, nothing run.
+  std::vector<comb::detail::StepJoined> wrong = joined;
+  wrong[1].keys = wrong[1].keys.to(at::kFloat);
+  CHECK_THROWS_WITH(replayed->run({1}, at, bk, bv, wrong), Catch::Contains("layer 1's joined keys"));
 }
 
 TEST_CASE("join_documents places int8, float32 and half documents as a float32 rotation would", "[ops][cuda]") {

@@ -72,6 +72,9 @@ class LayerReads {
     (void)layer, (void)start;
     return x;
   }
+  // Whether before() may return other than x itself (a residual cross block): a forward that reads
+  // only joint() may take the CUDA graph step.
+  virtual bool changes_state() const { return true; }
   // What layer `layer`'s attention reads beside its context (joint_attention()), or nullptr.
   virtual const JointKV* joint(int64_t layer) const {
     (void)layer;
@@ -128,8 +131,10 @@ class Decoder {
   bool cpu_kernels() const { return cpu_kernels_ && device_.is_cpu() && dtype_ == c10::kFloat; }
   // On a CUDA device with dense float16 or bfloat16 weights, one sequence's layers run comb's fused
   // CUDA kernels (RMSNorm, RoPE with the cache append, SwiGLU's activation, attention of few rows
-  // with the documents' keys in the same softmax; detail/decode_step.hpp), and a one-token step
-  // without documents runs as one captured CUDA graph of them. Off (or COMB_CUDA_KERNELS=0 in the
+  // with the documents' keys in the same softmax; detail/decode_step.hpp), and a short forward (up
+  // to 64 tokens: a decoding step, a warm request's question; with a plug-in's joint blocks or no
+  // documents) runs as one captured CUDA graph of them, one per bucket of rows (1, 2, 4, ..., 64),
+  // the tokens padded up to it. Off (or COMB_CUDA_KERNELS=0 in the
   // environment): generic ATen ops only; COMB_CUDA_GRAPHS=0 leaves out the graph alone. Where comb
   // has no CUDA ops the generic path runs either way.
   void set_cuda_kernels(bool on) { cuda_kernels_ = on; }
@@ -137,7 +142,8 @@ class Decoder {
   // per bucket of rows (comb's kernels, a half-precision CUDA decoder). On by default (on one H200,
   // docs/benchmarks.md); COMB_CUDA_PAGED_GRAPHS=0 in the environment turns it off.
   void set_cuda_paged_graphs(bool on) { cuda_paged_graphs_ = on; }
-  // Whether a one-token step over `cache` takes the CUDA graph.
+  // Whether short forwards over `cache` may take the CUDA graphs (forward() also needs room in the
+  // cache for the padded bucket, and reads of joint blocks only).
   bool cuda_graph_applies(const KVCache& cache) const;
   // Whether layers over `cache` take the fused CUDA kernels.
   bool cuda_kernels_apply(const KVCache& cache) const;
@@ -284,7 +290,10 @@ class Decoder {
   };
   std::shared_ptr<FingerprintMemo> fingerprint_ = std::make_shared<FingerprintMemo>();
   friend std::string base_fingerprint(const Decoder& base);
-  at::Tensor cuda_step(int64_t token, KVCache& cache) const;
+  // forward()'s short forward as the graph step: n <= detail::kStepRowsMax tokens [1, n] whose
+  // bucket fits the cache, reading `reads` (null, or joint blocks alone); an undefined tensor when
+  // the reads do not fit the step (nothing run).
+  at::Tensor cuda_step(const at::Tensor& tokens, KVCache& cache, const LayerReads* reads) const;
   at::Tensor layer_cuda(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const;
   // step_paged's path off the fused CPU kernels (generic ATen ops; the CUDA norm and activation
   // kernels on a CUDA half decoder).

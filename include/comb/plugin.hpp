@@ -341,6 +341,7 @@ class DocumentReads final : public LayerReads {
                                  std::vector<std::vector<at::Tensor>> values);
 
   at::Tensor before(int64_t layer, const at::Tensor& x, int64_t start) const override;
+  bool changes_state() const override { return mode_ == Mode::residual; }
   const JointKV* joint(int64_t layer) const override;
   JointSegments segments(int64_t layer) const override;
 

@@ -602,6 +602,12 @@ std::unique_ptr<at::cuda::CUDAGraph> capture_on_side(c10::Device device, const s
   return graph;
 }
 
+// The short-forward step (comb::detail::DecodeStep): per bucket of rows (1, 2, 4, ..., 64) static
+// buffers and a graph over them. Everything a replay reads of the request lies in the bucket's
+// parameter block, copied to the device before each run:
+//   [kParamPosition, kParamCapacity, kParamToken (unused)], each layer's keys then values address
+//   (k::kParamCaches, 2 n_layer), each layer's joined keys as k::RowsAttention::joined_params reads
+//   them (k::kJoinedParams each), the bucket's tokens (rows), the last real row's index.
 class GraphDecodeStep final : public comb::detail::DecodeStep {
  public:
   GraphDecodeStep(const comb::detail::DecodeStepSpec& spec, bool graph) : s_(spec), graph_wanted_(graph) {
@@ -623,134 +629,185 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
     check(s_.rope_sin, "rope_sin");
     for (const auto& l : s_.layers)
       for (const at::Tensor& t : l) check(t, "a layer weight");
-    c10::cuda::CUDAGuard guard(device_);
-    const auto opts = e.options();
-    const int64_t q_dim = s_.n_head * hd, qkv_dim = q_dim + 2 * s_.n_head_kv * hd;
-    params_ = at::zeros({comb::detail::cuda::kParamCaches + 2 * L}, opts.dtype(at::kLong));
-    x_ = at::empty({1, s_.n_embd}, opts);
-    normed_ = at::empty({1, s_.n_embd}, opts);
-    qkv_ = at::empty({1, qkv_dim}, opts);
-    q_ = at::empty({1, q_dim}, opts);
-    attn_ = at::empty({1, q_dim}, opts);
-    o_ = at::empty({1, s_.n_embd}, opts);
-    gate_up_ = at::empty({1, 2 * s_.n_ff}, opts);
-    act_ = at::empty({1, s_.n_ff}, opts);
-    down_ = at::empty({1, s_.n_embd}, opts);
-    logits_ = at::empty({1, s_.n_vocab}, opts);
-    logits_f32_ = at::empty({1, s_.n_vocab}, opts.dtype(at::kFloat));
-    // NOTE: the graph's grid is fixed: as many splits as fill the device, whatever the length
-    // (splits past a short context find no key and end at once).
-    n_split_ = split_count(e, s_.n_head_kv, 1, int64_t(1) << 20);
-    partial_ = at::empty({s_.n_head, n_split_, hd + 2}, opts.dtype(at::kFloat));
     // NOTE: comb's GEMV took 5.18 ms a token at the 8B shape on an H200 against cuBLAS's 4.82
-    // (docs/benchmarks.md): cuBLAS by default, comb's with COMB_CUDA_GEMV=1.
+    // (docs/benchmarks.md): cuBLAS by default, comb's with COMB_CUDA_GEMV=1 (one row only).
     const char* gemv_env = std::getenv("COMB_CUDA_GEMV");
     gemv_ = gemv_env != nullptr && std::string(gemv_env) == "1";
     gemv_blocks_ = gemv_blocks(e);
   }
 
-  at::Tensor run(int64_t token, int64_t position, const std::vector<at::Tensor>& keys,
-                 const std::vector<at::Tensor>& values) override {
-    const int64_t L = s_.n_layer;
+  at::Tensor run(const std::vector<int64_t>& tokens, int64_t position, const std::vector<at::Tensor>& keys,
+                 const std::vector<at::Tensor>& values, const std::vector<comb::detail::StepJoined>& joined) override {
+    const int64_t L = s_.n_layer, n = static_cast<int64_t>(tokens.size());
+    COMB_CHECK(n >= 1 && n <= comb::detail::kStepRowsMax, "the decoding step: {} tokens (1 to {})", n,
+               comb::detail::kStepRowsMax);
     COMB_CHECK(static_cast<int64_t>(keys.size()) == L && static_cast<int64_t>(values.size()) == L,
                "the decoding step: caches of {} and {} layers for {}", keys.size(), values.size(), L);
-    COMB_CHECK(token >= 0 && token < s_.n_vocab, "the decoding step: token {} outside [0, {})", token, s_.n_vocab);
+    COMB_CHECK(joined.empty() || static_cast<int64_t>(joined.size()) == L,
+               "the decoding step: joined keys for {} layers of {} (none, or one entry a layer)", joined.size(), L);
+    for (int64_t t : tokens)
+      COMB_CHECK(t >= 0 && t < s_.n_vocab, "the decoding step: token {} outside [0, {})", t, s_.n_vocab);
+    const int64_t rows = comb::detail::step_bucket(n);
     const int64_t capacity = keys[0].size(2);
-    COMB_CHECK(position >= 0 && position < capacity && position < s_.rope_cos.size(0),
-               "the decoding step: position {} past the cache's capacity {}", position, capacity);
-    std::vector<int64_t> p(comb::detail::cuda::kParamCaches + 2 * L);
-    p[comb::detail::cuda::kParamPosition] = position;
-    p[comb::detail::cuda::kParamCapacity] = capacity;
-    p[comb::detail::cuda::kParamToken] = token;
+    COMB_CHECK(position >= 0 && position + rows <= capacity && position + rows <= s_.rope_cos.size(0),
+               "the decoding step: {} rows (a bucket of {}) at position {} past the cache's capacity {} or the "
+               "context's {}", n, rows, position, capacity, s_.rope_cos.size(0));
+    const int64_t P = k::kParamCaches + 2 * L, T = P + k::kJoinedParams * L;
+    std::vector<int64_t> p(T + rows + 1, 0);
+    p[k::kParamPosition] = position;
+    p[k::kParamCapacity] = capacity;
     for (int64_t l = 0; l < L; ++l) {
       for (const at::Tensor* t : {&keys[l], &values[l]}) {
-        COMB_CHECK(t->device() == device_ && t->scalar_type() == x_.scalar_type() && t->is_contiguous() &&
+        COMB_CHECK(t->device() == device_ && t->scalar_type() == s_.tok_embd.scalar_type() && t->is_contiguous() &&
                        t->dim() == 4 && t->size(0) == 1 && t->size(1) == s_.n_head_kv && t->size(2) == capacity &&
                        t->size(3) == s_.head_dim,
                    "the decoding step: layer {}'s cache should be contiguous [1, {}, {}, {}] {} on {}, found [{}]", l,
-                   s_.n_head_kv, capacity, s_.head_dim, c10::toString(x_.scalar_type()), device_.str(),
+                   s_.n_head_kv, capacity, s_.head_dim, c10::toString(s_.tok_embd.scalar_type()), device_.str(),
                    fmt::join(t->sizes(), ", "));
       }
-      p[comb::detail::cuda::kParamCaches + l] = reinterpret_cast<int64_t>(keys[l].data_ptr());
-      p[comb::detail::cuda::kParamCaches + L + l] = reinterpret_cast<int64_t>(values[l].data_ptr());
+      p[k::kParamCaches + l] = reinterpret_cast<int64_t>(keys[l].data_ptr());
+      p[k::kParamCaches + L + l] = reinterpret_cast<int64_t>(values[l].data_ptr());
+      if (joined.empty() || !joined[l].keys.defined()) continue;
+      const comb::detail::StepJoined& j = joined[l];
+      const int64_t m = j.keys.dim() >= 2 ? j.keys.size(-2) : 0;
+      for (const at::Tensor* t : {&j.keys, &j.values}) {
+        COMB_CHECK(t->defined() && t->device() == device_ && t->scalar_type() == s_.tok_embd.scalar_type() &&
+                       t->is_contiguous() && (t->dim() == 3 || (t->dim() == 4 && t->size(0) == 1)) &&
+                       t->size(-3) == s_.n_head_kv && t->size(-2) == m && t->size(-1) == s_.head_dim,
+                   "the decoding step: layer {}'s joined keys and values should be contiguous [{}, m, {}] {} on {}",
+                   l, s_.n_head_kv, s_.head_dim, c10::toString(s_.tok_embd.scalar_type()), device_.str());
+      }
+      if (j.bias.defined())
+        COMB_CHECK(j.bias.device() == device_ && j.bias.scalar_type() == at::kFloat && j.bias.is_contiguous() &&
+                       j.bias.numel() == s_.n_head,
+                   "the decoding step: layer {}'s joined bias should be contiguous float32 [{}] on {}", l, s_.n_head,
+                   device_.str());
+      if (m == 0) continue;
+      int64_t* at = p.data() + P + k::kJoinedParams * l;
+      at[0] = reinterpret_cast<int64_t>(j.keys.data_ptr());
+      at[1] = reinterpret_cast<int64_t>(j.values.data_ptr());
+      at[2] = j.bias.defined() ? reinterpret_cast<int64_t>(j.bias.data_ptr()) : 0;
+      at[3] = m;
+      at[4] = j.anchor;
     }
+    std::copy(tokens.begin(), tokens.end(), p.begin() + T);  // the padding: token 0
+    p[T + rows] = n - 1;
     c10::cuda::CUDAGuard guard(device_);
+    Bucket& b = bucket(rows);
     // From pageable memory: the copy has read `p` when it returns.
-    params_.copy_(at::from_blob(p.data(), {static_cast<int64_t>(p.size())}, at::kLong));
+    b.params.copy_(at::from_blob(p.data(), {static_cast<int64_t>(p.size())}, at::kLong));
     if (!graph_wanted_) {
-      body();
+      body(b);
     } else {
-      if (!graph_) capture();
-      graph_->replay();
+      if (!b.graph) {
+        if (!pool_) pool_ = at::cuda::graph_pool_handle();
+        b.graph = capture_on_side(device_, [&] { body(b); }, pool_);
+      }
+      b.graph->replay();
     }
-    return logits_f32_.clone().view({1, 1, s_.n_vocab});
+    return b.logits_f32.clone().view({1, 1, s_.n_vocab});
   }
 
  private:
-  // out [1, n] = in [1, k] times w [n, k] transposed: cuBLAS, or with COMB_CUDA_GEMV=1 comb's GEMV
-  // where it takes the shapes.
+  struct Bucket {
+    int64_t rows = 0, n_split = 1;
+    at::Tensor params;                   // int64, the layout above
+    at::Tensor x, normed, o, down;       // [rows, n_embd]
+    at::Tensor qkv, q, attn, gate_up, act, partial;
+    at::Tensor last;                     // [1, n_embd]: the last real row's normed state
+    at::Tensor logits, logits_f32;       // [1, n_vocab]
+    std::unique_ptr<at::cuda::CUDAGraph> graph;
+  };
+
+  Bucket& bucket(int64_t rows) {
+    auto it = buckets_.find(rows);
+    if (it != buckets_.end()) return it->second;
+    // Plain tensors whatever mode the first run of this bucket was in: a later run outside
+    // InferenceMode writes them in place.
+    c10::InferenceMode plain(false);
+    Bucket b;
+    const auto opts = s_.tok_embd.options();
+    const int64_t L = s_.n_layer, hd = s_.head_dim, q_dim = s_.n_head * hd, qkv_dim = q_dim + 2 * s_.n_head_kv * hd;
+    b.rows = rows;
+    b.params = at::zeros({k::kParamCaches + (2 + k::kJoinedParams) * L + rows + 1}, opts.dtype(at::kLong));
+    for (at::Tensor* t : {&b.x, &b.normed, &b.o, &b.down}) *t = at::empty({rows, s_.n_embd}, opts);
+    b.qkv = at::empty({rows, qkv_dim}, opts);
+    b.q = at::empty({rows, q_dim}, opts);
+    b.attn = at::empty({rows, q_dim}, opts);
+    b.gate_up = at::empty({rows, 2 * s_.n_ff}, opts);
+    b.act = at::empty({rows, s_.n_ff}, opts);
+    b.last = at::empty({1, s_.n_embd}, opts);
+    b.logits = at::empty({1, s_.n_vocab}, opts);
+    b.logits_f32 = at::empty({1, s_.n_vocab}, opts.dtype(at::kFloat));
+    // NOTE: the graph's grid is fixed: as many splits as fill the device, whatever the length
+    // (splits past a short context find no key and end at once).
+    b.n_split = split_count(s_.tok_embd, s_.n_head_kv, rows, int64_t(1) << 20);
+    b.partial = at::empty({rows, s_.n_head, b.n_split, hd + 2}, opts.dtype(at::kFloat));
+    return buckets_.emplace(rows, std::move(b)).first->second;
+  }
+
+  // out [rows, n] = in [rows, k] times w [n, k] transposed: cuBLAS, or with COMB_CUDA_GEMV=1 comb's
+  // GEMV for one row where it takes the shapes.
   void linear(const at::Tensor& out, const at::Tensor& in, const at::Tensor& w, cudaStream_t stream) {
-    if (gemv_ && k::gemv(type_, w.data_ptr(), in.data_ptr(), out.data_ptr(), w.size(0), w.size(1), gemv_blocks_,
-                         stream) == cudaSuccess)
+    if (gemv_ && in.size(0) == 1 &&
+        k::gemv(type_, w.data_ptr(), in.data_ptr(), out.data_ptr(), w.size(0), w.size(1), gemv_blocks_, stream) ==
+            cudaSuccess)
       return;
     (void)cudaGetLastError();  // a refused launch leaves no error behind
     at::mm_out(const_cast<at::Tensor&>(out), in, w.t());
   }
 
-  // The step's launches, every one over the static buffers.
-  void body() {
-    namespace ck = comb::detail::cuda;
+  // The step's launches, every one over the bucket's buffers.
+  void body(Bucket& b) {
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     const float eps = static_cast<float>(s_.rms_eps);
-    const int64_t L = s_.n_layer;
-    ck::CacheAt at;  // each layer's cache through the parameter block, read at replay
-    at.params = params_.data_ptr<int64_t>(), at.n_layer = L;
-    at::index_select_out(x_, s_.tok_embd, 0, params_.narrow(0, ck::kParamToken, 1));
-    check_launch(ck::add_rms_norm(type_, x_.data_ptr(), nullptr, s_.layers[0][0].data_ptr(), normed_.data_ptr(), 1,
-                                  s_.n_embd, eps, stream),
+    const int64_t L = s_.n_layer, R = b.rows, P = k::kParamCaches + 2 * L, T = P + k::kJoinedParams * L;
+    const int64_t* params = b.params.data_ptr<int64_t>();
+    k::CacheAt at;  // each layer's cache through the parameter block, read at replay
+    at.params = params, at.n_layer = L;
+    at::index_select_out(b.x, s_.tok_embd, 0, b.params.narrow(0, T, R));
+    check_launch(k::add_rms_norm(type_, b.x.data_ptr(), nullptr, s_.layers[0][0].data_ptr(), b.normed.data_ptr(), R,
+                                 s_.n_embd, eps, stream),
                  "the decoding step");
     for (int64_t l = 0; l < L; ++l) {
       const auto& w = s_.layers[l];
-      linear(qkv_, normed_, w[1], stream);
+      linear(b.qkv, b.normed, w[1], stream);
       at.layer = l;
-      check_launch(ck::rope_store(type_, qkv_.data_ptr(), s_.rope_cos.data_ptr(), s_.rope_sin.data_ptr(), at,
-                                  q_.data_ptr(), 1, s_.n_head, s_.n_head_kv, s_.head_dim, stream),
+      check_launch(k::rope_store(type_, b.qkv.data_ptr(), s_.rope_cos.data_ptr(), s_.rope_sin.data_ptr(), at,
+                                 b.q.data_ptr(), R, s_.n_head, s_.n_head_kv, s_.head_dim, stream),
                    "the decoding step");
-      ck::RowsAttention a;
-      a.q = q_.data_ptr(), a.cache = at, a.out = attn_.data_ptr();
-      a.partial = partial_.data_ptr<float>(), a.n_rows = 1, a.n_split = n_split_, a.n_head = s_.n_head;
+      k::RowsAttention a;
+      a.q = b.q.data_ptr(), a.cache = at, a.out = b.attn.data_ptr(), a.joined_params = params + P + k::kJoinedParams * l;
+      a.partial = b.partial.data_ptr<float>(), a.n_rows = R, a.n_split = b.n_split, a.n_head = s_.n_head;
       a.n_head_kv = s_.n_head_kv, a.head_dim = s_.head_dim;
-      check_launch(ck::rows_attention(type_, a, stream), "the decoding step");
-      linear(o_, attn_, w[2], stream);
-      check_launch(ck::add_rms_norm(type_, x_.data_ptr(), o_.data_ptr(), w[3].data_ptr(), normed_.data_ptr(), 1,
-                                    s_.n_embd, eps, stream),
+      check_launch(k::rows_attention(type_, a, stream), "the decoding step");
+      linear(b.o, b.attn, w[2], stream);
+      check_launch(k::add_rms_norm(type_, b.x.data_ptr(), b.o.data_ptr(), w[3].data_ptr(), b.normed.data_ptr(), R,
+                                   s_.n_embd, eps, stream),
                    "the decoding step");
-      linear(gate_up_, normed_, w[4], stream);
-      check_launch(ck::silu_mul(type_, gate_up_.data_ptr(), act_.data_ptr(), 1, s_.n_ff, stream), "the decoding step");
-      linear(down_, act_, w[5], stream);
+      linear(b.gate_up, b.normed, w[4], stream);
+      check_launch(k::silu_mul(type_, b.gate_up.data_ptr(), b.act.data_ptr(), R, s_.n_ff, stream), "the decoding step");
+      linear(b.down, b.act, w[5], stream);
       // The residual add, then the next layer's norm (or the output norm).
       const at::Tensor& next_norm = l + 1 < L ? s_.layers[l + 1][0] : s_.output_norm;
-      check_launch(ck::add_rms_norm(type_, x_.data_ptr(), down_.data_ptr(), next_norm.data_ptr(), normed_.data_ptr(),
-                                    1, s_.n_embd, eps, stream),
+      check_launch(k::add_rms_norm(type_, b.x.data_ptr(), b.down.data_ptr(), next_norm.data_ptr(), b.normed.data_ptr(),
+                                   R, s_.n_embd, eps, stream),
                    "the decoding step");
     }
-    linear(logits_, normed_, s_.output, stream);
-    logits_f32_.copy_(logits_);
+    // The head over the last real row alone (its index read at replay).
+    at::index_select_out(b.last, b.normed, 0, b.params.narrow(0, T + R, 1));
+    linear(b.logits, b.last, s_.output, stream);
+    b.logits_f32.copy_(b.logits);
   }
-
-  void capture() { graph_ = capture_on_side(device_, [this] { body(); }); }
 
   comb::detail::DecodeStepSpec s_;
   bool graph_wanted_;
   k::Half type_ = k::Half::bf16;
   c10::Device device_{c10::kCUDA};
-  int64_t n_split_ = 1;
   bool gemv_ = false;
   int gemv_blocks_ = 1;
-  at::Tensor params_;  // int64 [kParamCaches + 2 n_layer]
-  at::Tensor x_, normed_, o_, down_;  // [1, n_embd]
-  at::Tensor qkv_, q_, attn_, gate_up_, act_, logits_, logits_f32_, partial_;
-  std::unique_ptr<at::cuda::CUDAGraph> graph_;
+  std::map<int64_t, Bucket> buckets_;  // by rows
+  std::optional<c10::MempoolId_t> pool_;  // every bucket's graph: they replay one after another on one stream
 };
 
 // The paged step's graphs, one per bucket (comb::detail::PagedGraphs).

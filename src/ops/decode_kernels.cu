@@ -227,7 +227,19 @@ struct Joined {
   const T* values = nullptr;
   const float* bias = nullptr;
   int64_t m = 0, anchor = 0;
+  const int64_t* params = nullptr;  // when set: the fields above read from it (RowsAttention::joined_params)
 };
+template <typename T>
+__device__ inline Joined<T> resolve_joined(const Joined<T>& j) {
+  if (!j.params) return j;
+  Joined<T> r;
+  r.keys = reinterpret_cast<const T*>(j.params[0]);
+  r.values = reinterpret_cast<const T*>(j.params[1]);
+  r.bias = reinterpret_cast<const float*>(j.params[2]);
+  r.m = r.keys ? j.params[3] : 0;
+  r.anchor = j.params[4];
+  return r;
+}
 
 // Block (KV head, split, row): row r (at position at.position + r) reads the joined keys (when its
 // position is past the anchor) followed by its context [0, position], as one sequence split into
@@ -235,11 +247,12 @@ struct Joined {
 // scored against each key once it is loaded; the warps' partial softmaxes are merged in shared
 // memory and written as (output, log-sum-exp) per query head.
 template <typename T, int E>
-__global__ void rows_attention_kernel(const T* q, CacheAt at, Joined<T> joined, float* partial, int n_split, int n_head, int n_head_kv) {
+__global__ void rows_attention_kernel(const T* q, CacheAt at, Joined<T> joined_at, float* partial, int n_split, int n_head, int n_head_kv) {
   constexpr int HD = 32 * E;
   __shared__ float merge[kAttnWarps][kMaxGroup][HD + 2];
   const int kvh = blockIdx.x, split = blockIdx.y, row = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const CacheView<T> cache = resolve<T>(at);
+  const Joined<T> joined = resolve_joined(joined_at);
   const int64_t position = row_position(at, cache, row), capacity = cache.capacity;
   const int64_t m = joined.m > 0 && position >= joined.anchor ? joined.m : 0;
   const T* joined_keys = joined.keys + kvh * joined.m * HD;
@@ -346,6 +359,7 @@ cudaError_t launch_attention(const RowsAttention& a, cudaStream_t stream) {
   joined.bias = a.joined_bias;
   joined.m = a.joined_keys ? a.n_joined : 0;
   joined.anchor = a.anchor;
+  joined.params = a.joined_params;
   rows_attention_kernel<T, E><<<dim3(a.n_head_kv, a.n_split, a.n_rows), kAttnWarps * 32, 0, stream>>>(
       static_cast<const T*>(a.q), a.cache, joined, a.partial, static_cast<int>(a.n_split),
       static_cast<int>(a.n_head), static_cast<int>(a.n_head_kv));

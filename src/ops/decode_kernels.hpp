@@ -7,7 +7,7 @@
 // Decoding kernels find their position and their layer's cache through a CacheAt: inside a captured
 // CUDA graph, a parameter block on the device, so that one graph serves every position and every
 // cache:
-//   params[0] = position of the first row, params[1] = the caches' capacity, params[2] = the token,
+//   params[0] = position of the first row, params[1] = the caches' capacity, params[2] unused,
 //   params[3 + l] = address of layer l's keys, params[3 + n_layer + l] = its values, each
 //   [n_head_kv, capacity, head_dim] (one sequence);
 // outside one, the same values as kernel arguments (no copy to the device before the launch).
@@ -81,6 +81,10 @@ cudaError_t silu_mul(Half type, const void* gate_up, void* out, int64_t rows, in
 // softmax, each of their scores plus joined_bias[h] (float32 [n_head], or null). Each row's keys
 // are split into `n_split` ranges attended apart (partial: float32 [n_rows, n_head, n_split,
 // head_dim + 2] of scratch) and merged by their log-sum-exp. head_dim 32, 64, 128 or 256.
+// Inside a captured graph the joined keys may be named by joined_params instead (device memory,
+// read at replay): [keys, values, bias (0: none), n_joined (0: none), anchor], kJoinedParams values,
+// the addresses as int64; the five fields before it are then unused.
+constexpr int64_t kJoinedParams = 5;
 struct RowsAttention {
   const void* q = nullptr;
   CacheAt cache;
@@ -88,6 +92,7 @@ struct RowsAttention {
   const void* joined_values = nullptr;
   const float* joined_bias = nullptr;
   int64_t n_joined = 0, anchor = 0;
+  const int64_t* joined_params = nullptr;
   void* out = nullptr;
   float* partial = nullptr;
   int64_t n_rows = 1, n_split = 1, n_head = 0, n_head_kv = 0, head_dim = 0;

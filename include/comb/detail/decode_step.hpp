@@ -2,7 +2,8 @@
 // The CUDA module's one-launch decoding step, seen from libcomb. libcomb links no CUDA library, so
 // the step (fused kernels, cuBLAS, a captured CUDA graph) lives in the comb_cuda module, which
 // registers its factory here when it is loaded (comb::load_cuda_backend); Decoder::forward takes
-// it for one-token steps of a dense float16 or bfloat16 decoder on a CUDA device.
+// it for short forwards (up to kStepRowsMax tokens: decoding steps, a warm request's question, with
+// or without a plug-in's joint blocks) of a dense float16 or bfloat16 decoder on a CUDA device.
 #include <ATen/core/Tensor.h>
 
 #include <array>
@@ -33,14 +34,36 @@ struct DecodeStepSpec {
   std::vector<std::array<at::Tensor, 6>> layers;
 };
 
+// The most rows one step takes, and the bucket a step of n rows runs in: 1, 2, 4, ..., kStepRowsMax
+// (one graph each).
+inline constexpr int64_t kStepRowsMax = 64;
+inline int64_t step_bucket(int64_t n) {
+  int64_t b = 1;
+  while (b < n) b *= 2;
+  return b;
+}
+
+// What one layer's attention reads beside its context in a step (a plug-in's joint block): keys
+// and values [n_head_kv, m, head_dim] (or [1, n_head_kv, m, head_dim]), contiguous, in the step's
+// dtype on its device; bias float32 [n_head] or undefined (0); rows at positions before `anchor`
+// read none. Undefined keys: the layer reads nothing.
+struct StepJoined {
+  at::Tensor keys, values, bias;
+  int64_t anchor = 0;
+};
+
 class DecodeStep {
  public:
   virtual ~DecodeStep() = default;
-  // Feeds `token` at `position` of one sequence whose caches are keys[l], values[l] [1, n_head_kv,
-  // capacity, head_dim] (position < capacity): writes its K/V there, returns float32 logits
-  // [1, 1, n_vocab] (a tensor of its own). Not thread-safe: one caller at a time.
-  virtual at::Tensor run(int64_t token, int64_t position, const std::vector<at::Tensor>& keys,
-                         const std::vector<at::Tensor>& values) = 0;
+  // Feeds tokens (1 to kStepRowsMax) at positions [position, position + n) of one sequence whose
+  // caches are keys[l], values[l] [1, n_head_kv, capacity, head_dim], each layer l also reading
+  // joined[l] (joined empty, or one per layer). The step runs in the bucket of n rows,
+  // step_bucket(n), padded with token 0 after the real rows: it writes K/V at [position, position +
+  // bucket), the padding's past position + n (no real row reads them; a later forward overwrites
+  // them), so position + bucket <= capacity. Returns float32 logits [1, 1, n_vocab] of the last
+  // real row (a tensor of its own). Not thread-safe: one caller at a time.
+  virtual at::Tensor run(const std::vector<int64_t>& tokens, int64_t position, const std::vector<at::Tensor>& keys,
+                         const std::vector<at::Tensor>& values, const std::vector<StepJoined>& joined) = 0;
 };
 
 // One document's K/V of one cross block for CudaLayerOps::join_documents: keys and values

@@ -704,10 +704,15 @@ COMB_INLINE at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache
   const int64_t n = tokens.size(1), start = cache.length();
   COMB_CHECK(start + n <= config_.n_ctx, "{} positions exceed the model's context of {} tokens", start + n,
              config_.n_ctx);
-  if (n == 1 && !reads && tokens.size(0) == 1 && cuda_graph_applies(cache)) {
-    at::Tensor out = cuda_step(tokens.reshape({-1})[0].item<int64_t>(), cache);
-    cache.advance(1);
-    return out;
+  // A short forward as one graph: its last row's logits only, its bucket within the cache.
+  if (tokens.size(0) == 1 && n <= detail::kStepRowsMax && (n == 1 || mode == LogitsMode::last) &&
+      (!reads || !reads->changes_state()) &&
+      start + detail::step_bucket(n) <= std::min(cache.capacity(), rope_cos_.size(0)) && cuda_graph_applies(cache)) {
+    at::Tensor out = cuda_step(tokens, cache, reads);
+    if (out.defined()) {
+      cache.advance(n);
+      return out;
+    }
   }
   at::Tensor x = embed(tokens);
   for (int64_t i = 0; i < config_.n_layer; ++i)
@@ -872,15 +877,34 @@ COMB_INLINE detail::DecodeStepSpec Decoder::decode_step_spec() const {
   return spec;
 }
 
-COMB_INLINE at::Tensor Decoder::cuda_step(int64_t token, KVCache& cache) const {
-  std::lock_guard<std::mutex> lock(*cuda_step_mutex_);
-  if (!cuda_step_) cuda_step_ = detail::decode_step_factory()(decode_step_spec(), /*graph=*/true);
+COMB_INLINE at::Tensor Decoder::cuda_step(const at::Tensor& tokens, KVCache& cache, const LayerReads* reads) const {
+  const auto& c = config_;
+  std::vector<detail::StepJoined> joined;
+  if (reads) {
+    joined.resize(c.n_layer);
+    for (int64_t i = 0; i < c.n_layer; ++i) {
+      const JointKV* j = reads->joint(i);
+      if (!j) continue;
+      // One sequence's keys without padding, as attend_cuda takes them (else the layers' path).
+      if (j->valid.defined() || j->keys.size(0) != 1) return {};
+      if (j->keys.size(2) == 0) continue;
+      detail::StepJoined& s = joined[i];
+      s.keys = j->keys.to(device_, dtype_).contiguous().view({c.n_head_kv, -1, c.head_dim});
+      s.values = j->values.to(device_, dtype_).contiguous().view({c.n_head_kv, -1, c.head_dim});
+      if (j->bias.defined()) s.bias = j->bias.to(device_, at::kFloat).contiguous();
+      s.anchor = j->anchor;
+    }
+  }
+  const at::Tensor t = tokens.reshape({-1}).to(at::kCPU, at::kLong).contiguous();
+  const std::vector<int64_t> ids(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
   std::vector<at::Tensor> keys, values;
   for (int64_t l = 0; l < cache.n_layers(); ++l) {
     keys.push_back(cache.keys(l));
     values.push_back(cache.values(l));
   }
-  return cuda_step_->run(token, cache.length(), keys, values);
+  std::lock_guard<std::mutex> lock(*cuda_step_mutex_);
+  if (!cuda_step_) cuda_step_ = detail::decode_step_factory()(decode_step_spec(), /*graph=*/true);
+  return cuda_step_->run(ids, cache.length(), keys, values, joined);
 }
 
 COMB_INLINE at::Tensor Decoder::hidden(const at::Tensor& tokens, const LayerReads* reads) const {
