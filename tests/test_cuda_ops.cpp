@@ -331,8 +331,7 @@ TEST_CASE("the fused CUDA layers and the one-launch decoding step match the gene
   }
   // Past the cache: an error naming it, nothing launched.
   CHECK_THROWS_WITH(replayed->run({1}, 32, bk, bv, {}), Catch::Contains("past the cache's capacity 32"));
-  // A bucket past the cache: 3 tokens run as 4 rows, one more than the 3 positions left.
-  CHECK_THROWS_WITH(replayed->run({1, 2, 3}, 29, bk, bv, {}), Catch::Contains("a bucket of 4"));
+  CHECK_THROWS_WITH(replayed->run({1, 2, 3}, 30, bk, bv, {}), Catch::Contains("3 rows at position 30 past"));
 }
 
 namespace {
@@ -427,15 +426,21 @@ TEST_CASE("the graph step runs short forwards in buckets of rows, with joint blo
     CHECK(rms(got_k.to(at::kFloat) - layers_k.to(at::kFloat)) / rms(layers_k) <= 2 * rms_layers / rms(want));
   }
 
-  // Where the step does not fit, the forward runs the layers: a bucket past the cache (17 tokens
-  // run as 32 rows, 20 positions left), joined keys with a padding mask.
+  // A bucket wider than the cache has room for (17 tokens run as 32 rows, 20 positions held): the
+  // step, its padding touching nothing past the real rows.
   {
     layer_cuda_calls = 0;
     auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(count_layer_cuda).needsInputs(false));
     KVCache tight = bf16.make_cache(1, 20);
-    at::Tensor by_layers = bf16.forward(fed.narrow(1, 0, 17).to(at::kCUDA), tight, LogitsMode::last);
-    CHECK(layer_cuda_calls == c.n_layer);
+    for (int64_t l = 0; l < c.n_layer; ++l) tight.keys(l).fill_(7.0), tight.values(l).fill_(7.0);
+    at::Tensor by_step = bf16.forward(fed.narrow(1, 0, 17).to(at::kCUDA), tight, LogitsMode::last);
+    CHECK(layer_cuda_calls == 0);
     CHECK(tight.length() == 17);
+    for (int64_t l = 0; l < c.n_layer; ++l) {
+      CHECK(at::all(tight.keys(l).narrow(2, 17, 3) == 7.0).item<bool>());
+      CHECK(at::all(tight.values(l).narrow(2, 17, 3) == 7.0).item<bool>());
+    }
+    // Where the step does not fit, the forward runs the layers: joined keys with a padding mask.
     std::vector<JointKV> masked = joint_bf16;
     masked[1].valid = at::ones({1, masked[1].keys.size(2)}, at::TensorOptions().dtype(at::kBool).device(at::kCUDA));
     const TestJoint reads_masked(masked);
@@ -446,7 +451,13 @@ TEST_CASE("the graph step runs short forwards in buckets of rows, with joint blo
     // Every layer but 1, whose joined keys carry a mask, takes the fused path (layer 1 the generic one).
     CHECK(layer_cuda_calls == c.n_layer - 1);
     CHECK(roomy.length() == 5);
-    CHECK(at::isfinite(by_layers).all().item<bool>());
+    // The step's last row as the layers compute it with room to spare: two bfloat16 walks (2^-8
+    // relative a rounding) differ by a few roundings of the logits' size; a wrong row, position or
+    // padding written into the context would differ by the logits themselves.
+    KVCache room = bf16.make_cache(1, 64);
+    const at::Tensor by_layers = bf16.forward(fed.narrow(1, 0, 17).to(at::kCUDA), room, LogitsMode::all)[0][-1];
+    const double scale = by_layers.abs().max().item<double>();
+    CHECK((by_step.view({-1}) - by_layers).abs().max().item<double>() <= 0.05 * scale);
     CHECK(at::isfinite(masked_logits).all().item<bool>());
   }
 
@@ -458,12 +469,13 @@ TEST_CASE("the graph step runs short forwards in buckets of rows, with joint blo
   std::vector<at::Tensor> ak, av, bk, bv;
   std::vector<comb::detail::StepJoined> joined(c.n_layer);
   for (int64_t l = 0; l < c.n_layer; ++l) {
+    for (const KVCache* kv : {&a, &b}) kv->keys(l).fill_(7.0), kv->values(l).fill_(7.0);  // a sentinel past the rows
     ak.push_back(a.keys(l)), av.push_back(a.values(l)), bk.push_back(b.keys(l)), bv.push_back(b.values(l));
     if (joint_bf16[l].keys.defined())
       joined[l] = {joint_bf16[l].keys[0].contiguous(), joint_bf16[l].values[0].contiguous(), joint_bf16[l].bias, anchor};
   }
   int64_t at = 0;
-  for (int64_t n : {1, 2, 3, 5, 9, 17, 33, 64, 1}) {
+  for (int64_t n : {1, 2, 3, 5, 9, 17, 33, 64, 1, 3}) {  // the last in a bucket of 4: one padding row past the end
     const at::Tensor t = fed[0].narrow(0, at % 70, n).contiguous();
     const std::vector<int64_t> ids(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
     at::Tensor x = launched->run(ids, at, ak, av, joined);
@@ -472,9 +484,11 @@ TEST_CASE("the graph step runs short forwards in buckets of rows, with joint blo
     REQUIRE(at::equal(x, y));
     at += n;
   }
-  for (int64_t l = 0; l < c.n_layer; ++l) {  // the real rows' positions (past them: padding)
-    CHECK(at::equal(a.keys(l).narrow(2, 0, at), b.keys(l).narrow(2, 0, at)));
-    CHECK(at::equal(a.values(l).narrow(2, 0, at), b.values(l).narrow(2, 0, at)));
+  for (int64_t l = 0; l < c.n_layer; ++l) {  // the real rows' positions; past them, untouched
+    CHECK(at::equal(a.keys(l), b.keys(l)));
+    CHECK(at::equal(a.values(l), b.values(l)));
+    CHECK(at::all(b.keys(l).narrow(2, at, 200 - at) == 7.0).item<bool>());
+    CHECK(at::all(b.values(l).narrow(2, at, 200 - at) == 7.0).item<bool>());
   }
   // Joined keys of another type: refused by name, nothing run.
   std::vector<comb::detail::StepJoined> wrong = joined;
@@ -1052,6 +1066,27 @@ TEST_CASE("the paged step's CUDA graphs match its kernels launched one by one", 
   graphs.set_cuda_paged_graphs(true);
   const auto& c = base.config();
   auto gen = at::detail::createCPUGenerator(29);
+  // Rows 1 and 2 read joint blocks as COMB's rows do (joint blocks alone: the graphs take them),
+  // each its own joined keys (40 and 9 at two layers, a bias on row 1's), row 2 from position 37 on.
+  std::vector<std::vector<JointKV>> joints(2, std::vector<JointKV>(c.n_layer));
+  for (int64_t r = 0; r < 2; ++r)
+    for (int64_t layer : {int64_t(0), c.n_layer / 2}) {
+      const int64_t m = r == 0 ? 40 : 9;
+      JointKV& j = joints[r][layer];
+      j.keys = at::randn({1, c.n_head_kv, m, c.head_dim}, gen) * 2;
+      j.values = at::randn({1, c.n_head_kv, m, c.head_dim}, gen);
+      if (r == 0) j.bias = at::randn({c.n_head}, gen) * 0.5;
+      j.anchor = r == 0 ? 0 : 37;  // row 2 steps from 35: its first two read none
+    }
+  auto reads_on = [&](const Decoder& d, int64_t r) {
+    std::vector<JointKV> on = joints[r];
+    for (JointKV& j : on)
+      if (j.keys.defined()) {
+        j.keys = j.keys.to(d.device(), d.dtype()), j.values = j.values.to(d.device(), d.dtype());
+        if (j.bias.defined()) j.bias = j.bias.to(d.device());
+      }
+    return std::make_unique<TestJoint>(std::move(on));
+  };
   for (int64_t n_rows : {int64_t(3), int64_t(8)}) {
     std::vector<int64_t> lengths;
     std::vector<at::Tensor> prompts;
@@ -1071,9 +1106,12 @@ TEST_CASE("the paged step's CUDA graphs match its kernels launched one by one", 
         pool.load(cache, lengths[r], blocks.back());
       }
       std::vector<at::Tensor> out;
+      const auto reads1 = reads_on(d, 0), reads2 = reads_on(d, 1);
       for (int64_t s = 0; s < fed.size(0); ++s) {
         std::vector<Decoder::PagedRow> rows;
-        for (int64_t r = 0; r < n_rows; ++r) rows.push_back({fed[s][r].item<int64_t>(), lengths[r] + s, &blocks[r], nullptr});
+        for (int64_t r = 0; r < n_rows; ++r)
+          rows.push_back({fed[s][r].item<int64_t>(), lengths[r] + s, &blocks[r],
+                          r == 1 ? reads1.get() : r == 2 ? reads2.get() : nullptr});
         at::Tensor logits = d.step_paged(pool, rows);
         REQUIRE(logits.size(0) == n_rows);
         out.push_back(logits.cpu());

@@ -142,8 +142,8 @@ class Decoder {
   // per bucket of rows (comb's kernels, a half-precision CUDA decoder). On by default (on one H200,
   // docs/benchmarks.md); COMB_CUDA_PAGED_GRAPHS=0 in the environment turns it off.
   void set_cuda_paged_graphs(bool on) { cuda_paged_graphs_ = on; }
-  // Whether short forwards over `cache` may take the CUDA graphs (forward() also needs room in the
-  // cache for the padded bucket, and reads of joint blocks only).
+  // Whether short forwards over `cache` may take the CUDA graphs (forward() also needs reads of
+  // joint blocks only, and the last row's logits alone).
   bool cuda_graph_applies(const KVCache& cache) const;
   // Whether layers over `cache` take the fused CUDA kernels.
   bool cuda_kernels_apply(const KVCache& cache) const;
@@ -290,9 +290,9 @@ class Decoder {
   };
   std::shared_ptr<FingerprintMemo> fingerprint_ = std::make_shared<FingerprintMemo>();
   friend std::string base_fingerprint(const Decoder& base);
-  // forward()'s short forward as the graph step: n <= detail::kStepRowsMax tokens [1, n] whose
-  // bucket fits the cache, reading `reads` (null, or joint blocks alone); an undefined tensor when
-  // the reads do not fit the step (nothing run).
+  // forward()'s short forward as the graph step: n <= detail::kStepRowsMax tokens [1, n] that fit
+  // the cache, reading `reads` (null, or joint blocks alone); an undefined tensor when the reads do
+  // not fit the step (nothing run).
   at::Tensor cuda_step(const at::Tensor& tokens, KVCache& cache, const LayerReads* reads) const;
   at::Tensor layer_cuda(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const;
   // step_paged's path off the fused CPU kernels (generic ATen ops; the CUDA norm and activation
@@ -307,11 +307,13 @@ class Decoder {
   // layer_cuda's attention from qkv [1, n, q_dim + 2 kv_dim]: RoPE and the cache append in one
   // kernel, then the rows kernel (few rows or joined keys) or SDPA; [1, n, q_dim].
   at::Tensor attend_cuda(int64_t i, const at::Tensor& qkv, KVCache& cache, const JointKV* joint) const;
-  // Its rows without documents through comb's CUDA kernels, from device tensors alone (ids and
-  // positions int64 [n], block tables int32 [n, max_blocks]; longest: the most keys a row reads):
-  // float32 logits [n, n_vocab]. Run as it is, or captured (detail::PagedGraphs).
+  // Its rows through comb's CUDA kernels, from device tensors alone (ids and positions int64 [n],
+  // block tables int32 [n, max_blocks]; longest: the most keys a row reads, the joined ones apart;
+  // joined: undefined (no row reads documents), or int64 [n_layer, n, 5], each row's joined keys
+  // at each layer as CudaLayerOps::paged_attention_joined reads them): float32 logits [n, n_vocab].
+  // Run as it is, or captured (detail::PagedGraphs).
   at::Tensor paged_kernels_step(BlockPool& pool, const at::Tensor& ids, const at::Tensor& positions,
-                                const at::Tensor& table, int64_t longest) const;
+                                const at::Tensor& table, int64_t longest, const at::Tensor& joined = {}) const;
   // oneDNN copies of each layer's {wqkv, wo, w_gate_up, w_down} for prefill GEMMs on CPU; the
   // dense weights above are views of the same memory (see prepack_onednn()), or empty.
   std::vector<std::array<at::Tensor, 4>> onednn_;

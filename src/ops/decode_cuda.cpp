@@ -18,6 +18,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "comb/detail/decode_step.hpp"
 #include "comb/error.hpp"
@@ -172,9 +173,11 @@ int64_t check_queries(const at::Tensor& q, int64_t n_kv, int64_t hd, const char*
 
 // The rows kernel over the cache `at` names (one sequence's or a pool's), with the joined keys
 // checked: rows_attention and paged_attention. context: the most context keys a row reads.
+// joined_params (defined: instead of the joined tensors): int64 [rows, kJoinedParams] on the device,
+// each row's joined keys read by the kernel when it runs (RowsAttention::joined_params).
 at::Tensor attend_rows(const at::Tensor& q, const k::CacheAt& at, int64_t n_kv, int64_t context,
                        const at::Tensor& joined_keys, const at::Tensor& joined_values, const at::Tensor& joined_bias,
-                       int64_t anchor, const char* op) {
+                       int64_t anchor, const char* op, const at::Tensor& joined_params = {}) {
   const k::Half type = half_type(q, op);
   const int64_t n = q.size(0), n_head = q.size(1), hd = q.size(2);
   int64_t m = 0;
@@ -187,6 +190,13 @@ at::Tensor attend_rows(const at::Tensor& q, const k::CacheAt& at, int64_t n_kv, 
                fmt::join(joined_values.sizes(), ", "), n_kv, hd);
     m = joined_keys.size(1);
   }
+  if (joined_params.defined())
+    COMB_CHECK(!joined_keys.defined() && joined_params.is_cuda() && joined_params.device() == q.device() &&
+                   joined_params.scalar_type() == at::kLong && joined_params.is_contiguous() &&
+                   joined_params.dim() == 2 && joined_params.size(0) == n && joined_params.size(1) == k::kJoinedParams,
+               "{}: joined parameters int64 [{}, {}] on {} (and no joined tensors), found {} [{}]", op, n,
+               k::kJoinedParams, q.device().str(), c10::toString(joined_params.scalar_type()),
+               fmt::join(joined_params.sizes(), ", "));
   if (joined_bias.defined())
     COMB_CHECK(joined_bias.is_cuda() && joined_bias.device() == q.device() &&
                    joined_bias.scalar_type() == at::kFloat && joined_bias.is_contiguous() && joined_bias.numel() == n_head,
@@ -203,6 +213,7 @@ at::Tensor attend_rows(const at::Tensor& q, const k::CacheAt& at, int64_t n_kv, 
     a.anchor = anchor;
     if (joined_bias.defined()) a.joined_bias = joined_bias.data_ptr<float>();
   }
+  if (joined_params.defined()) a.joined_params = joined_params.data_ptr<int64_t>(), a.joined_row_stride = k::kJoinedParams;
   check_launch(k::rows_attention(type, a, at::cuda::getCurrentCUDAStream()), op);
   return out;
 }
@@ -272,6 +283,20 @@ at::Tensor paged_rope_store(const at::Tensor& qkv, const at::Tensor& cos, const 
   return q;
 }
 
+// The paged attention's checks and launch, the joined keys as tensors or as joined_params.
+at::Tensor attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table,
+                        const at::Tensor& positions, int64_t longest, const at::Tensor& joined_keys,
+                        const at::Tensor& joined_values, const at::Tensor& joined_bias, int64_t anchor,
+                        const at::Tensor& joined_params, const char* op) {
+  half_type(q, op);
+  const int64_t n = q.size(0);
+  const k::CacheAt at = paged_at(k_pool, v_pool, table, positions, n, q, op);
+  const int64_t n_kv = k_pool.size(1);
+  check_queries(q, n_kv, k_pool.size(3), op);
+  COMB_CHECK(n >= 1 && n <= 65535 && longest >= 1, "{}: {} rows reading up to {} keys", op, n, longest);
+  return attend_rows(q, at, n_kv, longest, joined_keys, joined_values, joined_bias, anchor, op, joined_params);
+}
+
 // Rows q [rows, n_head, head_dim], each over its own sequence's positions [0, positions[r]] in the
 // pools (longest: the most positions a row reads, the joined keys apart, for the split count); joined
 // keys and values [n_head_kv, m, head_dim] (undefined: none) read by every row at positions >=
@@ -280,14 +305,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                            const at::Tensor& table, const at::Tensor& positions, int64_t longest,
                            const at::Tensor& joined_keys, const at::Tensor& joined_values,
                            const at::Tensor& joined_bias, int64_t anchor) {
-  const char* op = "comb::paged_attention";
-  half_type(q, op);
-  const int64_t n = q.size(0);
-  const k::CacheAt at = paged_at(k_pool, v_pool, table, positions, n, q, op);
-  const int64_t n_kv = k_pool.size(1);
-  check_queries(q, n_kv, k_pool.size(3), op);
-  COMB_CHECK(n >= 1 && n <= 65535 && longest >= 1, "{}: {} rows reading up to {} keys", op, n, longest);
-  return attend_rows(q, at, n_kv, longest, joined_keys, joined_values, joined_bias, anchor, op);
+  return attend_paged(q, k_pool, v_pool, table, positions, longest, joined_keys, joined_values, joined_bias, anchor, {},
+                      "comb::paged_attention");
+}
+
+// paged_attention with each row's own joined keys, named by joined [rows, kJoinedParams] int64 on
+// the device: [keys, values, bias (0: none), m (0: none), anchor], the addresses of contiguous
+// [n_head_kv, m, head_dim] tensors in q's dtype and of a float32 [n_head] bias, read when the
+// kernel runs (a captured graph reads what was written there before its replay). The caller keeps
+// them alive and well formed.
+at::Tensor paged_attention_joined(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& table, const at::Tensor& positions, int64_t longest,
+                                  const at::Tensor& joined) {
+  const char* op = "comb::paged_attention_joined";
+  COMB_CHECK(joined.defined(), "{}: no joined parameters", op);
+  return attend_paged(q, k_pool, v_pool, table, positions, longest, {}, {}, {}, 0, joined, op);
 }
 
 int64_t free_memory(int index) {
@@ -605,7 +637,7 @@ std::unique_ptr<at::cuda::CUDAGraph> capture_on_side(c10::Device device, const s
 // The short-forward step (comb::detail::DecodeStep): per bucket of rows (1, 2, 4, ..., 64) static
 // buffers and a graph over them. Everything a replay reads of the request lies in the bucket's
 // parameter block, copied to the device before each run:
-//   [kParamPosition, kParamCapacity, kParamToken (unused)], each layer's keys then values address
+//   [kParamPosition, kParamCapacity, kParamRows (the real rows)], each layer's keys then values address
 //   (k::kParamCaches, 2 n_layer), each layer's joined keys as k::RowsAttention::joined_params reads
 //   them (k::kJoinedParams each), the bucket's tokens (rows), the last real row's index.
 class GraphDecodeStep final : public comb::detail::DecodeStep {
@@ -649,13 +681,14 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
       COMB_CHECK(t >= 0 && t < s_.n_vocab, "the decoding step: token {} outside [0, {})", t, s_.n_vocab);
     const int64_t rows = comb::detail::step_bucket(n);
     const int64_t capacity = keys[0].size(2);
-    COMB_CHECK(position >= 0 && position + rows <= capacity && position + rows <= s_.rope_cos.size(0),
-               "the decoding step: {} rows (a bucket of {}) at position {} past the cache's capacity {} or the "
-               "context's {}", n, rows, position, capacity, s_.rope_cos.size(0));
+    COMB_CHECK(position >= 0 && position + n <= capacity && position + n <= s_.rope_cos.size(0),
+               "the decoding step: {} rows at position {} past the cache's capacity {} or the context's {}", n,
+               position, capacity, s_.rope_cos.size(0));
     const int64_t P = k::kParamCaches + 2 * L, T = P + k::kJoinedParams * L;
     std::vector<int64_t> p(T + rows + 1, 0);
     p[k::kParamPosition] = position;
     p[k::kParamCapacity] = capacity;
+    p[k::kParamRows] = n;  // the bucket's padding past them writes and reads no cache
     for (int64_t l = 0; l < L; ++l) {
       for (const at::Tensor* t : {&keys[l], &values[l]}) {
         COMB_CHECK(t->device() == device_ && t->scalar_type() == s_.tok_embd.scalar_type() && t->is_contiguous() &&
@@ -742,7 +775,8 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
     // NOTE: the graph's grid is fixed: as many splits as fill the device, whatever the length
     // (splits past a short context find no key and end at once).
     b.n_split = split_count(s_.tok_embd, s_.n_head_kv, rows, int64_t(1) << 20);
-    b.partial = at::empty({rows, s_.n_head, b.n_split, hd + 2}, opts.dtype(at::kFloat));
+    // Zeros: padding rows merge what is there (finite) and are never read.
+    b.partial = at::zeros({rows, s_.n_head, b.n_split, hd + 2}, opts.dtype(at::kFloat));
     return buckets_.emplace(rows, std::move(b)).first->second;
   }
 
@@ -817,32 +851,42 @@ class CudaPagedGraphs final : public comb::detail::PagedGraphs {
 
   at::Tensor run(int64_t bucket, int64_t max_blocks, const std::vector<int64_t>& ids,
                  const std::vector<int64_t>& positions, const std::vector<int32_t>& table,
-                 const Body& body) override {
+                 const std::vector<int64_t>& joined, const Body& body) override {
     COMB_CHECK(bucket >= 1 && max_blocks >= 1 && static_cast<int64_t>(ids.size()) == bucket &&
                    static_cast<int64_t>(positions.size()) == bucket &&
-                   static_cast<int64_t>(table.size()) == bucket * max_blocks,
-               "paged graphs: {} ids, {} positions and {} table entries for a bucket of {} rows of {} blocks",
-               ids.size(), positions.size(), table.size(), bucket, max_blocks);
+                   static_cast<int64_t>(table.size()) == bucket * max_blocks &&
+                   static_cast<int64_t>(joined.size()) % (bucket * k::kJoinedParams) == 0,
+               "paged graphs: {} ids, {} positions, {} table entries and {} joined parameters for a bucket of {} "
+               "rows of {} blocks", ids.size(), positions.size(), table.size(), joined.size(), bucket, max_blocks);
     c10::cuda::CUDAGuard guard(device_);
-    Bucket& b = buckets_[{bucket, max_blocks}];
+    const auto n_joined = static_cast<int64_t>(joined.size());
+    const Key key{bucket, max_blocks, n_joined > 0};
+    Bucket& b = buckets_[key];
     if (!b.graph) {
+      // Plain tensors whatever mode this first run is in: later runs write them in place.
+      c10::InferenceMode plain(false);
       const auto on = at::TensorOptions().device(device_);
       b.ids = at::zeros({bucket}, on.dtype(at::kLong));
       b.positions = at::zeros({bucket}, on.dtype(at::kLong));
       b.table = at::zeros({bucket, max_blocks}, on.dtype(at::kInt));
+      if (n_joined > 0) b.joined = at::zeros({n_joined}, on.dtype(at::kLong));
     }
+    COMB_CHECK(b.joined.defined() ? b.joined.numel() == n_joined : n_joined == 0,
+               "paged graphs: {} joined parameters for a bucket captured with {}", n_joined,
+               b.joined.defined() ? b.joined.numel() : 0);
     // From pageable memory: each copy has read its vector when it returns.
     b.ids.copy_(at::from_blob(const_cast<int64_t*>(ids.data()), {bucket}, at::kLong));
     b.positions.copy_(at::from_blob(const_cast<int64_t*>(positions.data()), {bucket}, at::kLong));
     b.table.copy_(at::from_blob(const_cast<int32_t*>(table.data()), {bucket, max_blocks}, at::kInt));
+    if (n_joined > 0) b.joined.copy_(at::from_blob(const_cast<int64_t*>(joined.data()), {n_joined}, at::kLong));
     if (!b.graph) {
       // Every bucket's graph in one memory pool: they replay one after another on one stream, and
       // each output is copied out, so a new bucket mid-serve takes little memory of its own.
       if (!pool_) pool_ = at::cuda::graph_pool_handle();
       try {
-        b.graph = capture_on_side(device_, [&] { b.out = body(b.ids, b.positions, b.table); }, pool_);
+        b.graph = capture_on_side(device_, [&] { b.out = body(b.ids, b.positions, b.table, b.joined); }, pool_);
       } catch (...) {  // the bucket left to capture anew
-        buckets_.erase({bucket, max_blocks});
+        buckets_.erase(key);
         throw;
       }
     }
@@ -853,10 +897,11 @@ class CudaPagedGraphs final : public comb::detail::PagedGraphs {
  private:
   struct Bucket {
     std::unique_ptr<at::cuda::CUDAGraph> graph;
-    at::Tensor ids, positions, table, out;
+    at::Tensor ids, positions, table, joined, out;  // joined: only where rows read documents
   };
+  using Key = std::tuple<int64_t, int64_t, bool>;  // (rows, table width, rows reading documents)
   c10::Device device_;
-  std::map<std::pair<int64_t, int64_t>, Bucket> buckets_;  // (rows, table width)
+  std::map<Key, Bucket> buckets_;
   std::optional<c10::MempoolId_t> pool_;
 };
 
@@ -871,7 +916,7 @@ std::unique_ptr<comb::detail::DecodeStep> make_decode_step(const comb::detail::D
 const comb::detail::CudaLayerOps kLayerOps{&add_rms_norm,   &rope_append,   &place_keys,       &silu_mul,
                                            &rows_attention, &join_documents, &quantize_int8, &paged_rope_store,
                                            &paged_attention, &free_memory,  &make_paged_graphs, &pin_host,
-                                           &to_device_async};
+                                           &to_device_async, &paged_attention_joined};
 
 // Registered when the module loads (comb::load_cuda_backend).
 [[maybe_unused]] const bool registered = (comb::detail::set_decode_step_factory(&make_decode_step),

@@ -49,6 +49,12 @@ __device__ inline CacheView<T> resolve(const CacheAt& at) {
   return {at.position, at.capacity, static_cast<T*>(at.keys), static_cast<T*>(at.values)};
 }
 
+// Whether row `row` is a graph bucket's padding (past the real rows its parameter block names):
+// it neither writes the cache nor attends.
+__device__ inline bool padding_row(const CacheAt& at, int64_t row) {
+  return at.params && at.params[kParamRows] > 0 && row >= at.params[kParamRows];
+}
+
 // Row `row`'s position: its own in a pool, else the first row's plus row.
 template <typename T>
 __device__ inline int64_t row_position(const CacheAt& at, const CacheView<T>& cache, int64_t row) {
@@ -111,6 +117,7 @@ __global__ void rope_store_kernel(const T* qkv, const T* cos, const T* sin, Cach
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= n * heads * half) return;
   const int64_t i = idx % half, h = (idx / half) % heads, row = idx / (half * heads);
+  if (padding_row(at, row)) return;
   const CacheView<T> cache = resolve<T>(at);
   const int64_t pos = row_position(at, cache, row), capacity = cache.capacity;
   const T* src = qkv + row * heads * head_dim + h * head_dim;
@@ -228,16 +235,18 @@ struct Joined {
   const float* bias = nullptr;
   int64_t m = 0, anchor = 0;
   const int64_t* params = nullptr;  // when set: the fields above read from it (RowsAttention::joined_params)
+  int64_t row_stride = 0;           // row r's at params + r * row_stride
 };
 template <typename T>
-__device__ inline Joined<T> resolve_joined(const Joined<T>& j) {
+__device__ inline Joined<T> resolve_joined(const Joined<T>& j, int64_t row) {
   if (!j.params) return j;
+  const int64_t* p = j.params + row * j.row_stride;
   Joined<T> r;
-  r.keys = reinterpret_cast<const T*>(j.params[0]);
-  r.values = reinterpret_cast<const T*>(j.params[1]);
-  r.bias = reinterpret_cast<const float*>(j.params[2]);
-  r.m = r.keys ? j.params[3] : 0;
-  r.anchor = j.params[4];
+  r.keys = reinterpret_cast<const T*>(p[0]);
+  r.values = reinterpret_cast<const T*>(p[1]);
+  r.bias = reinterpret_cast<const float*>(p[2]);
+  r.m = r.keys ? p[3] : 0;
+  r.anchor = p[4];
   return r;
 }
 
@@ -251,8 +260,9 @@ __global__ void rows_attention_kernel(const T* q, CacheAt at, Joined<T> joined_a
   constexpr int HD = 32 * E;
   __shared__ float merge[kAttnWarps][kMaxGroup][HD + 2];
   const int kvh = blockIdx.x, split = blockIdx.y, row = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (padding_row(at, row)) return;  // (the whole block: no barrier is left waiting)
   const CacheView<T> cache = resolve<T>(at);
-  const Joined<T> joined = resolve_joined(joined_at);
+  const Joined<T> joined = resolve_joined(joined_at, row);
   const int64_t position = row_position(at, cache, row), capacity = cache.capacity;
   const int64_t m = joined.m > 0 && position >= joined.anchor ? joined.m : 0;
   const T* joined_keys = joined.keys + kvh * joined.m * HD;
@@ -360,6 +370,7 @@ cudaError_t launch_attention(const RowsAttention& a, cudaStream_t stream) {
   joined.m = a.joined_keys ? a.n_joined : 0;
   joined.anchor = a.anchor;
   joined.params = a.joined_params;
+  joined.row_stride = a.joined_row_stride;
   rows_attention_kernel<T, E><<<dim3(a.n_head_kv, a.n_split, a.n_rows), kAttnWarps * 32, 0, stream>>>(
       static_cast<const T*>(a.q), a.cache, joined, a.partial, static_cast<int>(a.n_split),
       static_cast<int>(a.n_head), static_cast<int>(a.n_head_kv));

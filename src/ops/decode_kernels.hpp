@@ -7,7 +7,9 @@
 // Decoding kernels find their position and their layer's cache through a CacheAt: inside a captured
 // CUDA graph, a parameter block on the device, so that one graph serves every position and every
 // cache:
-//   params[0] = position of the first row, params[1] = the caches' capacity, params[2] unused,
+//   params[0] = position of the first row, params[1] = the caches' capacity, params[2] = the rows
+//   that are real (0: every row; the rows past them, a graph bucket's padding, neither write the
+//   cache nor attend),
 //   params[3 + l] = address of layer l's keys, params[3 + n_layer + l] = its values, each
 //   [n_head_kv, capacity, head_dim] (one sequence);
 // outside one, the same values as kernel arguments (no copy to the device before the launch).
@@ -20,7 +22,7 @@ namespace comb::detail::cuda {
 enum class Half { f16, bf16 };
 
 // Offsets in the parameter block.
-constexpr int64_t kParamPosition = 0, kParamCapacity = 1, kParamToken = 2, kParamCaches = 3;
+constexpr int64_t kParamPosition = 0, kParamCapacity = 1, kParamRows = 2, kParamCaches = 3;
 
 // Rows of several sequences whose K/V lie in a block pool (the server's decoding step): row r is at
 // position positions[r], and position p of its sequence lies in block table[r * max_blocks + p /
@@ -83,7 +85,9 @@ cudaError_t silu_mul(Half type, const void* gate_up, void* out, int64_t rows, in
 // head_dim + 2] of scratch) and merged by their log-sum-exp. head_dim 32, 64, 128 or 256.
 // Inside a captured graph the joined keys may be named by joined_params instead (device memory,
 // read at replay): [keys, values, bias (0: none), n_joined (0: none), anchor], kJoinedParams values,
-// the addresses as int64; the five fields before it are then unused.
+// the addresses as int64; the five fields before it are then unused. Row r reads those at
+// joined_params + r * joined_row_stride (0: every row the same; kJoinedParams: each row its own,
+// the paged step's rows of several requests).
 constexpr int64_t kJoinedParams = 5;
 struct RowsAttention {
   const void* q = nullptr;
@@ -93,6 +97,7 @@ struct RowsAttention {
   const float* joined_bias = nullptr;
   int64_t n_joined = 0, anchor = 0;
   const int64_t* joined_params = nullptr;
+  int64_t joined_row_stride = 0;
   void* out = nullptr;
   float* partial = nullptr;
   int64_t n_rows = 1, n_split = 1, n_head = 0, n_head_kv = 0, head_dim = 0;

@@ -57,11 +57,11 @@ class DecodeStep {
   virtual ~DecodeStep() = default;
   // Feeds tokens (1 to kStepRowsMax) at positions [position, position + n) of one sequence whose
   // caches are keys[l], values[l] [1, n_head_kv, capacity, head_dim], each layer l also reading
-  // joined[l] (joined empty, or one per layer). The step runs in the bucket of n rows,
-  // step_bucket(n), padded with token 0 after the real rows: it writes K/V at [position, position +
-  // bucket), the padding's past position + n (no real row reads them; a later forward overwrites
-  // them), so position + bucket <= capacity. Returns float32 logits [1, 1, n_vocab] of the last
-  // real row (a tensor of its own). Not thread-safe: one caller at a time.
+  // joined[l] (joined empty, or one per layer); position + n <= capacity. The step runs in the
+  // bucket of n rows, step_bucket(n), padded with token 0 after the real rows; the padding neither
+  // writes the cache nor attends, so nothing past position + n is touched. Returns float32 logits
+  // [1, 1, n_vocab] of the last real row (a tensor of its own). Not thread-safe: one caller at a
+  // time.
   virtual at::Tensor run(const std::vector<int64_t>& tokens, int64_t position, const std::vector<at::Tensor>& keys,
                          const std::vector<at::Tensor>& values, const std::vector<StepJoined>& joined) = 0;
 };
@@ -76,20 +76,27 @@ struct JoinPart {
   at::Tensor keys, values, key_scales, value_scales;
 };
 
-// The server's paged decoding step (Decoder::step_paged, rows without documents) as CUDA graphs,
-// one per batch-size bucket, each over static device buffers: ids [bucket] int64, positions
-// [bucket] int64, block tables [bucket, max_blocks] int32.
+// The server's paged decoding step (Decoder::step_paged, rows without documents or reading a
+// plug-in's joint blocks) as CUDA graphs, one per batch-size bucket, table width and whether rows
+// read documents, each over static device buffers: ids [bucket] int64, positions [bucket] int64,
+// block tables [bucket, max_blocks] int32, and where rows read documents each row's joined keys per
+// layer, int64 [n_layer, bucket, 5] (CudaLayerOps::paged_attention_joined's parameters; zeros for
+// a row or layer without them).
 class PagedGraphs {
  public:
   virtual ~PagedGraphs() = default;
-  // The step computed from the three buffers alone (nothing read from the host): its output.
-  using Body = std::function<at::Tensor(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& table)>;
-  // Copies ids, positions (bucket values each) and table (bucket * max_blocks) into the bucket's
-  // buffers and replays its graph, captured on the bucket's first run (after one plain run of body
-  // on a side stream); returns a copy of the output. body's kernels must outlive the graphs.
+  // The step computed from the buffers alone (nothing read from the host): its output. joined:
+  // undefined where no row reads documents.
+  using Body = std::function<at::Tensor(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& table,
+                                        const at::Tensor& joined)>;
+  // Copies ids, positions (bucket values each), table (bucket * max_blocks) and joined (empty: no
+  // row reads documents; else n_layer * bucket * 5 values) into the graph's buffers and replays it,
+  // captured on its first run (after one plain run of body on a side stream); returns a copy of the
+  // output. body's kernels must outlive the graphs; the tensors joined names must be alive until
+  // the replay has run.
   virtual at::Tensor run(int64_t bucket, int64_t max_blocks, const std::vector<int64_t>& ids,
                          const std::vector<int64_t>& positions, const std::vector<int32_t>& table,
-                         const Body& body) = 0;
+                         const std::vector<int64_t>& joined, const Body& body) = 0;
 };
 
 // The fused ops a CUDA layer of the generic forward runs (float16 or bfloat16, one sequence):
@@ -163,6 +170,13 @@ struct CudaLayerOps {
   // once freed, is reused for comb's stream); sources from LibTorch's page-locked allocator are
   // kept until their copy has run.
   std::vector<at::Tensor> (*to_device_async)(const std::vector<at::Tensor>& from, c10::Device device) = nullptr;
+  // paged_attention with each row's own joined keys, named by joined int64 [rows, 5] on the device:
+  // [keys, values, bias (0: none), m (0: none), anchor] per row, the addresses of contiguous
+  // [n_head_kv, m, head_dim] keys and values in q's dtype and of a float32 [n_head] bias, read when
+  // the kernel runs (the paged graphs' joined table). The caller keeps them alive and well formed.
+  at::Tensor (*paged_attention_joined)(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                       const at::Tensor& table, const at::Tensor& positions, int64_t longest,
+                                       const at::Tensor& joined) = nullptr;
 };
 
 // graph: capture the step as a CUDA graph on its first run and replay it after (else: launch the

@@ -704,10 +704,10 @@ COMB_INLINE at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache
   const int64_t n = tokens.size(1), start = cache.length();
   COMB_CHECK(start + n <= config_.n_ctx, "{} positions exceed the model's context of {} tokens", start + n,
              config_.n_ctx);
-  // A short forward as one graph: its last row's logits only, its bucket within the cache.
+  // A short forward as one graph: its last row's logits only.
   if (tokens.size(0) == 1 && n <= detail::kStepRowsMax && (n == 1 || mode == LogitsMode::last) &&
-      (!reads || !reads->changes_state()) &&
-      start + detail::step_bucket(n) <= std::min(cache.capacity(), rope_cos_.size(0)) && cuda_graph_applies(cache)) {
+      (!reads || !reads->changes_state()) && start + n <= std::min(cache.capacity(), rope_cos_.size(0)) &&
+      cuda_graph_applies(cache)) {
     at::Tensor out = cuda_step(tokens, cache, reads);
     if (out.defined()) {
       cache.advance(n);
@@ -1097,20 +1097,62 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
                              (hd == 32 || hd == 64 || hd == 128 || hd == 256);
   const bool all_plain = !piece &&
       std::none_of(rows.begin(), rows.end(), [](const PagedRow& r) { return r.reads != nullptr; });
+  // Rows the graphs take: without documents, or reading joint blocks alone (one sequence's keys
+  // each, no mask), each row's joined keys named in the graph's joined table.
+  const bool graph_rows = !piece && std::all_of(rows.begin(), rows.end(), [&](const PagedRow& r) {
+    if (!r.reads) return true;
+    if (r.reads->changes_state()) return false;
+    for (int64_t i = 0; i < c.n_layer; ++i)
+      if (const JointKV* j = r.reads->joint(i); j && (j->valid.defined() || j->keys.size(0) != 1)) return false;
+    return true;
+  });
   // One graph per bucket of rows (1, 2, 4, 8, then multiples of 8) and width of tables (a power of
   // two of blocks, at least 16); the rows past B repeat the last row (the same K/V written to the
   // same place). Before any copy to the device: the graph's buffers take the host's values.
   const int64_t bucket = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : (B + 7) / 8 * 8;
-  if (paged_kernels && all_plain && cuda_paged_graphs_ && ops->paged_graphs != nullptr && bucket <= 65535) {
+  if (paged_kernels && graph_rows && cuda_paged_graphs_ && ops->paged_graphs != nullptr &&
+      ops->paged_attention_joined != nullptr && bucket <= 65535) {
     int64_t width = 16;
     while (width < n_blocks_max) width *= 2;
     std::vector<int64_t> ids_b(bucket), pos_b(bucket);
     std::vector<int32_t> table_b(bucket * width);
+    std::vector<int64_t> joined_b(c.n_layer * bucket * 5, 0);  // [layer][row]: keys, values, bias, m, anchor
+    std::vector<at::Tensor> held;  // what joined_b names, alive until the replay has run
+    bool documents = false;        // some row reads joined keys
     for (int64_t b = 0; b < bucket; ++b) {
       const PagedRow& r = rows[std::min(b, B - 1)];
       ids_b[b] = r.token, pos_b[b] = r.position;
       for (int64_t j = 0; j < width; ++j) table_b[b * width + j] = (*r.blocks)[j <= r.position / bt ? j : 0];
+      if (!r.reads) continue;
+      if (b >= B) {  // a repeat of the last row: its entries
+        for (int64_t i = 0; i < c.n_layer; ++i)
+          std::copy_n(joined_b.data() + (i * bucket + B - 1) * 5, 5, joined_b.data() + (i * bucket + b) * 5);
+        continue;
+      }
+      for (int64_t i = 0; i < c.n_layer; ++i) {
+        const JointKV* j = r.reads->joint(i);
+        if (!j || j->keys.size(2) == 0) continue;
+        const at::Tensor keys = j->keys.to(device_, dtype_).contiguous(), values = j->values.to(device_, dtype_).contiguous();
+        COMB_CHECK(keys.dim() == 4 && keys.size(1) == c.n_head_kv && keys.size(3) == hd && values.sizes() == keys.sizes(),
+                   "a paged row's joined keys [{}] and values [{}] at layer {}: expected [1, {}, m, {}]",
+                   fmt::join(keys.sizes(), ", "), fmt::join(values.sizes(), ", "), i, c.n_head_kv, hd);
+        int64_t* p = joined_b.data() + (i * bucket + b) * 5;
+        p[0] = reinterpret_cast<int64_t>(keys.data_ptr());
+        p[1] = reinterpret_cast<int64_t>(values.data_ptr());
+        if (j->bias.defined()) {
+          const at::Tensor bias = j->bias.to(device_, at::kFloat).contiguous();
+          COMB_CHECK(bias.numel() == c.n_head, "a paged row's joined bias at layer {}: {} values for {} heads", i,
+                     bias.numel(), c.n_head);
+          p[2] = reinterpret_cast<int64_t>(bias.data_ptr());
+          held.push_back(bias);
+        }
+        p[3] = keys.size(2);
+        p[4] = j->anchor;
+        held.push_back(keys), held.push_back(values);
+        documents = true;
+      }
     }
+    if (!documents) joined_b.clear();  // the plain graphs
     struct State {
       std::weak_ptr<const int> decoder;  // the decoder whose weights the graphs read
       std::unique_ptr<detail::PagedGraphs> graphs;
@@ -1122,10 +1164,14 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
       state->graphs = ops->paged_graphs(pool.keys(0).device());
       pool.step_state() = state;
     }
-    at::Tensor out = state->graphs->run(bucket, width, ids_b, pos_b, table_b,
-                                        [&](const at::Tensor& i, const at::Tensor& p, const at::Tensor& t) {
-                                          return paged_kernels_step(pool, i, p, t, width * bt);
-                                        });
+    at::Tensor out = state->graphs->run(
+        bucket, width, ids_b, pos_b, table_b, joined_b,
+        [&](const at::Tensor& i, const at::Tensor& p, const at::Tensor& t, const at::Tensor& j) {
+          // With documents the grid fills the device whatever the joined keys' count (a split past
+          // a row's keys ends at once), as the eager path's split count would for many of them.
+          if (!j.defined()) return paged_kernels_step(pool, i, p, t, width * bt);
+          return paged_kernels_step(pool, i, p, t, int64_t(1) << 20, j.view({c.n_layer, bucket, 5}));
+        });
     return out.narrow(0, 0, B);
   }
   auto on_device = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device_); };
@@ -1259,10 +1305,14 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
 }
 
 COMB_INLINE at::Tensor Decoder::paged_kernels_step(BlockPool& pool, const at::Tensor& ids, const at::Tensor& positions,
-                                                   const at::Tensor& table, int64_t longest) const {
+                                                   const at::Tensor& table, int64_t longest,
+                                                   const at::Tensor& joined) const {
   const auto& c = config_;
   const detail::CudaLayerOps& ops = *detail::cuda_layer_ops();
   const int64_t n = ids.size(0);
+  COMB_CHECK(!joined.defined() || (ops.paged_attention_joined != nullptr && joined.dim() == 3 &&
+                                   joined.size(0) == c.n_layer && joined.size(1) == n && joined.size(2) == 5),
+             "paged_kernels_step: joined parameters [{}, {}, 5] (with comb's paged_attention_joined)", c.n_layer, n);
   at::Tensor x = embed(ids.view({n, 1}));  // [n, 1, n_embd]
   for (int64_t i = 0; i < c.n_layer; ++i) {
     const auto& w = weights_.layers[i];
@@ -1271,7 +1321,10 @@ COMB_INLINE at::Tensor Decoder::paged_kernels_step(BlockPool& pool, const at::Te
       const at::Tensor q =
           ops.paged_rope_store(qkv.reshape({n, -1}).contiguous(), rope_cos_, rope_sin_, pool_k, pool_v, table, positions,
                                c.n_head);  // [n, n_head, head_dim]
-      return ops.paged_attention(q, pool_k, pool_v, table, positions, longest, {}, {}, {}, 0).reshape({n, 1, c.q_dim()});
+      const at::Tensor out = joined.defined()
+                                 ? ops.paged_attention_joined(q, pool_k, pool_v, table, positions, longest, joined[i])
+                                 : ops.paged_attention(q, pool_k, pool_v, table, positions, longest, {}, {}, {}, 0);
+      return out.reshape({n, 1, c.q_dim()});
     });
   }
   return logits(x, LogitsMode::last).view({n, -1});
