@@ -22,11 +22,16 @@
 #    COMB's lowest rate), the decoding steps taking prompts' pieces (the mixed step);
 # 8. step 7's server with --mixed-step 0 at its higher rates;
 # 9. comb serve on the 8b shape under a plain load: 16 and 64 closed-loop clients (comb loadgen
-#    --concurrency), prompts of 48 words (about 128 tokens), 128 tokens out.
-# COMB_GPU_CHECK_STEPS (default "1 2 3 4 5 6 7 8 9") picks the steps; 3 makes the models the later
+#    --concurrency), prompts of 48 words (about 128 tokens), 128 tokens out;
+# 10. the document store's host tier (1b): warm requests with a device tier of 8 MiB (comb bench
+#    --device-cache-mb), most documents promoted from the host tier at each, its entries in
+#    pageable then page-locked memory (COMB_CUDA_PINNED_HOST=0, 1);
+# 11. tests/greedy/same_tokens.py on cuda in float32 (the random 135m model, a fresh plug-in):
+#    comb serve's greedy answers, alone and batched, equal comb eval's on the same device.
+# COMB_GPU_CHECK_STEPS (default "1 2 3 4 5 6 7 8 9 10 11") picks the steps; 3 makes the models the later
 # steps use. Each step's output goes to OUT_DIR (tests.txt, greedy-cuda-float32.txt, gpu.txt,
 # gpu.err.txt, pic-profile-1b.txt, varlen-1b.txt, graphs-1b.txt, batch-decode-8b-graphs{0,1}.txt, serve-8b.txt,
-# serve-8b.log, serve-8b-unmixed.txt, serve-8b-unmixed.log, serve-8b-plain.txt, serve-8b-plain.log); a summary to stdout. COMB_BIN and
+# serve-8b.log, serve-8b-unmixed.txt, serve-8b-unmixed.log, serve-8b-plain.txt, serve-8b-plain.log, host-tier-1b.txt, same-tokens-cuda.txt); a summary to stdout. COMB_BIN and
 # COMB_TESTS name the binaries (default build/comb, build/tests/comb_tests); python3 with torch and
 # transformers is needed.
 set -uo pipefail
@@ -42,7 +47,7 @@ mkdir -p "$out" "$work"
 start=$(date +%s)
 step() { printf '[gpu_check +%ds] %s\n' "$(($(date +%s) - start))" "$*"; }
 export PYTHONUNBUFFERED=1
-steps=" ${COMB_GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8 9} "
+steps=" ${COMB_GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8 9 10 11} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 
 if want 1; then
@@ -165,5 +170,25 @@ fi
 if want 9; then
   step "9. comb serve on the 8b shape under a plain decoding load (16 and 64 clients)"
   serve_8b serve-8b-plain "" plain_load 16,64
+fi
+if want 10; then
+  step "10. the document store's host tier: a device tier of 8 MiB, pageable then page-locked (1b)"
+  for p in 0 1; do  # each warm request promotes most of its documents from the host tier
+    COMB_CUDA_PINNED_HOST=$p timeout 60 "$comb" "${pic[@]}" --pic-methods full,naive,comb --repeat 3 \
+      --device-cache-mb 8 2>/dev/null | sed "s/^/pinned=$p /"
+  done | tee "$out/host-tier-1b.txt"
+fi
+if want 11; then
+  step "11. greedy answers of comb eval, comb serve (alone and batched) and comb generate on cuda, float32 (135m)"
+  [ -d "$work/135m" ] ||
+    python3 "$here/make_random_llama.py" --shape 135m --tokenizer "$tok" --out "$work/135m" >/dev/null 2>&1
+  # The shipped plug-in names the default model's fingerprint: a fresh one of its layout instead.
+  "$comb" plugin init --model "$work/135m" --init joint --documents-after-prefix 1 \
+    --out "$work/135m.plugin.safetensors" > /dev/null
+  COMB_MODEL=$work/135m COMB_SHIPPED_PLUGIN=$work/135m.plugin.safetensors \
+    COMB_SAME_TOKENS_DEVICE=cuda timeout 400 python3 "$here/../tests/greedy/same_tokens.py" "$comb" "$work/same-tokens" \
+    > "$out/same-tokens-cuda.txt" 2>&1
+  echo "tests/greedy/same_tokens.py on cuda: rc $?"
+  grep -E "^FAIL|passed|failed" "$out/same-tokens-cuda.txt" | head -20
 fi
 step "done"

@@ -562,4 +562,11 @@ TEST_CASE("the caching engine's store keeps documents in device memory on a CUDA
   CHECK(gpu.device_bytes == pic.cache_bytes);  // a device tier first ...
   CHECK(gpu.host_bytes == pic.cache_bytes);    // ... and the host tier behind it
   CHECK(gpu.dtype == pic.cache_dtype);
+  // A device tier of its own size (a benchmark of the host tier behind it); the CPU's unchanged.
+  pic.device_cache_bytes = int64_t(1) << 20;
+  CHECK(pic.store_options(c10::Device(c10::kCUDA, 1)).device_bytes == pic.device_cache_bytes);
+  CHECK(pic.store_options(c10::Device(c10::kCUDA, 1)).host_bytes == pic.cache_bytes);
+  CHECK(pic.store_options().device_bytes == 0);
+  pic.device_cache_bytes = 0;  // no device tier: every request reads the host tier
+  CHECK(pic.store_options(c10::Device(c10::kCUDA, 1)).device_bytes == 0);
 }

@@ -39,6 +39,9 @@ struct PicOptions {
   int64_t epic_k = 16;          // epic: leading tokens recomputed per document
   int64_t prefix_block = 16;    // prefix: tokens per cached block
   int64_t cache_bytes = int64_t(4) << 30;  // budget of the document store / prefix cache
+  // The document store's device tier on a CUDA device (-1: cache_bytes); smaller than what
+  // requests read, the host tier behind it serves the rest (a benchmark of that tier).
+  int64_t device_cache_bytes = -1;
   // Storage dtype of cached document K/V (every tier): float32, bfloat16, float16 or int8; or
   // Undefined ("auto", the default): each entry as computed (the decoder's dtype), a plug-in's
   // documents in its own cache dtype (PluginConfig::cache_dtype: int8 for the shipped one).
@@ -50,8 +53,8 @@ struct PicOptions {
   int64_t cache_ttl_s = 0;      // expiry of the entries written there (0: none)
   // The document store these options describe (memory budget, dtype, remote tier) for a model on
   // `device`: on a CUDA device the caches are kept in its memory first (a device tier of
-  // cache_bytes, read by requests without a copy), the least recently used moved to a host tier of
-  // cache_bytes behind it; elsewhere the host tier alone.
+  // device_cache_bytes, else cache_bytes, read by requests without a copy), the least recently used
+  // moved to a host tier of cache_bytes behind it; elsewhere the host tier alone.
   StoreOptions store_options(c10::Device device = c10::kCPU) const;
 };
 

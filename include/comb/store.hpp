@@ -44,7 +44,8 @@ struct StoreOptions {
   // given back when an allocation fails; an entry that still cannot be page-locked is kept in
   // pageable memory, logged once). Needs comb's CUDA ops (not with COMB_CUDA_KERNELS=0). Off
   // (pageable memory, plain copies) until a benchmark measures it (its CUDA tests pass on one
-  // H200); PicOptions::store_options turns it on with COMB_CUDA_PINNED_HOST=1.
+  // H200; `comb bench --device-cache-mb` is that benchmark, not yet run on a GPU);
+  // PicOptions::store_options turns it on with COMB_CUDA_PINNED_HOST=1.
   bool pinned_host = false;
   // The remote tier, shared by replicas: a Redis server, "redis://[:PASSWORD@]HOST[:PORT][/DB]"
   // ("": none). Looked up after the disk tier; a hit is promoted into the local tiers. Entries are

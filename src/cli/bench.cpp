@@ -138,6 +138,7 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
   first.max_tokens = 1;
   const size_t k = methods.size();
   std::vector<std::vector<double>> cold(k), warm(k), cold_ratio(k), warm_ratio(k);
+  std::vector<int64_t> warm_device_hits(k), warm_host_hits(k);  // the store's, over the warm requests
   for (size_t i = 0; i < items.size(); ++i) {
     const comb::PicRequest request = comb::qa_request(model, items[i].documents, items[i].question);
     std::vector<double> c(k), w(k);
@@ -146,8 +147,15 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
       c[m] = engines[m]->generate(request, first).ttft_ms;
     }
     std::vector<std::vector<double>> ws(k);
+    std::vector<comb::StoreStats> before(k);
+    for (size_t m = 0; m < k; ++m) before[m] = engines[m]->store().stats();
     for (int r = 0; r < repeat; ++r)
       for (size_t m = 0; m < k; ++m) ws[m].push_back(engines[m]->generate(request, first).ttft_ms);
+    for (size_t m = 0; m < k; ++m) {
+      const comb::StoreStats after = engines[m]->store().stats();
+      warm_device_hits[m] += after.device.hits - before[m].device.hits;
+      warm_host_hits[m] += after.host.hits - before[m].host.hits;
+    }
     for (size_t m = 0; m < k; ++m) {
       w[m] = median(ws[m]);
       cold[m].push_back(c[m]);
@@ -164,13 +172,17 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
       std::cout << nlohmann::json{{"bench", "pic"}, {"method", name}, {"items", items.size()},
                                   {"ttft_cold_ms_p50", median(cold[m])}, {"ttft_warm_ms_p50", median(warm[m])},
                                   {"cold_ratio_p50", median(cold_ratio[m])}, {"warm_ratio_p50", median(warm_ratio[m])},
-                                  {"against", comb::method_name(methods[0])}}
+                                  {"against", comb::method_name(methods[0])},
+                                  {"warm_tier_hits", {{"device", warm_device_hits[m]}, {"host", warm_host_hits[m]}}}}
                        .dump()
                 << std::endl;
     } else {
       fmt::print("{:<10} {} items  cold p50 {:>8.1f} ms  warm p50 {:>7.1f} ms  per item against {}: cold {:.3f}, warm {:.3f}\n",
                  name, items.size(), median(cold[m]), median(warm[m]), comb::method_name(methods[0]),
                  median(cold_ratio[m]), median(warm_ratio[m]));
+      if (model.decoder().device().is_cuda())  // beside a device tier: where the warm requests found their documents
+        fmt::print("{:<10} warm requests' document hits: device tier {}, host tier {}\n", name, warm_device_hits[m],
+                   warm_host_hits[m]);
     }
   }
   if (profile) {
@@ -460,7 +472,12 @@ int cmd_bench(Args& args) {
     if (items <= 0) throw Error("--pic-items: expected a number of items > 0, found " + std::to_string(items));
     const std::string list = args.str("pic-methods", "naive,comb");
     const int repeat = std::max(1, args.num<int>("repeat", 3));
-    const comb::PicOptions options = pic_method_options(args);
+    comb::PicOptions options = pic_method_options(args);
+    if (args.has("device-cache-mb")) {
+      const int64_t mb = args.num<int64_t>("device-cache-mb", 0);
+      if (mb < 0) throw Error("--device-cache-mb: expected MiB >= 0, found " + std::to_string(mb));
+      options.device_cache_bytes = mb << 20;
+    }
     const bool json = args.has("json");
     const bool profile = args.num<int>("profile", 0) != 0;
     args.str("json");

@@ -36,7 +36,7 @@ void check_inputs(const Args& args) {
 void check_numbers(const Args& args) {
   Args probe = args;
   for (const char* o : {"accumulate", "batch", "block-tokens", "cache-mb", "cache-ttl", "cached", "check-layer",
-                        "decode-tokens", "default-max-tokens", "docs", "document-tokens", "drain-timeout", "encoder-layers", "epic-k",
+                        "decode-tokens", "default-max-tokens", "device-cache-mb", "docs", "document-tokens", "drain-timeout", "encoder-layers", "epic-k",
                         "items", "kv-mb", "limit", "log-every", "max-docs", "max-document-tokens", "max-documents",
                         "max-new-tokens", "max-queued", "max-request-document-tokens", "max-connections", "max-connections-per-client", "max-running", "max-tokens", "max-tokens-in-flight", "min-docs",
                         "min-documents", "offset", "pairs-per-document", "place", "port", "prefill-chunk",

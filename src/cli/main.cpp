@@ -239,6 +239,10 @@ bench options:
                          the methods alternated item by item: each item cold, then warm --repeat
                          times; p50s and the per-item ratio against the first method
   --pic-items N          items of --pic-data (default 20)
+  --device-cache-mb N    with --pic-data on a GPU: the document store's device tier in MiB (default: the
+                         store's whole budget, 4096); smaller than an item's documents, its warm requests
+                         read the rest from the host tier behind it (page-locked with
+                         COMB_CUDA_PINNED_HOST=1), and the hits of each tier are printed
   --pic-methods LIST     methods, comma separated (default naive,comb; comb uses the shipped plug-in
                          unless --plugin names another)
   --json                 one JSON object per figure

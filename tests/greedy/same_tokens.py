@@ -10,7 +10,10 @@
      (rounding differs, greedy text may too) that comparison is skipped and said so.
 
 usage: same_tokens.py COMB_BINARY WORK_DIR [--record]
-  the model: $COMB_MODEL; the plug-in: $COMB_SHIPPED_PLUGIN (both set by the test suite)
+  the model: $COMB_MODEL; the plug-in: $COMB_SHIPPED_PLUGIN (both set by the test suite);
+  COMB_SAME_TOKENS_DEVICE (default cpu): the device every front door runs on (float32; on another
+  than the CPU the recorded file, made on a CPU, is not compared); COMB_SAME_TOKENS_LAYERS (default
+  4,12,20): the fresh plug-ins' cross layers (fewer for a model of fewer layers)
 """
 import json
 import os
@@ -28,6 +31,8 @@ RECORD = "--record" in sys.argv[3:]
 RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recorded.txt")
 PLUGIN = os.environ["COMB_SHIPPED_PLUGIN"]
 METHODS = ["full", "prefix", "naive", "cacheblend", "epic", "comb"]
+DEVICE = os.environ.get("COMB_SAME_TOKENS_DEVICE", "cpu")
+ON = ["--device", DEVICE] if DEVICE != "cpu" else []
 ITEMS, TOKENS = 4, 12
 failures = []
 
@@ -71,7 +76,7 @@ by_eval = {}
 for m in METHODS:
     out = os.path.join(WORK, f"eval-{m}.jsonl")
     run("eval", "--method", m, "--data", data, "--max-new-tokens", str(TOKENS), "--plugin", PLUGIN, "--threads", "2",
-        "--out", out)
+        *ON, "--out", out)
     rows = [json.loads(line) for line in open(out)]
     check(len(rows) == ITEMS, f"eval {m}: {len(rows)} items answered of {ITEMS}")
     for r in rows:
@@ -80,7 +85,7 @@ for m in METHODS:
 
 # ---- fresh plug-ins of the other layouts (comb plugin init, no randomness): residual cross blocks,
 # joint blocks reading each document as linked, joint blocks with the documents in a row --------
-LAYERS = ["--cross-layers", "4,12,20"]
+LAYERS = ["--cross-layers", os.environ.get("COMB_SAME_TOKENS_LAYERS", "4,12,20")]
 LAYOUTS = {"reads": ["--init", "reads", *LAYERS], "joint": ["--init", "joint", *LAYERS],
            "joint-consecutive": ["--init", "joint", *LAYERS, "--consecutive-documents", "1"]}
 plugins = {"shipped": PLUGIN}
@@ -89,13 +94,13 @@ for name, how in LAYOUTS.items():
     run("plugin", "init", *how, "--out", plugins[name])
     out = os.path.join(WORK, f"eval-comb-{name}.jsonl")
     run("eval", "--method", "comb", "--data", data, "--max-new-tokens", str(TOKENS), "--plugin", plugins[name],
-        "--threads", "2", "--out", out)
+        "--threads", "2", *ON, "--out", out)
     for r in (json.loads(line) for line in open(out)):
         by_eval[(f"comb-{name}", r["index"])] = r["prediction"]
         lines.append(f"eval comb-{name} {r['index']} {json.dumps(r['prediction'])}")
 
 # ---- comb generate: the decoder alone, and two documents through the plug-in ---------------------
-g = json.loads(run("generate", "--prompt", "What is the capital of France?", "--max-tokens", str(TOKENS), "--json"))
+g = json.loads(run("generate", "--prompt", "What is the capital of France?", "--max-tokens", str(TOKENS), "--json", *ON))
 lines.append(f"generate plain {json.dumps(g['tokens'])}")
 docs = []
 for k, d in enumerate(items[0]["documents"][:3]):
@@ -104,7 +109,7 @@ for k, d in enumerate(items[0]["documents"][:3]):
         f.write(d["text"])
     docs += ["--document", path]
 g = json.loads(run("generate", "--plugin", PLUGIN, *docs, "--prompt", items[0]["question"], "--max-tokens", str(TOKENS),
-                   "--json", "--cache-mb", "64"))
+                   "--json", "--cache-mb", "64", *ON))
 lines.append(f"generate documents {json.dumps(g['tokens'])}")
 
 # ---- comb serve: the same items as eval, one at a time and all at once ---------------------------
@@ -113,7 +118,7 @@ def serve(plugin, methods, label):
     port_file = os.path.join(tmp, "port")
     log = open(os.path.join(tmp, "log"), "w+", errors="replace")
     server = subprocess.Popen([COMB, "serve", "--port", "0", "--port-file", port_file, "--threads", "2",
-                               "--plugin", plugin], stdout=log, stderr=subprocess.STDOUT)
+                               "--plugin", plugin, *ON], stdout=log, stderr=subprocess.STDOUT)
     try:
         for _ in range(600):
             if os.path.exists(port_file) or server.poll() is not None:
@@ -167,7 +172,11 @@ for name in LAYOUTS:
 
 # ---- the recorded file ---------------------------------------------------------------------------
 level = cpu_level()
-if RECORD:
+if DEVICE != "cpu":
+    print(f"skip the recorded file: made on a CPU, these answers on {DEVICE}")
+    if RECORD:
+        failures.append("--record on a device other than the CPU")
+elif RECORD:
     with open(RECORDED, "w") as f:
         f.write(f"# cpu {level}\n")
         f.write("\n".join(lines) + "\n")

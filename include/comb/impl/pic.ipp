@@ -48,7 +48,7 @@ COMB_INLINE StoreOptions PicOptions::store_options(c10::Device device) const {
   store.host_bytes = cache_bytes;
   if (device.is_cuda()) {
     store.device = device;
-    store.device_bytes = cache_bytes;
+    store.device_bytes = device_cache_bytes >= 0 ? device_cache_bytes : cache_bytes;
     static const bool pinned = [] {
       const char* v = std::getenv("COMB_CUDA_PINNED_HOST");
       return v != nullptr && std::strcmp(v, "1") == 0;
