@@ -13,10 +13,12 @@ commands:
   plugin convert
                 a plug-in written again: weights in another dtype, the cache dtype it declares
   eval          one method on a multi-document QA file: accuracy, TTFT cold and warm
-  report [--markdown] [--first N] [--data FILE]... FILE...
+  report [--markdown] [--paired] [--first N] [--data FILE]... FILE...
                 the summary of eval --out files (chunks of runs): per data and method, a JSON
                 line, or with --markdown one table; --first N: items 0..N-1 only; --data FILE:
-                score the stored predictions again against that data file's answers
+                score the stored predictions again against that data file's answers; --paired:
+                each accuracy's 95% interval (Wilson's), and every two methods on a data set
+                item by item (items only one of them answers, McNemar's exact test)
   attention     where the row that predicts the answer looks: the gold document's share of the
                 attention with every document in the context (full) and linked (comb), by layer,
                 position and count

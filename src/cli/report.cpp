@@ -4,6 +4,29 @@
 
 namespace comb::cli {
 
+namespace {
+
+// Wilson's score interval at 95% for k of n (as fractions).
+std::pair<double, double> wilson95(int64_t k, int64_t n) {
+  const double z = 1.959963984540054, nn = static_cast<double>(n), p = static_cast<double>(k) / nn;
+  const double den = 1 + z * z / nn, centre = (p + z * z / (2 * nn)) / den;
+  const double half = z * std::sqrt(p * (1 - p) / nn + z * z / (4 * nn * nn)) / den;
+  return {std::max(0.0, centre - half), std::min(1.0, centre + half)};
+}
+
+// McNemar's exact test, two-sided: the chance of a split at least as uneven as (a, b) of the a + b
+// items the two methods disagree on, were each way equally likely (1 when they never disagree).
+double mcnemar_exact(int64_t a, int64_t b) {
+  const int64_t n = a + b, k = std::min(a, b);
+  if (n == 0) return 1.0;
+  double tail = 0;  // P(X <= k), X ~ Binomial(n, 1/2), summed in logs
+  for (int64_t i = 0; i <= k; ++i)
+    tail += std::exp(std::lgamma(n + 1.0) - std::lgamma(i + 1.0) - std::lgamma(n - i + 1.0) - n * std::log(2.0));
+  return std::min(1.0, 2 * tail);
+}
+
+}  // namespace
+
 int cmd_report(std::vector<std::string> args) {
   // Options and files read left to right:
   //   --markdown    a table instead of JSON lines
@@ -11,19 +34,24 @@ int cmd_report(std::vector<std::string> args) {
   //   --data FILE   once per data set: each item's stored prediction is scored again against that
   //                 file's answers, by this build's rule (otherwise a line keeps the verdict of the
   //                 build that wrote it)
+  //   --paired      each accuracy with its 95% interval (Wilson's), and every two methods on one
+  //                 data set compared item by item: the items each answers and the other does not,
+  //                 and McNemar's exact test of that split
   struct Rescore {
     std::string path;
     std::map<std::string, std::vector<std::string>> answers;  // item id -> answers
     int64_t items = 0, changed = 0;
   };
   std::map<std::string, Rescore> rescore;  // data name -> its file's answers
-  bool markdown = false;
+  bool markdown = false, paired = false;
   int64_t first_n = -1;
   std::vector<std::string> files;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--markdown") {
       markdown = true;
+    } else if (a == "--paired") {
+      paired = true;
     } else if (a == "--first" || a == "--data") {
       COMB_CHECK(i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0, "report: {} needs {}", a,
                  a == "--first" ? "a count" : "a data file");
@@ -42,12 +70,13 @@ int cmd_report(std::vector<std::string> args) {
       }
     } else {
       COMB_CHECK(a.rfind("--", 0) != 0,
-                 "report takes eval --out files, --markdown, --first N and --data FILE, found option '{}'", a);
+                 "report takes eval --out files, --markdown, --paired, --first N and --data FILE, found option '{}'", a);
       files.push_back(a);
     }
   }
   COMB_CHECK(!files.empty(),
-             "report needs the --out files of comb eval runs (comb report [--markdown] [--first N] [--data FILE] FILE...)");
+             "report needs the --out files of comb eval runs (comb report [--markdown] [--paired] [--first N] [--data FILE] "
+             "FILE...)");
   // Rows grouped by (data, method), in the order first seen; an item counted once per group.
   std::vector<std::pair<std::string, std::vector<nlohmann::json>>> groups;
   std::map<std::string, std::string> seen;  // group + index -> where it was read
@@ -147,6 +176,11 @@ int cmd_report(std::vector<std::string> args) {
       }
     s["compared_with_full"] = compared;
     s["same_answer_as_full"] = compared ? double(same) / compared : 0.0;
+    if (paired) {
+      const auto n = s["n"].get<int64_t>();
+      const auto [low, high] = wilson95(std::llround(s["accuracy"].get<double>() * n), n);
+      s["accuracy_wilson95"] = {low, high};
+    }
     if (!markdown) std::cout << s.dump() << std::endl;
     summaries.push_back(std::move(s));
   }
@@ -168,14 +202,52 @@ int cmd_report(std::vector<std::string> args) {
           compared == 0 ? "-"
                         : fmt::format("{:.1f}% ({}/{})", 100.0 * s["same_answer_as_full"].get<double>(),
                                       std::lround(s["same_answer_as_full"].get<double>() * compared), compared);
-      fmt::print("| {} | {} | {}{} | {:.1f}% ({}/{}) | {:.0f} | {:.0f} | {} | {:.1f} | {:.1f} | {:.0f} | {} |\n", data,
+      const std::string interval =
+          paired ? fmt::format("; {:.1f}-{:.1f}", 100.0 * s["accuracy_wilson95"][0].get<double>(),
+                               100.0 * s["accuracy_wilson95"][1].get<double>())
+                 : "";
+      fmt::print("| {} | {} | {}{} | {:.1f}% ({}/{}{}) | {:.0f} | {:.0f} | {} | {:.1f} | {:.1f} | {:.0f} | {} |\n", data,
                  s["method"].get<std::string>(),
                  first == 0 ? fmt::format("first {}", n) : fmt::format("{}..{}", first, first + n - 1),
                  s["contiguous"].get<bool>() ? "" : " (with gaps)", 100.0 * s["accuracy"].get<double>(),
-                 std::lround(s["accuracy"].get<double>() * n), n, s["ttft_cold_ms_p50"].get<double>(),
+                 std::lround(s["accuracy"].get<double>() * n), n, interval, s["ttft_cold_ms_p50"].get<double>(),
                  s["ttft_warm_ms_p50"].get<double>(), ratio, s["computed_tokens_warm_mean"].get<double>(),
                  s["reused_tokens_warm_mean"].get<double>(), s["cache_bytes_per_token"].get<double>(), same);
     }
+  }
+  if (paired) {
+    // Every two methods on one data set, over the items both answered, in the table's order.
+    if (markdown)
+      fmt::print("\n| data | method A | method B | items | A right, B wrong | B right, A wrong | McNemar exact p |\n"
+                 "|---|---|---|---:|---:|---:|---:|\n");
+    for (size_t i = 0; i < groups.size(); ++i)
+      for (size_t j = i + 1; j < groups.size(); ++j) {
+        const auto& a = groups[i].second;
+        const auto& b = groups[j].second;
+        if (a[0]["data"] != b[0]["data"]) continue;
+        std::map<int64_t, bool> b_correct;
+        for (const auto& r : b) b_correct[r["index"].get<int64_t>()] = r["correct"].get<bool>();
+        int64_t items = 0, a_only = 0, b_only = 0;
+        for (const auto& r : a) {
+          auto it = b_correct.find(r["index"].get<int64_t>());
+          if (it == b_correct.end()) continue;
+          ++items;
+          const bool ra = r["correct"].get<bool>();
+          a_only += ra && !it->second;
+          b_only += !ra && it->second;
+        }
+        if (items == 0) continue;
+        const double p = mcnemar_exact(a_only, b_only);
+        if (markdown)
+          fmt::print("| {} | {} | {} | {} | {} | {} | {:.3g} |\n", a[0]["data"].get<std::string>(),
+                     a[0]["method"].get<std::string>(), b[0]["method"].get<std::string>(), items, a_only, b_only, p);
+        else
+          std::cout << nlohmann::json{{"paired", true},          {"data", a[0]["data"]}, {"a", a[0]["method"]},
+                                      {"b", b[0]["method"]},     {"items", items},       {"a_only", a_only},
+                                      {"b_only", b_only},        {"mcnemar_exact_p", p}}
+                           .dump()
+                    << std::endl;
+      }
   }
   return 0;
 }
