@@ -492,6 +492,43 @@ TEST_CASE("bytes per cached document token are L_E/L of the decoder's KV", "[plu
   }
 }
 
+TEST_CASE("a plug-in cut to some of its blocks: each kept block's K/V as before, the encoder as deep as they read",
+          "[plugin][memory]") {
+  c10::InferenceMode guard;
+  const Model& model = default_model();
+  PluginInitOptions init;
+  init.reads = true, init.joint_attention = true;
+  init.cross_layers = {1, 3, 5, 7, 9, 11};  // each block reads the depth of its layer: an encoder of 11
+  const Plugin plugin = Plugin::fresh(model.decoder(), init);
+  const Plugin cut = plugin.with_blocks({0, 2, 3}, model.decoder());
+  CHECK(cut.config().cross_layers == std::vector<int64_t>{1, 5, 7});
+  CHECK(cut.config().n_blocks() == 3);
+  CHECK(cut.config().read_depth(0) == 1);
+  CHECK(cut.config().read_depth(1) == 5);
+  CHECK(cut.config().read_depth(2) == 7);
+  REQUIRE(plugin.config().n_encoder_layers() == 11);
+  CHECK(cut.config().n_encoder_layers() == 7);  // the deepest kept block reads depth 7
+  CHECK(cut.fingerprint() != plugin.fingerprint());
+  std::vector<int32_t> doc(40);
+  for (size_t i = 0; i < doc.size(); ++i) doc[i] = static_cast<int32_t>(300 + 11 * i);
+  const DocumentKV all = plugin.encode(model.decoder(), doc), some = cut.encode(model.decoder(), doc);
+  REQUIRE(some.keys.size() == 3);
+  const std::vector<size_t> from{0, 2, 3};
+  for (size_t k = 0; k < from.size(); ++k) {  // the same causal layers over the same tokens: equal
+    CHECK(at::equal(some.keys[k], all.keys[from[k]]));
+    CHECK(at::equal(some.values[k], all.values[from[k]]));
+  }
+  CHECK(some.bytes() * 6 == all.bytes() * 3);  // bytes in proportion to the blocks kept
+  // Saved and loaded, the same plug-in.
+  const std::string dir = temp_dir("plugin-cut");
+  cut.save(dir + "/cut.safetensors");
+  CHECK(Plugin::load(dir + "/cut.safetensors", model.decoder()).fingerprint() == cut.fingerprint());
+  remove_dir(dir);
+  CHECK_THROWS_WITH(plugin.with_blocks({}, model.decoder()), Catch::Contains("no block to keep"));
+  CHECK_THROWS_WITH(plugin.with_blocks({2, 1}, model.decoder()), Catch::Contains("found 1 at place 1"));
+  CHECK_THROWS_WITH(plugin.with_blocks({6}, model.decoder()), Catch::Contains("increasing in [0, 6)"));
+}
+
 // ---- Sinks, gradients, and the layout that reads from the start ---------------------------------
 
 namespace {

@@ -141,6 +141,12 @@ class Plugin {
   const PluginConfig& config() const { return config_; }
   const PluginWeights& weights() const { return weights_; }
   PluginWeights& mutable_weights() { return weights_; }
+  // This plug-in with only the cross blocks `keep` (indices, increasing): each kept block as it
+  // was (its layer, its read depth, its weights), the encoder cut to the deepest depth they read.
+  // Its documents' caches hold those blocks alone (bytes in proportion), and a cold request
+  // encodes through fewer layers when the deepest blocks go; what the dropped blocks read is lost,
+  // untrained (measure it: docs/evaluation.md).
+  Plugin with_blocks(const std::vector<int64_t>& keep, const Decoder& base) const;
   // Sets PluginConfig::cache_dtype ("" or "float32", "bfloat16", "float16", "int8", "int8-int4",
   // "int4"); the
   // fingerprint follows, so caches kept in another dtype are not mixed up with its own.

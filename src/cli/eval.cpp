@@ -32,6 +32,11 @@ int cmd_eval(Args& args, Model& model) {
   const std::string out_path = args.str("out");
   const std::string priming = args.str("priming", "auto");
   COMB_CHECK(priming == "auto" || priming == "always", "--priming: expected auto or always, found '{}'", priming);
+  const std::string label = args.str("label");
+  COMB_CHECK(label.size() <= 64 && std::all_of(label.begin(), label.end(), [](char ch) {
+               return std::isalnum(static_cast<unsigned char>(ch)) || ch == '-' || ch == '_' || ch == '.';
+             }),
+             "--label: up to 64 letters, digits, '-', '_' or '.', found '{}'", label);
   const bool prime_all = priming == "always";
   GenerateOptions gen;
   gen.max_tokens = args.num<int64_t>("max-new-tokens", 32);
@@ -97,6 +102,7 @@ int cmd_eval(Args& args, Model& model) {
                       {"reused_tokens_warm", t.warm_counts.reused},
                       {"cache_bytes_per_token", stored_bytes_per_token(engine, request)},
                       {"priming", priming}});
+      if (!label.empty()) rows.back()["label"] = label;
       if (out.is_open()) {
         out << rows.back().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)  // cut-off UTF-8: U+FFFD
             << std::endl;  // flushed: a stopped run keeps the items it finished

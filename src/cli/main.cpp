@@ -88,6 +88,9 @@ plugin convert options:
   --save-dtype T      its weights: bfloat16 (default), float32, float16
   --cache-dtype T     the dtype its document caches are kept in under --cache-dtype auto:
                       float32, bfloat16, float16, int8, int8-int4, int4 (default: as it was)
+  --keep-blocks LIST  only these cross blocks (indices from 0, increasing, comma separated), each as
+                      it was, the encoder cut to the deepest depth they read: caches of fewer
+                      blocks, untrained (default: every block)
 
 plugin init options:
   --out FILE          where to write the plug-in (safetensors)
@@ -125,6 +128,8 @@ eval options:
   --limit N           N items (default: all)
   --offset N          start at item N (default 0): a long evaluation split into chunks
   --out FILE          one JSON line per item (comb report merges such files)
+  --label NAME        written on each line: comb report keeps runs of one method under different
+                      labels apart (a variant of a plug-in, say), as "comb [NAME]"
   --max-new-tokens N  greedy tokens per warm answer (default 32; the cold run stops at the first)
   --priming auto|always
                       what warms the caches (default auto): prefix is primed by a request with

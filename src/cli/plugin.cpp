@@ -61,10 +61,24 @@ int cmd_plugin_convert(Args& args) {
   const c10::ScalarType save = parse_dtype(args.str("save-dtype", "bfloat16"));
   const bool set_cache = args.has("cache-dtype");
   const std::string cache = args.str("cache-dtype");
+  const std::string keep_list = args.str("keep-blocks");
   comb::Model model = load_model(args);
   args.check_all_used();
   COMB_CHECK(model.plugin(), "plugin convert: no plug-in loaded from '{}'", in);
   comb::Plugin plugin = *model.plugin();
+  if (!keep_list.empty()) {
+    std::vector<int64_t> keep;
+    for (const auto& item : split_list(keep_list)) {
+      COMB_CHECK(!item.empty() && item.size() < 10 && item.find_first_not_of("0123456789") == std::string::npos,
+                 "plugin convert: --keep-blocks expects block indices, comma separated, found '{}'", item);
+      keep.push_back(std::stoll(item));
+    }
+    const int64_t before = plugin.config().n_blocks(), depth = plugin.config().n_encoder_layers();
+    plugin = plugin.with_blocks(keep, model.decoder());
+    fmt::print(stderr, "[comb] kept {} of {} cross blocks (before layers {}), the encoder {} of {} layers deep\n",
+               plugin.config().n_blocks(), before, fmt::join(plugin.config().cross_layers, ","),
+               plugin.config().n_encoder_layers(), depth);
+  }
   if (set_cache) plugin.set_cache_dtype(cache);
   plugin.save(out, save);
   fmt::print(stderr, "[comb] wrote {} ({} weights, documents cached in {} by default)\n", out, c10::toString(save),

@@ -25,6 +25,14 @@ double mcnemar_exact(int64_t a, int64_t b) {
   return std::min(1.0, 2 * tail);
 }
 
+// A row's or a summary's method as the table shows it: "comb", or "comb [LABEL]" for a labelled run.
+std::string shown_name(const nlohmann::json& r) {
+  const std::string method = r["method"].get<std::string>();
+  return r.contains("label") && !r["label"].get<std::string>().empty()
+             ? fmt::format("{} [{}]", method, r["label"].get<std::string>())
+             : method;
+}
+
 }  // namespace
 
 int cmd_report(std::vector<std::string> args) {
@@ -101,8 +109,13 @@ int cmd_report(std::vector<std::string> args) {
       for (const char* key : {"ttft_cold_ms", "ttft_warm_ms", "computed_tokens_warm", "reused_tokens_warm",
                               "cache_bytes_per_token"})
         expect(key, r[key].is_number(), "a number");
-      for (const char* key : {"id", "prediction", "priming"})
+      for (const char* key : {"id", "prediction", "priming", "label"})
         if (r.contains(key)) expect(key, r[key].is_string(), "a string");
+      // A labelled run (eval --label) is a method of its own here: "comb [even]".
+      if (r.contains("label")) {
+        if (r["label"].get<std::string>().empty()) r.erase("label");  // as unlabelled
+        else r["method_label"] = shown_name(r);
+      }
       if (first_n > 0 && r["index"].get<int64_t>() >= first_n) return true;
       if (auto d = rescore.find(r["data"].get<std::string>()); d != rescore.end()) {
         COMB_CHECK(r.contains("id") && r.contains("prediction"),
@@ -115,11 +128,12 @@ int cmd_report(std::vector<std::string> args) {
         d->second.changed += ok != r["correct"].get<bool>();
         r["correct"] = ok;
       }
-      const std::string group = r["data"].get<std::string>() + " " + r["method"].get<std::string>();
+      const std::string shown = r.value("method_label", r["method"].get<std::string>());
+      const std::string group = r["data"].get<std::string>() + " " + shown;
       const std::string key = group + " #" + std::to_string(r["index"].get<int64_t>());
       auto [it, fresh] = seen.emplace(key, where);
       COMB_CHECK(fresh, "{}: item {} of {} / {} was already read at {}", where, r["index"].get<int64_t>(),
-                 r["data"].get<std::string>(), r["method"].get<std::string>(), it->second);
+                 r["data"].get<std::string>(), shown, it->second);
       auto g = std::find_if(groups.begin(), groups.end(), [&](const auto& p) { return p.first == group; });
       if (g == groups.end()) g = groups.insert(groups.end(), {group, {}});
       // One group, one protocol: lines from before --priming existed ran as "always".
@@ -127,8 +141,7 @@ int cmd_report(std::vector<std::string> args) {
       if (!g->second.empty()) {
         const std::string other = g->second[0].value("priming", "always");
         COMB_CHECK(priming == other, "{}: item {} of {} / {} ran with --priming {}, the items before it with {}",
-                   where, r["index"].get<int64_t>(), r["data"].get<std::string>(), r["method"].get<std::string>(),
-                   priming, other);
+                   where, r["index"].get<int64_t>(), r["data"].get<std::string>(), shown, priming, other);
       }
       g->second.push_back(std::move(r));
       return true;
@@ -155,7 +168,7 @@ int cmd_report(std::vector<std::string> args) {
   std::map<std::pair<std::string, int64_t>, std::string> full_answers;
   for (const auto& [group, rows] : groups)
     for (const auto& r : rows)
-      if (r["method"] == "full" && r.contains("prediction"))
+      if (r["method"] == "full" && !r.contains("method_label") && r.contains("prediction"))
         full_answers[{r["data"].get<std::string>(), r["index"].get<int64_t>()}] = r["prediction"].get<std::string>();
   std::vector<nlohmann::json> summaries;
   for (const auto& [group, rows] : groups) {
@@ -164,6 +177,7 @@ int cmd_report(std::vector<std::string> args) {
     for (const auto& r : rows) idx.push_back(r["index"].get<int64_t>());
     std::sort(idx.begin(), idx.end());
     nlohmann::json s = summarize_eval(rows, group);
+    if (rows[0].contains("label")) s["label"] = rows[0]["label"];
     s["first_index"] = idx.front();
     s["contiguous"] = idx.back() - idx.front() + 1 == static_cast<int64_t>(idx.size());
     int64_t compared = 0, same = 0;
@@ -193,7 +207,7 @@ int cmd_report(std::vector<std::string> args) {
       const std::string data = s["data"].get<std::string>();
       std::string ratio = "-";
       for (const auto& f : summaries)
-        if (f["data"] == data && f["method"] == "full" && s["method"] != "full")
+        if (f["data"] == data && f["method"] == "full" && !f.contains("label") && !(s["method"] == "full" && !s.contains("label")))
           ratio = fmt::format("{:.1f}%", 100.0 * s["ttft_warm_ms_p50"].get<double>() / f["ttft_warm_ms_p50"].get<double>());
       const int64_t n = s["n"].get<int64_t>();
       const int64_t first = s["first_index"].get<int64_t>();
@@ -207,7 +221,7 @@ int cmd_report(std::vector<std::string> args) {
                                100.0 * s["accuracy_wilson95"][1].get<double>())
                  : "";
       fmt::print("| {} | {} | {}{} | {:.1f}% ({}/{}{}) | {:.0f} | {:.0f} | {} | {:.1f} | {:.1f} | {:.0f} | {} |\n", data,
-                 s["method"].get<std::string>(),
+                 shown_name(s),
                  first == 0 ? fmt::format("first {}", n) : fmt::format("{}..{}", first, first + n - 1),
                  s["contiguous"].get<bool>() ? "" : " (with gaps)", 100.0 * s["accuracy"].get<double>(),
                  std::lround(s["accuracy"].get<double>() * n), n, interval, s["ttft_cold_ms_p50"].get<double>(),
@@ -240,10 +254,10 @@ int cmd_report(std::vector<std::string> args) {
         const double p = mcnemar_exact(a_only, b_only);
         if (markdown)
           fmt::print("| {} | {} | {} | {} | {} | {} | {:.3g} |\n", a[0]["data"].get<std::string>(),
-                     a[0]["method"].get<std::string>(), b[0]["method"].get<std::string>(), items, a_only, b_only, p);
+                     shown_name(a[0]), shown_name(b[0]), items, a_only, b_only, p);
         else
-          std::cout << nlohmann::json{{"paired", true},          {"data", a[0]["data"]}, {"a", a[0]["method"]},
-                                      {"b", b[0]["method"]},     {"items", items},       {"a_only", a_only},
+          std::cout << nlohmann::json{{"paired", true},          {"data", a[0]["data"]}, {"a", shown_name(a[0])},
+                                      {"b", shown_name(b[0])},   {"items", items},       {"a_only", a_only},
                                       {"b_only", b_only},        {"mcnemar_exact_p", p}}
                            .dump()
                     << std::endl;

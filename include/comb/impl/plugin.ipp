@@ -277,6 +277,35 @@ COMB_INLINE Plugin::Plugin(PluginConfig config, PluginWeights weights, const Dec
   refresh_fingerprint();
 }
 
+COMB_INLINE Plugin Plugin::with_blocks(const std::vector<int64_t>& keep, const Decoder& base) const {
+  const PluginConfig& p = config_;
+  COMB_CHECK(!keep.empty(), "with_blocks: no block to keep (the plug-in has {})", p.n_blocks());
+  for (size_t i = 0; i < keep.size(); ++i)
+    COMB_CHECK(keep[i] >= 0 && keep[i] < p.n_blocks() && (i == 0 || keep[i] > keep[i - 1]),
+               "with_blocks: block indices increasing in [0, {}), found {} at place {}", p.n_blocks(), keep[i], i);
+  PluginConfig c = p;
+  PluginWeights w;
+  w.tok_embd = weights_.tok_embd;
+  c.cross_layers.clear();
+  c.read_depths.clear();
+  int64_t deepest = 0;
+  for (int64_t k : keep) {
+    c.cross_layers.push_back(p.cross_layers[k]);
+    c.read_depths.push_back(p.read_depth(k));
+    deepest = std::max(deepest, p.read_depth(k));
+    if (p.kv_norm) w.kv_norm.push_back(weights_.kv_norm[k]);
+    w.wk.push_back(weights_.wk[k]);
+    w.wv.push_back(weights_.wv[k]);
+    w.cross.push_back(weights_.cross[k]);
+  }
+  // The encoder's layers up to the deepest depth read (at least one: 0 would mean one a block).
+  c.encoder_layers = std::max<int64_t>(deepest, 1);
+  if (!p.encoder_from_base)
+    w.encoder.assign(weights_.encoder.begin(), weights_.encoder.begin() + std::min<int64_t>(
+                                                                          c.encoder_layers, weights_.encoder.size()));
+  return Plugin(std::move(c), std::move(w), base);
+}
+
 COMB_INLINE void Plugin::set_cache_dtype(const std::string& dtype) {
   COMB_CHECK(dtype.empty() || detail::plugin::is_cache_dtype_name(dtype),
              "a plug-in's cache dtype is float32, bfloat16, float16, int8, int8-int4 or int4, found '{}'", dtype);
