@@ -182,8 +182,9 @@ if want 11; then
   step "11. greedy answers of comb eval, comb serve (alone and batched) and comb generate on cuda, float32 (135m)"
   [ -d "$work/135m" ] ||
     python3 "$here/make_random_llama.py" --shape 135m --tokenizer "$tok" --out "$work/135m" >/dev/null 2>&1
-  # The shipped plug-in names the default model's fingerprint: a fresh one of its layout instead.
-  "$comb" plugin init --model "$work/135m" --init joint --documents-after-prefix 1 \
+  # The shipped plug-in names the default model's fingerprint: a fresh joint one instead (documents
+  # after the prefix, consecutive, as the shipped one reads them).
+  "$comb" plugin init --model "$work/135m" --init joint --documents-after-prefix 1 --consecutive-documents 1 \
     --out "$work/135m.plugin.safetensors" > /dev/null
   COMB_MODEL=$work/135m COMB_SHIPPED_PLUGIN=$work/135m.plugin.safetensors \
     COMB_SAME_TOKENS_DEVICE=cuda timeout 400 python3 "$here/../tests/greedy/same_tokens.py" "$comb" "$work/same-tokens" \

@@ -508,7 +508,6 @@ TEST_CASE("a plug-in cut to some of its blocks: each kept block's K/V as before,
   CHECK(cut.config().read_depth(2) == 7);
   REQUIRE(plugin.config().n_encoder_layers() == 11);
   CHECK(cut.config().n_encoder_layers() == 7);  // the deepest kept block reads depth 7
-  CHECK(cut.fingerprint() != plugin.fingerprint());
   std::vector<int32_t> doc(40);
   for (size_t i = 0; i < doc.size(); ++i) doc[i] = static_cast<int32_t>(300 + 11 * i);
   const DocumentKV all = plugin.encode(model.decoder(), doc), some = cut.encode(model.decoder(), doc);
@@ -524,7 +523,20 @@ TEST_CASE("a plug-in cut to some of its blocks: each kept block's K/V as before,
   cut.save(dir + "/cut.safetensors");
   CHECK(Plugin::load(dir + "/cut.safetensors", model.decoder()).fingerprint() == cut.fingerprint());
   remove_dir(dir);
+  // A plug-in with an encoder of its own layers: cut to the depth its kept blocks read.
+  PluginInitOptions own;
+  own.n_encoder_layers = 4;  // block k reads depth k + 1
+  const Plugin mine = Plugin::fresh(model.decoder(), own);
+  REQUIRE_FALSE(mine.config().encoder_from_base);
+  const Plugin mine_cut = mine.with_blocks({0, 2}, model.decoder());
+  CHECK(mine_cut.config().n_encoder_layers() == 3);
+  CHECK(mine_cut.weights().encoder.size() == 3);
+  const DocumentKV mine_all = mine.encode(model.decoder(), doc), mine_some = mine_cut.encode(model.decoder(), doc);
+  REQUIRE(mine_some.keys.size() == 2);
+  CHECK(at::equal(mine_some.keys[1], mine_all.keys[2]));
+  CHECK(at::equal(mine_some.values[1], mine_all.values[2]));
   CHECK_THROWS_WITH(plugin.with_blocks({}, model.decoder()), Catch::Contains("no block to keep"));
+  CHECK_THROWS_WITH(plugin.with_blocks({1, 1}, model.decoder()), Catch::Contains("(repeated)"));
   CHECK_THROWS_WITH(plugin.with_blocks({2, 1}, model.decoder()), Catch::Contains("found 1 at place 1"));
   CHECK_THROWS_WITH(plugin.with_blocks({6}, model.decoder()), Catch::Contains("increasing in [0, 6)"));
 }

@@ -1,5 +1,7 @@
 // comb bench: prefill and decode throughput, placing cached tokens, the tokenizer, a decode profile, memory.
 #include <ATen/record_function.h>
+#include <limits>
+
 #include "commands.hpp"
 
 namespace comb::cli {
@@ -475,7 +477,10 @@ int cmd_bench(Args& args) {
     comb::PicOptions options = pic_method_options(args);
     if (args.has("device-cache-mb")) {
       const int64_t mb = args.num<int64_t>("device-cache-mb", 0);
-      if (mb < 0) throw Error("--device-cache-mb: expected MiB >= 0, found " + std::to_string(mb));
+      if (mb < 0 || mb > (std::numeric_limits<int64_t>::max() >> 20))
+        throw Error("--device-cache-mb: expected MiB >= 0 (and below 2^43), found " + std::to_string(mb));
+      if (!model.decoder().device().is_cuda())
+        fmt::print(stderr, "[bench] --device-cache-mb: the model is on the CPU, whose store has no device tier\n");
       options.device_cache_bytes = mb << 20;
     }
     const bool json = args.has("json");

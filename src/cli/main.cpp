@@ -14,7 +14,7 @@ commands:
                 a plug-in written again: weights in another dtype, the cache dtype it declares
   eval          one method on a multi-document QA file: accuracy, TTFT cold and warm
   report [--markdown] [--paired] [--first N] [--data FILE]... FILE...
-                the summary of eval --out files (chunks of runs): per data and method, a JSON
+                the summary of eval --out files (chunks of runs): per data, method and label, a JSON
                 line, or with --markdown one table; --first N: items 0..N-1 only; --data FILE:
                 score the stored predictions again against that data file's answers; --paired:
                 each accuracy's 95% interval (Wilson's), and every two methods on a data set

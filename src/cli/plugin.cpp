@@ -61,18 +61,28 @@ int cmd_plugin_convert(Args& args) {
   const c10::ScalarType save = parse_dtype(args.str("save-dtype", "bfloat16"));
   const bool set_cache = args.has("cache-dtype");
   const std::string cache = args.str("cache-dtype");
+  const bool cut = args.has("keep-blocks");
   const std::string keep_list = args.str("keep-blocks");
+  // Parsed before the model loads: every comma-separated item a block index (none empty).
+  std::vector<int64_t> keep;
+  if (cut) {
+    size_t at = 0;
+    while (true) {
+      const size_t comma = keep_list.find(',', at);
+      const std::string item = keep_list.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+      COMB_CHECK(!item.empty() && item.size() < 10 && item.find_first_not_of("0123456789") == std::string::npos,
+                 "plugin convert: --keep-blocks expects block indices, comma separated, found '{}' in '{}'", item,
+                 keep_list);
+      keep.push_back(std::stoll(item));
+      if (comma == std::string::npos) break;
+      at = comma + 1;
+    }
+  }
   comb::Model model = load_model(args);
   args.check_all_used();
   COMB_CHECK(model.plugin(), "plugin convert: no plug-in loaded from '{}'", in);
   comb::Plugin plugin = *model.plugin();
-  if (!keep_list.empty()) {
-    std::vector<int64_t> keep;
-    for (const auto& item : split_list(keep_list)) {
-      COMB_CHECK(!item.empty() && item.size() < 10 && item.find_first_not_of("0123456789") == std::string::npos,
-                 "plugin convert: --keep-blocks expects block indices, comma separated, found '{}'", item);
-      keep.push_back(std::stoll(item));
-    }
+  if (cut) {
     const int64_t before = plugin.config().n_blocks(), depth = plugin.config().n_encoder_layers();
     plugin = plugin.with_blocks(keep, model.decoder());
     fmt::print(stderr, "[comb] kept {} of {} cross blocks (before layers {}), the encoder {} of {} layers deep\n",
@@ -97,7 +107,7 @@ int cmd_plugin(int argc, char** argv) {
   }
   if (argc < 3 || std::string(argv[2]) != "init")
     throw Error("usage: comb plugin init --out FILE [options] | comb plugin memory [--plugin FILE | --encoder-layers N] "
-                "| comb plugin convert --plugin FILE --out FILE [--save-dtype T] [--cache-dtype T]");
+                "| comb plugin convert --plugin FILE --out FILE [--save-dtype T] [--cache-dtype T] [--keep-blocks LIST]");
   Args args(argc, argv, 3, {"random-init"});
   std::string out = args.str("out");
   if (out.empty()) throw Error("plugin init needs --out FILE");

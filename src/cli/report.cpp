@@ -85,7 +85,7 @@ int cmd_report(std::vector<std::string> args) {
   COMB_CHECK(!files.empty(),
              "report needs the --out files of comb eval runs (comb report [--markdown] [--paired] [--first N] [--data FILE] "
              "FILE...)");
-  // Rows grouped by (data, method), in the order first seen; an item counted once per group.
+  // Rows grouped by (data, method, label), in the order first seen; an item counted once per group.
   std::vector<std::pair<std::string, std::vector<nlohmann::json>>> groups;
   std::map<std::string, std::string> seen;  // group + index -> where it was read
   for (const auto& path : files) {
@@ -112,10 +112,7 @@ int cmd_report(std::vector<std::string> args) {
       for (const char* key : {"id", "prediction", "priming", "label"})
         if (r.contains(key)) expect(key, r[key].is_string(), "a string");
       // A labelled run (eval --label) is a method of its own here: "comb [even]".
-      if (r.contains("label")) {
-        if (r["label"].get<std::string>().empty()) r.erase("label");  // as unlabelled
-        else r["method_label"] = shown_name(r);
-      }
+      if (r.contains("label") && r["label"].get<std::string>().empty()) r.erase("label");  // as unlabelled
       if (first_n > 0 && r["index"].get<int64_t>() >= first_n) return true;
       if (auto d = rescore.find(r["data"].get<std::string>()); d != rescore.end()) {
         COMB_CHECK(r.contains("id") && r.contains("prediction"),
@@ -128,7 +125,7 @@ int cmd_report(std::vector<std::string> args) {
         d->second.changed += ok != r["correct"].get<bool>();
         r["correct"] = ok;
       }
-      const std::string shown = r.value("method_label", r["method"].get<std::string>());
+      const std::string shown = shown_name(r);
       const std::string group = r["data"].get<std::string>() + " " + shown;
       const std::string key = group + " #" + std::to_string(r["index"].get<int64_t>());
       auto [it, fresh] = seen.emplace(key, where);
@@ -168,7 +165,7 @@ int cmd_report(std::vector<std::string> args) {
   std::map<std::pair<std::string, int64_t>, std::string> full_answers;
   for (const auto& [group, rows] : groups)
     for (const auto& r : rows)
-      if (r["method"] == "full" && !r.contains("method_label") && r.contains("prediction"))
+      if (r["method"] == "full" && !r.contains("label") && r.contains("prediction"))
         full_answers[{r["data"].get<std::string>(), r["index"].get<int64_t>()}] = r["prediction"].get<std::string>();
   std::vector<nlohmann::json> summaries;
   for (const auto& [group, rows] : groups) {
@@ -181,7 +178,7 @@ int cmd_report(std::vector<std::string> args) {
     s["first_index"] = idx.front();
     s["contiguous"] = idx.back() - idx.front() + 1 == static_cast<int64_t>(idx.size());
     int64_t compared = 0, same = 0;
-    if (rows[0]["method"] != "full")  // full against itself says nothing
+    if (rows[0]["method"] != "full" || rows[0].contains("label"))  // (the unlabelled full against itself says nothing)
       for (const auto& r : rows) {
         auto f = full_answers.find({r["data"].get<std::string>(), r["index"].get<int64_t>()});
         if (f == full_answers.end() || !r.contains("prediction")) continue;
@@ -199,7 +196,7 @@ int cmd_report(std::vector<std::string> args) {
     summaries.push_back(std::move(s));
   }
   if (markdown) {
-    // One row per (data, method); warm TTFT also against full's on the same data when present.
+    // One row per (data, method, label); warm TTFT also against the unlabelled full's on the same data.
     fmt::print("| data | method | items | accuracy | TTFT cold p50 (ms) | TTFT warm p50 (ms) | warm / full warm | "
                "tokens computed (warm, mean) | tokens reused (warm, mean) | cache bytes/token | same answer as full |\n"
                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");

@@ -282,7 +282,8 @@ COMB_INLINE Plugin Plugin::with_blocks(const std::vector<int64_t>& keep, const D
   COMB_CHECK(!keep.empty(), "with_blocks: no block to keep (the plug-in has {})", p.n_blocks());
   for (size_t i = 0; i < keep.size(); ++i)
     COMB_CHECK(keep[i] >= 0 && keep[i] < p.n_blocks() && (i == 0 || keep[i] > keep[i - 1]),
-               "with_blocks: block indices increasing in [0, {}), found {} at place {}", p.n_blocks(), keep[i], i);
+               "with_blocks: block indices increasing in [0, {}), found {} at place {}{}", p.n_blocks(), keep[i], i,
+               i > 0 && keep[i] == keep[i - 1] ? " (repeated)" : "");
   PluginConfig c = p;
   PluginWeights w;
   w.tok_embd = weights_.tok_embd;
@@ -300,9 +301,12 @@ COMB_INLINE Plugin Plugin::with_blocks(const std::vector<int64_t>& keep, const D
   }
   // The encoder's layers up to the deepest depth read (at least one: 0 would mean one a block).
   c.encoder_layers = std::max<int64_t>(deepest, 1);
-  if (!p.encoder_from_base)
-    w.encoder.assign(weights_.encoder.begin(), weights_.encoder.begin() + std::min<int64_t>(
-                                                                          c.encoder_layers, weights_.encoder.size()));
+  if (!p.encoder_from_base) {  // its own layers, the first encoder_layers of them
+    COMB_CHECK(static_cast<int64_t>(weights_.encoder.size()) >= c.encoder_layers,
+               "with_blocks: the encoder has {} layers, the kept blocks read depth {}", weights_.encoder.size(),
+               c.encoder_layers);
+    w.encoder.assign(weights_.encoder.begin(), weights_.encoder.begin() + c.encoder_layers);
+  }
   return Plugin(std::move(c), std::move(w), base);
 }
 
