@@ -516,6 +516,36 @@ COMB_INLINE constexpr int64_t kJointRowsMax = 32;
 // Up to this many rows a CUDA layer without documents attends with comb's rows kernel (each row
 // reads its keys once, split over the device); longer prompts with FlashAttention through SDPA.
 COMB_INLINE constexpr int64_t kCudaRowsMax = 64;
+
+// Whether comb's CUDA attention kernels take a joint block as it is: one sequence's keys (batch 1)
+// without a mask (padded documents of a batch take the written-out joint_attention). No block: yes.
+COMB_INLINE bool joint_fits_kernels(const JointKV* joint) {
+  return !joint || (!joint->valid.defined() && joint->keys.size(0) == 1);
+}
+
+// A joint block as the kernels read it: keys and values [n_head_kv, m, head_dim] in `dtype` on
+// `device`, contiguous (views of [1, n_head_kv, m, head_dim]), the bias float32 [n_head] or
+// undefined, the anchor; undefined keys when the block holds no document (m == 0). The block must
+// fit (joint_fits_kernels); its shapes are checked here.
+COMB_INLINE StepJoined joint_for_kernels(const JointKV& joint, const ModelConfig& c, at::Device device,
+                                         at::ScalarType dtype) {
+  StepJoined s;
+  s.anchor = joint.anchor;
+  if (joint.keys.size(2) == 0) return s;
+  const at::Tensor keys = joint.keys.to(device, dtype).contiguous(), values = joint.values.to(device, dtype).contiguous();
+  COMB_CHECK(keys.dim() == 4 && keys.size(0) == 1 && keys.size(1) == c.n_head_kv && keys.size(3) == c.head_dim &&
+                 values.sizes() == keys.sizes(),
+             "joined keys [{}] and values [{}] for the CUDA kernels: expected [1, {}, m, {}]",
+             fmt::join(keys.sizes(), ", "), fmt::join(values.sizes(), ", "), c.n_head_kv, c.head_dim);
+  s.keys = keys.view({c.n_head_kv, -1, c.head_dim});
+  s.values = values.view({c.n_head_kv, -1, c.head_dim});
+  if (joint.bias.defined()) {
+    s.bias = joint.bias.to(device, at::kFloat).contiguous();
+    COMB_CHECK(s.bias.numel() == c.n_head, "joined bias for the CUDA kernels: {} values for {} heads", s.bias.numel(),
+               c.n_head);
+  }
+  return s;
+}
 }  // namespace detail::decoder
 
 COMB_INLINE at::Tensor Decoder::rms_norm_cpu(const at::Tensor& x, const at::Tensor& w) const {
@@ -754,15 +784,8 @@ COMB_INLINE at::Tensor Decoder::attend_cuda(int64_t i, const at::Tensor& qkv, KV
                                  start, c.n_head);  // [n, n_head, head_dim]
   at::Tensor out;
   if (joint || n <= detail::decoder::kCudaRowsMax) {
-    at::Tensor jk, jv, bias;
-    int64_t anchor = 0;
-    if (joint && joint->keys.size(2) > 0) {
-      jk = joint->keys.to(dtype_).contiguous().view({c.n_head_kv, -1, c.head_dim});
-      jv = joint->values.to(dtype_).contiguous().view({c.n_head_kv, -1, c.head_dim});
-      if (joint->bias.defined()) bias = joint->bias.to(device_, at::kFloat).contiguous();
-      anchor = joint->anchor;
-    }
-    out = ops.rows_attention(q, cache.keys(i), cache.values(i), start, jk, jv, bias, anchor);
+    const detail::StepJoined j = joint ? detail::decoder::joint_for_kernels(*joint, c, device_, dtype_) : detail::StepJoined{};
+    out = ops.rows_attention(q, cache.keys(i), cache.values(i), start, j.keys, j.values, j.bias, j.anchor);
   } else {  // a long prompt: FlashAttention through SDPA over the cache
     at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
     out = detail::decoder::attend_after_cache(q.transpose(0, 1).unsqueeze(0), keys, values, start)[0].transpose(0, 1);
@@ -771,7 +794,7 @@ COMB_INLINE at::Tensor Decoder::attend_cuda(int64_t i, const at::Tensor& qkv, KV
 }
 
 COMB_INLINE bool Decoder::cuda_attention_applies(const KVCache& cache, const JointKV* joint) const {
-  return (!joint || (!joint->valid.defined() && joint->keys.size(0) == 1)) && cuda_kernels_apply(cache);
+  return detail::decoder::joint_fits_kernels(joint) && cuda_kernels_apply(cache);
 }
 
 COMB_INLINE at::Tensor Decoder::attend_piece(int64_t i, const at::Tensor& qkv, KVCache& cache, const JointKV* joint) const {
@@ -886,13 +909,8 @@ COMB_INLINE at::Tensor Decoder::cuda_step(const at::Tensor& tokens, KVCache& cac
       const JointKV* j = reads->joint(i);
       if (!j) continue;
       // One sequence's keys without padding, as attend_cuda takes them (else the layers' path).
-      if (j->valid.defined() || j->keys.size(0) != 1) return {};
-      if (j->keys.size(2) == 0) continue;
-      detail::StepJoined& s = joined[i];
-      s.keys = j->keys.to(device_, dtype_).contiguous().view({c.n_head_kv, -1, c.head_dim});
-      s.values = j->values.to(device_, dtype_).contiguous().view({c.n_head_kv, -1, c.head_dim});
-      if (j->bias.defined()) s.bias = j->bias.to(device_, at::kFloat).contiguous();
-      s.anchor = j->anchor;
+      if (!detail::decoder::joint_fits_kernels(j)) return {};
+      joined[i] = detail::decoder::joint_for_kernels(*j, c, device_, dtype_);
     }
   }
   const at::Tensor t = tokens.reshape({-1}).to(at::kCPU, at::kLong).contiguous();
@@ -1103,7 +1121,7 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
     if (!r.reads) return true;
     if (r.reads->changes_state()) return false;
     for (int64_t i = 0; i < c.n_layer; ++i)
-      if (const JointKV* j = r.reads->joint(i); j && (j->valid.defined() || j->keys.size(0) != 1)) return false;
+      if (!detail::decoder::joint_fits_kernels(r.reads->joint(i))) return false;
     return true;
   });
   // One graph per bucket of rows (1, 2, 4, 8, then multiples of 8) and width of tables (a power of
@@ -1132,23 +1150,17 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
       for (int64_t i = 0; i < c.n_layer; ++i) {
         const JointKV* j = r.reads->joint(i);
         if (!j || j->keys.size(2) == 0) continue;
-        const at::Tensor keys = j->keys.to(device_, dtype_).contiguous(), values = j->values.to(device_, dtype_).contiguous();
-        COMB_CHECK(keys.dim() == 4 && keys.size(1) == c.n_head_kv && keys.size(3) == hd && values.sizes() == keys.sizes(),
-                   "a paged row's joined keys [{}] and values [{}] at layer {}: expected [1, {}, m, {}]",
-                   fmt::join(keys.sizes(), ", "), fmt::join(values.sizes(), ", "), i, c.n_head_kv, hd);
+        const detail::StepJoined s = detail::decoder::joint_for_kernels(*j, c, device_, dtype_);
         int64_t* p = joined_b.data() + (i * bucket + b) * 5;
-        p[0] = reinterpret_cast<int64_t>(keys.data_ptr());
-        p[1] = reinterpret_cast<int64_t>(values.data_ptr());
-        if (j->bias.defined()) {
-          const at::Tensor bias = j->bias.to(device_, at::kFloat).contiguous();
-          COMB_CHECK(bias.numel() == c.n_head, "a paged row's joined bias at layer {}: {} values for {} heads", i,
-                     bias.numel(), c.n_head);
-          p[2] = reinterpret_cast<int64_t>(bias.data_ptr());
-          held.push_back(bias);
+        p[0] = reinterpret_cast<int64_t>(s.keys.data_ptr());
+        p[1] = reinterpret_cast<int64_t>(s.values.data_ptr());
+        if (s.bias.defined()) {
+          p[2] = reinterpret_cast<int64_t>(s.bias.data_ptr());
+          held.push_back(s.bias);
         }
-        p[3] = keys.size(2);
-        p[4] = j->anchor;
-        held.push_back(keys), held.push_back(values);
+        p[3] = s.keys.size(1);
+        p[4] = s.anchor;
+        held.push_back(s.keys), held.push_back(s.values);
         documents = true;
       }
     }
@@ -1251,17 +1263,11 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
           plain.push_back(b);
           continue;
         }
-        if (paged_kernels && !joint->valid.defined() && joint->keys.size(0) == 1) {  // its documents in the softmax
-          at::Tensor jk, jv, bias;
-          const int64_t m = joint->keys.size(2);
-          if (m > 0) {
-            jk = joint->keys.to(dtype_).contiguous().view({c.n_head_kv, m, hd});
-            jv = joint->values.to(dtype_).contiguous().view({c.n_head_kv, m, hd});
-            if (joint->bias.defined()) bias = joint->bias.to(device_, at::kFloat).contiguous();
-          }
+        if (paged_kernels && detail::decoder::joint_fits_kernels(joint)) {  // its documents in the softmax
+          const detail::StepJoined j = detail::decoder::joint_for_kernels(*joint, c, device_, dtype_);
           out.narrow(0, b, 1).copy_(ops->paged_attention(q.narrow(0, b, 1), pool_k, pool_v, table32.narrow(0, b, 1),
-                                                         pos_t.narrow(0, b, 1), rows[b].position + 1, jk, jv, bias,
-                                                         joint->anchor));
+                                                         pos_t.narrow(0, b, 1), rows[b].position + 1, j.keys, j.values,
+                                                         j.bias, j.anchor));
           continue;
         }
         auto [keys, values] = row_kv(b);
