@@ -528,21 +528,21 @@ COMB_INLINE bool joint_fits_kernels(const JointKV* joint) {
 // undefined, the anchor; undefined keys when the block holds no document (m == 0). The block must
 // fit (joint_fits_kernels); its shapes are checked here.
 COMB_INLINE StepJoined joint_for_kernels(const JointKV& joint, const ModelConfig& c, at::Device device,
-                                         at::ScalarType dtype) {
+                                         at::ScalarType dtype, int64_t layer) {
   StepJoined s;
   s.anchor = joint.anchor;
   if (joint.keys.size(2) == 0) return s;
   const at::Tensor keys = joint.keys.to(device, dtype).contiguous(), values = joint.values.to(device, dtype).contiguous();
   COMB_CHECK(keys.dim() == 4 && keys.size(0) == 1 && keys.size(1) == c.n_head_kv && keys.size(3) == c.head_dim &&
                  values.sizes() == keys.sizes(),
-             "joined keys [{}] and values [{}] for the CUDA kernels: expected [1, {}, m, {}]",
+             "layer {}'s joined keys [{}] and values [{}] for the CUDA kernels: expected [1, {}, m, {}]", layer,
              fmt::join(keys.sizes(), ", "), fmt::join(values.sizes(), ", "), c.n_head_kv, c.head_dim);
   s.keys = keys.view({c.n_head_kv, -1, c.head_dim});
   s.values = values.view({c.n_head_kv, -1, c.head_dim});
   if (joint.bias.defined()) {
     s.bias = joint.bias.to(device, at::kFloat).contiguous();
-    COMB_CHECK(s.bias.numel() == c.n_head, "joined bias for the CUDA kernels: {} values for {} heads", s.bias.numel(),
-               c.n_head);
+    COMB_CHECK(s.bias.numel() == c.n_head, "layer {}'s joined bias for the CUDA kernels: {} values for {} heads", layer,
+               s.bias.numel(), c.n_head);
   }
   return s;
 }
@@ -784,7 +784,8 @@ COMB_INLINE at::Tensor Decoder::attend_cuda(int64_t i, const at::Tensor& qkv, KV
                                  start, c.n_head);  // [n, n_head, head_dim]
   at::Tensor out;
   if (joint || n <= detail::decoder::kCudaRowsMax) {
-    const detail::StepJoined j = joint ? detail::decoder::joint_for_kernels(*joint, c, device_, dtype_) : detail::StepJoined{};
+    const detail::StepJoined j =
+        joint ? detail::decoder::joint_for_kernels(*joint, c, device_, dtype_, i) : detail::StepJoined{};
     out = ops.rows_attention(q, cache.keys(i), cache.values(i), start, j.keys, j.values, j.bias, j.anchor);
   } else {  // a long prompt: FlashAttention through SDPA over the cache
     at::Tensor keys = cache.keys(i).narrow(2, 0, start + n), values = cache.values(i).narrow(2, 0, start + n);
@@ -910,7 +911,7 @@ COMB_INLINE at::Tensor Decoder::cuda_step(const at::Tensor& tokens, KVCache& cac
       if (!j) continue;
       // One sequence's keys without padding, as attend_cuda takes them (else the layers' path).
       if (!detail::decoder::joint_fits_kernels(j)) return {};
-      joined[i] = detail::decoder::joint_for_kernels(*j, c, device_, dtype_);
+      joined[i] = detail::decoder::joint_for_kernels(*j, c, device_, dtype_, i);
     }
   }
   const at::Tensor t = tokens.reshape({-1}).to(at::kCPU, at::kLong).contiguous();
@@ -1149,8 +1150,8 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
       }
       for (int64_t i = 0; i < c.n_layer; ++i) {
         const JointKV* j = r.reads->joint(i);
-        if (!j || j->keys.size(2) == 0) continue;
-        const detail::StepJoined s = detail::decoder::joint_for_kernels(*j, c, device_, dtype_);
+        if (!j || j->keys.size(2) == 0) continue;  // no document: the entry stays zero
+        const detail::StepJoined s = detail::decoder::joint_for_kernels(*j, c, device_, dtype_, i);
         int64_t* p = joined_b.data() + (i * bucket + b) * 5;
         p[0] = reinterpret_cast<int64_t>(s.keys.data_ptr());
         p[1] = reinterpret_cast<int64_t>(s.values.data_ptr());
@@ -1264,7 +1265,7 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
           continue;
         }
         if (paged_kernels && detail::decoder::joint_fits_kernels(joint)) {  // its documents in the softmax
-          const detail::StepJoined j = detail::decoder::joint_for_kernels(*joint, c, device_, dtype_);
+          const detail::StepJoined j = detail::decoder::joint_for_kernels(*joint, c, device_, dtype_, i);
           out.narrow(0, b, 1).copy_(ops->paged_attention(q.narrow(0, b, 1), pool_k, pool_v, table32.narrow(0, b, 1),
                                                          pos_t.narrow(0, b, 1), rows[b].position + 1, j.keys, j.values,
                                                          j.bias, j.anchor));
