@@ -100,15 +100,18 @@ class Args {
 };
 
 
-// "a,b,,c" -> {"a", "b", "", "c"}: the items of a comma-separated option value ("" -> {}).
+// "a,b,,c" -> {"a", "b", "", "c"}: the items of a comma-separated option value ("" -> {}). Every
+// comma separates two items, so "a," -> {"a", ""} and ",a" -> {"", "a"}: a caller that refuses
+// empty items refuses a stray comma wherever it stands.
 inline std::vector<std::string> split_list(const std::string& text) {
   std::vector<std::string> out;
-  for (size_t pos = 0; pos < text.size();) {
-    size_t comma = text.find(',', pos);
+  if (text.empty()) return out;
+  for (size_t pos = 0;;) {
+    const size_t comma = text.find(',', pos);
     out.push_back(text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos));
-    pos = comma == std::string::npos ? text.size() : comma + 1;
+    if (comma == std::string::npos) return out;
+    pos = comma + 1;
   }
-  return out;
 }
 
 // "6,14,21" -> {6, 14, 21}: the value of a list option such as --cross-layers.
@@ -120,7 +123,8 @@ inline std::vector<int64_t> parse_int_list(const std::string& text, const std::s
       out.push_back(std::stoll(item, &end));
       if (end != item.size()) throw std::invalid_argument(item);
     } catch (const std::exception&) {
-      throw comb::Error("--" + option + " expects comma-separated whole numbers, found '" + item + "'");
+      throw comb::Error("--" + option + " expects comma-separated whole numbers, found '" + item + "'" +
+                        (item == text ? std::string() : " in '" + text + "'"));
     }
   }
   return out;

@@ -63,21 +63,10 @@ int cmd_plugin_convert(Args& args) {
   const std::string cache = args.str("cache-dtype");
   const bool cut = args.has("keep-blocks");
   const std::string keep_list = args.str("keep-blocks");
-  // Parsed before the model loads: every comma-separated item a block index (none empty).
+  // Parsed before the model loads: every comma-separated item a block index (none empty);
+  // with_blocks checks each against the plug-in's blocks.
   std::vector<int64_t> keep;
-  if (cut) {
-    size_t at = 0;
-    while (true) {
-      const size_t comma = keep_list.find(',', at);
-      const std::string item = keep_list.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
-      COMB_CHECK(!item.empty() && item.size() < 10 && item.find_first_not_of("0123456789") == std::string::npos,
-                 "plugin convert: --keep-blocks expects block indices, comma separated, found '{}' in '{}'", item,
-                 keep_list);
-      keep.push_back(std::stoll(item));
-      if (comma == std::string::npos) break;
-      at = comma + 1;
-    }
-  }
+  if (cut) keep = comb::cli::parse_int_list(keep_list, "keep-blocks");
   comb::Model model = load_model(args);
   args.check_all_used();
   COMB_CHECK(model.plugin(), "plugin convert: no plug-in loaded from '{}'", in);

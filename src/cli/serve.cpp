@@ -431,8 +431,14 @@ int cmd_serve(Args& args) {
   COMB_CHECK(connection_limits.request_timeout_s > 0 && connection_limits.request_timeout_s <= 3600,
              "--request-timeout should be above 0 and at most 3600 seconds, found {}", connection_limits.request_timeout_s);
   std::vector<std::string> allowed_origins;
-  if (args.has("allowed-origins"))
-    allowed_origins = split_list(args.str("allowed-origins"));
+  if (args.has("allowed-origins")) {
+    const std::string list = args.str("allowed-origins");
+    allowed_origins = split_list(list);
+    for (const auto& o : allowed_origins)
+      COMB_CHECK(!o.empty() && o.size() <= 256,
+                 "--allowed-origins: each origin should have 1 to 256 bytes (scheme://host:port, or *), found '{}' in '{}'",
+                 o, list);
+  }
   Model model = load_model(args, true, /*as_stored=*/true);
   if (method.empty() && !model.plugin()) o.method = Method::naive;  // comb needs a plug-in
   args.check_all_used();
