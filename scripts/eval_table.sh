@@ -7,7 +7,8 @@
 #
 # Environment: CHUNK (items per chunk, default 10), WORKERS (processes, default 1), THREADS (per
 # process, default: cores / workers), and PAUSE_FILE: worker 2 and up wait between chunks while
-# that file exists (room for a build); PLUGIN, the plug-in file for the method comb; PRIMING,
+# that file exists (room for a build); PLUGIN, the plug-in file for the method comb, and LABEL, its
+# rows' --label (a plug-in variant beside the shipped one's rows in one `comb report`); PRIMING,
 # comb eval's --priming (default auto). Each worker is pinned to its own cores when taskset
 # exists. One run per OUTDIR at a time.
 # At the end, `comb report --data DATA` of the current build (not the table's copy) prints one
@@ -27,21 +28,25 @@ for m in "${methods[@]}"; do
     echo "$0: the method comb needs PLUGIN=FILE (a plug-in), found '${PLUGIN:-}'" >&2; exit 1
   fi
 done
-# One table, one build: the first run copies the comb binary and its library into OUTDIR/.bin,
-# and every resumption measures with those copies (the library found through LD_LIBRARY_PATH,
-# which comes before the binary's run path), so a rebuild between sittings cannot mix two builds
-# in one table.
+# One table, one build: the first run copies the comb binary and its two libraries (libcomb and
+# libcomb_core) into OUTDIR/.bin, and every resumption measures with those copies (the libraries
+# found through LD_LIBRARY_PATH, which comes before the binary's run path), so a rebuild between
+# sittings cannot mix two builds in one table.
 mkdir -p "$outdir"
 bin=$(cd "$outdir" && pwd)/.bin
-if [ -x "$bin/comb" ] && [ -f "$bin/libcomb.so.0" ]; then
+libs=(libcomb.so.0 libcomb_core.so.0)
+if [ -x "$bin/comb" ] && [ -f "$bin/libcomb.so.0" ] && [ -f "$bin/libcomb_core.so.0" ]; then
   echo "[table] measuring with the build this table started with, in $bin (delete it to use a new build)" >&2
 else
-  lib=$(dirname "$comb")/libcomb.so.0
-  [ -f "$lib" ] || { echo "$0: no library '$lib' beside '$comb'" >&2; exit 1; }
+  for l in "${libs[@]}"; do
+    [ -f "$(dirname "$comb")/$l" ] || { echo "$0: no library '$l' beside '$comb'" >&2; exit 1; }
+  done
   mkdir -p "$bin"
-  cp -L "$lib" "$bin/libcomb.so.0.part" && cp "$comb" "$bin/comb.part"
-  mv "$bin/libcomb.so.0.part" "$bin/libcomb.so.0" && mv "$bin/comb.part" "$bin/comb"
-  echo "[table] measuring with a copy of $comb and its library in $bin" >&2
+  for l in "${libs[@]}"; do cp -L "$(dirname "$comb")/$l" "$bin/$l.part"; done
+  cp "$comb" "$bin/comb.part"
+  for l in "${libs[@]}"; do mv "$bin/$l.part" "$bin/$l"; done
+  mv "$bin/comb.part" "$bin/comb"
+  echo "[table] measuring with a copy of $comb and its libraries in $bin" >&2
 fi
 current=$comb current_ld=${LD_LIBRARY_PATH:-}
 comb=$bin/comb
@@ -78,7 +83,7 @@ worker() {
     read -r m off len f <<< "$job"
     echo "[table] worker $w: $m items $off..$(( off + len - 1 ))" >&2
     local extra=()
-    [ "$m" = comb ] && extra=(--plugin "$PLUGIN")
+    [ "$m" = comb ] && extra=(--plugin "$PLUGIN" ${LABEL:+--label "$LABEL"})
     $pin "$comb" eval --method "$m" "${extra[@]}" --priming "${PRIMING:-auto}" --data "$data" --offset "$off" --limit "$len" --threads "$threads" \
       --out "$f.part" > /dev/null 2> "$f.log" || { echo "[table] $m at $off failed: see $f.log" >&2; return 1; }
     mv "$f.part" "$f"
