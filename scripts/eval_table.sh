@@ -8,7 +8,8 @@
 # Environment: CHUNK (items per chunk, default 10), WORKERS (processes, default 1), THREADS (per
 # process, default: cores / workers), and PAUSE_FILE: worker 2 and up wait between chunks while
 # that file exists (room for a build); PLUGIN, the plug-in file for the method comb, and LABEL, its
-# rows' --label (a plug-in variant beside the shipped one's rows in one `comb report`); PRIMING,
+# rows' --label (a plug-in variant beside the shipped one's rows in one `comb report`; its chunks are
+# files comb-LABEL.*, apart from another plug-in's); PRIMING,
 # comb eval's --priming (default auto). Each worker is pinned to its own cores when taskset
 # exists. One run per OUTDIR at a time.
 # At the end, `comb report --data DATA` of the current build (not the table's copy) prints one
@@ -23,19 +24,27 @@ methods=("$@")
 [ ${#methods[@]} -gt 0 ] || methods=(full prefix naive epic cacheblend)
 [ -f "$data" ] || { echo "$0: no data file '$data'" >&2; exit 1; }
 [ -x "$comb" ] || { echo "$0: no comb binary at '$comb' (run scripts/build.sh)" >&2; exit 1; }
+if [ -n "${LABEL:-}" ] && ! [[ "$LABEL" =~ ^[A-Za-z0-9._-]{1,64}$ ]]; then
+  echo "$0: LABEL should be up to 64 letters, digits, '-', '_' or '.', found '$LABEL'" >&2; exit 1
+fi
 for m in "${methods[@]}"; do
   if [ "$m" = comb ] && [ ! -f "${PLUGIN:-}" ]; then
     echo "$0: the method comb needs PLUGIN=FILE (a plug-in), found '${PLUGIN:-}'" >&2; exit 1
   fi
 done
-# One table, one build: the first run copies the comb binary and its two libraries (libcomb and
-# libcomb_core) into OUTDIR/.bin, and every resumption measures with those copies (the libraries
-# found through LD_LIBRARY_PATH, which comes before the binary's run path), so a rebuild between
-# sittings cannot mix two builds in one table.
+# One table, one build: the first run copies the comb binary and its libraries (libcomb,
+# libcomb_core, and libcomb_cuda where the build has it: libcomb_core loads it from its own folder)
+# into OUTDIR/.bin, and every resumption measures with those copies (the libraries found through
+# LD_LIBRARY_PATH, which comes before the binary's run path), so a rebuild between sittings cannot
+# mix two builds in one table.
 mkdir -p "$outdir"
 bin=$(cd "$outdir" && pwd)/.bin
 libs=(libcomb.so.0 libcomb_core.so.0)
-if [ -x "$bin/comb" ] && [ -f "$bin/libcomb.so.0" ] && [ -f "$bin/libcomb_core.so.0" ]; then
+[ -f "$(dirname "$comb")/libcomb_cuda.so" ] && libs+=(libcomb_cuda.so)
+if [ -x "$bin/comb" ]; then
+  for l in libcomb.so.0 libcomb_core.so.0; do
+    [ -f "$bin/$l" ] || { echo "$0: $bin holds a comb binary without $l (copied by an older version of this script, or cut short): delete $bin to measure the rest of the table with the current build" >&2; exit 1; }
+  done
   echo "[table] measuring with the build this table started with, in $bin (delete it to use a new build)" >&2
 else
   for l in "${libs[@]}"; do
@@ -63,7 +72,9 @@ queue="$outdir/.queue"
 for ((off = 0; off < n; off += chunk)); do
   len=$(( n - off < chunk ? n - off : chunk ))
   for m in "${methods[@]}"; do
-    f="$outdir/$m.$name.$(printf %05d "$off").jsonl"
+    tag=$m
+    [ "$m" = comb ] && [ -n "${LABEL:-}" ] && tag=comb-$LABEL
+    f="$outdir/$tag.$name.$(printf %05d "$off").jsonl"
     if [ -f "$f" ] && [ "$(wc -l < "$f")" -eq "$len" ]; then continue; fi
     echo "$m $off $len $f" >> "$queue"
   done

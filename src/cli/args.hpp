@@ -114,6 +114,16 @@ inline std::vector<std::string> split_list(const std::string& text) {
   }
 }
 
+// split_list for a list of names or numbers: an empty item (a stray comma) is refused, with the
+// option and its value.
+inline std::vector<std::string> split_items(const std::string& text, const std::string& option) {
+  std::vector<std::string> out = split_list(text);
+  for (const std::string& item : out)
+    if (item.empty())
+      throw comb::Error("--" + option + ": an empty item in '" + text + "' (items are comma separated, none empty)");
+  return out;
+}
+
 // "6,14,21" -> {6, 14, 21}: the value of a list option such as --cross-layers.
 inline std::vector<int64_t> parse_int_list(const std::string& text, const std::string& option) {
   std::vector<int64_t> out;

@@ -124,7 +124,7 @@ namespace {
 int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, const std::string& method_list,
               const comb::PicOptions& options, int repeat, bool json, bool profile) {
   std::vector<comb::Method> methods;
-  for (const auto& name : split_list(method_list)) methods.push_back(comb::parse_method(name));
+  for (const auto& name : split_items(method_list, "pic-methods")) methods.push_back(comb::parse_method(name));
   if (methods.size() < 2) throw Error("--pic-methods: expected two methods or more, comma separated, found '" + method_list + "'");
   // With `profile`, as many further items too (one read of the file), kept apart for its first section.
   auto items = comb::read_qa_items(data, profile ? 2 * n_items : n_items);
@@ -281,14 +281,14 @@ void bench_weights(Bench& b) {
 }
 
 // Prefill throughput of each length, after `cached` positions computed untimed.
-void bench_prefill(Bench& b, const std::string& lengths, int64_t cached) {
+void bench_prefill(Bench& b, const std::vector<int64_t>& lengths, int64_t cached) {
   const comb::Model& model = b.model;
   const comb::Decoder& dec = b.dec;
   auto prompt = [&](int64_t n) { return b.prompt(n); };
   auto now = &Bench::now;
   const int repeat = b.repeat;
   at::Tensor before = prompt(cached);
-  for (int64_t n : comb::cli::parse_int_list(lengths, "prompt-tokens")) {
+  for (int64_t n : lengths) {
     if (n <= 0) throw Error("--prompt-tokens: expected lengths > 0, found " + std::to_string(n));
     if (cached + n > model.config().n_ctx)
       throw Error(fmt::format("--prompt-tokens: {} tokens after {} cached exceed the model's context ({})", n, cached,
@@ -345,12 +345,11 @@ void bench_decode(Bench& b, int64_t n_decode, bool profile) {
 // The serving engine's batched decoding step with B sequences running: B requests of 128 prompt
 // tokens each, decoding `n_decode` past end-of-sequence; the steps that ran all B. The batch sizes
 // take turns, --repeat rounds, and each figure is the median of its rounds.
-void bench_batch_decode(Bench& bench, const std::string& batch_decode, int64_t n_decode) {
+void bench_batch_decode(Bench& bench, const std::vector<int64_t>& sizes, int64_t n_decode) {
   const comb::Model& model = bench.model;
   auto prompt = [&](int64_t n) { return bench.prompt(n); };
   const int repeat = bench.repeat;
   const bool json = bench.json;
-  const std::vector<int64_t> sizes = comb::cli::parse_int_list(batch_decode, "batch-decode");
   for (int64_t b : sizes)
     if (b <= 0) throw Error("--batch-decode: expected batch sizes > 0, found " + std::to_string(b));
   std::map<int64_t, std::vector<double>> rates, step_ms;
@@ -468,6 +467,12 @@ void bench_memory(const Bench& b) {
 
 int cmd_bench(Args& args) {
   const std::string pic_data = args.str("pic-data");
+  // The list options are read before the model loads: a mistyped list costs no load.
+  std::vector<int64_t> lengths, batch_sizes;
+  if (pic_data.empty()) {
+    lengths = comb::cli::parse_int_list(args.str("prompt-tokens", "128,512,2048"), "prompt-tokens");
+    batch_sizes = comb::cli::parse_int_list(args.str("batch-decode"), "batch-decode");
+  }
   comb::Model model = load_model(args, /*shipped_plugin=*/!pic_data.empty(), /*as_stored=*/true);
   if (!pic_data.empty()) {
     const int64_t items = args.num<int64_t>("pic-items", 20);
@@ -490,7 +495,6 @@ int cmd_bench(Args& args) {
     c10::InferenceMode guard;
     return bench_pic(model, pic_data, items, list, options, repeat, json, profile);
   }
-  std::string lengths = args.str("prompt-tokens", "128,512,2048");
   int64_t n_decode = args.num<int64_t>("decode-tokens", 64);
   int64_t cached = args.num<int64_t>("cached", 0);
   if (cached < 0) throw Error("--cached: expected a number of positions >= 0, found " + std::to_string(cached));
@@ -502,7 +506,6 @@ int cmd_bench(Args& args) {
   if (n_tokenize < 0) throw Error("--tokenize: expected a number of characters >= 0, found " + std::to_string(n_tokenize));
   int repeat = std::max(1, args.num<int>("repeat", 3));
   const bool profile = args.num<int>("profile", 0) != 0;
-  const std::string batch_decode = args.str("batch-decode");
   bool json = args.has("json");
   args.str("json");
   args.check_all_used();
@@ -511,7 +514,7 @@ int cmd_bench(Args& args) {
   bench_weights(b);
   bench_prefill(b, lengths, cached);
   if (n_decode > 0) bench_decode(b, n_decode, profile);
-  if (!batch_decode.empty()) bench_batch_decode(b, batch_decode, n_decode);
+  if (!batch_sizes.empty()) bench_batch_decode(b, batch_sizes, n_decode);
   if (n_place > 0) bench_place(b, n_place);
   if (n_tokenize > 0) bench_tokenize(b, n_tokenize);
   bench_memory(b);

@@ -105,17 +105,6 @@ double percentile(std::vector<double> v, double p) {
   return v[lo] + (v[hi] - v[lo]) * (at - double(lo));
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  size_t at = 0;
-  while (at <= s.size()) {
-    size_t comma = s.find(',', at);
-    if (comma == std::string::npos) comma = s.size();
-    if (comma > at) out.push_back(s.substr(at, comma - at));
-    at = comma + 1;
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -137,7 +126,7 @@ int cmd_loadgen(Args& args) {
   COMB_CHECK(!(closed && args.has("rates")), "--rates (Poisson arrivals) and --concurrency (closed-loop clients) "
              "exclude each other: give one");
   std::vector<double> rates;
-  for (const auto& r : split(closed ? args.str("concurrency") : args.str("rates", "1"))) {
+  for (const auto& r : split_items(closed ? args.str("concurrency") : args.str("rates", "1"), closed ? "concurrency" : "rates")) {
     char* end = nullptr;
     const double v = std::strtod(r.c_str(), &end);
     if (closed)
@@ -160,7 +149,7 @@ int cmd_loadgen(Args& args) {
   const bool in_prompt = documents == "prompt";
   COMB_CHECK(!(in_prompt && prompt_words > 0), "--prompt-words writes no documents: --documents prompt does not apply");
   const std::vector<std::string> methods =
-      split(args.str("methods", in_prompt ? "prompt" : prompt_words > 0 ? "full" : "comb,prefix"));
+      split_items(args.str("methods", in_prompt ? "prompt" : prompt_words > 0 ? "full" : "comb,prefix"), "methods");
   args.check_all_used();
   COMB_CHECK(duration > 0, "--duration should be above 0 seconds, found {}", duration);
 

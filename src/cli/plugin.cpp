@@ -66,7 +66,12 @@ int cmd_plugin_convert(Args& args) {
   // Parsed before the model loads: every comma-separated item a block index (none empty);
   // with_blocks checks each against the plug-in's blocks.
   std::vector<int64_t> keep;
-  if (cut) keep = comb::cli::parse_int_list(keep_list, "keep-blocks");
+  if (cut) {
+    COMB_CHECK(!keep_list.empty(), "plugin convert: --keep-blocks expects block indices, comma separated, found none");
+    keep = comb::cli::parse_int_list(keep_list, "keep-blocks");
+    for (int64_t k : keep)
+      COMB_CHECK(k >= 0, "plugin convert: --keep-blocks expects block indices (0 and up), found {} in '{}'", k, keep_list);
+  }
   comb::Model model = load_model(args);
   args.check_all_used();
   COMB_CHECK(model.plugin(), "plugin convert: no plug-in loaded from '{}'", in);

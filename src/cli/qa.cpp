@@ -10,8 +10,8 @@ int cmd_qa(Args& args, Model& model) {
   COMB_CHECK(!question.empty(), "qa needs --question TEXT");
   std::vector<Method> methods;
   for (const auto& n :
-       split_list(args.str("methods", model.plugin() ? "full,naive,epic,cacheblend,comb" : "full,naive,epic,cacheblend"))) {
-    if (n.empty()) continue;
+       split_items(args.str("methods", model.plugin() ? "full,naive,epic,cacheblend,comb" : "full,naive,epic,cacheblend"),
+                   "methods")) {
     methods.push_back(parse_method(n));
     COMB_CHECK(methods.back() != Method::comb || model.plugin(),
                "--methods names comb, which needs a plug-in (--plugin FILE; the default model has a shipped one)");

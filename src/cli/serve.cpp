@@ -411,8 +411,8 @@ int cmd_serve(Args& args) {
   std::vector<std::string> names;
   if (args.has("served-model-name"))
     for (const auto& v : args.all("served-model-name"))
-      for (auto& n : split_list(v)) {
-        COMB_CHECK(!n.empty() && n.size() <= 256, "--served-model-name: a name should have 1 to 256 bytes, found '{}'", n);
+      for (auto& n : split_items(v, "served-model-name")) {
+        COMB_CHECK(n.size() <= 256, "--served-model-name: a name should have 1 to 256 bytes, found '{}' in '{}'", n, v);
         if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
       }
   if (names.empty())
@@ -433,11 +433,11 @@ int cmd_serve(Args& args) {
   std::vector<std::string> allowed_origins;
   if (args.has("allowed-origins")) {
     const std::string list = args.str("allowed-origins");
-    allowed_origins = split_list(list);
-    for (const auto& o : allowed_origins)
-      COMB_CHECK(!o.empty() && o.size() <= 256,
+    allowed_origins = split_items(list, "allowed-origins");
+    for (const auto& origin : allowed_origins)
+      COMB_CHECK(origin.size() <= 256,
                  "--allowed-origins: each origin should have 1 to 256 bytes (scheme://host:port, or *), found '{}' in '{}'",
-                 o, list);
+                 origin, list);
   }
   Model model = load_model(args, true, /*as_stored=*/true);
   if (method.empty() && !model.plugin()) o.method = Method::naive;  // comb needs a plug-in
