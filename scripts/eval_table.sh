@@ -39,19 +39,21 @@ done
 # mix two builds in one table.
 mkdir -p "$outdir"
 bin=$(cd "$outdir" && pwd)/.bin
-libs=(libcomb.so.0 libcomb_core.so.0)
-[ -f "$(dirname "$comb")/libcomb_cuda.so" ] && libs+=(libcomb_cuda.so)
+build=$(dirname "$comb")
+required=(libcomb.so.0 libcomb_core.so.0)
+libs=("${required[@]}")
+[ -f "$build/libcomb_cuda.so" ] && libs+=(libcomb_cuda.so)
 if [ -x "$bin/comb" ]; then
-  for l in libcomb.so.0 libcomb_core.so.0; do
+  for l in "${required[@]}"; do
     [ -f "$bin/$l" ] || { echo "$0: $bin holds a comb binary without $l (copied by an older version of this script, or cut short): delete $bin to measure the rest of the table with the current build" >&2; exit 1; }
   done
   echo "[table] measuring with the build this table started with, in $bin (delete it to use a new build)" >&2
 else
   for l in "${libs[@]}"; do
-    [ -f "$(dirname "$comb")/$l" ] || { echo "$0: no library '$l' beside '$comb'" >&2; exit 1; }
+    [ -f "$build/$l" ] || { echo "$0: no library '$l' beside '$comb'" >&2; exit 1; }
   done
   mkdir -p "$bin"
-  for l in "${libs[@]}"; do cp -L "$(dirname "$comb")/$l" "$bin/$l.part"; done
+  for l in "${libs[@]}"; do cp -L "$build/$l" "$bin/$l.part"; done
   cp "$comb" "$bin/comb.part"
   for l in "${libs[@]}"; do mv "$bin/$l.part" "$bin/$l"; done
   mv "$bin/comb.part" "$bin/comb"

@@ -124,14 +124,16 @@ inline std::vector<std::string> split_items(const std::string& text, const std::
   return out;
 }
 
-// "6,14,21" -> {6, 14, 21}: the value of a list option such as --cross-layers.
+// "6,14,21" -> {6, 14, 21}: the value of a list option such as --cross-layers. Each item is
+// digits with an optional leading '-' (no spaces, no '+'), within int64.
 inline std::vector<int64_t> parse_int_list(const std::string& text, const std::string& option) {
   std::vector<int64_t> out;
   for (const std::string& item : split_list(text)) {
     try {
-      size_t end = 0;
-      out.push_back(std::stoll(item, &end));
-      if (end != item.size()) throw std::invalid_argument(item);
+      const size_t digits = !item.empty() && item[0] == '-' ? 1 : 0;
+      if (item.size() == digits || item.find_first_not_of("0123456789", digits) != std::string::npos)
+        throw std::invalid_argument(item);
+      out.push_back(std::stoll(item));
     } catch (const std::exception&) {
       throw comb::Error("--" + option + " expects comma-separated whole numbers, found '" + item + "'" +
                         (item == text ? std::string() : " in '" + text + "'"));

@@ -105,7 +105,6 @@ double percentile(std::vector<double> v, double p) {
   return v[lo] + (v[hi] - v[lo]) * (at - double(lo));
 }
 
-
 }  // namespace
 
 int cmd_loadgen(Args& args) {
