@@ -18,7 +18,8 @@ commands:
                 line, or with --markdown one table; --first N: items 0..N-1 only; --data FILE:
                 score the stored predictions again against that data file's answers; --paired:
                 each accuracy's 95% interval (Wilson's), and every two methods on a data set
-                item by item (items only one of them answers, McNemar's exact test)
+                item by item (items only one of them answers, McNemar's exact test), each
+                data set's verdicts named: as stored, or scored again against --data
   attention     where the row that predicts the answer looks: the gold document's share of the
                 attention with every document in the context (full) and linked (comb), by layer,
                 position and count

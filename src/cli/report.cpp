@@ -227,6 +227,11 @@ int cmd_report(std::vector<std::string> args) {
     }
   }
   if (paired) {
+    // Which verdicts a pair counts: the files' own, or those of scoring again against --data.
+    auto verdicts_of = [&](const std::string& data) {
+      auto d = rescore.find(data);
+      return d == rescore.end() ? std::string("as stored in the files") : "scored again against " + d->second.path;
+    };
     // Every two methods on one data set, over the items both answered, in the table's order.
     if (markdown)
       fmt::print("\n| data | method A | method B | items | A right, B wrong | B right, A wrong | McNemar exact p |\n"
@@ -255,10 +260,15 @@ int cmd_report(std::vector<std::string> args) {
         else
           std::cout << nlohmann::json{{"paired", true},          {"data", a[0]["data"]}, {"a", shown_name(a[0])},
                                       {"b", shown_name(b[0])},   {"items", items},       {"a_only", a_only},
-                                      {"b_only", b_only},        {"mcnemar_exact_p", p}}
+                                      {"b_only", b_only},        {"mcnemar_exact_p", p},
+                                      {"verdicts", verdicts_of(a[0]["data"].get<std::string>())}}
                            .dump()
                     << std::endl;
       }
+    if (markdown) {
+      fmt::print("\n");
+      for (const auto& data : data_order) fmt::print("Verdicts of {}: {}.\n", data, verdicts_of(data));
+    }
   }
   return 0;
 }
