@@ -658,6 +658,9 @@ TEST_CASE("quantize_int8 on CUDA makes the CPU's int8 codes and scales, bit for 
             CHECK(at::equal(got4.values[b].cpu(), want4.values[b]));
             CHECK(at::equal(got4.value_scales[b].cpu(), want4.value_scales[b]));
             CHECK(at::equal(got4.int8_codes().values[b].cpu(), want4.int8_codes().values[b]));
+            // int4 keys rotated back on the device by tensor ops, on the CPU in one pass: the same.
+            CHECK(at::equal(got4.int8_codes().keys[b].cpu(), want4.int8_codes().keys[b]));
+            CHECK(at::equal(got4.int8_codes().key_scales[b].cpu(), want4.int8_codes().key_scales[b]));
           }
         }
       }

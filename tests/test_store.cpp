@@ -300,6 +300,9 @@ TEST_CASE("int8 entries: keys scaled per channel (per row when short), values pe
   CHECK(DocumentKV::storage_bytes(at::kChar, 3, 2, 16, 4) == short_q.bytes());
   CHECK(DocumentKV::keys_per_channel(8, 16));
   CHECK_FALSE(DocumentKV::keys_per_channel(7, 16));
+  CHECK_FALSE(DocumentKV::keys_per_channel(7, 16, kCacheInt8Int4));  // int8 keys: int8's rule
+  CHECK(DocumentKV::keys_per_channel(1, 16, kCacheInt4));            // rotated int4 keys: always
+  CHECK(DocumentKV::storage_bytes(kCacheInt4, 3, 2, 16, 4) == 3 * (2 * 4 * 8 * 2 + 2 * 2 * (16 + 4)));
   CHECK(DocumentKV::storage_bytes(at::kFloat, 3, 2, 16, 40) == 3 * 2 * 2 * 40 * 16 * 4);
   // int8 again is the same codes; zeros stay zeros (scale 1, no division by zero).
   CHECK(q.to(at::kCPU, at::kChar).keys[1].equal(q.keys[1]));
@@ -481,22 +484,48 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
       const DocumentKV codes = q.int8_codes();
       CHECK(codes.dtype() == at::kChar);
       const DocumentKV back = q.to(at::kCPU, at::kFloat);
+      // int4 keys are scaled per channel at every length; int8-int4's and int8's from 8 tokens on.
+      const int dim = DocumentKV::keys_per_channel(n, 16, form) ? 1 : 2;
+      CHECK(dim == (keys4 || n >= 8 ? 1 : 2));
+      const int dim8 = DocumentKV::keys_per_channel(n, 16) ? 1 : 2;
       for (size_t b = 0; b < 3; ++b) {
-        auto [kq, ks] = reference(in->keys[b], DocumentKV::keys_per_channel(n, 16) ? 1 : 2, keys4 ? 7.0 : 127.0);
+        // int4 keys are coded rotated (hadamard_rows), int8-int4's as they are.
+        auto [kq, ks] = reference(keys4 ? hadamard_rows(in->keys[b]) : in->keys[b], dim, keys4 ? 7.0 : 127.0);
         auto [vq, vs] = reference(in->values[b], 2, 7.0);
-        CHECK(codes.keys[b].equal(kq));
-        CHECK(codes.values[b].equal(vq));
         CHECK(q.key_scales[b].equal(ks));
         CHECK(q.value_scales[b].equal(vs));
-        // Read back within half a step (a scale rounded to float16 under amax / 7 leaves the
-        // clamped end at most 7 * 2^-11 steps out, well inside).
-        CHECK(((back.keys[b] - in->keys[b]).abs() <= ks.to(at::kFloat) * 0.5001).all().item<bool>());
+        CHECK(codes.values[b].equal(vq));
         CHECK(((back.values[b] - in->values[b]).abs() <= vs.to(at::kFloat) * 0.5001).all().item<bool>());
+        if (!keys4) {
+          CHECK(codes.keys[b].equal(kq));
+          CHECK(codes.key_scales[b].equal(ks));
+          // Read back within half a step (a scale rounded to float16 under amax / 7 leaves the
+          // clamped end at most 7 * 2^-11 steps out, well inside).
+          CHECK(((back.keys[b] - in->keys[b]).abs() <= ks.to(at::kFloat) * 0.5001).all().item<bool>());
+        } else {
+          CHECK(unpack_int4(q.keys[b]).equal(kq));
+          // Read: the rotated rows rotated back and coded again as int8 keys; the CPU's one pass
+          // gives the tensor ops' numbers exactly.
+          auto [k8, ks8] = reference(hadamard_rows(kq.to(at::kFloat) * ks.to(at::kFloat)), dim8, 127.0);
+          CHECK(codes.keys[b].equal(k8));
+          CHECK(codes.key_scales[b].equal(ks8));
+          // Within a bound from the arithmetic: each rotated element is off by at most half its
+          // step, so a rotated row's error has a norm of at most half the steps' norm; rotating
+          // back keeps the norm, which bounds each element; then int8's half step.
+          at::Tensor steps = ks.to(at::kFloat).expand({2, n, 16});
+          at::Tensor bound = steps.pow(2).sum(-1, true).sqrt() * 0.5001 + ks8.to(at::kFloat) * 0.5001;
+          CHECK(((back.keys[b] - in->keys[b]).abs() <= bound).all().item<bool>());
+          // Linked as stored, the packed rotated keys read as float32 are rotated back.
+          std::vector<std::vector<at::Tensor>> lk{{q.keys[b]}}, lv{{q.values[b]}}, lks{{ks}}, lvs{{vs}};
+          dequantize_linked(lk, lv, lks, lvs);
+          CHECK(lk[0][0].equal(hadamard_rows(kq.to(at::kFloat) * ks.to(at::kFloat))));
+          CHECK(lv[0][0].equal(vq.to(at::kFloat) * vs.to(at::kFloat)));
+        }
         // As int8 codes they read as the same numbers, bit for bit.
         CHECK(back.keys[b].equal(q.to(at::kCPU, at::kChar).to(at::kCPU, at::kFloat).keys[b]));
       }
       // Bytes: half a byte a code (a byte for int8 keys), the int8 layout's float16 scales.
-      const int64_t key_scales = DocumentKV::keys_per_channel(n, 16) ? 16 : n;
+      const int64_t key_scales = dim == 1 ? 16 : n;
       const int64_t expected = 3 * ((keys4 ? 2 * n * 8 : 2 * n * 16) + 2 * n * 8 + 2 * 2 * (key_scales + n));
       CHECK(q.bytes() == expected);
       CHECK(DocumentKV::storage_bytes(form, 3, 2, 16, n) == expected);
@@ -510,7 +539,9 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
     REQUIRE(kept.keys[1][0].scalar_type() == at::kChar);
     CHECK(kept.keys[1][0].equal(entry4->int8_codes().keys[1]));
     CHECK(kept.values[2][0].equal(entry4->int8_codes().values[2]));
-    CHECK(kept.key_scales[1][0].equal(entry4->key_scales[1]));
+    CHECK(kept.key_scales[1][0].equal(entry4->int8_codes().key_scales[1]));
+    CHECK(kept.value_scales[1][0].equal(entry4->value_scales[1]));
+    if (form == kCacheInt8Int4) CHECK(kept.key_scales[1][0].equal(entry4->key_scales[1]));  // int8 keys: as stored
     LinkedDocuments read = Linker(c10::kCPU).link({entry4});
     CHECK(read.values[0][0].equal(entry4->to(at::kCPU, at::kFloat).values[0]));
     dequantize_linked(kept.keys, kept.values, kept.key_scales, kept.value_scales);
@@ -550,6 +581,47 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
       // A truncated file is a corrupt entry, dropped, not read past its end.
       const std::string path = options.disk_dir + "/" + key_of(1).hex() + ".kv";
       std::string bytes = read_bytes(path);
+      if (form == kCacheInt4) {
+        // int4 keys are written as dtype 10 (per channel) and 11 (per row); 8 and 9, the int4 keys
+        // an older build wrote without the rotation, are refused, not misread.
+        uint32_t code = 0;
+        std::memcpy(&code, &bytes[12], 4);
+        CHECK(code == 10);
+        std::string old_bytes = bytes;
+        const uint32_t old_code = 8;
+        std::memcpy(&old_bytes[12], &old_code, 4);
+        write_bytes(path, old_bytes);
+        PICacheStore reader(options);
+        CHECK_FALSE(reader.get(key_of(1)));
+        CHECK(reader.stats().corrupt == 1);
+        std::string short_bytes = read_bytes(options.disk_dir + "/" + key_of(2).hex() + ".kv");
+        std::memcpy(&code, &short_bytes[12], 4);
+        CHECK(code == 10);  // 4 tokens, still per channel
+        // Rotated int4 keys scaled per row (dtype 11; this build writes none) are read too.
+        DocumentKV rows = short_q;
+        for (size_t b = 0; b < 3; ++b) {
+          auto [kq, ks] = reference(hadamard_rows(short_kv.keys[b]), 2, 7.0);
+          rows.keys[b] = pack_int4(kq), rows.key_scales[b] = ks;
+        }
+        {
+          PICacheStore writer(options);
+          writer.put(key_of(3), rows);
+        }
+        std::string row_bytes = read_bytes(options.disk_dir + "/" + key_of(3).hex() + ".kv");
+        std::memcpy(&code, &row_bytes[12], 4);
+        CHECK(code == 11);
+        PICacheStore row_reader(options);
+        auto hit = row_reader.get(key_of(3));
+        REQUIRE(hit);
+        for (size_t b = 0; b < 3; ++b) {
+          CHECK(hit->keys[b].equal(rows.keys[b]));
+          CHECK(hit->key_scales[b].equal(rows.key_scales[b]));
+          auto [k8, ks8] = reference(hadamard_rows(unpack_int4(rows.keys[b]).to(at::kFloat) * rows.key_scales[b].to(at::kFloat)),
+                                     2, 127.0);  // 4 tokens: int8 keys per row
+          CHECK(hit->int8_codes().keys[b].equal(k8));
+          CHECK(hit->int8_codes().key_scales[b].equal(ks8));
+        }
+      }
       {
         std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), bytes.size() - 3);
         PICacheStore reader(options);
@@ -571,6 +643,36 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
   odd.keys = {at::randn({1, 3, 5})};
   odd.values = {at::randn({1, 3, 5})};
   CHECK_THROWS_WITH(odd.to(at::kCPU, kCacheInt4), Catch::Contains("even head_dim"));
+  // An even one that is not a power of two has no rotation for int4 keys; int8-int4 keeps it.
+  DocumentKV six;
+  six.n_tokens = 3;
+  six.keys = {at::randn({1, 3, 6})};
+  six.values = {at::randn({1, 3, 6})};
+  CHECK_THROWS_WITH(six.to(at::kCPU, kCacheInt4), Catch::Contains("power of two; found head_dim 6"));
+  CHECK(six.to(at::kCPU, kCacheInt8Int4).dtype() == kCacheInt8Int4);
+}
+
+TEST_CASE("hadamard_rows: the normalized Walsh-Hadamard matrix, row by row, its own inverse", "[store]") {
+  // Order 4 on the identity: the rows of H / 2, exactly (halves are exact in float).
+  at::Tensor h4 = hadamard_rows(at::eye(4));
+  at::Tensor want = at::tensor({1.f, 1.f, 1.f, 1.f, 1.f, -1.f, 1.f, -1.f, 1.f, 1.f, -1.f, -1.f, 1.f, -1.f, -1.f, 1.f})
+                        .view({4, 4}) * 0.5f;
+  CHECK(h4.equal(want));
+  // Order 64 against the product with the matrix built by Sylvester's doubling, and twice is the
+  // identity, within the float32 roundings (unit 2^-24 < 6e-8) of sums bounded by the row's
+  // 1-norm: the butterflies' 6 levels and the product's 63 additions, over 8 (exact); twice, the
+  // first pass's error summed 64 times over 8 and the second's own: 12 units.
+  at::manual_seed(5);
+  at::Tensor x = at::randn({3, 7, 64});
+  at::Tensor m = at::ones({1, 1});
+  while (m.size(0) < 64) m = at::cat({at::cat({m, m}, 1), at::cat({m, -m}, 1)}, 0);
+  at::Tensor y = hadamard_rows(x);
+  const double scale = x.abs().sum(-1).max().item<double>();
+  CHECK((y - at::matmul(x, m) / 8).abs().max().item<double>() <= 69.0 / 8 * scale * 6e-8);
+  CHECK((hadamard_rows(y) - x).abs().max().item<double>() <= 16 * scale * 6e-8);
+  CHECK(std::abs(y.pow(2).sum().item<double>() - x.pow(2).sum().item<double>()) <= 1e-4 * x.pow(2).sum().item<double>());
+  CHECK_THROWS_WITH(hadamard_rows(at::ones({2, 12})), Catch::Contains("power of two"));
+  CHECK_THROWS_WITH(hadamard_rows(at::ones({2, 8}, at::kDouble)), Catch::Contains("float32"));
 }
 
 TEST_CASE("a cache directory that cannot be written is a clear error; the store stays usable", "[store][errors]") {

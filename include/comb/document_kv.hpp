@@ -5,6 +5,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -25,11 +26,15 @@ inline constexpr c10::ScalarType kCacheInt8Int4 = c10::ScalarType::QUInt2x4;
 // float16 scales: one per value row ([n_head_kv, n_tokens, 1]) and, for keys, one per channel over
 // the document's tokens ([n_head_kv, 1, head_dim]: keys have outlier channels) or, for documents of
 // fewer than head_dim / 2 tokens, one per row (where per-channel scales would cost more than the
-// codes' savings); the element is q * scale. Entries written with float32 scales per key channel
+// codes' savings; rotated int4 keys keep a scale per channel at every length); the element is q * scale. Entries written with float32 scales per key channel
 // (disk dtype 3) are still read as they are. int4 is the same with codes in [-7, 7] (scale amax /
 // 7), two to a byte: a uint8 tensor [n_head_kv, n_tokens, head_dim / 2] whose byte j holds channel
-// 2j in its low nibble and 2j + 1 in its high one, each as q + 8; unpacked (int8_codes) it is an
-// int8 entry's codes and scales, which every reader takes.
+// 2j in its low nibble and 2j + 1 in its high one, each as q + 8. int4 values unpacked are an int8
+// entry's codes with the same scales. int4 keys (kCacheInt4) are quantized rotated: each row times
+// the normalized Walsh-Hadamard matrix of order head_dim (a power of two; hadamard_rows), which
+// spreads a row's outlier channels over all of them so that fifteen levels lose less; the scales
+// are the rotated keys'. Read (int8_codes), they are rotated back and quantized again as int8 keys,
+// which every reader takes.
 struct DocumentKV {
   std::vector<at::Tensor> keys;    // per block: [n_head_kv, n_tokens, head_dim]
   std::vector<at::Tensor> values;  // per block: [n_head_kv, n_tokens, head_dim]
@@ -43,13 +48,18 @@ struct DocumentKV {
   int64_t bytes() const;           // scales included
   // A copy on `device` in `dtype` (kChar: quantized to int8; from int8: dequantized).
   DocumentKV to(c10::Device device, c10::ScalarType dtype) const;
-  // int4 parts as int8 codes with the same scales, on the same device (itself when none is int4).
+  // As an int8 entry, on the same device (itself when no part is int4): int4 values as int8 codes
+  // with the same scales; int4 keys read as float32, rotated back and quantized again as int8 (new
+  // scales). int8_block: one block's key codes, key scales, value codes and value scales so.
   DocumentKV int8_codes() const;
+  std::array<at::Tensor, 4> int8_block(size_t block) const;
   // Whether a stored dtype or form keeps int4 codes (kCacheInt4, kCacheInt8Int4), or codes at all.
   static bool packs_int4(c10::ScalarType form) { return form == kCacheInt4 || form == kCacheInt8Int4; }
   static bool is_quantized_form(c10::ScalarType form) { return form == at::kChar || packs_int4(form); }
-  // Whether int8 or int4 keys of a document of `n_tokens` are scaled per channel (else per row).
-  static bool keys_per_channel(int64_t n_tokens, int64_t head_dim);
+  // Whether the keys of a document of `n_tokens` in `form` are scaled per channel (else per row):
+  // int8 and int8-int4 keys from head_dim / 2 tokens on, rotated int4 keys always (per row they
+  // lose more than the scales' bytes save).
+  static bool keys_per_channel(int64_t n_tokens, int64_t head_dim, c10::ScalarType form = at::kChar);
   // Bytes a document of `n_tokens` takes in `dtype` (or form) with `n_blocks` blocks of [n_head_kv,
   // head_dim].
   static int64_t storage_bytes(c10::ScalarType dtype, int64_t n_blocks, int64_t n_head_kv, int64_t head_dim,
@@ -61,12 +71,19 @@ struct DocumentKV {
 // sake, and do not round-trip). Element-wise tensor ops: any device.
 at::Tensor unpack_int4(const at::Tensor& packed);
 at::Tensor pack_int4(const at::Tensor& codes);
-// A stored part's codes as int8: int4 ones (uint8) unpacked, any other tensor itself.
+// A stored part's codes as int8: int4 ones (uint8) unpacked, any other tensor itself. For the
+// values of an int4 form; int4 keys are rotated (DocumentKV::int8_block reads them).
 at::Tensor as_int8_codes(const at::Tensor& part);
+// x (float32, any device) times the normalized Walsh-Hadamard matrix H of order x.size(-1), a power
+// of two, row by row: butterflies (a + b, a - b) over strides 1, 2, 4, ..., then a product with
+// 1 / sqrt(order). H is symmetric and orthogonal, so the function is its own inverse (up to
+// rounding), and every device computes the same floats.
+at::Tensor hadamard_rows(const at::Tensor& x);
 
 // Documents linked int8 as stored (Linker with keep_int8): keys and values [block][document], the
 // scales beside them (undefined for a document of another dtype; empty: none). Each int8 one is
-// read as float32 in place (q * scale), as DocumentKV::to does.
+// read as float32 in place (q * scale), as DocumentKV::to does; packed int4 keys (uint8) are the
+// rotated ones of the int4 form and are rotated back.
 void dequantize_linked(std::vector<std::vector<at::Tensor>>& keys, std::vector<std::vector<at::Tensor>>& values,
                        const std::vector<std::vector<at::Tensor>>& key_scales,
                        const std::vector<std::vector<at::Tensor>>& value_scales);

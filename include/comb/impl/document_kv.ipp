@@ -36,8 +36,8 @@ COMB_INLINE int64_t DocumentKV::head_dim() const {
   return keys[0].size(2) * (keys[0].scalar_type() == at::kByte ? 2 : 1);
 }
 
-COMB_INLINE bool DocumentKV::keys_per_channel(int64_t n_tokens, int64_t head_dim) {
-  return 2 * n_tokens >= head_dim;
+COMB_INLINE bool DocumentKV::keys_per_channel(int64_t n_tokens, int64_t head_dim, c10::ScalarType form) {
+  return form == kCacheInt4 || 2 * n_tokens >= head_dim;
 }
 
 COMB_INLINE int64_t DocumentKV::storage_bytes(c10::ScalarType dtype, int64_t n_blocks, int64_t n_head_kv,
@@ -45,8 +45,9 @@ COMB_INLINE int64_t DocumentKV::storage_bytes(c10::ScalarType dtype, int64_t n_b
   const int64_t elements = 2 * n_blocks * n_head_kv * head_dim * n_tokens;
   if (!is_quantized_form(dtype)) return elements * static_cast<int64_t>(c10::elementSize(dtype));
   // int8 or int4 codes and float16 scales: one per value row (one head, one token); keys one per
-  // channel over the document's tokens, or per row for documents under head_dim / 2 tokens.
-  const int64_t key_scales = keys_per_channel(n_tokens, head_dim) ? head_dim : n_tokens;
+  // channel over the document's tokens, or per row for int8 keys of documents under head_dim / 2
+  // tokens.
+  const int64_t key_scales = keys_per_channel(n_tokens, head_dim, dtype) ? head_dim : n_tokens;
   const int64_t codes = dtype == at::kChar ? elements : dtype == kCacheInt4 ? elements / 2 : elements * 3 / 4;
   return codes + 2 * n_blocks * n_head_kv * (key_scales + n_tokens);
 }
@@ -64,50 +65,131 @@ COMB_INLINE at::Half int8_scale(float amax, float levels = 127.0f) {
 // request converts each new document's 28 blocks one at a time, so on short documents the ops'
 // overhead outweighs the work. One pass each here, with the same arithmetic (the float16 scale,
 // float32 division by it, round half to even, clamp), so the codes and scales are those of the
-// tensor ops. Codes in [-key_levels, key_levels] and [-value_levels, value_levels] (127: int8; 7: the
-// codes of int4, packed after).
-COMB_INLINE std::array<at::Tensor, 4> quantize_int8_cpu(const at::Tensor& k, const at::Tensor& v,
-                                                        float key_levels = 127.0f, float value_levels = 127.0f) {
-  const int64_t heads = k.size(0), n = k.size(1), d = k.size(2);
-  const bool per_channel = DocumentKV::keys_per_channel(n, d);
-  at::Tensor kq = at::empty({heads, n, d}, at::kChar), vq = at::empty({heads, n, d}, at::kChar);
-  at::Tensor ks = per_channel ? at::empty({heads, 1, d}, at::kHalf) : at::empty({heads, n, 1}, at::kHalf);
-  at::Tensor vs = at::empty({heads, n, 1}, at::kHalf);
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  int8_t* kqp = kq.data_ptr<int8_t>();
-  int8_t* vqp = vq.data_ptr<int8_t>();
-  at::Half* ksp = ks.data_ptr<at::Half>();
-  at::Half* vsp = vs.data_ptr<at::Half>();
-  auto code = [](float x, float scale, float levels) {
-    const float q = std::nearbyint(x / scale);
-    return static_cast<int8_t>(std::min(levels, std::max(-levels, q)));
-  };
-  auto row = [&](const float* x, int8_t* q, at::Half* scale, float levels) {  // one head, one token
+// tensor ops. Codes in [-levels, levels] (127: int8; 7: the codes of int4, packed after).
+COMB_INLINE int8_t code(float x, float scale, float levels) {
+  const float q = std::nearbyint(x / scale);
+  return static_cast<int8_t>(std::min(levels, std::max(-levels, q)));
+}
+
+// Rows of `d` floats, each with its own scale ([..., 1]): values, and keys of short documents.
+COMB_INLINE void quantize_rows_cpu(const float* x, int64_t rows, int64_t d, float levels, int8_t* q, at::Half* scale) {
+  for (int64_t r = 0; r < rows; ++r, x += d, q += d) {
     float m = 0.0f;
     for (int64_t j = 0; j < d; ++j) m = std::max(m, std::fabs(x[j]));
-    *scale = int8_scale(m, levels);
-    const float s = static_cast<float>(*scale);
+    scale[r] = int8_scale(m, levels);
+    const float s = static_cast<float>(scale[r]);
     for (int64_t j = 0; j < d; ++j) q[j] = code(x[j], s, levels);
-  };
-  for (int64_t r = 0; r < heads * n; ++r) row(vp + r * d, vqp + r * d, vsp + r, value_levels);
+  }
+}
+
+// Keys [heads, n, d] (float32, contiguous): codes and a scale per channel over the tokens
+// ([heads, 1, d]), or per row ([heads, n, 1]).
+COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys_cpu(const at::Tensor& k, float levels, bool per_channel) {
+  const int64_t heads = k.size(0), n = k.size(1), d = k.size(2);
+  at::Tensor kq = at::empty({heads, n, d}, at::kChar);
+  at::Tensor ks = per_channel ? at::empty({heads, 1, d}, at::kHalf) : at::empty({heads, n, 1}, at::kHalf);
+  const float* kp = k.data_ptr<float>();
+  int8_t* kqp = kq.data_ptr<int8_t>();
+  at::Half* ksp = ks.data_ptr<at::Half>();
   if (!per_channel) {
-    for (int64_t r = 0; r < heads * n; ++r) row(kp + r * d, kqp + r * d, ksp + r, key_levels);
-    return {kq, ks, vq, vs};
+    quantize_rows_cpu(kp, heads * n, d, levels, kqp, ksp);
+    return {kq, ks};
   }
   std::vector<float> m(d), scale(d);
-  for (int64_t h = 0; h < heads; ++h) {  // keys: a scale per channel over the tokens
+  for (int64_t h = 0; h < heads; ++h) {
     std::fill(m.begin(), m.end(), 0.0f);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < d; ++j) m[j] = std::max(m[j], std::fabs(kp[(h * n + t) * d + j]));
     for (int64_t j = 0; j < d; ++j) {
-      ksp[h * d + j] = int8_scale(m[j], key_levels);
+      ksp[h * d + j] = int8_scale(m[j], levels);
       scale[j] = static_cast<float>(ksp[h * d + j]);
     }
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < d; ++j) kqp[(h * n + t) * d + j] = code(kp[(h * n + t) * d + j], scale[j], key_levels);
+      for (int64_t j = 0; j < d; ++j) kqp[(h * n + t) * d + j] = code(kp[(h * n + t) * d + j], scale[j], levels);
   }
+  return {kq, ks};
+}
+
+COMB_INLINE std::array<at::Tensor, 4> quantize_int8_cpu(const at::Tensor& k, const at::Tensor& v, float key_levels,
+                                                        float value_levels, bool keys_per_channel) {
+  const int64_t heads = v.size(0), n = v.size(1), d = v.size(2);
+  at::Tensor vq = at::empty({heads, n, d}, at::kChar), vs = at::empty({heads, n, 1}, at::kHalf);
+  quantize_rows_cpu(v.data_ptr<float>(), heads * n, d, value_levels, vq.data_ptr<int8_t>(), vs.data_ptr<at::Half>());
+  auto [kq, ks] = quantize_keys_cpu(k, key_levels, keys_per_channel);
   return {kq, ks, vq, vs};
+}
+
+// The tensor ops' form of the same (any device): float16 scales of amax / levels (at least 2^-14;
+// 1 for all zeros), codes by float32 division, round half to even and clamp. The divisor a tensor:
+// ATen divides a CUDA tensor by a scalar as a product with its reciprocal, which can differ in the
+// last place from the CPU's quotient.
+COMB_INLINE at::Tensor scales_of(const at::Tensor& amax, float levels) {
+  at::Tensor s = amax / at::full({}, levels, amax.options());
+  return at::where(s > 0, s.clamp_min(6.103515625e-05), at::ones_like(s)).to(at::kHalf);
+}
+COMB_INLINE at::Tensor codes_of(const at::Tensor& x, const at::Tensor& scales, float levels) {
+  return (x / scales.to(at::kFloat)).round().clamp(-levels, levels).to(at::kChar).contiguous();
+}
+COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys(const at::Tensor& k, float levels, bool per_channel) {
+  if (k.device().is_cpu()) return quantize_keys_cpu(k.contiguous(), levels, per_channel);
+  at::Tensor ks = scales_of(k.abs().amax(per_channel ? 1 : 2, /*keepdim=*/true), levels).contiguous();
+  return {codes_of(k, ks, levels), ks};
+}
+
+// In place: each row of `d` floats (a power of two) times the normalized Walsh-Hadamard matrix, in
+// the order of hadamard_rows' tensor ops (so the same floats).
+COMB_INLINE void hadamard_row_cpu(float* x, int64_t d, float norm) {
+  for (int64_t h = 1; h < d; h *= 2)
+    for (int64_t i = 0; i < d; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  for (int64_t j = 0; j < d; ++j) x[j] *= norm;
+}
+
+COMB_INLINE float hadamard_norm(int64_t d) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))); }
+
+COMB_INLINE void check_hadamard_order(int64_t d) {
+  COMB_CHECK(d >= 2 && (d & (d - 1)) == 0,
+             "int4 keys are rotated by a Walsh-Hadamard matrix of order head_dim, which must be a power of two; "
+             "found head_dim {}",
+             d);
+}
+
+// Rotated int4 keys ([heads, n, d / 2] uint8 codes, float16 scales per channel or row) as int8 keys
+// of the rows rotated back, on the CPU in one pass: the codes times their scales, hadamard_row_cpu,
+// then quantize_keys_cpu as int8 keys are scaled. The same floats as unpack_int4, a float32 product,
+// hadamard_rows and the tensor ops' quantization.
+COMB_INLINE std::pair<at::Tensor, at::Tensor> rotated_int4_keys_cpu(const at::Tensor& packed, const at::Tensor& scales) {
+  const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
+  check_hadamard_order(d);
+  const bool per_channel = scales.size(1) == 1 && scales.size(2) == d;
+  COMB_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == heads &&
+                 (per_channel || (scales.size(1) == n && scales.size(2) == 1)),
+             "int4 keys [{}, {}, {}]: expected float16 scales [{}, 1, {}] or [{}, {}, 1], found {} [{}]", heads, n,
+             d / 2, heads, d, heads, n, c10::toString(scales.scalar_type()), fmt::join(scales.sizes(), ", "));
+  at::Tensor p = packed.contiguous(), sc = scales.to(at::kFloat).contiguous();
+  at::Tensor x = at::empty({heads, n, d}, at::kFloat);
+  const uint8_t* pp = p.data_ptr<uint8_t>();
+  const float* sp = sc.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  const float norm = hadamard_norm(d);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t t = 0; t < n; ++t) {
+      const uint8_t* row = pp + (h * n + t) * (d / 2);
+      float* out = xp + (h * n + t) * d;
+      const float* s = per_channel ? sp + h * d : sp + h * n + t;
+      for (int64_t j = 0; j < d / 2; ++j) {
+        const float lo = static_cast<float>(static_cast<int8_t>((row[j] & 15) - 8));
+        const float hi = static_cast<float>(static_cast<int8_t>((row[j] >> 4) - 8));
+        out[2 * j] = lo * (per_channel ? s[2 * j] : s[0]);
+        out[2 * j + 1] = hi * (per_channel ? s[2 * j + 1] : s[0]);
+      }
+      hadamard_row_cpu(out, d, norm);
+    }
+  return quantize_keys_cpu(x, 127.0f, DocumentKV::keys_per_channel(n, d));
 }
 }  // namespace detail::document_kv
 
@@ -135,10 +217,47 @@ COMB_INLINE at::Tensor as_int8_codes(const at::Tensor& part) {
   return part.scalar_type() == at::kByte ? unpack_int4(part) : part;
 }
 
+COMB_INLINE at::Tensor hadamard_rows(const at::Tensor& x) {
+  COMB_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat, "hadamard_rows: expected float32 rows, found {} [{}]",
+             c10::toString(x.scalar_type()), fmt::join(x.sizes(), ", "));
+  const int64_t d = x.size(-1);
+  detail::document_kv::check_hadamard_order(d);
+  const int64_t rows = d == 0 ? 0 : x.numel() / d;
+  at::Tensor y = x.contiguous().view({rows, d});
+  for (int64_t h = 1; h < d; h *= 2) {
+    at::Tensor pairs = y.view({rows, d / (2 * h), 2, h});
+    at::Tensor a = pairs.select(2, 0), b = pairs.select(2, 1);
+    y = at::stack({a + b, a - b}, 2).view({rows, d});
+  }
+  return (y * at::full({}, detail::document_kv::hadamard_norm(d), y.options())).view(x.sizes());
+}
+
+COMB_INLINE std::array<at::Tensor, 4> DocumentKV::int8_block(size_t block) const {
+  COMB_CHECK(block < keys.size() && block < values.size(), "int8_block: block {} of a cache of {}", block, keys.size());
+  const at::Tensor& k = keys[block];
+  at::Tensor kc, ks = quantized() ? key_scales.at(block) : at::Tensor();
+  if (k.scalar_type() == at::kByte) {  // int4 keys, rotated: back, then int8
+    COMB_CHECK(quantized(), "int4 keys without scales");
+    std::tie(kc, ks) = k.device().is_cpu()
+                           ? detail::document_kv::rotated_int4_keys_cpu(k, ks)
+                           : detail::document_kv::quantize_keys(
+                                 hadamard_rows(unpack_int4(k).to(at::kFloat) * ks.to(at::kFloat)), 127.0f,
+                                 keys_per_channel(k.size(1), k.size(2) * 2));
+  } else {
+    kc = k;
+  }
+  return {kc, ks, as_int8_codes(values[block]), quantized() ? value_scales.at(block) : at::Tensor()};
+}
+
 COMB_INLINE DocumentKV DocumentKV::int8_codes() const {
-  DocumentKV out = *this;
-  for (auto* list : {&out.keys, &out.values})
-    for (auto& t : *list) t = as_int8_codes(t);
+  if (keys.empty() || values.empty() || !packs_int4(dtype())) return *this;
+  DocumentKV out;
+  out.n_tokens = n_tokens;
+  for (size_t b = 0; b < keys.size(); ++b) {
+    auto [kc, ks, vc, vs] = int8_block(b);
+    out.keys.push_back(kc), out.key_scales.push_back(ks);
+    out.values.push_back(vc), out.value_scales.push_back(vs);
+  }
   return out;
 }
 
@@ -157,7 +276,9 @@ COMB_INLINE void dequantize_linked(std::vector<std::vector<at::Tensor>>& keys,
                key_scales[b].size(), value_scales[b].size());
     for (size_t d = 0; d < keys[b].size(); ++d)
       if (key_scales[b][d].defined()) {
+        const bool rotated = keys[b][d].scalar_type() == at::kByte;  // int4 keys (DocumentKV)
         keys[b][d] = as_int8_codes(keys[b][d]).to(at::kFloat) * key_scales[b][d];
+        if (rotated) keys[b][d] = hadamard_rows(keys[b][d]);
         values[b][d] = as_int8_codes(values[b][d]).to(at::kFloat) * value_scales[b][d];
       }
   }
@@ -167,7 +288,7 @@ COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype)
   DocumentKV out;
   out.n_tokens = n_tokens;
   const c10::ScalarType from = keys.empty() || values.empty() ? c10::ScalarType::Undefined : this->dtype();
-  // int4 parts are read as their int8 codes; to int8 those are the codes, moved.
+  // An int4 entry is read as its int8 form (int8_codes: int4 keys rotated back); to int8 that, moved.
   if (packs_int4(from) && from != dtype) return int8_codes().to(device, dtype);
   const bool from_int8 = quantized();
   const bool to_codes = is_quantized_form(dtype);
@@ -192,24 +313,20 @@ COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype)
                  cache_dtype_name(dtype), b, fmt::join(k.sizes(), ", "), fmt::join(v.sizes(), ", "),
                  packs_int4(dtype) ? " with an even head_dim" : "");
       at::Tensor kq, ks, vq, vs;
+      if (dtype == kCacheInt4) {  // int4 keys are quantized rotated (see the header)
+        detail::document_kv::check_hadamard_order(k.size(2));
+        k = hadamard_rows(k.to(at::kFloat));
+      }
+      const bool per_channel = keys_per_channel(k.size(1), k.size(2), dtype);
       if (k.device().is_cpu() && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat) {
-        auto q = detail::document_kv::quantize_int8_cpu(k.contiguous(), v.contiguous(), key_levels, value_levels);
+        auto q = detail::document_kv::quantize_int8_cpu(k.contiguous(), v.contiguous(), key_levels, value_levels,
+                                                        per_channel);
         kq = q[0], ks = q[1], vq = q[2], vs = q[3];
       } else {
-        k = k.to(at::kFloat);
         v = v.to(at::kFloat);
-        // As quantize_int8_cpu: float16 scales of amax / levels (at least 2^-14; 1 for all zeros).
-        // The divisor a tensor: ATen divides a CUDA tensor by a scalar as a product with its
-        // reciprocal, which can differ in the last place from the CPU's quotient.
-        auto scales = [](const at::Tensor& amax, float levels) {
-          at::Tensor s = amax / at::full({}, levels, amax.options());
-          return at::where(s > 0, s.clamp_min(6.103515625e-05), at::ones_like(s)).to(at::kHalf);
-        };
-        const bool per_channel = keys_per_channel(k.size(1), k.size(2));
-        ks = scales(k.abs().amax(per_channel ? 1 : 2, /*keepdim=*/true), key_levels).contiguous();
-        vs = scales(v.abs().amax(2, true), value_levels).contiguous();
-        kq = (k / ks.to(at::kFloat)).round().clamp(-key_levels, key_levels).to(at::kChar).contiguous();
-        vq = (v / vs.to(at::kFloat)).round().clamp(-value_levels, value_levels).to(at::kChar).contiguous();
+        std::tie(kq, ks) = detail::document_kv::quantize_keys(k.to(at::kFloat), key_levels, per_channel);
+        vs = detail::document_kv::scales_of(v.abs().amax(2, true), value_levels).contiguous();
+        vq = detail::document_kv::codes_of(v, vs, value_levels);
       }
       out.keys.push_back(dtype == kCacheInt4 ? pack_int4(kq) : kq);
       out.values.push_back(packs_int4(dtype) ? pack_int4(vq) : vq);

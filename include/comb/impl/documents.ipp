@@ -404,14 +404,14 @@ COMB_INLINE at::Tensor Documents::get_with_prompt(const std::vector<std::vector<
     std::vector<std::vector<at::Tensor>> ks(1), vs(1), kss(1), vss(1);
     for (size_t i = 0; i < documents.size(); ++i) {
       const DocumentKV& d = source[i] < 0 ? *entries[i] : fresh[source[i]];
-      // int4 codes are read as int8 ones (the same scales).
-      at::Tensor key = as_int8_codes(d.keys[k]), value = as_int8_codes(d.values[k]), key_scale, value_scale;
+      // int4 codes are read as int8 ones (DocumentKV::int8_block: int4 keys rotated back).
+      auto [key, key_scale, value, value_scale] = d.int8_block(k);
       if (d.quantized() && key.device() == decoder.device()) {
-        key_scale = d.key_scales[k];
-        value_scale = d.value_scales[k];
+        // as stored: the int8 codes and their scales
       } else if (d.quantized()) {
-        key = key.to(decoder.device(), at::kFloat) * d.key_scales[k].to(decoder.device());
-        value = value.to(decoder.device(), at::kFloat) * d.value_scales[k].to(decoder.device());
+        key = key.to(decoder.device(), at::kFloat) * key_scale.to(decoder.device());
+        value = value.to(decoder.device(), at::kFloat) * value_scale.to(decoder.device());
+        key_scale = value_scale = at::Tensor();
       } else {
         key = key.to(decoder.device(), at::kFloat).contiguous();
         value = value.to(decoder.device(), at::kFloat).contiguous();

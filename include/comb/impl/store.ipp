@@ -65,7 +65,8 @@ struct DiskHeader {
   uint32_t dtype;    // 0 float32, 1 bfloat16, 2 float16; int8: 3 (float32 scales, keys per channel,
                      // values per row; written before), 4 (float16 scales, keys per channel), 5
                      // (float16 scales, keys per row); int4 values (float16 scales): 6 and 7 (int8
-                     // keys per channel, per row), 8 and 9 (int4 keys per channel, per row)
+                     // keys per channel, per row), 10 and 11 (int4 keys rotated, per channel, per
+                     // row; 8 and 9 were int4 keys not rotated, written before: refused)
   uint32_t n_blocks, n_head_kv, head_dim, reserved;
   uint64_t n_tokens, payload_bytes, checksum;  // checksum: XXH3-64 of the payload
   uint64_t key_high, key_low;
@@ -79,7 +80,7 @@ COMB_INLINE uint32_t dtype_code(c10::ScalarType t) {
     case at::kHalf: return 2;
     case at::kChar: return 3;
     case kCacheInt8Int4: return 6;
-    case kCacheInt4: return 8;
+    case kCacheInt4: return 10;
     default:
       COMB_FAIL("cache storage dtype must be float32, bfloat16, float16, int8, int8-int4 or int4, found {}",
                 c10::toString(t));
@@ -90,7 +91,7 @@ COMB_INLINE c10::ScalarType code_key_type(uint32_t c) {
   return c == 0 ? at::kFloat : c == 1 ? at::kBFloat16 : c == 2 ? at::kHalf : c <= 7 ? at::kChar : at::kByte;
 }
 COMB_INLINE c10::ScalarType code_value_type(uint32_t c) { return c <= 5 ? code_key_type(c) : at::kByte; }
-COMB_INLINE bool code_key_rows(uint32_t c) { return c == 5 || c == 7 || c == 9; }
+COMB_INLINE bool code_key_rows(uint32_t c) { return c == 5 || c == 7 || c == 11; }
 // int8 entries: 4 with float16 scales and keys scaled per channel, 5 with float16 scales and keys
 // per row (as quantize_int8_cpu writes them), 3 with float32 scales and keys per channel (as comb
 // wrote int8 before).
@@ -98,7 +99,9 @@ COMB_INLINE uint32_t entry_code(const DocumentKV& kv) {
   const uint32_t c = dtype_code(kv.dtype());
   if (c < 3) return c;
   const at::Tensor& ks = kv.key_scales.at(0);
-  const bool per_channel = ks.size(1) == 1 && ks.size(2) == kv.head_dim() && kv.keys.at(0).size(1) != 1;
+  // [n_head_kv, 1, head_dim] per channel, [n_head_kv, n_tokens, 1] per row (the same numbers when
+  // both are 1: a one-token document of head_dim 1).
+  const bool per_channel = ks.size(1) == 1 && ks.size(2) == kv.head_dim();
   const bool half = ks.scalar_type() == at::kHalf;
   COMB_CHECK(half || (c == 3 && ks.scalar_type() == at::kFloat && per_channel),
              "{} entry: key scales [{}] of {}; expected float16{}", cache_dtype_name(kv.dtype()),
@@ -142,7 +145,8 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
   if (size < sizeof(DiskHeader)) return why = "shorter than its header", std::nullopt;
   DiskHeader h;
   std::memcpy(&h, data, sizeof(h));
-  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 9) return why = "bad magic or version", std::nullopt;
+  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 11) return why = "bad magic or version", std::nullopt;
+  if (h.dtype == 8 || h.dtype == 9) return why = "int4 keys not rotated (written by an older build)", std::nullopt;
   if (h.key_high != key.high || h.key_low != key.low) return why = "holds another key", std::nullopt;
   const c10::ScalarType key_type = code_key_type(h.dtype), value_type = code_value_type(h.dtype);
   // Sizes multiplied with overflow checks: a header whose product wraps around is refused here,
@@ -152,6 +156,8 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
   const bool int8 = h.dtype >= 3, key_rows = code_key_rows(h.dtype);
   if ((key_type == at::kByte || value_type == at::kByte) && h.head_dim % 2 != 0)
     return why = "int4 codes with an odd head_dim", std::nullopt;
+  if (key_type == at::kByte && (h.head_dim & (h.head_dim - 1)) != 0)
+    return why = "rotated int4 keys with a head_dim that is not a power of two", std::nullopt;
   auto row_bytes = [&](c10::ScalarType t) {
     return t == at::kByte ? uint64_t(h.head_dim) / 2 : uint64_t(h.head_dim) * c10::elementSize(t);
   };

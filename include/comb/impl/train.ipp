@@ -260,7 +260,10 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> read_as_stored(const at::Tensor& k
     one = one.to(keys.device(), dtype).to(keys.device(), at::kFloat);
   }
   at::Tensor k = one.keys[0].to(keys.scalar_type()), v = one.values[0].to(values.scalar_type());
-  return {keys + (k - keys).detach(), values + (v - values).detach()};
+  // The stored numbers exactly (x - x is 0), the gradient of the identity. keys + (k - keys) would
+  // round where k is far from keys relative to them: rotated int4 keys move small elements by up
+  // to a row's error.
+  return {k + (keys - keys.detach()), v + (values - values.detach())};
 }
 
 COMB_INLINE at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const PluginWeights& pw,
