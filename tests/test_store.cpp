@@ -515,11 +515,12 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
           at::Tensor steps = ks.to(at::kFloat).expand({2, n, 16});
           at::Tensor bound = steps.pow(2).sum(-1, true).sqrt() * 0.5001 + ks8.to(at::kFloat) * 0.5001;
           CHECK(((back.keys[b] - in->keys[b]).abs() <= bound).all().item<bool>());
-          // Linked as stored, the packed rotated keys read as float32 are rotated back.
+          // Linked as stored, the packed rotated keys read as float32 are read as every reader reads
+          // them (rotated back, coded again as int8).
           std::vector<std::vector<at::Tensor>> lk{{q.keys[b]}}, lv{{q.values[b]}}, lks{{ks}}, lvs{{vs}};
           dequantize_linked(lk, lv, lks, lvs);
-          CHECK(lk[0][0].equal(hadamard_rows(kq.to(at::kFloat) * ks.to(at::kFloat))));
-          CHECK(lv[0][0].equal(vq.to(at::kFloat) * vs.to(at::kFloat)));
+          CHECK(lk[0][0].equal(back.keys[b]));
+          CHECK(lv[0][0].equal(back.values[b]));
         }
         // As int8 codes they read as the same numbers, bit for bit.
         CHECK(back.keys[b].equal(q.to(at::kCPU, at::kChar).to(at::kCPU, at::kFloat).keys[b]));
@@ -597,6 +598,20 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
         std::string short_bytes = read_bytes(options.disk_dir + "/" + key_of(2).hex() + ".kv");
         std::memcpy(&code, &short_bytes[12], 4);
         CHECK(code == 10);  // 4 tokens, still per channel
+        {  // one token: per channel too, through disk and back
+          const DocumentKV one = random_entry(1, 9).to(at::kCPU, kCacheInt4);
+          REQUIRE(one.key_scales[0].sizes() == at::IntArrayRef({2, 1, 16}));
+          {
+            PICacheStore writer(options);
+            writer.put(key_of(4), one);
+          }
+          PICacheStore one_reader(options);
+          auto hit = one_reader.get(key_of(4));
+          REQUIRE(hit);
+          CHECK(hit->keys[2].equal(one.keys[2]));
+          CHECK(hit->key_scales[2].equal(one.key_scales[2]));
+          CHECK(hit->int8_codes().keys[2].equal(one.int8_codes().keys[2]));
+        }
         // Rotated int4 keys scaled per row (dtype 11; this build writes none) are read too.
         DocumentKV rows = short_q;
         for (size_t b = 0; b < 3; ++b) {
@@ -616,8 +631,8 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
         for (size_t b = 0; b < 3; ++b) {
           CHECK(hit->keys[b].equal(rows.keys[b]));
           CHECK(hit->key_scales[b].equal(rows.key_scales[b]));
-          auto [k8, ks8] = reference(hadamard_rows(unpack_int4(rows.keys[b]).to(at::kFloat) * rows.key_scales[b].to(at::kFloat)),
-                                     2, 127.0);  // 4 tokens: int8 keys per row
+          at::Tensor back_rows = unpack_int4(rows.keys[b]).to(at::kFloat) * rows.key_scales[b].to(at::kFloat);
+          auto [k8, ks8] = reference(hadamard_rows(back_rows), 2, 127.0);  // 4 tokens: int8 keys per row
           CHECK(hit->int8_codes().keys[b].equal(k8));
           CHECK(hit->int8_codes().key_scales[b].equal(ks8));
         }
@@ -671,6 +686,17 @@ TEST_CASE("hadamard_rows: the normalized Walsh-Hadamard matrix, row by row, its 
   CHECK((y - at::matmul(x, m) / 8).abs().max().item<double>() <= 69.0 / 8 * scale * 6e-8);
   CHECK((hadamard_rows(y) - x).abs().max().item<double>() <= 16 * scale * 6e-8);
   CHECK(std::abs(y.pow(2).sum().item<double>() - x.pow(2).sum().item<double>()) <= 1e-4 * x.pow(2).sum().item<double>());
+  // The CPU's own pass that reads int4 keys back makes the tensor ops' floats exactly: codes
+  // times scales (per channel and per row), hadamard_rows.
+  for (int64_t d : {2, 16, 64, 128})
+    for (bool per_channel : {true, false}) {
+      INFO("head_dim " << d << (per_channel ? ", per channel" : ", per row"));
+      at::Tensor codes = at::randint(-7, 8, {3, 5, d}, at::kChar);
+      at::Tensor scales = (at::rand(per_channel ? std::vector<int64_t>{3, 1, d} : std::vector<int64_t>{3, 5, 1}) + 0.01)
+                              .to(at::kHalf);
+      at::Tensor want = hadamard_rows(codes.to(at::kFloat) * scales.to(at::kFloat));
+      CHECK(rotated_int4_keys_float(pack_int4(codes), scales).equal(want));
+    }
   CHECK_THROWS_WITH(hadamard_rows(at::ones({2, 12})), Catch::Contains("power of two"));
   CHECK_THROWS_WITH(hadamard_rows(at::ones({2, 8}, at::kDouble)), Catch::Contains("float32"));
 }

@@ -26,15 +26,15 @@ inline constexpr c10::ScalarType kCacheInt8Int4 = c10::ScalarType::QUInt2x4;
 // float16 scales: one per value row ([n_head_kv, n_tokens, 1]) and, for keys, one per channel over
 // the document's tokens ([n_head_kv, 1, head_dim]: keys have outlier channels) or, for documents of
 // fewer than head_dim / 2 tokens, one per row (where per-channel scales would cost more than the
-// codes' savings; rotated int4 keys keep a scale per channel at every length); the element is q * scale. Entries written with float32 scales per key channel
-// (disk dtype 3) are still read as they are. int4 is the same with codes in [-7, 7] (scale amax /
-// 7), two to a byte: a uint8 tensor [n_head_kv, n_tokens, head_dim / 2] whose byte j holds channel
-// 2j in its low nibble and 2j + 1 in its high one, each as q + 8. int4 values unpacked are an int8
-// entry's codes with the same scales. int4 keys (kCacheInt4) are quantized rotated: each row times
-// the normalized Walsh-Hadamard matrix of order head_dim (a power of two; hadamard_rows), which
-// spreads a row's outlier channels over all of them so that fifteen levels lose less; the scales
-// are the rotated keys'. Read (int8_codes), they are rotated back and quantized again as int8 keys,
-// which every reader takes.
+// codes' savings); the element is q * scale. Entries written with float32 scales per key channel
+// (disk dtype 3) are still read as they are. int4 codes lie in [-7, 7] (scale amax / 7), two to a
+// byte: a uint8 tensor [n_head_kv, n_tokens, head_dim / 2] whose byte j holds channel 2j in its low
+// nibble and 2j + 1 in its high one, each as q + 8. int4 values are scaled as int8 values, and
+// unpacked they are an int8 entry's codes with the same scales. int4 keys (kCacheInt4) are coded
+// rotated: each row times the normalized Walsh-Hadamard matrix of order head_dim (a power of two;
+// hadamard_rows), which spreads a row's outlier channels over all of them so that fifteen levels
+// lose less, with a scale per channel of the rotated rows at every length. Read (int8_codes), they
+// are rotated back and coded again as int8 keys, which every reader takes.
 struct DocumentKV {
   std::vector<at::Tensor> keys;    // per block: [n_head_kv, n_tokens, head_dim]
   std::vector<at::Tensor> values;  // per block: [n_head_kv, n_tokens, head_dim]
@@ -79,11 +79,15 @@ at::Tensor as_int8_codes(const at::Tensor& part);
 // 1 / sqrt(order). H is symmetric and orthogonal, so the function is its own inverse (up to
 // rounding), and every device computes the same floats.
 at::Tensor hadamard_rows(const at::Tensor& x);
+// The rotated int4 keys of one block ([n_head_kv, n_tokens, head_dim / 2] codes, their float16
+// scales per channel or per row) read as float32 and rotated back: hadamard_rows(codes * scales).
+// On the CPU one pass over each head (the same floats), elsewhere those tensor ops.
+at::Tensor rotated_int4_keys_float(const at::Tensor& packed, const at::Tensor& scales);
 
 // Documents linked int8 as stored (Linker with keep_int8): keys and values [block][document], the
 // scales beside them (undefined for a document of another dtype; empty: none). Each int8 one is
 // read as float32 in place (q * scale), as DocumentKV::to does; packed int4 keys (uint8) are the
-// rotated ones of the int4 form and are rotated back.
+// rotated ones of the int4 form, read as int8_codes reads them (rotated back, coded again as int8).
 void dequantize_linked(std::vector<std::vector<at::Tensor>>& keys, std::vector<std::vector<at::Tensor>>& values,
                        const std::vector<std::vector<at::Tensor>>& key_scales,
                        const std::vector<std::vector<at::Tensor>>& value_scales);

@@ -28,7 +28,8 @@ struct StoreOptions {
   std::string disk_dir;                // the disk tier's directory; entries survive restarts
   // Storage dtype of K/V: float32, bfloat16, float16, int8 (kChar: float16 scales, keys per
   // channel or, on documents under head_dim / 2 tokens, per row; values per row), int8 keys with
-  // int4 values (kCacheInt8Int4) or int4 (kCacheInt4), scaled as int8 (DocumentKV); Undefined
+  // int4 values (kCacheInt8Int4) or int4 (kCacheInt4: keys coded rotated, scaled per channel;
+  // head_dim a power of two) (DocumentKV); Undefined
   // ("auto", the default): each entry in the dtype it is put in.
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   c10::Device device = c10::kCPU;      // the device tier's device

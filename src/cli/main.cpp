@@ -75,9 +75,9 @@ generate options:
                       K/V as computed, a plug-in's documents in the dtype it declares, int8 for the
                       shipped one), float32, bfloat16, float16, int8 (float16 scales: keys per
                       channel, per row on documents under head_dim/2 tokens; values per
-                      row), int8-int4 (int8 keys, int4 values), int4 (both, scaled as int8;
-                      codes in [-7, 7]; keys rotated by a Walsh-Hadamard matrix first, head_dim
-                      a power of two); also for qa, eval and serve
+                      row), int8-int4 (int8 keys, int4 values), int4 (both, codes in [-7, 7];
+                      keys rotated by a Walsh-Hadamard matrix first and scaled per channel,
+                      head_dim a power of two); also for qa, eval and serve
 
 plugin memory options:
   --plugin FILE       the plug-in to measure (default: the shipped one for the default model)

@@ -42,6 +42,12 @@ int cmd_plugin_memory(Args& args) {
   fmt::print("| cache dtype | decoder KV bytes/token | COMB bytes/token | vs decoder KV, same dtype | "
              "vs decoder KV, float32 |\n|---|---:|---:|---:|---:|\n");
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kChar, comb::kCacheInt8Int4, comb::kCacheInt4}) {
+    if (dtype == comb::kCacheInt4 && (c.head_dim & (c.head_dim - 1)) != 0) {  // rotated keys need 2^k
+      fmt::print("| int4 | - | - | - | - (keys rotated by a Walsh-Hadamard matrix: head_dim {} is not a power of "
+                 "two) |\n",
+                 c.head_dim);
+      continue;
+    }
     comb::DocumentKV stored = kv.to(c10::kCPU, dtype);
     double comb_bytes = double(stored.bytes()) / n_doc;
     double decoder_bytes =

@@ -118,8 +118,8 @@ cp "$root"/tests/data/truncated.jsonl.gz "$out/qa/"
 [ -f "$build/nq-mini.jsonl.gz" ] && cp "$build/nq-mini.jsonl.gz" "$out/qa/"
 
 # Cache store entries: the tiny Llama with its plug-in through --cache-dir, in every stored dtype
-# (float32; int8, int8-int4 and int4 with keys scaled per channel, and per row on the 3-token
-# document, shorter than head_dim / 2).
+# (float32; int8 and int8-int4 with keys scaled per channel, and per row on the 3-token document,
+# shorter than head_dim / 2; int4, whose rotated keys are scaled per channel on both).
 echo "Paris is the capital of France." > "$saved/doc.txt"
 echo "Paris." > "$saved/short.txt"
 for dtype in auto int8 int8-int4 int4; do

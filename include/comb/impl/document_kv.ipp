@@ -54,11 +54,12 @@ COMB_INLINE int64_t DocumentKV::storage_bytes(c10::ScalarType dtype, int64_t n_b
 
 namespace detail::document_kv {  // this file's own helpers
 // A scale from the largest magnitude it covers: amax / levels (127 for int8, 7 for int4; 1 where
-// all are 0), at least 2^-14 (the smallest normal float16), kept in float16; the codes are computed
-// with that float16 value.
+// all are 0), at least 2^-14 (the smallest normal float16) and at most 65504 (the largest: beyond
+// it the codes saturate instead of a scale turning infinite), kept in float16; the codes are
+// computed with that float16 value.
 COMB_INLINE at::Half int8_scale(float amax, float levels = 127.0f) {
   const float s = amax / levels;
-  return at::Half(s > 0 ? std::max(s, 6.103515625e-05f) : 1.0f);
+  return at::Half(s > 0 ? std::min(std::max(s, 6.103515625e-05f), 65504.0f) : 1.0f);
 }
 
 // NOTE: the tensor-op quantization below runs about ten ops per K and per V of every block; a cold
@@ -119,13 +120,13 @@ COMB_INLINE std::array<at::Tensor, 4> quantize_int8_cpu(const at::Tensor& k, con
   return {kq, ks, vq, vs};
 }
 
-// The tensor ops' form of the same (any device): float16 scales of amax / levels (at least 2^-14;
+// The tensor ops' form of the same (any device): float16 scales of amax / levels (2^-14 to 65504;
 // 1 for all zeros), codes by float32 division, round half to even and clamp. The divisor a tensor:
 // ATen divides a CUDA tensor by a scalar as a product with its reciprocal, which can differ in the
 // last place from the CPU's quotient.
 COMB_INLINE at::Tensor scales_of(const at::Tensor& amax, float levels) {
   at::Tensor s = amax / at::full({}, levels, amax.options());
-  return at::where(s > 0, s.clamp_min(6.103515625e-05), at::ones_like(s)).to(at::kHalf);
+  return at::where(s > 0, s.clamp(6.103515625e-05, 65504.0), at::ones_like(s)).to(at::kHalf);
 }
 COMB_INLINE at::Tensor codes_of(const at::Tensor& x, const at::Tensor& scales, float levels) {
   return (x / scales.to(at::kFloat)).round().clamp(-levels, levels).to(at::kChar).contiguous();
@@ -134,19 +135,6 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys(const at::Tensor& k,
   if (k.device().is_cpu()) return quantize_keys_cpu(k.contiguous(), levels, per_channel);
   at::Tensor ks = scales_of(k.abs().amax(per_channel ? 1 : 2, /*keepdim=*/true), levels).contiguous();
   return {codes_of(k, ks, levels), ks};
-}
-
-// In place: each row of `d` floats (a power of two) times the normalized Walsh-Hadamard matrix, in
-// the order of hadamard_rows' tensor ops (so the same floats).
-COMB_INLINE void hadamard_row_cpu(float* x, int64_t d, float norm) {
-  for (int64_t h = 1; h < d; h *= 2)
-    for (int64_t i = 0; i < d; i += 2 * h)
-      for (int64_t j = i; j < i + h; ++j) {
-        const float a = x[j], b = x[j + h];
-        x[j] = a + b;
-        x[j + h] = a - b;
-      }
-  for (int64_t j = 0; j < d; ++j) x[j] *= norm;
 }
 
 COMB_INLINE float hadamard_norm(int64_t d) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))); }
@@ -158,15 +146,18 @@ COMB_INLINE void check_hadamard_order(int64_t d) {
              d);
 }
 
-// Rotated int4 keys ([heads, n, d / 2] uint8 codes, float16 scales per channel or row) as int8 keys
-// of the rows rotated back, on the CPU in one pass: the codes times their scales, hadamard_row_cpu,
-// then quantize_keys_cpu as int8 keys are scaled. The same floats as unpack_int4, a float32 product,
-// hadamard_rows and the tensor ops' quantization.
-COMB_INLINE std::pair<at::Tensor, at::Tensor> rotated_int4_keys_cpu(const at::Tensor& packed, const at::Tensor& scales) {
+// Rotated int4 keys ([heads, n, d / 2] uint8 codes, float16 scales per channel or row) read as
+// float32 and rotated back, on the CPU: the same floats as unpack_int4, a float32 product with the
+// scales and hadamard_rows (each element's operations are theirs, in their order). One head at a
+// time, transposed (channel j's n values in a row), so that every butterfly is two rows of n
+// floats added and subtracted, which the compiler vectorizes.
+COMB_INLINE at::Tensor rotated_int4_keys_float_cpu(const at::Tensor& packed, const at::Tensor& scales) {
+  COMB_CHECK(packed.dim() == 3 && scales.dim() == 3,
+             "int4 keys: expected codes and scales of 3 dimensions, found {} and {}", packed.dim(), scales.dim());
   const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
   check_hadamard_order(d);
   const bool per_channel = scales.size(1) == 1 && scales.size(2) == d;
-  COMB_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == heads &&
+  COMB_CHECK(scales.scalar_type() == at::kHalf && scales.size(0) == heads &&
                  (per_channel || (scales.size(1) == n && scales.size(2) == 1)),
              "int4 keys [{}, {}, {}]: expected float16 scales [{}, 1, {}] or [{}, {}, 1], found {} [{}]", heads, n,
              d / 2, heads, d, heads, n, c10::toString(scales.scalar_type()), fmt::join(scales.sizes(), ", "));
@@ -176,20 +167,48 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> rotated_int4_keys_cpu(const at::Te
   const float* sp = sc.data_ptr<float>();
   float* xp = x.data_ptr<float>();
   const float norm = hadamard_norm(d);
-  for (int64_t h = 0; h < heads; ++h)
-    for (int64_t t = 0; t < n; ++t) {
+  std::vector<float> xt(static_cast<size_t>(d * n));
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < n; ++t) {  // codes times scales, transposed
       const uint8_t* row = pp + (h * n + t) * (d / 2);
-      float* out = xp + (h * n + t) * d;
-      const float* s = per_channel ? sp + h * d : sp + h * n + t;
       for (int64_t j = 0; j < d / 2; ++j) {
         const float lo = static_cast<float>(static_cast<int8_t>((row[j] & 15) - 8));
         const float hi = static_cast<float>(static_cast<int8_t>((row[j] >> 4) - 8));
-        out[2 * j] = lo * (per_channel ? s[2 * j] : s[0]);
-        out[2 * j + 1] = hi * (per_channel ? s[2 * j + 1] : s[0]);
+        xt[2 * j * n + t] = lo * (per_channel ? sp[h * d + 2 * j] : sp[h * n + t]);
+        xt[(2 * j + 1) * n + t] = hi * (per_channel ? sp[h * d + 2 * j + 1] : sp[h * n + t]);
       }
-      hadamard_row_cpu(out, d, norm);
     }
-  return quantize_keys_cpu(x, 127.0f, DocumentKV::keys_per_channel(n, d));
+    for (int64_t w = 1; w < d; w *= 2)  // butterflies over channel pairs (j, j + w), as hadamard_rows
+      for (int64_t i = 0; i < d; i += 2 * w)
+        for (int64_t j = i; j < i + w; ++j) {
+          float* a = xt.data() + j * n;
+          float* b = xt.data() + (j + w) * n;
+          for (int64_t t = 0; t < n; ++t) {
+            const float u = a[t], v = b[t];
+            a[t] = u + v;
+            b[t] = u - v;
+          }
+        }
+    for (int64_t t = 0; t < n; ++t)  // times 1 / sqrt(d), back to rows
+      for (int64_t j = 0; j < d; ++j) xp[(h * n + t) * d + j] = xt[j * n + t] * norm;
+  }
+  return x;
+}
+
+// The same read as int8 keys (int8's scales: per channel from head_dim / 2 tokens, else per row).
+COMB_INLINE std::pair<at::Tensor, at::Tensor> rotated_int4_keys_cpu(const at::Tensor& packed,
+                                                                    const at::Tensor& scales) {
+  at::Tensor x = rotated_int4_keys_float_cpu(packed, scales);
+  return quantize_keys_cpu(x, 127.0f, DocumentKV::keys_per_channel(x.size(1), x.size(2)));
+}
+
+// Rotated int4 keys (packed, with their float16 scales) as int8 keys of the rows rotated back, on
+// any device: the CPU's one pass, else tensor ops (the same numbers).
+COMB_INLINE std::pair<at::Tensor, at::Tensor> rotated_int4_keys_as_int8(const at::Tensor& packed,
+                                                                        const at::Tensor& scales) {
+  if (packed.device().is_cpu()) return rotated_int4_keys_cpu(packed, scales);
+  at::Tensor x = rotated_int4_keys_float(packed, scales);
+  return quantize_keys(x, 127.0f, DocumentKV::keys_per_channel(x.size(1), x.size(2)));
 }
 }  // namespace detail::document_kv
 
@@ -232,17 +251,18 @@ COMB_INLINE at::Tensor hadamard_rows(const at::Tensor& x) {
   return (y * at::full({}, detail::document_kv::hadamard_norm(d), y.options())).view(x.sizes());
 }
 
+COMB_INLINE at::Tensor rotated_int4_keys_float(const at::Tensor& packed, const at::Tensor& scales) {
+  if (packed.device().is_cpu()) return detail::document_kv::rotated_int4_keys_float_cpu(packed, scales);
+  return hadamard_rows(unpack_int4(packed).to(at::kFloat) * scales.to(at::kFloat));
+}
+
 COMB_INLINE std::array<at::Tensor, 4> DocumentKV::int8_block(size_t block) const {
   COMB_CHECK(block < keys.size() && block < values.size(), "int8_block: block {} of a cache of {}", block, keys.size());
   const at::Tensor& k = keys[block];
   at::Tensor kc, ks = quantized() ? key_scales.at(block) : at::Tensor();
   if (k.scalar_type() == at::kByte) {  // int4 keys, rotated: back, then int8
     COMB_CHECK(quantized(), "int4 keys without scales");
-    std::tie(kc, ks) = k.device().is_cpu()
-                           ? detail::document_kv::rotated_int4_keys_cpu(k, ks)
-                           : detail::document_kv::quantize_keys(
-                                 hadamard_rows(unpack_int4(k).to(at::kFloat) * ks.to(at::kFloat)), 127.0f,
-                                 keys_per_channel(k.size(1), k.size(2) * 2));
+    std::tie(kc, ks) = detail::document_kv::rotated_int4_keys_as_int8(k, ks);
   } else {
     kc = k;
   }
@@ -276,9 +296,12 @@ COMB_INLINE void dequantize_linked(std::vector<std::vector<at::Tensor>>& keys,
                key_scales[b].size(), value_scales[b].size());
     for (size_t d = 0; d < keys[b].size(); ++d)
       if (key_scales[b][d].defined()) {
-        const bool rotated = keys[b][d].scalar_type() == at::kByte;  // int4 keys (DocumentKV)
-        keys[b][d] = as_int8_codes(keys[b][d]).to(at::kFloat) * key_scales[b][d];
-        if (rotated) keys[b][d] = hadamard_rows(keys[b][d]);
+        if (keys[b][d].scalar_type() == at::kByte) {  // rotated int4 keys: as int8_codes reads them
+          auto [kc, ks] = detail::document_kv::rotated_int4_keys_as_int8(keys[b][d], key_scales[b][d]);
+          keys[b][d] = kc.to(at::kFloat) * ks;
+        } else {
+          keys[b][d] = keys[b][d].to(at::kFloat) * key_scales[b][d];
+        }
         values[b][d] = as_int8_codes(values[b][d]).to(at::kFloat) * value_scales[b][d];
       }
   }

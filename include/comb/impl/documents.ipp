@@ -87,10 +87,18 @@ COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Documents::get(
 }
 
 COMB_INLINE c10::ScalarType Documents::kept_dtype() const {
-  if (store_ && store_->options().dtype != c10::ScalarType::Undefined) return store_->options().dtype;
+  c10::ScalarType t = c10::ScalarType::Undefined;
   const Plugin* p = model_.plugin();
-  if (!p || p->config().cache_dtype.empty()) return c10::ScalarType::Undefined;
-  return parse_cache_dtype(p->config().cache_dtype);  // checked when it loaded
+  if (store_ && store_->options().dtype != c10::ScalarType::Undefined)
+    t = store_->options().dtype;
+  else if (p && !p->config().cache_dtype.empty())
+    t = parse_cache_dtype(p->config().cache_dtype);  // checked when it loaded
+  const int64_t hd = model_.config().head_dim;
+  COMB_CHECK(t != kCacheInt4 || (hd >= 2 && (hd & (hd - 1)) == 0),
+             "int4 document caches code keys rotated by a Walsh-Hadamard matrix of order head_dim, which must be a "
+             "power of two; this model's head_dim is {} (int8-int4 keeps int8 keys at any even head_dim)",
+             hd);
+  return t;
 }
 
 COMB_INLINE void Documents::quantize_on_device(std::vector<DocumentKV>& kvs) const {
