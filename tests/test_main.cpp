@@ -4,19 +4,46 @@
 #include <ftw.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <mutex>
 #include <random>
+#include <string>
+#include <vector>
 #include <unistd.h>
 
 #include "helpers.hpp"
 
 namespace comb::test {
 
+void remove_dir(const std::string& dir);
+
+namespace {
+// The directories temp_dir made, removed when the test process exits (kept when
+// COMB_KEEP_TEST_DIRS is set, to look into after a failure).
+struct TempDirs {
+  std::mutex mutex;
+  std::vector<std::string> dirs;
+  const pid_t owner = ::getpid();  // a forked child that exits leaves them to its parent
+  ~TempDirs() {
+    if (std::getenv("COMB_KEEP_TEST_DIRS") || ::getpid() != owner) return;
+    for (const auto& d : dirs) remove_dir(d);
+  }
+};
+TempDirs& temp_dirs() {
+  static TempDirs dirs;
+  return dirs;
+}
+}  // namespace
+
 std::string temp_dir(const std::string& name) {
   auto dir = std::filesystem::temp_directory_path() /
              ("comb-test-" + name + "-" + std::to_string(::getpid()) + "-" + std::to_string(std::random_device{}()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
+  TempDirs& all = temp_dirs();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  all.dirs.push_back(dir.string());
   return dir.string();
 }
 

@@ -4,9 +4,12 @@
 #include "helpers.hpp"
 
 #include "comb/detail/decode_step.hpp"
+#include <ATen/Parallel.h>
 
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -699,6 +702,84 @@ TEST_CASE("hadamard_rows: the normalized Walsh-Hadamard matrix, row by row, its 
     }
   CHECK_THROWS_WITH(hadamard_rows(at::ones({2, 12})), Catch::Contains("power of two"));
   CHECK_THROWS_WITH(hadamard_rows(at::ones({2, 8}, at::kDouble)), Catch::Contains("float32"));
+}
+
+TEST_CASE("int8 codes round half to even as std::nearbyint does, ties and saturation included", "[store]") {
+  // One head of 4 channels and 16 tokens (per channel: 2 * 16 >= 4). Channel 0 has 127 as its
+  // largest magnitude (scale 1 exactly), so its codes are the values rounded: ties both ways.
+  // Channel 1 reaches 1e30 (scale capped at 65504: quotients far beyond 2^22, saturated), channel 2
+  // an infinity, channel 3 random values. Values are scaled per row: the same rule.
+  const std::vector<float> ties = {127.f, 0.5f, 1.5f, 2.5f, 3.5f, -0.5f, -1.5f, -2.5f,
+                                   -3.5f, 125.5f, -125.5f, 126.5f, -126.5f, 0.49999997f, 4194304.5f / 65536, -0.f};
+  at::manual_seed(17);
+  at::Tensor k = at::randn({1, 16, 4}) * 40;
+  for (int64_t t = 0; t < 16; ++t) k[0][t][0] = ties[t];
+  k[0][0][1] = 1e30f, k[0][1][1] = -3e29f, k[0][2][1] = 7e25f;
+  k[0][0][2] = std::numeric_limits<float>::infinity(), k[0][3][2] = -1e38f;
+  DocumentKV f;
+  f.n_tokens = 16;
+  f.keys = {k};
+  f.values = {k.clone()};
+  const DocumentKV q = f.to(at::kCPU, at::kChar);
+  auto want = [](float x, float scale) {
+    return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x / scale))));
+  };
+  const at::Tensor kc = q.keys[0], ks = q.key_scales[0].to(at::kFloat), vc = q.values[0], vs = q.value_scales[0].to(at::kFloat);
+  REQUIRE(ks.sizes() == at::IntArrayRef({1, 1, 4}));
+  CHECK(ks[0][0][0].item<float>() == 1.0f);
+  CHECK(ks[0][0][1].item<float>() == 65504.0f);
+  int64_t mismatches = 0;
+  for (int64_t t = 0; t < 16; ++t)
+    for (int64_t j = 0; j < 4; ++j) {
+      const float x = k[0][t][j].item<float>();
+      mismatches += kc[0][t][j].item<int8_t>() != want(x, ks[0][0][j].item<float>());
+      mismatches += vc[0][t][j].item<int8_t>() != want(x, vs[0][t][0].item<float>());
+    }
+  CHECK(mismatches == 0);
+  const std::vector<int> rounded = {127, 0, 2, 2, 4, 0, -2, -2, -4, 126, -126, 126, -126, 0, 64, 0};
+  for (int64_t t = 0; t < 16; ++t) CHECK(kc[0][t][0].item<int8_t>() == rounded[t]);
+}
+
+TEST_CASE("int4 entries read as int8: one pass gives the numbers of the floats coded again, on any thread count",
+          "[store]") {
+  // DocumentKV::int8_codes reads rotated int4 keys straight to int8 codes on the CPU; they must be
+  // those of rotated_int4_keys_float's floats coded as int8 (DocumentKV::to), and the values those
+  // of the tensor ops' unpacking, at lengths scaled per channel (2n >= head_dim) and per row.
+  at::manual_seed(23);
+  const int threads = at::get_num_threads();
+  for (int64_t d : {2, 16, 64, 128})
+    for (int64_t n : {1, 7, 40, 130}) {
+      INFO("head_dim " << d << ", " << n << " tokens");
+      DocumentKV f;
+      f.n_tokens = n;
+      for (int b = 0; b < 3; ++b) {
+        f.keys.push_back(at::randn({3, n, d}) * (b + 1));
+        f.values.push_back(at::randn({3, n, d}));
+      }
+      f.keys[1][0][0][0] = 30.0f;  // an outlier
+      const DocumentKV q = f.to(at::kCPU, kCacheInt4);
+      for (int t : {1, 2}) {
+        at::set_num_threads(t);
+        const DocumentKV r = q.int8_codes();
+        REQUIRE(r.keys.size() == 3);
+        for (size_t b = 0; b < 3; ++b) {
+          DocumentKV fl;
+          fl.n_tokens = n;
+          fl.keys = {rotated_int4_keys_float(q.keys[b], q.key_scales[b])};
+          fl.values = {at::zeros({3, n, d})};
+          const DocumentKV want = fl.to(at::kCPU, at::kChar);
+          CHECK(r.keys[b].equal(want.keys[0]));
+          CHECK(r.key_scales[b].equal(want.key_scales[0]));
+          const at::Tensor lo = at::bitwise_and(q.values[b], 15).to(at::kChar) - 8;
+          const at::Tensor hi = at::bitwise_right_shift(q.values[b], 4).to(at::kChar) - 8;
+          CHECK(r.values[b].equal(at::stack({lo, hi}, -1).reshape({3, n, d})));
+          CHECK(r.value_scales[b].equal(q.value_scales[b]));
+          const auto one = q.int8_block(b);
+          CHECK(one[0].equal(r.keys[b]));
+        }
+      }
+    }
+  at::set_num_threads(threads);
 }
 
 TEST_CASE("a cache directory that cannot be written is a clear error; the store stays usable", "[store][errors]") {

@@ -56,6 +56,9 @@ struct DocumentKV {
   // Whether a stored dtype or form keeps int4 codes (kCacheInt4, kCacheInt8Int4), or codes at all.
   static bool packs_int4(c10::ScalarType form) { return form == kCacheInt4 || form == kCacheInt8Int4; }
   static bool is_quantized_form(c10::ScalarType form) { return form == at::kChar || packs_int4(form); }
+  // Whether keys of this head_dim have the int4 form: rotated by a Walsh-Hadamard matrix of order
+  // head_dim, which exists for powers of two (2 and up).
+  static bool rotates_int4_keys(int64_t head_dim) { return head_dim >= 2 && (head_dim & (head_dim - 1)) == 0; }
   // Whether the keys of a document of `n_tokens` in `form` are scaled per channel (else per row):
   // int8 and int8-int4 keys from head_dim / 2 tokens on, rotated int4 keys always (per row they
   // lose more than the scales' bytes save).

@@ -42,7 +42,7 @@ int cmd_plugin_memory(Args& args) {
   fmt::print("| cache dtype | decoder KV bytes/token | COMB bytes/token | vs decoder KV, same dtype | "
              "vs decoder KV, float32 |\n|---|---:|---:|---:|---:|\n");
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kChar, comb::kCacheInt8Int4, comb::kCacheInt4}) {
-    if (dtype == comb::kCacheInt4 && (c.head_dim & (c.head_dim - 1)) != 0) {  // rotated keys need 2^k
+    if (dtype == comb::kCacheInt4 && !comb::DocumentKV::rotates_int4_keys(c.head_dim)) {  // rotated keys need 2^k
       fmt::print("| int4 | - | - | - | - (keys rotated by a Walsh-Hadamard matrix: head_dim {} is not a power of "
                  "two) |\n",
                  c.head_dim);

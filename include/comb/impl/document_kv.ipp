@@ -67,8 +67,20 @@ COMB_INLINE at::Half int8_scale(float amax, float levels = 127.0f) {
 // overhead outweighs the work. One pass each here, with the same arithmetic (the float16 scale,
 // float32 division by it, round half to even, clamp), so the codes and scales are those of the
 // tensor ops. Codes in [-levels, levels] (127: int8; 7: the codes of int4, packed after).
+//
+// Rounding half to even by adding and subtracting 1.5 * 2^23: for |v| <= 2^22 the sum lies in [2^23,
+// 2^24], where floats are the integers, so the addition rounds v to an integer half to even (1.5 *
+// 2^23 is even) and the subtraction is exact: std::nearbyint's result in the default rounding mode,
+// without its call, so that the loops over codes vectorize. Beyond 2^22 the result keeps v's sign
+// and a magnitude above 2^21, which the clamp to [-levels, levels] (levels <= 127) takes to the same
+// code as nearbyint's; infinities and NaN pass through as they do there. The build never enables
+// reassociation of floats (no -ffast-math), which would fold the two operations away.
+COMB_INLINE float round_half_even(float v) {
+  constexpr float shift = 12582912.0f;  // 1.5 * 2^23
+  return (v + shift) - shift;
+}
 COMB_INLINE int8_t code(float x, float scale, float levels) {
-  const float q = std::nearbyint(x / scale);
+  const float q = round_half_even(x / scale);
   return static_cast<int8_t>(std::min(levels, std::max(-levels, q)));
 }
 
@@ -140,20 +152,18 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys(const at::Tensor& k,
 COMB_INLINE float hadamard_norm(int64_t d) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))); }
 
 COMB_INLINE void check_hadamard_order(int64_t d) {
-  COMB_CHECK(d >= 2 && (d & (d - 1)) == 0,
+  COMB_CHECK(DocumentKV::rotates_int4_keys(d),
              "int4 keys are rotated by a Walsh-Hadamard matrix of order head_dim, which must be a power of two; "
              "found head_dim {}",
              d);
 }
 
-// Rotated int4 keys ([heads, n, d / 2] uint8 codes, float16 scales per channel or row) read as
-// float32 and rotated back, on the CPU: the same floats as unpack_int4, a float32 product with the
-// scales and hadamard_rows (each element's operations are theirs, in their order). One head at a
-// time, transposed (channel j's n values in a row), so that every butterfly is two rows of n
-// floats added and subtracted, which the compiler vectorizes.
-COMB_INLINE at::Tensor rotated_int4_keys_float_cpu(const at::Tensor& packed, const at::Tensor& scales) {
-  COMB_CHECK(packed.dim() == 3 && scales.dim() == 3,
-             "int4 keys: expected codes and scales of 3 dimensions, found {} and {}", packed.dim(), scales.dim());
+// Rotated int4 keys ([heads, n, d / 2] uint8 codes, float16 scales per channel or row): checked,
+// and whether the scales are per channel.
+COMB_INLINE bool int4_keys_per_channel(const at::Tensor& packed, const at::Tensor& scales) {
+  COMB_CHECK(packed.dim() == 3 && scales.dim() == 3 && packed.scalar_type() == at::kByte,
+             "int4 keys: expected uint8 codes and scales of 3 dimensions, found {} codes of {} and scales of {}",
+             c10::toString(packed.scalar_type()), packed.dim(), scales.dim());
   const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
   check_hadamard_order(d);
   const bool per_channel = scales.size(1) == 1 && scales.size(2) == d;
@@ -161,45 +171,133 @@ COMB_INLINE at::Tensor rotated_int4_keys_float_cpu(const at::Tensor& packed, con
                  (per_channel || (scales.size(1) == n && scales.size(2) == 1)),
              "int4 keys [{}, {}, {}]: expected float16 scales [{}, 1, {}] or [{}, {}, 1], found {} [{}]", heads, n,
              d / 2, heads, d, heads, n, c10::toString(scales.scalar_type()), fmt::join(scales.sizes(), ", "));
+  return per_channel;
+}
+
+// One head of rotated int4 keys read as float32 and rotated back, on the CPU, transposed: xt[j * n
+// + t] is channel j of token t (bt: room for the head's n * d / 2 bytes). The same floats as unpack_int4, a float32 product with the scales
+// and hadamard_rows (each element's operations are theirs, in their order). Transposed, every
+// butterfly is two rows of n floats added and subtracted, which the compiler vectorizes.
+COMB_INLINE void rotated_int4_head_cpu(const uint8_t* codes, const float* scales, bool per_channel, int64_t n,
+                                       int64_t d, float* xt, uint8_t* bt) {
+  for (int64_t t = 0; t < n; ++t)  // the bytes transposed
+    for (int64_t j = 0; j < d / 2; ++j) bt[j * n + t] = codes[t * (d / 2) + j];
+  for (int64_t j = 0; j < d / 2; ++j) {  // codes times scales, transposed: channels 2j and 2j + 1
+    float* lo = xt + 2 * j * n;
+    float* hi = lo + n;
+    const uint8_t* b = bt + j * n;
+    for (int64_t t = 0; t < n; ++t) {
+      lo[t] = static_cast<float>(static_cast<int8_t>((b[t] & 15) - 8));
+      hi[t] = static_cast<float>(static_cast<int8_t>((b[t] >> 4) - 8));
+    }
+    if (per_channel) {
+      const float s_lo = scales[2 * j], s_hi = scales[2 * j + 1];
+      for (int64_t t = 0; t < n; ++t) lo[t] *= s_lo, hi[t] *= s_hi;
+    } else {
+      for (int64_t t = 0; t < n; ++t) lo[t] *= scales[t], hi[t] *= scales[t];
+    }
+  }
+  for (int64_t w = 1; w < d; w *= 2)  // butterflies over channel pairs (j, j + w), as hadamard_rows
+    for (int64_t i = 0; i < d; i += 2 * w)
+      for (int64_t j = i; j < i + w; ++j) {
+        float* a = xt + j * n;
+        float* b = xt + (j + w) * n;
+        for (int64_t t = 0; t < n; ++t) {
+          const float u = a[t], v = b[t];
+          a[t] = u + v;
+          b[t] = u - v;
+        }
+      }
+  const float norm = hadamard_norm(d);  // times 1 / sqrt(d)
+  for (int64_t i = 0; i < d * n; ++i) xt[i] *= norm;
+}
+
+// Rotated int4 keys read as float32 and rotated back on the CPU, one head at a time.
+COMB_INLINE at::Tensor rotated_int4_keys_float_cpu(const at::Tensor& packed, const at::Tensor& scales) {
+  const bool per_channel = int4_keys_per_channel(packed, scales);
+  const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
   at::Tensor p = packed.contiguous(), sc = scales.to(at::kFloat).contiguous();
   at::Tensor x = at::empty({heads, n, d}, at::kFloat);
-  const uint8_t* pp = p.data_ptr<uint8_t>();
-  const float* sp = sc.data_ptr<float>();
   float* xp = x.data_ptr<float>();
-  const float norm = hadamard_norm(d);
   std::vector<float> xt(static_cast<size_t>(d * n));
+  std::vector<uint8_t> bt(static_cast<size_t>(d / 2 * n));
   for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t t = 0; t < n; ++t) {  // codes times scales, transposed
-      const uint8_t* row = pp + (h * n + t) * (d / 2);
-      for (int64_t j = 0; j < d / 2; ++j) {
-        const float lo = static_cast<float>(static_cast<int8_t>((row[j] & 15) - 8));
-        const float hi = static_cast<float>(static_cast<int8_t>((row[j] >> 4) - 8));
-        xt[2 * j * n + t] = lo * (per_channel ? sp[h * d + 2 * j] : sp[h * n + t]);
-        xt[(2 * j + 1) * n + t] = hi * (per_channel ? sp[h * d + 2 * j + 1] : sp[h * n + t]);
-      }
-    }
-    for (int64_t w = 1; w < d; w *= 2)  // butterflies over channel pairs (j, j + w), as hadamard_rows
-      for (int64_t i = 0; i < d; i += 2 * w)
-        for (int64_t j = i; j < i + w; ++j) {
-          float* a = xt.data() + j * n;
-          float* b = xt.data() + (j + w) * n;
-          for (int64_t t = 0; t < n; ++t) {
-            const float u = a[t], v = b[t];
-            a[t] = u + v;
-            b[t] = u - v;
-          }
-        }
-    for (int64_t t = 0; t < n; ++t)  // times 1 / sqrt(d), back to rows
-      for (int64_t j = 0; j < d; ++j) xp[(h * n + t) * d + j] = xt[j * n + t] * norm;
+    rotated_int4_head_cpu(p.data_ptr<uint8_t>() + h * n * (d / 2), sc.data_ptr<float>() + h * (per_channel ? d : n),
+                          per_channel, n, d, xt.data(), bt.data());
+    for (int64_t t = 0; t < n; ++t)  // back to rows
+      for (int64_t j = 0; j < d; ++j) xp[(h * n + t) * d + j] = xt[j * n + t];
   }
   return x;
 }
 
-// The same read as int8 keys (int8's scales: per channel from head_dim / 2 tokens, else per row).
+// The same read as int8 keys (int8's scales: per channel from head_dim / 2 tokens, else per row):
+// the codes and scales quantize_keys_cpu gives those floats (the same largest magnitudes, scales and
+// codes), computed on the transposed head without writing the floats out.
 COMB_INLINE std::pair<at::Tensor, at::Tensor> rotated_int4_keys_cpu(const at::Tensor& packed,
                                                                     const at::Tensor& scales) {
-  at::Tensor x = rotated_int4_keys_float_cpu(packed, scales);
-  return quantize_keys_cpu(x, 127.0f, DocumentKV::keys_per_channel(x.size(1), x.size(2)));
+  const bool per_channel_in = int4_keys_per_channel(packed, scales);
+  const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
+  const bool per_channel = DocumentKV::keys_per_channel(n, d);
+  at::Tensor p = packed.contiguous(), sc = scales.to(at::kFloat).contiguous();
+  at::Tensor kq = at::empty({heads, n, d}, at::kChar);
+  at::Tensor ks = per_channel ? at::empty({heads, 1, d}, at::kHalf) : at::empty({heads, n, 1}, at::kHalf);
+  int8_t* kqp = kq.data_ptr<int8_t>();
+  at::Half* ksp = ks.data_ptr<at::Half>();
+  std::vector<float> xt(static_cast<size_t>(d * n)), m(static_cast<size_t>(n)), s(static_cast<size_t>(n));
+  std::vector<int8_t> ct(static_cast<size_t>(d * n));
+  std::vector<uint8_t> bt(static_cast<size_t>(d / 2 * n));
+  for (int64_t h = 0; h < heads; ++h) {
+    rotated_int4_head_cpu(p.data_ptr<uint8_t>() + h * n * (d / 2),
+                          sc.data_ptr<float>() + h * (per_channel_in ? d : n), per_channel_in, n, d, xt.data(),
+                          bt.data());
+    if (per_channel) {  // a scale per channel: a row of xt each
+      for (int64_t j = 0; j < d; ++j) {
+        const float* x = xt.data() + j * n;
+        // The largest magnitude over eight running maxima (no chain of one per element); max is
+        // exact and NaN never enters (std::max keeps its first argument then), so any order
+        // gives quantize_keys_cpu's value.
+        float part[8] = {};
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8)
+          for (int64_t i = 0; i < 8; ++i) part[i] = std::max(part[i], std::fabs(x[t + i]));
+        for (; t < n; ++t) part[0] = std::max(part[0], std::fabs(x[t]));
+        float amax = 0.0f;
+        for (float p : part) amax = std::max(amax, p);
+        ksp[h * d + j] = int8_scale(amax, 127.0f);
+        const float scale = static_cast<float>(ksp[h * d + j]);
+        int8_t* c = ct.data() + j * n;
+        for (int64_t t = 0; t < n; ++t) c[t] = code(x[t], scale, 127.0f);
+      }
+    } else {  // a scale per token: a column of xt each
+      std::fill(m.begin(), m.end(), 0.0f);
+      for (int64_t j = 0; j < d; ++j)
+        for (int64_t t = 0; t < n; ++t) m[t] = std::max(m[t], std::fabs(xt[j * n + t]));
+      for (int64_t t = 0; t < n; ++t) {
+        ksp[h * n + t] = int8_scale(m[t], 127.0f);
+        s[t] = static_cast<float>(ksp[h * n + t]);
+      }
+      for (int64_t j = 0; j < d; ++j)
+        for (int64_t t = 0; t < n; ++t) ct[j * n + t] = code(xt[j * n + t], s[t], 127.0f);
+    }
+    for (int64_t t = 0; t < n; ++t)  // codes back to rows
+      for (int64_t j = 0; j < d; ++j) kqp[(h * n + t) * d + j] = ct[j * n + t];
+  }
+  return {kq, ks};
+}
+
+// int4 codes unpacked on the CPU: the bytes of unpack_int4's tensor ops, in one loop.
+COMB_INLINE at::Tensor unpack_int4_cpu(const at::Tensor& packed) {
+  at::Tensor p = packed.contiguous();
+  std::vector<int64_t> shape(p.sizes().begin(), p.sizes().end());
+  shape.back() *= 2;
+  at::Tensor out = at::empty(shape, at::kChar);
+  const uint8_t* src = p.data_ptr<uint8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  for (int64_t i = 0, n = p.numel(); i < n; ++i) {
+    dst[2 * i] = static_cast<int8_t>((src[i] & 15) - 8);
+    dst[2 * i + 1] = static_cast<int8_t>((src[i] >> 4) - 8);
+  }
+  return out;
 }
 
 // Rotated int4 keys (packed, with their float16 scales) as int8 keys of the rows rotated back, on
@@ -216,6 +314,7 @@ COMB_INLINE at::Tensor unpack_int4(const at::Tensor& packed) {
   COMB_CHECK(packed.scalar_type() == at::kByte && packed.dim() >= 1,
              "int4 codes: expected uint8 bytes holding two codes each, found {} of {} dimensions",
              c10::toString(packed.scalar_type()), packed.dim());
+  if (packed.device().is_cpu()) return detail::document_kv::unpack_int4_cpu(packed);
   std::vector<int64_t> shape(packed.sizes().begin(), packed.sizes().end());
   shape.back() *= 2;
   at::Tensor lo = at::bitwise_and(packed, 15).to(at::kChar) - 8;
@@ -253,6 +352,7 @@ COMB_INLINE at::Tensor hadamard_rows(const at::Tensor& x) {
 
 COMB_INLINE at::Tensor rotated_int4_keys_float(const at::Tensor& packed, const at::Tensor& scales) {
   if (packed.device().is_cpu()) return detail::document_kv::rotated_int4_keys_float_cpu(packed, scales);
+  detail::document_kv::int4_keys_per_channel(packed, scales);  // the same checks (sizes only)
   return hadamard_rows(unpack_int4(packed).to(at::kFloat) * scales.to(at::kFloat));
 }
 
@@ -273,11 +373,20 @@ COMB_INLINE DocumentKV DocumentKV::int8_codes() const {
   if (keys.empty() || values.empty() || !packs_int4(dtype())) return *this;
   DocumentKV out;
   out.n_tokens = n_tokens;
-  for (size_t b = 0; b < keys.size(); ++b) {
-    auto [kc, ks, vc, vs] = int8_block(b);
-    out.keys.push_back(kc), out.key_scales.push_back(ks);
-    out.values.push_back(vc), out.value_scales.push_back(vs);
-  }
+  const size_t n = keys.size();
+  out.keys.resize(n), out.key_scales.resize(n), out.values.resize(n), out.value_scales.resize(n);
+  auto read = [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      auto [kc, ks, vc, vs] = int8_block(static_cast<size_t>(b));
+      out.keys[b] = kc, out.key_scales[b] = ks, out.values[b] = vc, out.value_scales[b] = vs;
+    }
+  };
+  // On the CPU the blocks in parallel (each its own tensors); elsewhere in order, on the caller's
+  // stream.
+  if (keys[0].device().is_cpu())
+    at::parallel_for(0, static_cast<int64_t>(n), 1, read);
+  else
+    read(0, static_cast<int64_t>(n));
   return out;
 }
 

@@ -94,7 +94,7 @@ COMB_INLINE c10::ScalarType Documents::kept_dtype() const {
   else if (p && !p->config().cache_dtype.empty())
     t = parse_cache_dtype(p->config().cache_dtype);  // checked when it loaded
   const int64_t hd = model_.config().head_dim;
-  COMB_CHECK(t != kCacheInt4 || (hd >= 2 && (hd & (hd - 1)) == 0),
+  COMB_CHECK(t != kCacheInt4 || DocumentKV::rotates_int4_keys(hd),
              "int4 document caches code keys rotated by a Walsh-Hadamard matrix of order head_dim, which must be a "
              "power of two; this model's head_dim is {} (int8-int4 keeps int8 keys at any even head_dim)",
              hd);

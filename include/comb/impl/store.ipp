@@ -156,7 +156,7 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
   const bool int8 = h.dtype >= 3, key_rows = code_key_rows(h.dtype);
   if ((key_type == at::kByte || value_type == at::kByte) && h.head_dim % 2 != 0)
     return why = "int4 codes with an odd head_dim", std::nullopt;
-  if (key_type == at::kByte && (h.head_dim & (h.head_dim - 1)) != 0)
+  if (key_type == at::kByte && !DocumentKV::rotates_int4_keys(static_cast<int64_t>(h.head_dim)))
     return why = "rotated int4 keys with a head_dim that is not a power of two", std::nullopt;
   auto row_bytes = [&](c10::ScalarType t) {
     return t == at::kByte ? uint64_t(h.head_dim) / 2 : uint64_t(h.head_dim) * c10::elementSize(t);
