@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <vector>
 #include <cmath>
 
 #include "comb/document_kv.hpp"
@@ -75,8 +76,12 @@ COMB_INLINE at::Half int8_scale(float amax, float levels = 127.0f) {
 // and a magnitude above 2^21, which the clamp to [-levels, levels] (levels <= 127) takes to the same
 // code as nearbyint's; infinities and NaN pass through as they do there. The build never enables
 // reassociation of floats (no -ffast-math), which would fold the two operations away.
+// Where a translation unit is compiled with reassociation allowed (-ffast-math, -Ofast,
+// -fassociative-math: a project using comb header-only may), the compiler folds the constant test
+// below as it would fold the rounding, and std::nearbyint is used instead.
 COMB_INLINE float round_half_even(float v) {
   constexpr float shift = 12582912.0f;  // 1.5 * 2^23
+  if ((0.75f + shift) - shift != 1.0f) return std::nearbyint(v);
   return (v + shift) - shift;
 }
 COMB_INLINE int8_t code(float x, float scale, float levels) {
@@ -162,7 +167,7 @@ COMB_INLINE void check_hadamard_order(int64_t d) {
 // and whether the scales are per channel.
 COMB_INLINE bool int4_keys_per_channel(const at::Tensor& packed, const at::Tensor& scales) {
   COMB_CHECK(packed.dim() == 3 && scales.dim() == 3 && packed.scalar_type() == at::kByte,
-             "int4 keys: expected uint8 codes and scales of 3 dimensions, found {} codes of {} and scales of {}",
+             "int4 keys: expected uint8 codes and scales of 3 dimensions, found {} codes of {} dimensions and scales of {}",
              c10::toString(packed.scalar_type()), packed.dim(), scales.dim());
   const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
   check_hadamard_order(d);
@@ -233,23 +238,18 @@ COMB_INLINE at::Tensor rotated_int4_keys_float_cpu(const at::Tensor& packed, con
 // The same read as int8 keys (int8's scales: per channel from head_dim / 2 tokens, else per row):
 // the codes and scales quantize_keys_cpu gives those floats (the same largest magnitudes, scales and
 // codes), computed on the transposed head without writing the floats out.
-COMB_INLINE std::pair<at::Tensor, at::Tensor> rotated_int4_keys_cpu(const at::Tensor& packed,
-                                                                    const at::Tensor& scales) {
-  const bool per_channel_in = int4_keys_per_channel(packed, scales);
-  const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
+// One block's rotated int4 keys ([heads, n, d / 2] bytes, float32 scales per channel or row) to
+// int8 codes [heads, n, d] and float16 scales ([heads, 1, d] where keys_per_channel(n, d), else
+// [heads, n, 1]): loops over memory only, so that blocks can run in parallel.
+COMB_INLINE void rotated_int4_keys_to_int8(const uint8_t* packed, const float* scales, bool per_channel_in,
+                                           int64_t heads, int64_t n, int64_t d, int8_t* kqp, at::Half* ksp) {
   const bool per_channel = DocumentKV::keys_per_channel(n, d);
-  at::Tensor p = packed.contiguous(), sc = scales.to(at::kFloat).contiguous();
-  at::Tensor kq = at::empty({heads, n, d}, at::kChar);
-  at::Tensor ks = per_channel ? at::empty({heads, 1, d}, at::kHalf) : at::empty({heads, n, 1}, at::kHalf);
-  int8_t* kqp = kq.data_ptr<int8_t>();
-  at::Half* ksp = ks.data_ptr<at::Half>();
   std::vector<float> xt(static_cast<size_t>(d * n)), m(static_cast<size_t>(n)), s(static_cast<size_t>(n));
   std::vector<int8_t> ct(static_cast<size_t>(d * n));
   std::vector<uint8_t> bt(static_cast<size_t>(d / 2 * n));
   for (int64_t h = 0; h < heads; ++h) {
-    rotated_int4_head_cpu(p.data_ptr<uint8_t>() + h * n * (d / 2),
-                          sc.data_ptr<float>() + h * (per_channel_in ? d : n), per_channel_in, n, d, xt.data(),
-                          bt.data());
+    rotated_int4_head_cpu(packed + h * n * (d / 2), scales + h * (per_channel_in ? d : n), per_channel_in, n, d,
+                          xt.data(), bt.data());
     if (per_channel) {  // a scale per channel: a row of xt each
       for (int64_t j = 0; j < d; ++j) {
         const float* x = xt.data() + j * n;
@@ -262,11 +262,11 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> rotated_int4_keys_cpu(const at::Te
           for (int64_t i = 0; i < 8; ++i) part[i] = std::max(part[i], std::fabs(x[t + i]));
         for (; t < n; ++t) part[0] = std::max(part[0], std::fabs(x[t]));
         float amax = 0.0f;
-        for (float p : part) amax = std::max(amax, p);
+        for (float partial : part) amax = std::max(amax, partial);
         ksp[h * d + j] = int8_scale(amax, 127.0f);
         const float scale = static_cast<float>(ksp[h * d + j]);
         int8_t* c = ct.data() + j * n;
-        for (int64_t t = 0; t < n; ++t) c[t] = code(x[t], scale, 127.0f);
+        for (int64_t u = 0; u < n; ++u) c[u] = code(x[u], scale, 127.0f);
       }
     } else {  // a scale per token: a column of xt each
       std::fill(m.begin(), m.end(), 0.0f);
@@ -282,22 +282,55 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> rotated_int4_keys_cpu(const at::Te
     for (int64_t t = 0; t < n; ++t)  // codes back to rows
       for (int64_t j = 0; j < d; ++j) kqp[(h * n + t) * d + j] = ct[j * n + t];
   }
+}
+
+// One block's part of DocumentKV::int8_codes on the CPU, split in two: prepare (tensor ops: checks,
+// contiguous inputs, the outputs allocated), then run (loops over memory only, safe inside
+// at::parallel_for, whose threads do not carry ATen's thread-local state).
+struct Int8BlockRead {
+  std::array<at::Tensor, 4> out;  // key codes, key scales, value codes, value scales
+  at::Tensor keys, key_scales, values;  // the inputs read by run (contiguous), where converted
+  bool per_channel_in = false;
+  void run() const;
+};
+
+// The codes of an int4 key block as int8: rotated back, coded again.
+COMB_INLINE std::pair<at::Tensor, at::Tensor> rotated_int4_keys_cpu(const at::Tensor& packed,
+                                                                    const at::Tensor& scales) {
+  const bool per_channel_in = int4_keys_per_channel(packed, scales);
+  const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
+  at::Tensor p = packed.contiguous(), sc = scales.to(at::kFloat).contiguous();
+  at::Tensor kq = at::empty({heads, n, d}, at::kChar);
+  at::Tensor ks = DocumentKV::keys_per_channel(n, d) ? at::empty({heads, 1, d}, at::kHalf)
+                                                     : at::empty({heads, n, 1}, at::kHalf);
+  rotated_int4_keys_to_int8(p.data_ptr<uint8_t>(), sc.data_ptr<float>(), per_channel_in, heads, n, d,
+                            kq.data_ptr<int8_t>(), ks.data_ptr<at::Half>());
   return {kq, ks};
 }
 
 // int4 codes unpacked on the CPU: the bytes of unpack_int4's tensor ops, in one loop.
-COMB_INLINE at::Tensor unpack_int4_cpu(const at::Tensor& packed) {
-  at::Tensor p = packed.contiguous();
-  std::vector<int64_t> shape(p.sizes().begin(), p.sizes().end());
-  shape.back() *= 2;
-  at::Tensor out = at::empty(shape, at::kChar);
-  const uint8_t* src = p.data_ptr<uint8_t>();
-  int8_t* dst = out.data_ptr<int8_t>();
-  for (int64_t i = 0, n = p.numel(); i < n; ++i) {
+COMB_INLINE void unpack_int4_bytes(const uint8_t* src, int64_t n, int8_t* dst) {
+  for (int64_t i = 0; i < n; ++i) {
     dst[2 * i] = static_cast<int8_t>((src[i] & 15) - 8);
     dst[2 * i + 1] = static_cast<int8_t>((src[i] >> 4) - 8);
   }
+}
+COMB_INLINE at::Tensor unpacked_int4_like(const at::Tensor& packed) {
+  std::vector<int64_t> shape(packed.sizes().begin(), packed.sizes().end());
+  shape.back() *= 2;
+  return at::empty(shape, at::kChar);
+}
+COMB_INLINE at::Tensor unpack_int4_cpu(const at::Tensor& packed) {
+  at::Tensor p = packed.contiguous(), out = unpacked_int4_like(p);
+  unpack_int4_bytes(p.data_ptr<uint8_t>(), p.numel(), out.data_ptr<int8_t>());
   return out;
+}
+
+COMB_INLINE void Int8BlockRead::run() const {
+  if (keys.defined())
+    rotated_int4_keys_to_int8(keys.data_ptr<uint8_t>(), key_scales.data_ptr<float>(), per_channel_in, keys.size(0),
+                              keys.size(1), keys.size(2) * 2, out[0].data_ptr<int8_t>(), out[1].data_ptr<at::Half>());
+  if (values.defined()) unpack_int4_bytes(values.data_ptr<uint8_t>(), values.numel(), out[2].data_ptr<int8_t>());
 }
 
 // Rotated int4 keys (packed, with their float16 scales) as int8 keys of the rows rotated back, on
@@ -356,8 +389,39 @@ COMB_INLINE at::Tensor rotated_int4_keys_float(const at::Tensor& packed, const a
   return hadamard_rows(unpack_int4(packed).to(at::kFloat) * scales.to(at::kFloat));
 }
 
+namespace detail::document_kv {
+// Block b of `kv` as int8_codes reads it on the CPU, prepared (see Int8BlockRead).
+COMB_INLINE Int8BlockRead prepare_int8_block(const DocumentKV& kv, size_t b) {
+  Int8BlockRead r;
+  const at::Tensor& k = kv.keys[b];
+  const at::Tensor& v = kv.values[b];
+  r.out = {k, kv.quantized() ? kv.key_scales.at(b) : at::Tensor(), v,
+           kv.quantized() ? kv.value_scales.at(b) : at::Tensor()};
+  if (k.scalar_type() == at::kByte) {  // int4 keys, rotated: back, then int8
+    COMB_CHECK(kv.quantized(), "int4 keys without scales");
+    r.per_channel_in = int4_keys_per_channel(k, r.out[1]);
+    const int64_t heads = k.size(0), n = k.size(1), d = k.size(2) * 2;
+    r.keys = k.contiguous(), r.key_scales = r.out[1].to(at::kFloat).contiguous();
+    r.out[0] = at::empty({heads, n, d}, at::kChar);
+    r.out[1] = DocumentKV::keys_per_channel(n, d) ? at::empty({heads, 1, d}, at::kHalf)
+                                                  : at::empty({heads, n, 1}, at::kHalf);
+  }
+  if (v.scalar_type() == at::kByte) {  // int4 values: their codes unpacked
+    COMB_CHECK(v.dim() >= 1, "int4 codes: expected uint8 bytes holding two codes each, found {} dimensions", v.dim());
+    r.values = v.contiguous();
+    r.out[2] = unpacked_int4_like(r.values);
+  }
+  return r;
+}
+}  // namespace detail::document_kv
+
 COMB_INLINE std::array<at::Tensor, 4> DocumentKV::int8_block(size_t block) const {
   COMB_CHECK(block < keys.size() && block < values.size(), "int8_block: block {} of a cache of {}", block, keys.size());
+  if (keys[block].device().is_cpu() && values[block].device().is_cpu()) {
+    const detail::document_kv::Int8BlockRead r = detail::document_kv::prepare_int8_block(*this, block);
+    r.run();
+    return r.out;
+  }
   const at::Tensor& k = keys[block];
   at::Tensor kc, ks = quantized() ? key_scales.at(block) : at::Tensor();
   if (k.scalar_type() == at::kByte) {  // int4 keys, rotated: back, then int8
@@ -371,22 +435,32 @@ COMB_INLINE std::array<at::Tensor, 4> DocumentKV::int8_block(size_t block) const
 
 COMB_INLINE DocumentKV DocumentKV::int8_codes() const {
   if (keys.empty() || values.empty() || !packs_int4(dtype())) return *this;
+  COMB_CHECK(values.size() == keys.size(), "a document cache with keys for {} blocks and values for {}", keys.size(),
+             values.size());
   DocumentKV out;
   out.n_tokens = n_tokens;
   const size_t n = keys.size();
   out.keys.resize(n), out.key_scales.resize(n), out.values.resize(n), out.value_scales.resize(n);
-  auto read = [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      auto [kc, ks, vc, vs] = int8_block(static_cast<size_t>(b));
+  const bool cpu = std::all_of(keys.begin(), keys.end(), [](const at::Tensor& t) { return t.device().is_cpu(); }) &&
+                   std::all_of(values.begin(), values.end(), [](const at::Tensor& t) { return t.device().is_cpu(); });
+  if (!cpu) {  // in order, on the caller's stream
+    for (size_t b = 0; b < n; ++b) {
+      auto [kc, ks, vc, vs] = int8_block(b);
       out.keys[b] = kc, out.key_scales[b] = ks, out.values[b] = vc, out.value_scales[b] = vs;
     }
-  };
-  // On the CPU the blocks in parallel (each its own tensors); elsewhere in order, on the caller's
-  // stream.
-  if (keys[0].device().is_cpu())
-    at::parallel_for(0, static_cast<int64_t>(n), 1, read);
-  else
-    read(0, static_cast<int64_t>(n));
+    return out;
+  }
+  // On the CPU every tensor is made first, then the blocks' loops run in parallel.
+  std::vector<detail::document_kv::Int8BlockRead> reads;
+  reads.reserve(n);
+  for (size_t b = 0; b < n; ++b) reads.push_back(detail::document_kv::prepare_int8_block(*this, b));
+  at::parallel_for(0, static_cast<int64_t>(n), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) reads[b].run();
+  });
+  for (size_t b = 0; b < n; ++b) {
+    const auto& [kc, ks, vc, vs] = reads[b].out;
+    out.keys[b] = kc, out.key_scales[b] = ks, out.values[b] = vc, out.value_scales[b] = vs;
+  }
   return out;
 }
 
