@@ -76,13 +76,16 @@ COMB_INLINE at::Half int8_scale(float amax, float levels = 127.0f) {
 // and a magnitude above 2^21, which the clamp to [-levels, levels] (levels <= 127) takes to the same
 // code as nearbyint's; infinities and NaN pass through as they do there. The build never enables
 // reassociation of floats (no -ffast-math), which would fold the two operations away.
-// Where a translation unit is compiled with reassociation allowed (-ffast-math, -Ofast,
-// -fassociative-math: a project using comb header-only may), the compiler folds the constant test
-// below as it would fold the rounding, and std::nearbyint is used instead.
+// A translation unit compiled with -ffast-math or -Ofast (a project using comb header-only may;
+// GCC and Clang define __FAST_MATH__ then) would fold the two operations away: std::nearbyint is
+// used there. -fassociative-math alone defines nothing to test; docs/building.md asks not to use it.
 COMB_INLINE float round_half_even(float v) {
+#if defined(__FAST_MATH__)
+  return std::nearbyint(v);
+#else
   constexpr float shift = 12582912.0f;  // 1.5 * 2^23
-  if ((0.75f + shift) - shift != 1.0f) return std::nearbyint(v);
   return (v + shift) - shift;
+#endif
 }
 COMB_INLINE int8_t code(float x, float scale, float levels) {
   const float q = round_half_even(x / scale);
