@@ -8,8 +8,8 @@
 
 #include <algorithm>
 #include <array>
-#include <vector>
 #include <cmath>
+#include <vector>
 
 #include "comb/document_kv.hpp"
 #include "comb/error.hpp"
@@ -74,11 +74,11 @@ COMB_INLINE at::Half int8_scale(float amax, float levels = 127.0f) {
 // 2^23 is even) and the subtraction is exact: std::nearbyint's result in the default rounding mode,
 // without its call, so that the loops over codes vectorize. Beyond 2^22 the result keeps v's sign
 // and a magnitude above 2^21, which the clamp to [-levels, levels] (levels <= 127) takes to the same
-// code as nearbyint's; infinities and NaN pass through as they do there. The build never enables
-// reassociation of floats (no -ffast-math), which would fold the two operations away.
-// A translation unit compiled with -ffast-math or -Ofast (a project using comb header-only may;
-// GCC and Clang define __FAST_MATH__ then) would fold the two operations away: std::nearbyint is
-// used there. -fassociative-math alone defines nothing to test; docs/building.md asks not to use it.
+// code as nearbyint's; infinities and NaN pass through as they do there. Reassociation of floats
+// would fold the two operations away: comb's build never allows it, and where a translation unit
+// is compiled with -ffast-math or -Ofast (a project using comb header-only may; GCC and Clang define
+// __FAST_MATH__ then) std::nearbyint is used. -fassociative-math alone defines nothing to test;
+// docs/building.md asks not to use it.
 COMB_INLINE float round_half_even(float v) {
 #if defined(__FAST_MATH__)
   return std::nearbyint(v);
@@ -183,9 +183,10 @@ COMB_INLINE bool int4_keys_per_channel(const at::Tensor& packed, const at::Tenso
 }
 
 // One head of rotated int4 keys read as float32 and rotated back, on the CPU, transposed: xt[j * n
-// + t] is channel j of token t (bt: room for the head's n * d / 2 bytes). The same floats as unpack_int4, a float32 product with the scales
-// and hadamard_rows (each element's operations are theirs, in their order). Transposed, every
-// butterfly is two rows of n floats added and subtracted, which the compiler vectorizes.
+// + t] is channel j of token t (bt: room for the head's n * d / 2 bytes). The same floats as
+// unpack_int4, a float32 product with the scales and hadamard_rows (each element's operations are
+// theirs, in their order). Transposed, every butterfly is two rows of n floats added and
+// subtracted, which the compiler vectorizes.
 COMB_INLINE void rotated_int4_head_cpu(const uint8_t* codes, const float* scales, bool per_channel, int64_t n,
                                        int64_t d, float* xt, uint8_t* bt) {
   for (int64_t t = 0; t < n; ++t)  // the bytes transposed
@@ -294,21 +295,25 @@ struct Int8BlockRead {
   std::array<at::Tensor, 4> out;  // key codes, key scales, value codes, value scales
   at::Tensor keys, key_scales, values;  // the inputs read by run (contiguous), where converted
   bool per_channel_in = false;
+  // Prepares the rotated int4 keys `packed` with their float16 `scales` to be read as int8.
+  void prepare_int4_keys(const at::Tensor& packed, const at::Tensor& scales) {
+    per_channel_in = int4_keys_per_channel(packed, scales);
+    const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
+    keys = packed.contiguous(), key_scales = scales.to(at::kFloat).contiguous();
+    out[0] = at::empty({heads, n, d}, at::kChar);
+    out[1] = DocumentKV::keys_per_channel(n, d) ? at::empty({heads, 1, d}, at::kHalf)
+                                                : at::empty({heads, n, 1}, at::kHalf);
+  }
   void run() const;
 };
 
 // The codes of an int4 key block as int8: rotated back, coded again.
 COMB_INLINE std::pair<at::Tensor, at::Tensor> rotated_int4_keys_cpu(const at::Tensor& packed,
                                                                     const at::Tensor& scales) {
-  const bool per_channel_in = int4_keys_per_channel(packed, scales);
-  const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
-  at::Tensor p = packed.contiguous(), sc = scales.to(at::kFloat).contiguous();
-  at::Tensor kq = at::empty({heads, n, d}, at::kChar);
-  at::Tensor ks = DocumentKV::keys_per_channel(n, d) ? at::empty({heads, 1, d}, at::kHalf)
-                                                     : at::empty({heads, n, 1}, at::kHalf);
-  rotated_int4_keys_to_int8(p.data_ptr<uint8_t>(), sc.data_ptr<float>(), per_channel_in, heads, n, d,
-                            kq.data_ptr<int8_t>(), ks.data_ptr<at::Half>());
-  return {kq, ks};
+  Int8BlockRead r;
+  r.prepare_int4_keys(packed, scales);
+  r.run();
+  return {r.out[0], r.out[1]};
 }
 
 // int4 codes unpacked on the CPU: the bytes of unpack_int4's tensor ops, in one loop.
@@ -402,12 +407,7 @@ COMB_INLINE Int8BlockRead prepare_int8_block(const DocumentKV& kv, size_t b) {
            kv.quantized() ? kv.value_scales.at(b) : at::Tensor()};
   if (k.scalar_type() == at::kByte) {  // int4 keys, rotated: back, then int8
     COMB_CHECK(kv.quantized(), "int4 keys without scales");
-    r.per_channel_in = int4_keys_per_channel(k, r.out[1]);
-    const int64_t heads = k.size(0), n = k.size(1), d = k.size(2) * 2;
-    r.keys = k.contiguous(), r.key_scales = r.out[1].to(at::kFloat).contiguous();
-    r.out[0] = at::empty({heads, n, d}, at::kChar);
-    r.out[1] = DocumentKV::keys_per_channel(n, d) ? at::empty({heads, 1, d}, at::kHalf)
-                                                  : at::empty({heads, n, 1}, at::kHalf);
+    r.prepare_int4_keys(k, kv.key_scales.at(b));
   }
   if (v.scalar_type() == at::kByte) {  // int4 values: their codes unpacked
     COMB_CHECK(v.dim() >= 1, "int4 codes: expected uint8 bytes holding two codes each, found {} dimensions", v.dim());
