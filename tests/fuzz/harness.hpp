@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -28,16 +29,28 @@
 
 namespace comb::fuzz {
 
-// A folder of this process's own under $TMPDIR (or /tmp), made on first use.
-inline const std::string& scratch() {
-  static const std::string dir = [] {
+// A folder of this process's own under $TMPDIR (or /tmp), made on first use and removed when
+// the process exits (kept when COMB_KEEP_TEST_DIRS is set, to look into after a failure).
+struct Scratch {
+  std::string dir;
+  pid_t owner = ::getpid();  // a forked child that exits leaves it to its parent
+  Scratch() {
     const char* tmp = std::getenv("TMPDIR");
     std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/comb-fuzz-XXXXXX";
     char* made = ::mkdtemp(pattern.data());
     if (!made) std::abort();
-    return std::string(made);
-  }();
-  return dir;
+    dir = made;
+  }
+  ~Scratch() {
+    if (std::getenv("COMB_KEEP_TEST_DIRS") || ::getpid() != owner) return;
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  }
+};
+
+inline const std::string& scratch() {
+  static const Scratch made;
+  return made.dir;
 }
 
 inline std::string write_file(const std::string& name, const uint8_t* data, size_t size) {

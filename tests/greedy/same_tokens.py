@@ -15,8 +15,10 @@ usage: same_tokens.py COMB_BINARY WORK_DIR [--record]
   than the CPU the recorded file, made on a CPU, is not compared); COMB_SAME_TOKENS_LAYERS (default
   4,12,20): the fresh plug-ins' cross layers (fewer for a model of fewer layers)
 """
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +117,8 @@ lines.append(f"generate documents {json.dumps(g['tokens'])}")
 # ---- comb serve: the same items as eval, one at a time and all at once ---------------------------
 def serve(plugin, methods, label):
     tmp = tempfile.mkdtemp(prefix="comb-same-")
+    if not os.environ.get("COMB_KEEP_TEST_DIRS"):
+        atexit.register(shutil.rmtree, tmp, True)
     port_file = os.path.join(tmp, "port")
     log = open(os.path.join(tmp, "log"), "w+", errors="replace")
     server = subprocess.Popen([COMB, "serve", "--port", "0", "--port-file", port_file, "--threads", "2",

@@ -7,8 +7,10 @@ across a restart.
 usage: test_server.py COMB_BINARY  (the model: $COMB_MODEL, as the other tests)
 """
 import json
+import atexit
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,9 +41,17 @@ def check(cond, what):
         failures.append(what)
 
 
+def scratch(prefix):
+    """A folder of this run's own, removed at exit unless COMB_KEEP_TEST_DIRS is set."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    if not os.environ.get("COMB_KEEP_TEST_DIRS"):
+        atexit.register(shutil.rmtree, d, True)
+    return d
+
+
 class Server:
     def __init__(self, *extra):
-        self.dir = tempfile.mkdtemp(prefix="comb-serve-")
+        self.dir = scratch("comb-serve-")
         port_file = os.path.join(self.dir, "port")
         self.log = open(os.path.join(self.dir, "log"), "w+", errors="replace")
         plugin = ["--plugin", os.environ["COMB_SHIPPED_PLUGIN"]] if os.environ.get("COMB_SHIPPED_PLUGIN") else []
@@ -824,7 +834,7 @@ def test_overload():
 
 def test_restart():
     """The document store's disk tier (--cache-dir) outlives the server."""
-    cache = tempfile.mkdtemp(prefix="comb-serve-cache-")
+    cache = scratch("comb-serve-cache-")
     docs = [{"title": "Quarry", "text": "The quarry at Helm was closed in 1931 after the river flooded it."}]
     upload = {"title": "Mill", "text": "The mill on the Aber river ground oats until 1958.", "cache_salt": "t1"}
     s = Server("--cache-dir", cache)
@@ -852,7 +862,7 @@ def test_restart():
 
 def test_disk_budget():
     """--cache-mb bounds the disk tier: least recently used entries go, counted in /metrics."""
-    cache = tempfile.mkdtemp(prefix="comb-serve-budget-")
+    cache = scratch("comb-serve-budget-")
     s = Server("--cache-dir", cache, "--cache-mb", "2", "--method", "naive")
     try:
         for i in range(6):
