@@ -250,6 +250,30 @@ DocumentKV random_entry(int64_t len, uint64_t seed) {
   }
   return kv;
 }
+// int4 key scales coded as DocumentKV's header describes it, by plain loops: for float16 scales per
+// channel [heads, 1, d] and a mask of all-zero channels, the coded bytes [heads, 1, 2 + d / 2] and
+// the float16 scales they stand for.
+std::pair<at::Tensor, at::Tensor> coded_scales_reference(const at::Tensor& scales, const at::Tensor& zero) {
+  const int64_t heads = scales.size(0), d = scales.size(2);
+  at::Tensor bytes = at::zeros({heads, 1, 2 + d / 2}, at::kByte), used = at::empty({heads, 1, d}, at::kHalf);
+  for (int64_t h = 0; h < heads; ++h) {
+    float top = 0;
+    for (int64_t j = 0; j < d; ++j)
+      if (!zero[h][0][j].item<bool>()) top = std::max(top, scales[h][0][j].item<float>());
+    const at::Half big(top > 0 ? top : 1.0f);
+    bytes[h][0][0] = int(big.x & 0xff), bytes[h][0][1] = int(big.x >> 8);
+    for (int64_t j = 0; j < d; ++j) {
+      int e = 15;
+      if (!zero[h][0][j].item<bool>())
+        for (e = 0; e < 15; ++e)  // the last step at least the scale: the next one is under it
+          if (float(at::Half(float(big) * kInt4ScaleSteps[e + 1])) < scales[h][0][j].item<float>()) break;
+      used[h][0][j] = float(at::Half(float(big) * kInt4ScaleSteps[e]));
+      bytes[h][0][2 + j / 2] = bytes[h][0][2 + j / 2].item<int>() | (j % 2 == 0 ? e : e << 4);
+    }
+  }
+  return {bytes, used};
+}
+
 // Largest error of `q` (read back as float32) against `kv`, relative to each tensor's largest value.
 double relative_error(const DocumentKV& q, const DocumentKV& kv) {
   DocumentKV back = q.to(at::kCPU, at::kFloat);
@@ -305,7 +329,9 @@ TEST_CASE("int8 entries: keys scaled per channel (per row when short), values pe
   CHECK_FALSE(DocumentKV::keys_per_channel(7, 16));
   CHECK_FALSE(DocumentKV::keys_per_channel(7, 16, kCacheInt8Int4));  // int8 keys: int8's rule
   CHECK(DocumentKV::keys_per_channel(1, 16, kCacheInt4));            // rotated int4 keys: always
-  CHECK(DocumentKV::storage_bytes(kCacheInt4, 3, 2, 16, 4) == 3 * (2 * 4 * 8 * 2 + 2 * 2 * (16 + 4)));
+  // int4 under head_dim tokens: per head a float16 scale and 4 bits a channel for the keys.
+  CHECK(DocumentKV::storage_bytes(kCacheInt4, 3, 2, 16, 4) == 3 * (2 * 4 * 8 * 2 + 2 * (2 + 8) + 2 * 2 * 4));
+  CHECK(DocumentKV::storage_bytes(kCacheInt4, 3, 2, 16, 16) == 3 * (2 * 16 * 8 * 2 + 2 * 2 * (16 + 16)));
   CHECK(DocumentKV::storage_bytes(at::kFloat, 3, 2, 16, 40) == 3 * 2 * 2 * 40 * 16 * 4);
   // int8 again is the same codes; zeros stay zeros (scale 1, no division by zero).
   CHECK(q.to(at::kCPU, at::kChar).keys[1].equal(q.keys[1]));
@@ -487,15 +513,28 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
       const DocumentKV codes = q.int8_codes();
       CHECK(codes.dtype() == at::kChar);
       const DocumentKV back = q.to(at::kCPU, at::kFloat);
-      // int4 keys are scaled per channel at every length; int8-int4's and int8's from 8 tokens on.
+      // int4 keys are scaled per channel at every length (the scales coded under 16 tokens);
+      // int8-int4's and int8's from 8 tokens on.
       const int dim = DocumentKV::keys_per_channel(n, 16, form) ? 1 : 2;
       CHECK(dim == (keys4 || n >= 8 ? 1 : 2));
+      const bool coded = keys4 && n < 16;
+      CHECK(DocumentKV::codes_int4_key_scales(n, 16) == (n < 16));
       const int dim8 = DocumentKV::keys_per_channel(n, 16) ? 1 : 2;
       for (size_t b = 0; b < 3; ++b) {
         // int4 keys are coded rotated (hadamard_rows), int8-int4's as they are.
         auto [kq, ks] = reference(keys4 ? hadamard_rows(in->keys[b]) : in->keys[b], dim, keys4 ? 7.0 : 127.0);
         auto [vq, vs] = reference(in->values[b], 2, 7.0);
-        CHECK(q.key_scales[b].equal(ks));
+        if (coded) {  // the coded scales, and the codes of the scales they stand for
+          const at::Tensor x = hadamard_rows(in->keys[b]);
+          auto [bytes, used] = coded_scales_reference(ks, x.abs().amax(1, true) == 0);
+          CHECK(q.key_scales[b].equal(bytes));
+          CHECK(int4_key_scales(q.keys[b], q.key_scales[b]).equal(used));
+          CHECK((used.to(at::kFloat) >= ks.to(at::kFloat)).all().item<bool>());
+          kq = (x / used.to(at::kFloat)).round().clamp(-7, 7).to(at::kChar);
+          ks = used;
+        } else {
+          CHECK(q.key_scales[b].equal(ks));
+        }
         CHECK(q.value_scales[b].equal(vs));
         CHECK(codes.values[b].equal(vq));
         CHECK(((back.values[b] - in->values[b]).abs() <= vs.to(at::kFloat) * 0.5001).all().item<bool>());
@@ -520,7 +559,7 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
           CHECK(((back.keys[b] - in->keys[b]).abs() <= bound).all().item<bool>());
           // Linked as stored, the packed rotated keys read as float32 are read as every reader reads
           // them (rotated back, coded again as int8).
-          std::vector<std::vector<at::Tensor>> lk{{q.keys[b]}}, lv{{q.values[b]}}, lks{{ks}}, lvs{{vs}};
+          std::vector<std::vector<at::Tensor>> lk{{q.keys[b]}}, lv{{q.values[b]}}, lks{{q.key_scales[b]}}, lvs{{vs}};
           dequantize_linked(lk, lv, lks, lvs);
           CHECK(lk[0][0].equal(back.keys[b]));
           CHECK(lv[0][0].equal(back.values[b]));
@@ -528,9 +567,10 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
         // As int8 codes they read as the same numbers, bit for bit.
         CHECK(back.keys[b].equal(q.to(at::kCPU, at::kChar).to(at::kCPU, at::kFloat).keys[b]));
       }
-      // Bytes: half a byte a code (a byte for int8 keys), the int8 layout's float16 scales.
-      const int64_t key_scales = dim == 1 ? 16 : n;
-      const int64_t expected = 3 * ((keys4 ? 2 * n * 8 : 2 * n * 16) + 2 * n * 8 + 2 * 2 * (key_scales + n));
+      // Bytes: half a byte a code (a byte for int8 keys), the int8 layout's float16 scales (int4
+      // keys' coded: 2 + 8 bytes a head).
+      const int64_t key_scales = coded ? 2 * (2 + 8) : 2 * 2 * (dim == 1 ? 16 : n);
+      const int64_t expected = 3 * ((keys4 ? 2 * n * 8 : 2 * n * 16) + 2 * n * 8 + key_scales + 2 * 2 * n);
       CHECK(q.bytes() == expected);
       CHECK(DocumentKV::storage_bytes(form, 3, 2, 16, n) == expected);
       // The same form again: the same bytes, moved.
@@ -600,10 +640,10 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
         CHECK(reader.stats().corrupt == 1);
         std::string short_bytes = read_bytes(options.disk_dir + "/" + key_of(2).hex() + ".kv");
         std::memcpy(&code, &short_bytes[12], 4);
-        CHECK(code == 10);  // 4 tokens, still per channel
-        {  // one token: per channel too, through disk and back
+        CHECK(code == 12);  // 4 tokens: per channel, the scales coded
+        {  // one token: coded too, through disk and back
           const DocumentKV one = random_entry(1, 9).to(at::kCPU, kCacheInt4);
-          REQUIRE(one.key_scales[0].sizes() == at::IntArrayRef({2, 1, 16}));
+          REQUIRE(one.key_scales[0].sizes() == at::IntArrayRef({2, 1, 10}));
           {
             PICacheStore writer(options);
             writer.put(key_of(4), one);
@@ -789,6 +829,113 @@ TEST_CASE("int4 entries read as int8: one pass gives the numbers of the floats c
         }
       }
     }
+}
+
+TEST_CASE("int4 key scales coded under head_dim tokens: a float16 scale a head, 4 bits a channel; loops and tensor "
+          "ops give the same bytes; kept through disk; bad ones refused",
+          "[store]") {
+  for (int e = 0; e < 16; ++e) CHECK(kInt4ScaleSteps[e] == static_cast<float>(std::pow(2.0, -e / 8.0)));
+  CHECK(DocumentKV::codes_int4_key_scales(63, 64));
+  CHECK_FALSE(DocumentKV::codes_int4_key_scales(64, 64));
+  // The default model's shape (28 blocks of 3 heads of 64): codes, value scales, key scales.
+  CHECK(DocumentKV::storage_bytes(kCacheInt4, 28, 3, 64, 17) == 28 * 3 * (17 * 64 + 2 * 17 + (2 + 32)));
+  CHECK(DocumentKV::storage_bytes(kCacheInt4, 28, 3, 64, 64) == 28 * 3 * (64 * 64 + 2 * 64 + 2 * 64));
+
+  at::manual_seed(31);
+  // Scales from 2^-2 to 2^2 (some under their head's largest by more than the steps reach: the
+  // last step), channels of zeros (int8_scale's 1), and a head of zeros only.
+  at::Tensor zero = at::rand({4, 1, 64}) < 0.1;
+  zero[3].fill_(true);
+  at::Tensor s = at::where(zero, at::ones({4, 1, 64}), at::exp2(at::rand({4, 1, 64}) * 4 - 2)).to(at::kHalf);
+  auto [bytes, used] = code_int4_key_scales(s, zero);
+  auto [ref_bytes, ref_used] = coded_scales_reference(s, zero);
+  CHECK(bytes.equal(ref_bytes));
+  CHECK(used.equal(ref_used));
+  auto [op_bytes, op_used] = comb::detail::document_kv::code_int4_key_scales_ops(s, zero);
+  CHECK(op_bytes.equal(bytes));
+  CHECK(op_used.equal(used));
+  const at::Tensor packed = at::zeros({4, 5, 32}, at::kByte);
+  CHECK(int4_key_scales(packed, bytes).equal(used));
+  CHECK(comb::detail::document_kv::decode_int4_key_scales_ops(bytes).equal(used));
+  CHECK(bytes[3][0][0].item<int>() == 0x00);  // the head of zeros: S = 1 (float16 0x3c00), every e 15
+  CHECK(bytes[3][0][1].item<int>() == 0x3c);
+  CHECK((bytes[3].narrow(-1, 2, 32) == 0xff).all().item<bool>());
+  // Every other channel's scale is at least its own; above the last step, under 2^(1/8) times it
+  // (the next step is under it; two float16 roundings of 2^-11 each at most).
+  const at::Tensor e = at::stack({at::bitwise_and(bytes.narrow(-1, 2, 32), 15),
+                                  at::bitwise_right_shift(bytes.narrow(-1, 2, 32), 4)}, -1)
+                           .reshape({4, 1, 64});
+  const at::Tensor sf = s.to(at::kFloat), uf = used.to(at::kFloat), live = zero.logical_not();
+  CHECK((uf.masked_select(live) >= sf.masked_select(live)).all().item<bool>());
+  const at::Tensor mid = live & (e < 15);
+  CHECK(mid.sum().item<int64_t>() > 40);
+  CHECK((uf.masked_select(mid) <= sf.masked_select(mid) * 1.09051 * 1.0010).all().item<bool>());
+  CHECK((live & (e == 15)).any().item<bool>());  // the range reaches past the last step
+  CHECK_THROWS_WITH(int4_key_scales(packed, bytes.narrow(-1, 0, 9).contiguous()),
+                    Catch::Contains("expected coded scales [4, 1, 34] (uint8)"));
+  CHECK_THROWS_WITH(code_int4_key_scales(s.to(at::kFloat), zero), Catch::Contains("expected float16 scales"));
+  CHECK_THROWS_WITH(code_int4_key_scales(at::where(zero, at::full_like(s, NAN), s), zero),
+                    Catch::Contains("finite positive"));
+
+  // Keys coded by the CPU's loops (DocumentKV::to) and as the tensor ops off the CPU code them
+  // (int8_scale's float16 scales, the scales coded, codes of the scales they stand for); head 0's
+  // rows constant over the channels, so that its rotated channels 1-15 are zeros (a + b - (a + b)).
+  DocumentKV nine;
+  nine.n_tokens = 9;
+  nine.keys = {at::randn({3, 9, 16})};
+  nine.keys[0][0] = at::randn({9, 1}).expand({9, 16});
+  nine.values = {at::randn({3, 9, 16})};
+  const DocumentKV nine4 = nine.to(at::kCPU, kCacheInt4);
+  const at::Tensor k = hadamard_rows(nine.keys[0]), amax = k.abs().amax(1, true);
+  REQUIRE((amax[0][0].slice(0, 1) == 0).all().item<bool>());
+  REQUIRE((amax[1] > 0).all().item<bool>());
+  const at::Tensor s7 = amax / 7.0f;
+  auto [kb, ku] = comb::detail::document_kv::code_int4_key_scales_ops(
+      at::where(s7 > 0, s7.clamp(6.103515625e-05, 65504.0), at::ones_like(s7)).to(at::kHalf), (s7 > 0).logical_not());
+  // The zero channels' e: 15; channel 0's (the head's largest): 0.
+  CHECK(kb[0][0][2].item<int>() == 0xf0);
+  CHECK((kb[0].narrow(-1, 3, 7) == 0xff).all().item<bool>());
+  CHECK(nine4.key_scales[0].equal(kb));
+  CHECK(unpack_int4(nine4.keys[0]).equal((k / ku.to(at::kFloat)).round().clamp(-7, 7).to(at::kChar)));
+
+  // Through disk (dtype 12) and back; a coded head scale that is not a finite positive float16 is
+  // a corrupt entry.
+  StoreOptions options;
+  options.dtype = kCacheInt4;
+  options.disk_bytes = 1 << 20;
+  options.disk_dir = temp_dir("coded");
+  const DocumentKV kv = random_entry(5, 4), q = kv.to(at::kCPU, kCacheInt4);
+  REQUIRE(q.key_scales[0].sizes() == at::IntArrayRef({2, 1, 10}));
+  {
+    PICacheStore writer(options);
+    writer.put(key_of(1), kv);
+  }
+  options.host_bytes = 0;
+  const std::string path = options.disk_dir + "/" + key_of(1).hex() + ".kv";
+  const std::string stored = read_bytes(path);
+  uint32_t code = 0;
+  std::memcpy(&code, &stored[12], 4);
+  CHECK(code == 12);
+  CHECK(int64_t(stored.size()) == 72 + q.bytes());
+  {
+    PICacheStore reader(options);
+    auto hit = reader.get(key_of(1));
+    REQUIRE(hit);
+    for (size_t b = 0; b < 3; ++b) CHECK(hit->key_scales[b].equal(q.key_scales[b]));
+    CHECK(hit->int8_codes().keys[1].equal(q.int8_codes().keys[1]));
+  }
+  for (const uint16_t bad : {uint16_t(0x0000), uint16_t(0x7c00), uint16_t(0x7e00), uint16_t(0xbc00)}) {
+    INFO("head scale bits " << bad);
+    std::string b = stored;
+    const size_t at = 72 + 2 * 2 * 5 * 8;  // block 0's key scales, after its K and V codes
+    b[at] = char(bad & 0xff), b[at + 1] = char(bad >> 8);
+    const uint64_t sum = XXH3_64bits(b.data() + 72, b.size() - 72);
+    std::memcpy(&b[48], &sum, 8);
+    write_bytes(path, b);
+    PICacheStore reader(options);
+    CHECK(reader.get(key_of(1)) == nullptr);
+    CHECK(reader.stats().corrupt == 1);
+  }
 }
 
 TEST_CASE("a cache directory that cannot be written is a clear error; the store stays usable", "[store][errors]") {

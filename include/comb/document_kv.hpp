@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comb/decoder.hpp"  // JointKV
@@ -34,7 +35,13 @@ inline constexpr c10::ScalarType kCacheInt8Int4 = c10::ScalarType::QUInt2x4;
 // rotated: each row times the normalized Walsh-Hadamard matrix of order head_dim (a power of two;
 // hadamard_rows), which spreads a row's outlier channels over all of them so that fifteen levels
 // lose less, with a scale per channel of the rotated rows at every length. Read (int8_codes), they
-// are rotated back and coded again as int8 keys, which every reader takes.
+// are rotated back and coded again as int8 keys, which every reader takes. Under head_dim tokens,
+// where float16 scales per channel would cost more a token than one per row, int4 keys keep their
+// scales per channel coded (see code_int4_key_scales): a uint8 tensor [n_head_kv, 1, 2 + head_dim
+// / 2], per head the float16 bits of the head's scale S (little-endian), then a 4-bit exponent e
+// per channel packed as int4 codes are (channel 2j low); channel j's scale is float16(S * 2^(-e/8))
+// (the float32 product of S and kInt4ScaleSteps[e], rounded to float16), and the codes are
+// computed with it. Readers take it as the float16 scales it stands for (int4_key_scales).
 struct DocumentKV {
   std::vector<at::Tensor> keys;    // per block: [n_head_kv, n_tokens, head_dim]
   std::vector<at::Tensor> values;  // per block: [n_head_kv, n_tokens, head_dim]
@@ -63,6 +70,10 @@ struct DocumentKV {
   // int8 and int8-int4 keys from head_dim / 2 tokens on, rotated int4 keys always (per row they
   // lose more than the scales' bytes save).
   static bool keys_per_channel(int64_t n_tokens, int64_t head_dim, c10::ScalarType form = at::kChar);
+  // Whether int4 keys of a document of `n_tokens` keep their scales per channel coded (a float16
+  // scale per head and 4 bits per channel): under head_dim tokens, where head_dim float16 scales
+  // would cost more than 2 bytes a token (a scale per row's cost).
+  static bool codes_int4_key_scales(int64_t n_tokens, int64_t head_dim) { return n_tokens < head_dim; }
   // Bytes a document of `n_tokens` takes in `dtype` (or form) with `n_blocks` blocks of [n_head_kv,
   // head_dim].
   static int64_t storage_bytes(c10::ScalarType dtype, int64_t n_blocks, int64_t n_head_kv, int64_t head_dim,
@@ -83,9 +94,31 @@ at::Tensor as_int8_codes(const at::Tensor& part);
 // rounding), and every device computes the same floats.
 at::Tensor hadamard_rows(const at::Tensor& x);
 // The rotated int4 keys of one block ([n_head_kv, n_tokens, head_dim / 2] codes, their float16
-// scales per channel or per row) read as float32 and rotated back: hadamard_rows(codes * scales).
-// On the CPU one pass over each head (the same floats), elsewhere those tensor ops.
+// scales per channel or per row, or coded per channel) read as float32 and rotated back:
+// hadamard_rows(codes * scales). On the CPU one pass over each head (the same floats), elsewhere
+// those tensor ops.
 at::Tensor rotated_int4_keys_float(const at::Tensor& packed, const at::Tensor& scales);
+
+// 2^(-e/8) for e = 0..15 in float32: the steps of int4 keys' coded scales (DocumentKV).
+inline constexpr float kInt4ScaleSteps[16] = {
+    1.0f, 0.917004049f, 0.840896428f, 0.771105409f, 0.707106769f, 0.648419797f, 0.594603539f, 0.545253873f,
+    0.5f, 0.458502024f, 0.420448214f, 0.385552704f, 0.353553385f, 0.324209899f, 0.297301769f, 0.272626936f};
+// Float16 scales per channel ([n_head_kv, 1, head_dim], finite and positive) coded: per head S,
+// the largest over the channels `zero` does not mark (1 where it marks all), and for each channel
+// the largest e whose float16(S * kInt4ScaleSteps[e]) is at least that channel's scale (e = 15
+// where `zero` marks a channel of zeros: its codes are 0 under any scale). Returns the coded form ([n_head_kv, 1, 2 + head_dim / 2] uint8) and the float16 scales it
+// stands for, with which the codes are computed. Any device; the same bytes on each.
+std::pair<at::Tensor, at::Tensor> code_int4_key_scales(const at::Tensor& scales, const at::Tensor& zero);
+// int4 keys' scales as float16: coded ones ([n_head_kv, 1, 2 + head_dim / 2] uint8) decoded to
+// [n_head_kv, 1, head_dim]; float16 ones (per channel or row) as they are. Checked against the keys
+// `packed` ([n_head_kv, n_tokens, head_dim / 2] uint8).
+at::Tensor int4_key_scales(const at::Tensor& packed, const at::Tensor& scales);
+namespace detail::document_kv {
+// The two above by tensor ops, as they run off the CPU (declared for the tests that compare them
+// with the CPU's loops).
+std::pair<at::Tensor, at::Tensor> code_int4_key_scales_ops(const at::Tensor& scales, const at::Tensor& zero);
+at::Tensor decode_int4_key_scales_ops(const at::Tensor& coded);
+}  // namespace detail::document_kv
 
 // Documents linked int8 as stored (Linker with keep_int8): keys and values [block][document], the
 // scales beside them (undefined for a document of another dtype; empty: none). Each int8 one is

@@ -47,10 +47,13 @@ COMB_INLINE int64_t DocumentKV::storage_bytes(c10::ScalarType dtype, int64_t n_b
   if (!is_quantized_form(dtype)) return elements * static_cast<int64_t>(c10::elementSize(dtype));
   // int8 or int4 codes and float16 scales: one per value row (one head, one token); keys one per
   // channel over the document's tokens, or per row for int8 keys of documents under head_dim / 2
-  // tokens.
-  const int64_t key_scales = keys_per_channel(n_tokens, head_dim, dtype) ? head_dim : n_tokens;
+  // tokens; int4 keys under head_dim tokens: per head a float16 scale and 4 bits a channel.
   const int64_t codes = dtype == at::kChar ? elements : dtype == kCacheInt4 ? elements / 2 : elements * 3 / 4;
-  return codes + 2 * n_blocks * n_head_kv * (key_scales + n_tokens);
+  const int64_t value_scales = 2 * n_blocks * n_head_kv * n_tokens;
+  if (dtype == kCacheInt4 && codes_int4_key_scales(n_tokens, head_dim))
+    return codes + value_scales + n_blocks * n_head_kv * (2 + head_dim / 2);
+  const int64_t key_scales = keys_per_channel(n_tokens, head_dim, dtype) ? head_dim : n_tokens;
+  return codes + value_scales + 2 * n_blocks * n_head_kv * key_scales;
 }
 
 namespace detail::document_kv {  // this file's own helpers
@@ -103,28 +106,69 @@ COMB_INLINE void quantize_rows_cpu(const float* x, int64_t rows, int64_t d, floa
   }
 }
 
+// One head's float16 scales per channel `s` (d of them; zero[j]: channel j is all zeros) coded as
+// code_int4_key_scales codes them: 2 + d / 2 bytes to `out`, and the float16 scales they stand for
+// to `used`.
+COMB_INLINE void code_key_scales_head(const at::Half* s, const bool* zero, int64_t d, uint8_t* out, at::Half* used) {
+  float top = 0.0f;  // S: the largest scale of a channel that is not all zeros (1 where none is)
+  for (int64_t j = 0; j < d; ++j)
+    if (!zero[j]) top = std::max(top, static_cast<float>(s[j]));
+  const at::Half big(top > 0.0f ? top : 1.0f);
+  at::Half step[16];
+  for (int e = 0; e < 16; ++e) step[e] = at::Half(static_cast<float>(big) * kInt4ScaleSteps[e]);
+  out[0] = static_cast<uint8_t>(big.x & 0xff), out[1] = static_cast<uint8_t>(big.x >> 8);
+  for (int64_t j = 0; j < d; ++j) {
+    int e = 15;  // the largest e whose step is at least s[j]; step[0] = S >= s[j], and the steps fall
+    if (!zero[j])
+      while (e > 0 && static_cast<float>(step[e]) < static_cast<float>(s[j])) --e;
+    used[j] = step[e];
+    uint8_t& byte = out[2 + j / 2];
+    byte = j % 2 == 0 ? static_cast<uint8_t>(e) : static_cast<uint8_t>(byte | (e << 4));
+  }
+}
+
+// Coded scales ([heads, 1, 2 + d / 2] bytes) decoded to float16 [heads, 1, d] on the CPU.
+COMB_INLINE void decode_key_scales_cpu(const uint8_t* in, int64_t heads, int64_t d, at::Half* out) {
+  for (int64_t h = 0; h < heads; ++h, in += 2 + d / 2, out += d) {
+    const at::Half big(static_cast<uint16_t>(in[0] | (in[1] << 8)), at::Half::from_bits());
+    const float top = static_cast<float>(big);
+    for (int64_t j = 0; j < d; ++j) {
+      const int e = j % 2 == 0 ? in[2 + j / 2] & 15 : in[2 + j / 2] >> 4;
+      out[j] = at::Half(top * kInt4ScaleSteps[e]);
+    }
+  }
+}
+
 // Keys [heads, n, d] (float32, contiguous): codes and a scale per channel over the tokens
-// ([heads, 1, d]), or per row ([heads, n, 1]).
-COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys_cpu(const at::Tensor& k, float levels, bool per_channel) {
+// ([heads, 1, d]), or per row ([heads, n, 1]); `coded`: per channel, the scales coded
+// (code_int4_key_scales: [heads, 1, 2 + d / 2] bytes), the codes computed with what they stand for.
+COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys_cpu(const at::Tensor& k, float levels, bool per_channel,
+                                                                bool coded = false) {
   const int64_t heads = k.size(0), n = k.size(1), d = k.size(2);
   at::Tensor kq = at::empty({heads, n, d}, at::kChar);
-  at::Tensor ks = per_channel ? at::empty({heads, 1, d}, at::kHalf) : at::empty({heads, n, 1}, at::kHalf);
+  at::Tensor ks = coded        ? at::empty({heads, 1, 2 + d / 2}, at::kByte)
+                  : per_channel ? at::empty({heads, 1, d}, at::kHalf)
+                                : at::empty({heads, n, 1}, at::kHalf);
   const float* kp = k.data_ptr<float>();
   int8_t* kqp = kq.data_ptr<int8_t>();
-  at::Half* ksp = ks.data_ptr<at::Half>();
   if (!per_channel) {
-    quantize_rows_cpu(kp, heads * n, d, levels, kqp, ksp);
+    quantize_rows_cpu(kp, heads * n, d, levels, kqp, ks.data_ptr<at::Half>());
     return {kq, ks};
   }
   std::vector<float> m(d), scale(d);
+  std::vector<at::Half> s(d), used(d);
+  std::unique_ptr<bool[]> zero(new bool[d]);
   for (int64_t h = 0; h < heads; ++h) {
     std::fill(m.begin(), m.end(), 0.0f);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < d; ++j) m[j] = std::max(m[j], std::fabs(kp[(h * n + t) * d + j]));
-    for (int64_t j = 0; j < d; ++j) {
-      ksp[h * d + j] = int8_scale(m[j], levels);
-      scale[j] = static_cast<float>(ksp[h * d + j]);
-    }
+    // zero: a channel whose scale is int8_scale's 1 for nothing to scale (amax / levels not above 0)
+    for (int64_t j = 0; j < d; ++j) s[j] = int8_scale(m[j], levels), zero[j] = !(m[j] / levels > 0.0f);
+    if (coded)
+      code_key_scales_head(s.data(), zero.get(), d, ks.data_ptr<uint8_t>() + h * (2 + d / 2), used.data());
+    else
+      std::copy(s.begin(), s.end(), ks.data_ptr<at::Half>() + h * d);
+    for (int64_t j = 0; j < d; ++j) scale[j] = static_cast<float>(coded ? used[j] : s[j]);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < d; ++j) kqp[(h * n + t) * d + j] = code(kp[(h * n + t) * d + j], scale[j], levels);
   }
@@ -132,11 +176,12 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys_cpu(const at::Tensor
 }
 
 COMB_INLINE std::array<at::Tensor, 4> quantize_int8_cpu(const at::Tensor& k, const at::Tensor& v, float key_levels,
-                                                        float value_levels, bool keys_per_channel) {
+                                                        float value_levels, bool keys_per_channel,
+                                                        bool coded_key_scales = false) {
   const int64_t heads = v.size(0), n = v.size(1), d = v.size(2);
   at::Tensor vq = at::empty({heads, n, d}, at::kChar), vs = at::empty({heads, n, 1}, at::kHalf);
   quantize_rows_cpu(v.data_ptr<float>(), heads * n, d, value_levels, vq.data_ptr<int8_t>(), vs.data_ptr<at::Half>());
-  auto [kq, ks] = quantize_keys_cpu(k, key_levels, keys_per_channel);
+  auto [kq, ks] = quantize_keys_cpu(k, key_levels, keys_per_channel, coded_key_scales);
   return {kq, ks, vq, vs};
 }
 
@@ -151,10 +196,43 @@ COMB_INLINE at::Tensor scales_of(const at::Tensor& amax, float levels) {
 COMB_INLINE at::Tensor codes_of(const at::Tensor& x, const at::Tensor& scales, float levels) {
   return (x / scales.to(at::kFloat)).round().clamp(-levels, levels).to(at::kChar).contiguous();
 }
-COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys(const at::Tensor& k, float levels, bool per_channel) {
-  if (k.device().is_cpu()) return quantize_keys_cpu(k.contiguous(), levels, per_channel);
-  at::Tensor ks = scales_of(k.abs().amax(per_channel ? 1 : 2, /*keepdim=*/true), levels).contiguous();
-  return {codes_of(k, ks, levels), ks};
+// code_int4_key_scales and int4_key_scales by tensor ops (any device; the CPU's loops give the same
+// bytes and scales).
+COMB_INLINE at::Tensor int4_scale_steps(const at::Tensor& big) {
+  at::Tensor steps = at::from_blob(const_cast<float*>(kInt4ScaleSteps), {16}, at::kFloat).to(big.device());
+  return (big.to(at::kFloat) * steps).to(at::kHalf);  // [heads, 1, 16]
+}
+COMB_INLINE std::pair<at::Tensor, at::Tensor> code_int4_key_scales_ops(const at::Tensor& scales,
+                                                                       const at::Tensor& zero) {
+  at::Tensor big = at::where(zero, at::zeros_like(scales), scales).amax(-1, /*keepdim=*/true);
+  big = at::where(big > 0, big, at::ones_like(big)).contiguous();
+  at::Tensor step = int4_scale_steps(big);
+  at::Tensor e = (step.unsqueeze(-2) >= scales.unsqueeze(-1)).sum(-1) - 1;  // the steps fall: a prefix
+  e = at::where(zero, at::full_like(e, 15), e.clamp_min(0));
+  at::Tensor used = at::gather(step, -1, e).contiguous();
+  at::Tensor nibbles = e.to(at::kByte);
+  at::Tensor packed = at::bitwise_or(nibbles.slice(-1, 0, c10::nullopt, 2),
+                                     at::bitwise_left_shift(nibbles.slice(-1, 1, c10::nullopt, 2), 4));
+  return {at::cat({big.view(at::kByte), packed}, -1).contiguous(), used};
+}
+COMB_INLINE at::Tensor decode_int4_key_scales_ops(const at::Tensor& coded) {
+  const int64_t heads = coded.size(0), d = (coded.size(2) - 2) * 2;
+  at::Tensor big = coded.narrow(-1, 0, 2).contiguous().view(at::kHalf);  // [heads, 1, 1]
+  at::Tensor bytes = coded.narrow(-1, 2, d / 2);
+  at::Tensor e = at::stack({at::bitwise_and(bytes, 15), at::bitwise_right_shift(bytes, 4)}, -1)
+                     .reshape({heads, 1, d})
+                     .to(at::kLong);
+  return at::gather(int4_scale_steps(big), -1, e).contiguous();
+}
+
+COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys(const at::Tensor& k, float levels, bool per_channel,
+                                                            bool coded = false) {
+  if (k.device().is_cpu()) return quantize_keys_cpu(k.contiguous(), levels, per_channel, coded);
+  at::Tensor amax = k.abs().amax(per_channel ? 1 : 2, /*keepdim=*/true);
+  at::Tensor ks = scales_of(amax, levels).contiguous();
+  if (!coded) return {codes_of(k, ks, levels), ks};
+  auto [bytes, used] = code_int4_key_scales_ops(ks, (amax / at::full({}, levels, amax.options()) > 0).logical_not());
+  return {codes_of(k, used, levels), bytes};
 }
 
 COMB_INLINE float hadamard_norm(int64_t d) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))); }
@@ -222,7 +300,8 @@ COMB_INLINE void rotated_int4_head_cpu(const uint8_t* codes, const float* scales
 }
 
 // Rotated int4 keys read as float32 and rotated back on the CPU, one head at a time.
-COMB_INLINE at::Tensor rotated_int4_keys_float_cpu(const at::Tensor& packed, const at::Tensor& scales) {
+COMB_INLINE at::Tensor rotated_int4_keys_float_cpu(const at::Tensor& packed, const at::Tensor& coded_or_half) {
+  const at::Tensor scales = int4_key_scales(packed, coded_or_half);
   const bool per_channel = int4_keys_per_channel(packed, scales);
   const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
   at::Tensor p = packed.contiguous(), sc = scales.to(at::kFloat).contiguous();
@@ -295,8 +374,9 @@ struct Int8BlockRead {
   std::array<at::Tensor, 4> out;  // key codes, key scales, value codes, value scales
   at::Tensor keys, key_scales, values;  // the inputs read by run (contiguous), where converted
   bool per_channel_in = false;
-  // Prepares the rotated int4 keys `packed` with their float16 `scales` to be read as int8.
-  void prepare_int4_keys(const at::Tensor& packed, const at::Tensor& scales) {
+  // Prepares the rotated int4 keys `packed` with their scales (float16, or coded) to be read as int8.
+  void prepare_int4_keys(const at::Tensor& packed, const at::Tensor& coded_or_half) {
+    const at::Tensor scales = int4_key_scales(packed, coded_or_half);
     per_channel_in = int4_keys_per_channel(packed, scales);
     const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
     keys = packed.contiguous(), key_scales = scales.to(at::kFloat).contiguous();
@@ -391,10 +471,46 @@ COMB_INLINE at::Tensor hadamard_rows(const at::Tensor& x) {
   return (y * at::full({}, detail::document_kv::hadamard_norm(d), y.options())).view(x.sizes());
 }
 
-COMB_INLINE at::Tensor rotated_int4_keys_float(const at::Tensor& packed, const at::Tensor& scales) {
-  if (packed.device().is_cpu()) return detail::document_kv::rotated_int4_keys_float_cpu(packed, scales);
+COMB_INLINE at::Tensor rotated_int4_keys_float(const at::Tensor& packed, const at::Tensor& coded_or_half) {
+  if (packed.device().is_cpu()) return detail::document_kv::rotated_int4_keys_float_cpu(packed, coded_or_half);
+  const at::Tensor scales = int4_key_scales(packed, coded_or_half);
   detail::document_kv::int4_keys_per_channel(packed, scales);  // the same checks (sizes only)
   return hadamard_rows(unpack_int4(packed).to(at::kFloat) * scales.to(at::kFloat));
+}
+
+COMB_INLINE std::pair<at::Tensor, at::Tensor> code_int4_key_scales(const at::Tensor& scales, const at::Tensor& zero) {
+  COMB_CHECK(scales.dim() == 3 && scales.size(1) == 1 && scales.size(2) % 2 == 0 && scales.scalar_type() == at::kHalf &&
+                 zero.sizes() == scales.sizes() && zero.scalar_type() == at::kBool && zero.device() == scales.device(),
+             "coding int4 key scales: expected float16 scales [n_head_kv, 1, head_dim] (head_dim even) and a bool "
+             "mask of their size on their device, found {} [{}] and {} [{}]",
+             c10::toString(scales.scalar_type()), fmt::join(scales.sizes(), ", "), c10::toString(zero.scalar_type()),
+             fmt::join(zero.sizes(), ", "));
+  COMB_CHECK((scales > 0).logical_and(scales.isfinite()).all().item<bool>(),
+             "coding int4 key scales: every scale must be a finite positive number");
+  if (!scales.device().is_cpu()) return detail::document_kv::code_int4_key_scales_ops(scales, zero);
+  const int64_t heads = scales.size(0), d = scales.size(2);
+  at::Tensor s = scales.contiguous(), z = zero.contiguous();
+  at::Tensor bytes = at::empty({heads, 1, 2 + d / 2}, at::kByte), used = at::empty({heads, 1, d}, at::kHalf);
+  for (int64_t h = 0; h < heads; ++h)
+    detail::document_kv::code_key_scales_head(s.data_ptr<at::Half>() + h * d, z.data_ptr<bool>() + h * d, d,
+                                              bytes.data_ptr<uint8_t>() + h * (2 + d / 2),
+                                              used.data_ptr<at::Half>() + h * d);
+  return {bytes, used};
+}
+
+COMB_INLINE at::Tensor int4_key_scales(const at::Tensor& packed, const at::Tensor& scales) {
+  if (scales.scalar_type() != at::kByte) return scales;
+  COMB_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && scales.dim() == 3 &&
+                 scales.size(0) == packed.size(0) && scales.size(1) == 1 && scales.size(2) == 2 + packed.size(2) &&
+                 scales.device() == packed.device(),
+             "int4 keys [{}] ({}): expected coded scales [{}, 1, {}] (uint8) on their device, found [{}] on {}",
+             fmt::join(packed.sizes(), ", "), c10::toString(packed.scalar_type()), packed.dim() == 3 ? packed.size(0) : 0,
+             packed.dim() == 3 ? 2 + packed.size(2) : 0, fmt::join(scales.sizes(), ", "), scales.device().str());
+  if (!scales.device().is_cpu()) return detail::document_kv::decode_int4_key_scales_ops(scales);
+  const int64_t heads = scales.size(0), d = 2 * packed.size(2);
+  at::Tensor in = scales.contiguous(), out = at::empty({heads, 1, d}, at::kHalf);
+  detail::document_kv::decode_key_scales_cpu(in.data_ptr<uint8_t>(), heads, d, out.data_ptr<at::Half>());
+  return out;
 }
 
 namespace detail::document_kv {
@@ -527,13 +643,14 @@ COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype)
         k = hadamard_rows(k.to(at::kFloat));
       }
       const bool per_channel = keys_per_channel(k.size(1), k.size(2), dtype);
+      const bool coded = dtype == kCacheInt4 && codes_int4_key_scales(k.size(1), k.size(2));
       if (k.device().is_cpu() && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat) {
         auto q = detail::document_kv::quantize_int8_cpu(k.contiguous(), v.contiguous(), key_levels, value_levels,
-                                                        per_channel);
+                                                        per_channel, coded);
         kq = q[0], ks = q[1], vq = q[2], vs = q[3];
       } else {
         v = v.to(at::kFloat);
-        std::tie(kq, ks) = detail::document_kv::quantize_keys(k.to(at::kFloat), key_levels, per_channel);
+        std::tie(kq, ks) = detail::document_kv::quantize_keys(k.to(at::kFloat), key_levels, per_channel, coded);
         vs = detail::document_kv::scales_of(v.abs().amax(2, true), value_levels).contiguous();
         vq = detail::document_kv::codes_of(v, vs, value_levels);
       }

@@ -66,7 +66,8 @@ struct DiskHeader {
                      // values per row; written before), 4 (float16 scales, keys per channel), 5
                      // (float16 scales, keys per row); int4 values (float16 scales): 6 and 7 (int8
                      // keys per channel, per row), 10 and 11 (int4 keys rotated, per channel, per
-                     // row; 8 and 9 were int4 keys not rotated, written before: refused)
+                     // row; 8 and 9 were int4 keys not rotated, written before: refused), 12 (int4
+                     // keys rotated, per channel, the scales coded: per head 2 + head_dim / 2 bytes)
   uint32_t n_blocks, n_head_kv, head_dim, reserved;
   uint64_t n_tokens, payload_bytes, checksum;  // checksum: XXH3-64 of the payload
   uint64_t key_high, key_low;
@@ -92,6 +93,8 @@ COMB_INLINE c10::ScalarType code_key_type(uint32_t c) {
 }
 COMB_INLINE c10::ScalarType code_value_type(uint32_t c) { return c <= 5 ? code_key_type(c) : at::kByte; }
 COMB_INLINE bool code_key_rows(uint32_t c) { return c == 5 || c == 7 || c == 11; }
+// Whether an entry of code `c` keeps its key scales coded (int4 keys: code_int4_key_scales).
+COMB_INLINE bool code_key_scales_coded(uint32_t c) { return c == 12; }
 // int8 entries: 4 with float16 scales and keys scaled per channel, 5 with float16 scales and keys
 // per row (as quantize_int8_cpu writes them), 3 with float32 scales and keys per channel (as comb
 // wrote int8 before).
@@ -99,6 +102,12 @@ COMB_INLINE uint32_t entry_code(const DocumentKV& kv) {
   const uint32_t c = dtype_code(kv.dtype());
   if (c < 3) return c;
   const at::Tensor& ks = kv.key_scales.at(0);
+  if (ks.scalar_type() == at::kByte) {  // coded int4 key scales: checked as a reader checks them
+    COMB_CHECK(c == 10, "{} entry: key scales of uint8 (coded int4 key scales belong to int4 entries)",
+               cache_dtype_name(kv.dtype()));
+    int4_key_scales(kv.keys.at(0), ks);
+    return 12;
+  }
   // [n_head_kv, 1, head_dim] per channel, [n_head_kv, n_tokens, 1] per row (the same numbers when
   // both are 1: a one-token document of head_dim 1).
   const bool per_channel = ks.size(1) == 1 && ks.size(2) == kv.head_dim();
@@ -130,7 +139,15 @@ COMB_INLINE std::string serialize(const CacheKey& key, const DocumentKV& kv) {
     if (kv.quantized()) parts.insert(parts.end(), {&kv.key_scales.at(b), &kv.value_scales.at(b)});
     for (size_t i = 0; i < parts.size(); ++i) {
       at::Tensor c = parts[i]->to(at::kCPU).contiguous();
-      if (i >= 2) c = c.to(scale_dtype(h.dtype));  // both scales in the entry's scale dtype
+      // Both scales in the entry's scale dtype (coded key scales: their bytes, checked as of the
+      // first block's form).
+      if (i == 2)
+        COMB_CHECK((c.scalar_type() == at::kByte) == code_key_scales_coded(h.dtype) &&
+                       (!code_key_scales_coded(h.dtype) ||
+                        c.sizes() == at::IntArrayRef({h.n_head_kv, 1, 2 + h.head_dim / 2})),
+                   "{} entry: block {} has key scales {} [{}]; expected them in block 0's layout", cache_dtype_name(kv.dtype()),
+                   b, c10::toString(c.scalar_type()), fmt::join(c.sizes(), ", "));
+      if (i >= 2 && !(i == 2 && code_key_scales_coded(h.dtype))) c = c.to(scale_dtype(h.dtype));
       payload.append(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
     }
   }
@@ -145,7 +162,7 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
   if (size < sizeof(DiskHeader)) return why = "shorter than its header", std::nullopt;
   DiskHeader h;
   std::memcpy(&h, data, sizeof(h));
-  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 11) return why = "bad magic or version", std::nullopt;
+  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 12) return why = "bad magic or version", std::nullopt;
   if (h.dtype == 8 || h.dtype == 9) return why = "int4 keys not rotated (written by an older build)", std::nullopt;
   if (h.key_high != key.high || h.key_low != key.low) return why = "holds another key", std::nullopt;
   const c10::ScalarType key_type = code_key_type(h.dtype), value_type = code_value_type(h.dtype);
@@ -153,7 +170,7 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
   // not trusted to size a tensor.
   // key_block, value_block: one block's K or V (int4: head_dim / 2 bytes a row); scales: a
   // quantized block's key and value scales (float16; float32 for dtype 3).
-  const bool int8 = h.dtype >= 3, key_rows = code_key_rows(h.dtype);
+  const bool int8 = h.dtype >= 3, key_rows = code_key_rows(h.dtype), coded = code_key_scales_coded(h.dtype);
   if ((key_type == at::kByte || value_type == at::kByte) && h.head_dim % 2 != 0)
     return why = "int4 codes with an odd head_dim", std::nullopt;
   if (key_type == at::kByte && !DocumentKV::rotates_int4_keys(static_cast<int64_t>(h.head_dim)))
@@ -162,11 +179,16 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
     return t == at::kByte ? uint64_t(h.head_dim) / 2 : uint64_t(h.head_dim) * c10::elementSize(t);
   };
   const uint64_t scale_bytes = c10::elementSize(scale_dtype(h.dtype));
+  // A head's key scales: coded (2 + head_dim / 2 bytes), per row or per channel.
   uint64_t key_block = 0, value_block = 0, scales = 0, kv_bytes = 0, per_block = 0, total = 0;
-  const bool wraps = __builtin_mul_overflow(uint64_t(h.n_head_kv) * row_bytes(key_type), h.n_tokens, &key_block) ||
+  uint64_t key_scale_bytes = 2 + uint64_t(h.head_dim) / 2, value_scale_bytes = 0, head_scale_bytes = 0;
+  const bool wraps = (!coded && __builtin_mul_overflow(uint64_t(key_rows ? h.n_tokens : h.head_dim), scale_bytes,
+                                                       &key_scale_bytes)) ||
+                     __builtin_mul_overflow(uint64_t(h.n_head_kv) * row_bytes(key_type), h.n_tokens, &key_block) ||
                      __builtin_mul_overflow(uint64_t(h.n_head_kv) * row_bytes(value_type), h.n_tokens, &value_block) ||
-                     __builtin_mul_overflow(uint64_t(h.n_head_kv),
-                                            (uint64_t(key_rows ? h.n_tokens : h.head_dim) + h.n_tokens) * scale_bytes, &scales) ||
+                     __builtin_mul_overflow(uint64_t(h.n_tokens), scale_bytes, &value_scale_bytes) ||
+                     __builtin_add_overflow(key_scale_bytes, value_scale_bytes, &head_scale_bytes) ||
+                     __builtin_mul_overflow(uint64_t(h.n_head_kv), head_scale_bytes, &scales) ||
                      __builtin_add_overflow(key_block, value_block, &kv_bytes) ||
                      __builtin_add_overflow(kv_bytes, int8 ? scales : 0, &per_block) ||
                      __builtin_mul_overflow(per_block, uint64_t(h.n_blocks), &total);
@@ -190,13 +212,17 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
     kv.values.push_back(v);
     if (!int8) continue;
     const c10::ScalarType scale_type = scale_dtype(h.dtype);
-    at::Tensor ks = key_rows ? at::empty({h.n_head_kv, static_cast<int64_t>(h.n_tokens), 1}, scale_type)
-                             : at::empty({h.n_head_kv, 1, h.head_dim}, scale_type);
+    at::Tensor ks = coded     ? at::empty({h.n_head_kv, 1, 2 + h.head_dim / 2}, at::kByte)
+                    : key_rows ? at::empty({h.n_head_kv, static_cast<int64_t>(h.n_tokens), 1}, scale_type)
+                               : at::empty({h.n_head_kv, 1, h.head_dim}, scale_type);
     at::Tensor vs = at::empty({h.n_head_kv, static_cast<int64_t>(h.n_tokens), 1}, scale_type);
-    std::memcpy(ks.data_ptr(), src + kv_bytes, ks.numel() * scale_bytes);
-    std::memcpy(vs.data_ptr(), src + kv_bytes + ks.numel() * scale_bytes, vs.numel() * scale_bytes);
-    // Scales are checked like the rest: a scale that is not a finite positive number is refused.
-    if (!(ks > 0).all().item<bool>() || !(vs > 0).all().item<bool>() || !ks.isfinite().all().item<bool>() ||
+    const uint64_t ks_bytes = ks.numel() * ks.element_size();
+    std::memcpy(ks.data_ptr(), src + kv_bytes, ks_bytes);
+    std::memcpy(vs.data_ptr(), src + kv_bytes + ks_bytes, vs.numel() * scale_bytes);
+    // Scales are checked like the rest: a scale that is not a finite positive number is refused
+    // (coded ones as the float16 scales they stand for).
+    const at::Tensor kf = coded ? int4_key_scales(k, ks) : ks;
+    if (!(kf > 0).all().item<bool>() || !(vs > 0).all().item<bool>() || !kf.isfinite().all().item<bool>() ||
         !vs.isfinite().all().item<bool>())
       return why = "an int8 scale is not a finite positive number", std::nullopt;
     kv.key_scales.push_back(ks);
@@ -357,8 +383,11 @@ struct PICacheStore::Impl {
   c10::ScalarType dtype_for(const DocumentKV& kv) const {
     return options.dtype == c10::ScalarType::Undefined ? kv.dtype() : options.dtype;
   }
-  // Bytes `kv` takes once converted to the storage dtype.
+  // Bytes `kv` takes once converted to the storage dtype (its own where it is kept as it is: an
+  // entry of the storage dtype, whose scales may be of another layout than this build writes, as
+  // an int4 entry read from an older build's file).
   int64_t storage_bytes(const DocumentKV& kv) const {
+    if (kv.quantized() && kv.dtype() == dtype_for(kv)) return kv.bytes();
     const at::Tensor& k = kv.keys.at(0);
     return DocumentKV::storage_bytes(dtype_for(kv), static_cast<int64_t>(kv.keys.size()), k.size(0), kv.head_dim(),
                                      k.size(1));
