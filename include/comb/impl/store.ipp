@@ -139,15 +139,15 @@ COMB_INLINE std::string serialize(const CacheKey& key, const DocumentKV& kv) {
     if (kv.quantized()) parts.insert(parts.end(), {&kv.key_scales.at(b), &kv.value_scales.at(b)});
     for (size_t i = 0; i < parts.size(); ++i) {
       at::Tensor c = parts[i]->to(at::kCPU).contiguous();
-      // Both scales in the entry's scale dtype (coded key scales: their bytes, checked as of the
-      // first block's form).
+      // Both scales in the entry's scale dtype, except coded key scales: their bytes. Every block's
+      // key scales in block 0's layout.
+      const bool coded_scales = i == 2 && code_key_scales_coded(h.dtype);
       if (i == 2)
-        COMB_CHECK((c.scalar_type() == at::kByte) == code_key_scales_coded(h.dtype) &&
-                       (!code_key_scales_coded(h.dtype) ||
-                        c.sizes() == at::IntArrayRef({h.n_head_kv, 1, 2 + h.head_dim / 2})),
-                   "{} entry: block {} has key scales {} [{}]; expected them in block 0's layout", cache_dtype_name(kv.dtype()),
-                   b, c10::toString(c.scalar_type()), fmt::join(c.sizes(), ", "));
-      if (i >= 2 && !(i == 2 && code_key_scales_coded(h.dtype))) c = c.to(scale_dtype(h.dtype));
+        COMB_CHECK((c.scalar_type() == at::kByte) == coded_scales &&
+                       (!coded_scales || c.sizes() == at::IntArrayRef({h.n_head_kv, 1, 2 + h.head_dim / 2})),
+                   "{} entry: block {} has key scales {} [{}]; expected them in block 0's layout",
+                   cache_dtype_name(kv.dtype()), b, c10::toString(c.scalar_type()), fmt::join(c.sizes(), ", "));
+      if (i >= 2 && !coded_scales) c = c.to(scale_dtype(h.dtype));
       payload.append(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
     }
   }
