@@ -39,6 +39,13 @@ bool holds(const std::shared_ptr<const DocumentKV>& kv, float tag) {
   return kv && kv->keys[1].eq(tag).all().item<bool>() && kv->values[0].eq(-tag).all().item<bool>();
 }
 const int64_t kEntryBytes = entry(0).bytes();  // 2 blocks x 2 x 8 x 4 floats = 512 bytes
+// Writes a disk entry's bytes to `path` with the checksum (header bytes 48-55) made right for its
+// payload (after the 72-byte header), so that a reader gets past the checksum to what was changed.
+void write_sealed(const std::string& path, std::string bytes) {
+  const uint64_t sum = XXH3_64bits(bytes.data() + 72, bytes.size() - 72);
+  std::memcpy(&bytes[48], &sum, 8);
+  write_bytes(path, bytes);
+}
 }  // namespace
 
 TEST_CASE("cache keys separate documents, plug-ins and tenants", "[store]") {
@@ -228,8 +235,7 @@ TEST_CASE("pins hold through replacements and full tiers; entries come in the st
     put32(12, 0);                                      // float32
     put32(16, 1), put32(20, 1), put32(24, 1);          // n_blocks, n_head_kv, head_dim
     put64(32, (uint64_t(1) << 62) + 1), put64(40, 8);  // n_tokens, payload_bytes
-    put64(48, XXH3_64bits(bytes.data() + 72, 8));
-    write_bytes(path, bytes);
+    write_sealed(path, bytes);
     CHECK(store.get(key_of(1)) == nullptr);
     CHECK(store.stats().corrupt == 1);
     CHECK_FALSE(fs::exists(path));
@@ -453,9 +459,7 @@ TEST_CASE("int8 entries: keys scaled per channel (per row when short), values pe
     // Block 0's first key scale, after its K and V codes, made -1 (and the checksum made right).
     const float bad = -1;
     std::memcpy(&bytes[72 + 2 * 2 * 40 * 16], &bad, 4);
-    const uint64_t sum = XXH3_64bits(bytes.data() + 72, bytes.size() - 72);
-    std::memcpy(&bytes[48], &sum, 8);
-    write_bytes(path, bytes);
+    write_sealed(path, bytes);
     CHECK(store.get(key_of(2)) == nullptr);
     CHECK(store.stats().corrupt == 1);
   }
@@ -929,9 +933,7 @@ TEST_CASE("int4 key scales coded under head_dim tokens: a float16 scale a head, 
     std::string b = stored;
     const size_t at = 72 + 2 * 2 * 5 * 8;  // block 0's key scales, after its K and V codes
     b[at] = char(bad & 0xff), b[at + 1] = char(bad >> 8);
-    const uint64_t sum = XXH3_64bits(b.data() + 72, b.size() - 72);
-    std::memcpy(&b[48], &sum, 8);
-    write_bytes(path, b);
+    write_sealed(path, b);
     PICacheStore reader(options);
     CHECK(reader.get(key_of(1)) == nullptr);
     CHECK(reader.stats().corrupt == 1);
