@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <tuple>
 #include <unistd.h>
 
 #define XXH_INLINE_ALL  // the disk format's checksum, without linking xxHash
@@ -280,6 +281,35 @@ std::pair<at::Tensor, at::Tensor> coded_scales_reference(const at::Tensor& scale
   return {bytes, used};
 }
 
+// Rotated keys [heads, n, d] coded centred as DocumentKV's header describes it, by plain loops
+// (std::nearbyint for rounding): the int8 codes in [-8, 7] and the coded scales with the centres
+// [heads, 1, 2 + d / 2 + d].
+std::pair<at::Tensor, at::Tensor> centred_reference(const at::Tensor& x) {
+  const int64_t heads = x.size(0), n = x.size(1), d = x.size(2);
+  at::Tensor s = at::empty({heads, 1, d}, at::kHalf), zero = at::empty({heads, 1, d}, at::kBool);
+  std::vector<float> mid(heads * d);
+  auto a = x.accessor<float, 3>();
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t j = 0; j < d; ++j) {
+      float lo = a[h][0][j], hi = a[h][0][j];
+      for (int64_t t = 1; t < n; ++t) lo = std::min(lo, a[h][t][j]), hi = std::max(hi, a[h][t][j]);
+      mid[h * d + j] = (lo + hi) * 0.5f;
+      const float w = std::max((hi - lo) / 15.0f, std::fabs(mid[h * d + j]) / 127.0f);
+      s[h][0][j] = float(at::Half(w > 0 ? std::min(std::max(w, 6.103515625e-05f), 65504.0f) : 1.0f));
+      zero[h][0][j] = !(w > 0);
+    }
+  auto [bytes, used] = coded_scales_reference(s, zero);
+  at::Tensor centres = at::empty({heads, 1, d}, at::kChar), q = at::empty({heads, n, d}, at::kChar);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t j = 0; j < d; ++j) {
+      const float sc = used[h][0][j].item<float>();
+      const float m = std::min(127.0f, std::max(-127.0f, std::nearbyint(mid[h * d + j] / sc + 0.5f)));
+      centres[h][0][j] = int(m);
+      for (int64_t t = 0; t < n; ++t) q[h][t][j] = int(std::min(7.0f, std::max(-8.0f, std::nearbyint(a[h][t][j] / sc - m))));
+    }
+  return {q, at::cat({bytes, centres.view(at::kByte)}, -1)};
+}
+
 // Largest error of `q` (read back as float32) against `kv`, relative to each tensor's largest value.
 double relative_error(const DocumentKV& q, const DocumentKV& kv) {
   DocumentKV back = q.to(at::kCPU, at::kFloat);
@@ -337,7 +367,8 @@ TEST_CASE("int8 entries: keys scaled per channel (per row when short), values pe
   CHECK(DocumentKV::keys_per_channel(1, 16, kCacheInt4));            // rotated int4 keys: always
   // int4 under head_dim tokens: per head a float16 scale and 4 bits a channel for the keys.
   CHECK(DocumentKV::storage_bytes(kCacheInt4, 3, 2, 16, 4) == 3 * (2 * 4 * 8 * 2 + 2 * (2 + 8) + 2 * 2 * 4));
-  CHECK(DocumentKV::storage_bytes(kCacheInt4, 3, 2, 16, 16) == 3 * (2 * 16 * 8 * 2 + 2 * 2 * (16 + 16)));
+  // From head_dim tokens on: those and an int8 centre a channel.
+  CHECK(DocumentKV::storage_bytes(kCacheInt4, 3, 2, 16, 16) == 3 * (2 * 16 * 8 * 2 + 2 * (2 + 8 + 16) + 2 * 2 * 16));
   CHECK(DocumentKV::storage_bytes(at::kFloat, 3, 2, 16, 40) == 3 * 2 * 2 * 40 * 16 * 4);
   // int8 again is the same codes; zeros stay zeros (scale 1, no division by zero).
   CHECK(q.to(at::kCPU, at::kChar).keys[1].equal(q.keys[1]));
@@ -521,8 +552,9 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
       // int8-int4's and int8's from 8 tokens on.
       const int dim = DocumentKV::keys_per_channel(n, 16, form) ? 1 : 2;
       CHECK(dim == (keys4 || n >= 8 ? 1 : 2));
-      const bool coded = keys4 && n < 16;
+      const bool coded = keys4 && n < 16, centred = keys4 && n >= 16;
       CHECK(DocumentKV::codes_int4_key_scales(n, 16) == (n < 16));
+      CHECK(DocumentKV::centres_int4_keys(n, 16) == (n >= 16));
       const int dim8 = DocumentKV::keys_per_channel(n, 16) ? 1 : 2;
       for (size_t b = 0; b < 3; ++b) {
         // int4 keys are coded rotated (hadamard_rows), int8-int4's as they are.
@@ -536,6 +568,11 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
           CHECK((used.to(at::kFloat) >= ks.to(at::kFloat)).all().item<bool>());
           kq = (x / used.to(at::kFloat)).round().clamp(-7, 7).to(at::kChar);
           ks = used;
+        } else if (centred) {  // the coded scales with the centres, codes in [-8, 7]
+          auto [cq, cbytes] = centred_reference(hadamard_rows(in->keys[b]));
+          CHECK(q.key_scales[b].equal(cbytes));
+          kq = cq;
+          ks = int4_key_scales(q.keys[b], q.key_scales[b]);
         } else {
           CHECK(q.key_scales[b].equal(ks));
         }
@@ -552,7 +589,9 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
           CHECK(unpack_int4(q.keys[b]).equal(kq));
           // Read: the rotated rows rotated back and coded again as int8 keys; the CPU's one pass
           // gives the tensor ops' numbers exactly.
-          auto [k8, ks8] = reference(hadamard_rows(kq.to(at::kFloat) * ks.to(at::kFloat)), dim8, 127.0);
+          const at::Tensor centre = centred ? int4_key_centres(q.keys[b], q.key_scales[b]).to(at::kFloat)
+                                            : at::zeros({1}, at::kFloat);
+          auto [k8, ks8] = reference(hadamard_rows((kq.to(at::kFloat) + centre) * ks.to(at::kFloat)), dim8, 127.0);
           CHECK(codes.keys[b].equal(k8));
           CHECK(codes.key_scales[b].equal(ks8));
           // Within a bound from the arithmetic: each rotated element is off by at most half its
@@ -572,8 +611,8 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
         CHECK(back.keys[b].equal(q.to(at::kCPU, at::kChar).to(at::kCPU, at::kFloat).keys[b]));
       }
       // Bytes: half a byte a code (a byte for int8 keys), the int8 layout's float16 scales (int4
-      // keys' coded: 2 + 8 bytes a head).
-      const int64_t key_scales = coded ? 2 * (2 + 8) : 2 * 2 * (dim == 1 ? 16 : n);
+      // keys' coded: 2 + 8 bytes a head, with the centres 2 + 8 + 16).
+      const int64_t key_scales = coded ? 2 * (2 + 8) : centred ? 2 * (2 + 8 + 16) : 2 * 2 * (dim == 1 ? 16 : n);
       const int64_t expected = 3 * ((keys4 ? 2 * n * 8 : 2 * n * 16) + 2 * n * 8 + key_scales + 2 * 2 * n);
       CHECK(q.bytes() == expected);
       CHECK(DocumentKV::storage_bytes(form, 3, 2, 16, n) == expected);
@@ -630,11 +669,12 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
       const std::string path = options.disk_dir + "/" + key_of(1).hex() + ".kv";
       std::string bytes = read_bytes(path);
       if (form == kCacheInt4) {
-        // int4 keys are written as dtype 10 (per channel) and 11 (per row); 8 and 9, the int4 keys
-        // an older build wrote without the rotation, are refused, not misread.
+        // int4 keys are written as dtype 13 (centred, from head_dim tokens on) and 12 (under); 10
+        // and 11 (float16 scales per channel, per row) are read; 8 and 9, the int4 keys an older
+        // build wrote without the rotation, are refused, not misread.
         uint32_t code = 0;
         std::memcpy(&code, &bytes[12], 4);
-        CHECK(code == 10);
+        CHECK(code == 13);
         std::string old_bytes = bytes;
         const uint32_t old_code = 8;
         std::memcpy(&old_bytes[12], &old_code, 4);
@@ -843,7 +883,6 @@ TEST_CASE("int4 key scales coded under head_dim tokens: a float16 scale a head, 
   CHECK_FALSE(DocumentKV::codes_int4_key_scales(64, 64));
   // The default model's shape (28 blocks of 3 heads of 64): codes, value scales, key scales.
   CHECK(DocumentKV::storage_bytes(kCacheInt4, 28, 3, 64, 17) == 28 * 3 * (17 * 64 + 2 * 17 + (2 + 32)));
-  CHECK(DocumentKV::storage_bytes(kCacheInt4, 28, 3, 64, 64) == 28 * 3 * (64 * 64 + 2 * 64 + 2 * 64));
 
   at::manual_seed(31);
   // Scales from 2^-2 to 2^2 (some under their head's largest by more than the steps reach: the
@@ -876,7 +915,7 @@ TEST_CASE("int4 key scales coded under head_dim tokens: a float16 scale a head, 
   CHECK((uf.masked_select(mid) <= sf.masked_select(mid) * 1.09051 * 1.0010).all().item<bool>());
   CHECK((live & (e == 15)).any().item<bool>());  // the range reaches past the last step
   CHECK_THROWS_WITH(int4_key_scales(packed, bytes.narrow(-1, 0, 9).contiguous()),
-                    Catch::Contains("expected coded scales [4, 1, 34] (uint8)"));
+                    Catch::Contains("expected coded scales [4, 1, 34] or, centred, [4, 1, 98] (uint8)"));
   CHECK_THROWS_WITH(code_int4_key_scales(s.to(at::kFloat), zero), Catch::Contains("expected float16 scales"));
   CHECK_THROWS_WITH(code_int4_key_scales(at::where(zero, at::full_like(s, NAN), s), zero),
                     Catch::Contains("finite positive"));
@@ -938,6 +977,128 @@ TEST_CASE("int4 key scales coded under head_dim tokens: a float16 scale a head, 
     CHECK(reader.get(key_of(1)) == nullptr);
     CHECK(reader.stats().corrupt == 1);
   }
+}
+
+TEST_CASE("int4 keys coded centred from head_dim tokens: an int8 centre a channel, codes in [-8, 7]; loops, tensor "
+          "ops and a reference give the same bytes; within half a step; kept through disk",
+          "[store]") {
+  CHECK_FALSE(DocumentKV::centres_int4_keys(63, 64));
+  CHECK(DocumentKV::centres_int4_keys(64, 64));
+  // The default model's shape: from 64 tokens on, the coded scales and 64 centres a head.
+  CHECK(DocumentKV::storage_bytes(kCacheInt4, 28, 3, 64, 64) == 28 * 3 * (64 * 64 + 2 * 64 + (2 + 32 + 64)));
+  CHECK(DocumentKV::storage_bytes(kCacheInt4, 28, 3, 64, 63) == 28 * 3 * (63 * 64 + 2 * 63 + (2 + 32)));
+
+  // Rotated keys x of 3 heads, 20 tokens, head_dim 16: channels off zero by up to a few times
+  // their spread, a channel of zeros, a constant one (no spread: its centre alone), and one whose
+  // offset is 2,560 times its spread (its scale then |mid| / 127 or more). Multiples of 1/64 under
+  // 2^9, so that the rotation and its inverse are exact: the writer rotates the keys back to x.
+  at::manual_seed(41);
+  const int64_t n = 20, d = 16;
+  at::Tensor x = at::randn({3, n, d}) * at::exp2(at::rand({3, 1, d}) * 4 - 2) + at::randn({3, 1, d}) * 5;
+  x[0].select(1, 3).fill_(0.0f);
+  x[0].select(1, 4).fill_(-2.5f);
+  x[1].select(1, 7).copy_(40.0f + (at::rand({n}) < 0.5).to(at::kFloat) / 64.0f);
+  x = (x * 64.0f).round() / 64.0f;
+  DocumentKV kv;
+  kv.n_tokens = n;
+  kv.keys = {hadamard_rows(x)};
+  kv.values = {at::randn({3, n, d})};
+  REQUIRE(hadamard_rows(kv.keys[0]).equal(x));
+  auto [ref_q, ref_bytes] = centred_reference(x);
+  const DocumentKV q = kv.to(at::kCPU, kCacheInt4);
+  REQUIRE(q.key_scales[0].sizes() == at::IntArrayRef({3, 1, 2 + 8 + 16}));
+  CHECK(q.key_scales[0].equal(ref_bytes));
+  CHECK(unpack_int4(q.keys[0]).equal(ref_q));
+  auto [op_q, op_bytes] = comb::detail::document_kv::code_centred_int4_keys_ops(x);
+  CHECK(op_bytes.equal(ref_bytes));
+  CHECK(op_q.equal(ref_q));
+  CHECK(ref_q.min().item<int>() == -8);  // the codes use all sixteen values
+  CHECK(ref_q.max().item<int>() == 7);
+  const at::Tensor used = int4_key_scales(q.keys[0], q.key_scales[0]).to(at::kFloat);
+  const at::Tensor m = int4_key_centres(q.keys[0], q.key_scales[0]);
+  REQUIRE(m.scalar_type() == at::kChar);
+  CHECK(m.equal(ref_bytes.narrow(-1, 10, 16).contiguous().view(at::kChar)));
+  CHECK(m[0][0][3].item<int>() == 0);             // zeros: centre 0, codes 0
+  CHECK((ref_q[0].select(1, 3) == 0).all().item<bool>());
+  CHECK(m.abs().max().item<int>() <= 127);
+  CHECK(int4_key_centres(q.keys[0], q.key_scales[0].narrow(-1, 0, 10).contiguous()).defined() == false);
+  CHECK_FALSE(int4_key_centres(q.keys[0], used.to(at::kHalf)).defined());
+  // Each element (q + m) * s within half its step of the key (two float16 roundings of 2^-11 on
+  // the scale leave the clamped ends at most 8 * 2^-10 steps out), read on the CPU by the loops and
+  // by the tensor ops alike.
+  const at::Tensor xr = (unpack_int4(q.keys[0]).to(at::kFloat) + m.to(at::kFloat)) * used;
+  CHECK(((xr - x).abs() <= used * 0.51).all().item<bool>());
+  const at::Tensor back = rotated_int4_keys_float(q.keys[0], q.key_scales[0]);
+  CHECK(back.equal(hadamard_rows(xr)));
+  // The error against the symmetric codes of dtype 10 (a float16 scale per channel, fifteen levels
+  // around zero): the same keys, about five times less on these offset channels.
+  at::Tensor s7 = (x.abs().amax(1, true) / 7.0f).to(at::kHalf).to(at::kFloat);
+  s7 = at::where(s7 > 0, s7, at::ones_like(s7));
+  const at::Tensor sym = (x / s7).round().clamp(-7, 7) * s7;
+  INFO("squared error: centred " << (xr - x).pow(2).sum().item<double>() << ", symmetric "
+                                  << (sym - x).pow(2).sum().item<double>());
+  CHECK((xr - x).pow(2).sum().item<double>() * 4 < (sym - x).pow(2).sum().item<double>());
+  // Read as int8 (every reader): the rows rotated back, coded again as int8 keys.
+  const DocumentKV codes = q.int8_codes();
+  at::Tensor s8 = (hadamard_rows(xr).abs().amax(1, true) / 127.0f).to(at::kHalf);
+  CHECK(codes.key_scales[0].equal(s8));
+  CHECK(codes.keys[0].equal((hadamard_rows(xr) / s8.to(at::kFloat)).round().clamp(-127, 127).to(at::kChar)));
+  std::vector<std::vector<at::Tensor>> lk{{q.keys[0]}}, lv{{q.values[0]}}, lks{{q.key_scales[0]}},
+      lvs{{q.value_scales[0]}};
+  dequantize_linked(lk, lv, lks, lvs);
+  CHECK(lk[0][0].equal(q.to(at::kCPU, at::kFloat).keys[0]));
+  CHECK(q.bytes() == DocumentKV::storage_bytes(kCacheInt4, 1, 3, 16, n));
+  CHECK_THROWS_WITH(int4_key_scales(q.keys[0], q.key_scales[0].narrow(-1, 0, 20).contiguous()),
+                    Catch::Contains("or, centred, [3, 1, 26]"));
+
+  // Through disk as dtype 13 and back; a stored dtype-10 entry (float16 scales per channel, as
+  // builds before wrote documents of head_dim tokens or more) is still read as it was.
+  StoreOptions options;
+  options.dtype = kCacheInt4;
+  options.disk_bytes = 1 << 20;
+  options.disk_dir = temp_dir("centred");
+  const DocumentKV long_kv = random_entry(40, 12), lq = long_kv.to(at::kCPU, kCacheInt4);
+  REQUIRE(lq.key_scales[0].sizes() == at::IntArrayRef({2, 1, 2 + 8 + 16}));
+  DocumentKV old10 = lq;  // dtype 10
+  for (size_t b = 0; b < 3; ++b) {
+    const at::Tensor r = hadamard_rows(long_kv.keys[b]);
+    const at::Tensor s10 = (r.abs().amax(1, true) / 7.0f).to(at::kHalf);
+    old10.keys[b] = pack_int4((r / s10.to(at::kFloat)).round().clamp(-7, 7).to(at::kChar));
+    old10.key_scales[b] = s10;
+  }
+  const DocumentKV& old = old10;
+  {
+    PICacheStore writer(options);
+    writer.put(key_of(1), long_kv);
+    writer.put(key_of(2), old);
+  }
+  options.host_bytes = 0;
+  for (const auto& [i, want, code] : {std::make_tuple(1, &lq, 13u), std::make_tuple(2, &old, 10u)}) {
+    INFO("dtype " << code);
+    const std::string path = options.disk_dir + "/" + key_of(i).hex() + ".kv";
+    const std::string stored = read_bytes(path);
+    uint32_t c = 0;
+    std::memcpy(&c, &stored[12], 4);
+    CHECK(c == code);
+    CHECK(int64_t(stored.size()) == 72 + want->bytes());
+    PICacheStore reader(options);
+    auto hit = reader.get(key_of(i));
+    REQUIRE(hit);
+    for (size_t b = 0; b < 3; ++b) {
+      CHECK(hit->keys[b].equal(want->keys[b]));
+      CHECK(hit->key_scales[b].equal(want->key_scales[b]));
+    }
+    CHECK(hit->int8_codes().keys[2].equal(want->int8_codes().keys[2]));
+  }
+  // A coded head scale that is not a finite positive float16 is a corrupt entry here too.
+  const std::string path = options.disk_dir + "/" + key_of(1).hex() + ".kv";
+  std::string bad = read_bytes(path);
+  const size_t at = 72 + 2 * 2 * 40 * 8;  // block 0's key scales, after its K and V codes
+  bad[at] = 0, bad[at + 1] = 0;
+  write_sealed(path, bad);
+  PICacheStore reader(options);
+  CHECK(reader.get(key_of(1)) == nullptr);
+  CHECK(reader.stats().corrupt == 1);
 }
 
 TEST_CASE("a cache directory that cannot be written is a clear error; the store stays usable", "[store][errors]") {

@@ -41,7 +41,15 @@ inline constexpr c10::ScalarType kCacheInt8Int4 = c10::ScalarType::QUInt2x4;
 // / 2], per head the float16 bits of the head's scale S (little-endian), then a 4-bit exponent e
 // per channel packed as int4 codes are (channel 2j low); channel j's scale is float16(S * 2^(-e/8))
 // (the float32 product of S and kInt4ScaleSteps[e], rounded to float16), and the codes are
-// computed with it. Readers take it as the float16 scales it stands for (int4_key_scales).
+// computed with it. Readers take it as the float16 scales it stands for (int4_key_scales). From
+// head_dim tokens on, int4 keys are coded centred (centres_int4_keys): a channel's keys lie mostly
+// on one side of zero, so fifteen levels around zero waste half their range. The scales are coded
+// as above, followed per head by an int8 centre m_j per channel ([n_head_kv, 1, 2 + head_dim / 2 +
+// head_dim] uint8); the codes lie in [-8, 7] and the element is (q + m_j) * s_j. The writer takes
+// per channel lo and hi (the least and largest rotated key), mid = (lo + hi) * 0.5, the scale
+// float16(max((hi - lo) / 15, |mid| / 127)) coded as above (s_j), m_j = round(mid / s_j + 0.5)
+// within [-127, 127] and q = round(x / s_j - m_j) within [-8, 7] (rounding half to even): every
+// element within half a step of its key (int4_key_centres reads the centres).
 struct DocumentKV {
   std::vector<at::Tensor> keys;    // per block: [n_head_kv, n_tokens, head_dim]
   std::vector<at::Tensor> values;  // per block: [n_head_kv, n_tokens, head_dim]
@@ -74,6 +82,11 @@ struct DocumentKV {
   // scale per head and 4 bits per channel): under head_dim tokens, where head_dim float16 scales
   // would cost more than 2 bytes a token (a scale per row's cost).
   static bool codes_int4_key_scales(int64_t n_tokens, int64_t head_dim) { return n_tokens < head_dim; }
+  // Whether int4 keys of a document of `n_tokens` are coded centred (coded scales and an int8 centre
+  // per channel, head_dim * 3 / 2 + 2 bytes a head): from head_dim tokens on, where that takes fewer
+  // bytes a token than float16 scales did (2 * head_dim), and at most 1.5 bytes a token a head more
+  // than the coded scales alone.
+  static bool centres_int4_keys(int64_t n_tokens, int64_t head_dim) { return n_tokens >= head_dim; }
   // Bytes a document of `n_tokens` takes in `dtype` (or form) with `n_blocks` blocks of [n_head_kv,
   // head_dim].
   static int64_t storage_bytes(c10::ScalarType dtype, int64_t n_blocks, int64_t n_head_kv, int64_t head_dim,
@@ -81,8 +94,9 @@ struct DocumentKV {
 };
 
 // int4 codes (uint8, two to a byte, [..., head_dim / 2]) as int8 codes [..., head_dim], and back
-// (the codes must lie in [-7, 7], as quantizing makes them; others are not checked, for a GPU's
-// sake, and do not round-trip). Element-wise tensor ops: any device.
+// (the codes must lie in [-8, 7]: [-7, 7] as symmetric quantizing makes them, -8 too for centred
+// keys; others are not checked, for a GPU's sake, and do not round-trip). Element-wise tensor ops:
+// any device.
 at::Tensor unpack_int4(const at::Tensor& packed);
 at::Tensor pack_int4(const at::Tensor& codes);
 // A stored part's codes as int8: int4 ones (uint8) unpacked, any other tensor itself. For the
@@ -113,11 +127,18 @@ std::pair<at::Tensor, at::Tensor> code_int4_key_scales(const at::Tensor& scales,
 // [n_head_kv, 1, head_dim]; float16 ones (per channel or row) as they are. Checked against the keys
 // `packed` ([n_head_kv, n_tokens, head_dim / 2] uint8).
 at::Tensor int4_key_scales(const at::Tensor& packed, const at::Tensor& scales);
+// int4 keys' centres: the int8 m_j of centred keys ([n_head_kv, 1, head_dim] int8, from scales
+// [n_head_kv, 1, 2 + head_dim * 3 / 2] uint8); an undefined tensor for every other form of scales.
+at::Tensor int4_key_centres(const at::Tensor& packed, const at::Tensor& scales);
 namespace detail::document_kv {
-// The two above by tensor ops, as they run off the CPU (declared for the tests that compare them
-// with the CPU's loops).
+// code_int4_key_scales and int4_key_scales by tensor ops, as they run off the CPU (declared for the
+// tests that compare them with the CPU's loops).
 std::pair<at::Tensor, at::Tensor> code_int4_key_scales_ops(const at::Tensor& scales, const at::Tensor& zero);
 at::Tensor decode_int4_key_scales_ops(const at::Tensor& coded);
+// Rotated keys [n_head_kv, n_tokens, head_dim] (float32) coded centred by tensor ops, as run off the
+// CPU: the int8 codes in [-8, 7] (to be packed) and the coded scales with the centres. The CPU's
+// loops give the same bytes (declared for the tests that compare them).
+std::pair<at::Tensor, at::Tensor> code_centred_int4_keys_ops(const at::Tensor& rotated);
 }  // namespace detail::document_kv
 
 // Documents linked int8 as stored (Linker with keep_int8): keys and values [block][document], the

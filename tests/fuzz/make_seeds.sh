@@ -119,12 +119,15 @@ cp "$root"/tests/data/truncated.jsonl.gz "$out/qa/"
 
 # Cache store entries: the tiny Llama with its plug-in through --cache-dir, in every stored dtype
 # (float32; int8 and int8-int4 with keys scaled per channel, and per row on the 3-token document,
-# shorter than head_dim / 2; int4, whose rotated keys are scaled per channel on both).
+# shorter than head_dim / 2; int4, whose rotated keys are scaled per channel on both, the scales
+# coded, and centred on a document of head_dim tokens or more).
 echo "Paris is the capital of France." > "$saved/doc.txt"
 echo "Paris." > "$saved/short.txt"
+for i in $(seq 12); do printf "Paris is the capital of France. "; done > "$saved/long.txt"
 for dtype in auto int8 int8-int4 int4; do
-  for doc in doc short; do
+  for doc in doc short long; do
     [ "$dtype" = auto ] && [ "$doc" = short ] && continue
+    [ "$dtype" != int4 ] && [ "$doc" = long ] && continue
     "$comb" generate --model "$tiny" --plugin "$out/plugin/tiny.comb.safetensors" --document "$saved/$doc.txt" \
       --raw --prompt "Capital?" --max-tokens 1 --cache-dtype "$dtype" --cache-dir "$saved/cache-$dtype-$doc" >/dev/null
     for f in "$saved/cache-$dtype-$doc"/*.kv; do

@@ -47,11 +47,14 @@ COMB_INLINE int64_t DocumentKV::storage_bytes(c10::ScalarType dtype, int64_t n_b
   if (!is_quantized_form(dtype)) return elements * static_cast<int64_t>(c10::elementSize(dtype));
   // int8 or int4 codes and float16 scales: one per value row (one head, one token); keys one per
   // channel over the document's tokens, or per row for int8 keys of documents under head_dim / 2
-  // tokens; int4 keys under head_dim tokens: per head a float16 scale and 4 bits a channel.
+  // tokens; int4 keys under head_dim tokens: per head a float16 scale and 4 bits a channel, from
+  // head_dim tokens on those and an int8 centre a channel.
   const int64_t codes = dtype == at::kChar ? elements : dtype == kCacheInt4 ? elements / 2 : elements * 3 / 4;
   const int64_t value_scales = 2 * n_blocks * n_head_kv * n_tokens;
   if (dtype == kCacheInt4 && codes_int4_key_scales(n_tokens, head_dim))
     return codes + value_scales + n_blocks * n_head_kv * (2 + head_dim / 2);
+  if (dtype == kCacheInt4 && centres_int4_keys(n_tokens, head_dim))
+    return codes + value_scales + n_blocks * n_head_kv * (2 + head_dim / 2 + head_dim);
   const int64_t key_scales = keys_per_channel(n_tokens, head_dim, dtype) ? head_dim : n_tokens;
   return codes + value_scales + 2 * n_blocks * n_head_kv * key_scales;
 }
@@ -127,9 +130,10 @@ COMB_INLINE void code_key_scales_head(const at::Half* s, const bool* zero, int64
   }
 }
 
-// Coded scales ([heads, 1, 2 + d / 2] bytes) decoded to float16 [heads, 1, d] on the CPU.
-COMB_INLINE void decode_key_scales_cpu(const uint8_t* in, int64_t heads, int64_t d, at::Half* out) {
-  for (int64_t h = 0; h < heads; ++h, in += 2 + d / 2, out += d) {
+// Coded scales ([heads, 1, row] bytes, row = 2 + d / 2, or with the centres after them 2 + d / 2 +
+// d) decoded to float16 [heads, 1, d] on the CPU.
+COMB_INLINE void decode_key_scales_cpu(const uint8_t* in, int64_t heads, int64_t d, int64_t row, at::Half* out) {
+  for (int64_t h = 0; h < heads; ++h, in += row, out += d) {
     const at::Half big(static_cast<uint16_t>(in[0] | (in[1] << 8)), at::Half::from_bits());
     const float top = static_cast<float>(big);
     for (int64_t j = 0; j < d; ++j) {
@@ -139,12 +143,49 @@ COMB_INLINE void decode_key_scales_cpu(const uint8_t* in, int64_t heads, int64_t
   }
 }
 
+// One head's rotated keys ([n, d] floats, row-major) coded centred (see DocumentKV): the codes in
+// [-8, 7] to `q`, the coded scales and the centres (2 + d / 2 + d bytes) to `out`.
+COMB_INLINE void code_centred_head(const float* x, int64_t n, int64_t d, int8_t* q, uint8_t* out) {
+  std::vector<float> lo(static_cast<size_t>(d), 0.0f), hi(static_cast<size_t>(d), 0.0f), mid(static_cast<size_t>(d));
+  std::vector<at::Half> s(static_cast<size_t>(d)), used(static_cast<size_t>(d));
+  std::unique_ptr<bool[]> zero(new bool[d]);
+  for (int64_t j = 0; j < d && n > 0; ++j) lo[j] = hi[j] = x[j];
+  for (int64_t t = 1; t < n; ++t)
+    for (int64_t j = 0; j < d; ++j) lo[j] = std::min(lo[j], x[t * d + j]), hi[j] = std::max(hi[j], x[t * d + j]);
+  for (int64_t j = 0; j < d; ++j) {
+    mid[j] = (lo[j] + hi[j]) * 0.5f;
+    const float w = std::max((hi[j] - lo[j]) / 15.0f, std::fabs(mid[j]) / 127.0f);
+    s[j] = int8_scale(w, 1.0f), zero[j] = !(w > 0.0f);
+  }
+  code_key_scales_head(s.data(), zero.get(), d, out, used.data());
+  int8_t* centre = reinterpret_cast<int8_t*>(out + 2 + d / 2);
+  std::vector<float> scale(static_cast<size_t>(d)), m(static_cast<size_t>(d));
+  for (int64_t j = 0; j < d; ++j) {
+    scale[j] = static_cast<float>(used[j]);
+    m[j] = std::min(127.0f, std::max(-127.0f, round_half_even(mid[j] / scale[j] + 0.5f)));
+    centre[j] = static_cast<int8_t>(m[j]);
+  }
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t j = 0; j < d; ++j) {
+      const float c = round_half_even(x[t * d + j] / scale[j] - m[j]);
+      q[t * d + j] = static_cast<int8_t>(std::min(7.0f, std::max(-8.0f, c)));
+    }
+}
+
 // Keys [heads, n, d] (float32, contiguous): codes and a scale per channel over the tokens
 // ([heads, 1, d]), or per row ([heads, n, 1]); `coded`: per channel, the scales coded
-// (code_int4_key_scales: [heads, 1, 2 + d / 2] bytes), the codes computed with what they stand for.
+// (code_int4_key_scales: [heads, 1, 2 + d / 2] bytes), the codes computed with what they stand for;
+// `centred`: rotated int4 keys coded centred ([heads, 1, 2 + d / 2 + d] bytes; see DocumentKV).
 COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys_cpu(const at::Tensor& k, float levels, bool per_channel,
-                                                                bool coded = false) {
+                                                                bool coded = false, bool centred = false) {
   const int64_t heads = k.size(0), n = k.size(1), d = k.size(2);
+  if (centred) {
+    at::Tensor kq = at::empty({heads, n, d}, at::kChar), ks = at::empty({heads, 1, 2 + d / 2 + d}, at::kByte);
+    for (int64_t h = 0; h < heads; ++h)
+      code_centred_head(k.data_ptr<float>() + h * n * d, n, d, kq.data_ptr<int8_t>() + h * n * d,
+                        ks.data_ptr<uint8_t>() + h * (2 + d / 2 + d));
+    return {kq, ks};
+  }
   at::Tensor kq = at::empty({heads, n, d}, at::kChar);
   at::Tensor ks = coded        ? at::empty({heads, 1, 2 + d / 2}, at::kByte)
                   : per_channel ? at::empty({heads, 1, d}, at::kHalf)
@@ -177,11 +218,11 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys_cpu(const at::Tensor
 
 COMB_INLINE std::array<at::Tensor, 4> quantize_int8_cpu(const at::Tensor& k, const at::Tensor& v, float key_levels,
                                                         float value_levels, bool keys_per_channel,
-                                                        bool coded_key_scales = false) {
+                                                        bool coded_key_scales = false, bool centred_keys = false) {
   const int64_t heads = v.size(0), n = v.size(1), d = v.size(2);
   at::Tensor vq = at::empty({heads, n, d}, at::kChar), vs = at::empty({heads, n, 1}, at::kHalf);
   quantize_rows_cpu(v.data_ptr<float>(), heads * n, d, value_levels, vq.data_ptr<int8_t>(), vs.data_ptr<at::Half>());
-  auto [kq, ks] = quantize_keys_cpu(k, key_levels, keys_per_channel, coded_key_scales);
+  auto [kq, ks] = quantize_keys_cpu(k, key_levels, keys_per_channel, coded_key_scales, centred_keys);
   return {kq, ks, vq, vs};
 }
 
@@ -225,9 +266,28 @@ COMB_INLINE at::Tensor decode_int4_key_scales_ops(const at::Tensor& coded) {
   return at::gather(int4_scale_steps(big), -1, e).contiguous();
 }
 
+COMB_INLINE std::pair<at::Tensor, at::Tensor> code_centred_int4_keys_ops(const at::Tensor& x) {
+  COMB_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.size(1) > 0 && x.size(2) % 2 == 0,
+             "coding centred int4 keys: expected float32 rotated keys [n_head_kv, n_tokens > 0, head_dim even], found "
+             "{} [{}]",
+             c10::toString(x.scalar_type()), fmt::join(x.sizes(), ", "));
+  auto f = [&](float v) { return at::full({}, v, x.options()); };
+  at::Tensor lo = x.amin(1, /*keepdim=*/true), hi = x.amax(1, /*keepdim=*/true);
+  at::Tensor mid = (lo + hi) * f(0.5f);
+  at::Tensor w = at::maximum((hi - lo) / f(15.0f), mid.abs() / f(127.0f));
+  at::Tensor s = at::where(w > 0, w.clamp(6.103515625e-05, 65504.0), at::ones_like(w)).to(at::kHalf);
+  auto [bytes, used] = code_int4_key_scales_ops(s, (w > 0).logical_not());
+  at::Tensor scale = used.to(at::kFloat);
+  at::Tensor m = (mid / scale + f(0.5f)).round().clamp(-127, 127);
+  at::Tensor q = (x / scale - m).round().clamp(-8, 7).to(at::kChar).contiguous();
+  at::Tensor centres = m.to(at::kChar).view(at::kByte);
+  return {q, at::cat({bytes, centres}, -1).contiguous()};
+}
+
 COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys(const at::Tensor& k, float levels, bool per_channel,
-                                                            bool coded = false) {
-  if (k.device().is_cpu()) return quantize_keys_cpu(k.contiguous(), levels, per_channel, coded);
+                                                            bool coded = false, bool centred = false) {
+  if (k.device().is_cpu()) return quantize_keys_cpu(k.contiguous(), levels, per_channel, coded, centred);
+  if (centred) return code_centred_int4_keys_ops(k);
   at::Tensor amax = k.abs().amax(per_channel ? 1 : 2, /*keepdim=*/true);
   at::Tensor ks = scales_of(amax, levels).contiguous();
   if (!coded) return {codes_of(k, ks, levels), ks};
@@ -265,17 +325,19 @@ COMB_INLINE bool int4_keys_per_channel(const at::Tensor& packed, const at::Tenso
 // unpack_int4, a float32 product with the scales and hadamard_rows (each element's operations are
 // theirs, in their order). Transposed, every butterfly is two rows of n floats added and
 // subtracted, which the compiler vectorizes.
-COMB_INLINE void rotated_int4_head_cpu(const uint8_t* codes, const float* scales, bool per_channel, int64_t n,
-                                       int64_t d, float* xt, uint8_t* bt) {
+COMB_INLINE void rotated_int4_head_cpu(const uint8_t* codes, const float* scales, const int8_t* centres,
+                                       bool per_channel, int64_t n, int64_t d, float* xt, uint8_t* bt) {
   for (int64_t t = 0; t < n; ++t)  // the bytes transposed
     for (int64_t j = 0; j < d / 2; ++j) bt[j * n + t] = codes[t * (d / 2) + j];
   for (int64_t j = 0; j < d / 2; ++j) {  // codes times scales, transposed: channels 2j and 2j + 1
     float* lo = xt + 2 * j * n;
     float* hi = lo + n;
     const uint8_t* b = bt + j * n;
+    // centred keys: (q + m_j) * s_j, the sum an exact integer
+    const int c_lo = centres ? centres[2 * j] : 0, c_hi = centres ? centres[2 * j + 1] : 0;
     for (int64_t t = 0; t < n; ++t) {
-      lo[t] = static_cast<float>(static_cast<int8_t>((b[t] & 15) - 8));
-      hi[t] = static_cast<float>(static_cast<int8_t>((b[t] >> 4) - 8));
+      lo[t] = static_cast<float>((b[t] & 15) - 8 + c_lo);
+      hi[t] = static_cast<float>((b[t] >> 4) - 8 + c_hi);
     }
     if (per_channel) {
       const float s_lo = scales[2 * j], s_hi = scales[2 * j + 1];
@@ -305,13 +367,15 @@ COMB_INLINE at::Tensor rotated_int4_keys_float_cpu(const at::Tensor& packed, con
   const bool per_channel = int4_keys_per_channel(packed, scales);
   const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
   at::Tensor p = packed.contiguous(), sc = scales.to(at::kFloat).contiguous();
+  const at::Tensor centres = int4_key_centres(packed, coded_or_half);
   at::Tensor x = at::empty({heads, n, d}, at::kFloat);
   float* xp = x.data_ptr<float>();
   std::vector<float> xt(static_cast<size_t>(d * n));
   std::vector<uint8_t> bt(static_cast<size_t>(d / 2 * n));
   for (int64_t h = 0; h < heads; ++h) {
     rotated_int4_head_cpu(p.data_ptr<uint8_t>() + h * n * (d / 2), sc.data_ptr<float>() + h * (per_channel ? d : n),
-                          per_channel, n, d, xt.data(), bt.data());
+                          centres.defined() ? centres.data_ptr<int8_t>() + h * d : nullptr, per_channel, n, d,
+                          xt.data(), bt.data());
     for (int64_t t = 0; t < n; ++t)  // back to rows
       for (int64_t j = 0; j < d; ++j) xp[(h * n + t) * d + j] = xt[j * n + t];
   }
@@ -324,15 +388,16 @@ COMB_INLINE at::Tensor rotated_int4_keys_float_cpu(const at::Tensor& packed, con
 // One block's rotated int4 keys ([heads, n, d / 2] bytes, float32 scales per channel or row) to
 // int8 codes [heads, n, d] and float16 scales ([heads, 1, d] where keys_per_channel(n, d), else
 // [heads, n, 1]): loops over memory only, so that blocks can run in parallel.
-COMB_INLINE void rotated_int4_keys_to_int8(const uint8_t* packed, const float* scales, bool per_channel_in,
-                                           int64_t heads, int64_t n, int64_t d, int8_t* kqp, at::Half* ksp) {
+COMB_INLINE void rotated_int4_keys_to_int8(const uint8_t* packed, const float* scales, const int8_t* centres,
+                                           bool per_channel_in, int64_t heads, int64_t n, int64_t d, int8_t* kqp,
+                                           at::Half* ksp) {
   const bool per_channel = DocumentKV::keys_per_channel(n, d);
   std::vector<float> xt(static_cast<size_t>(d * n)), m(static_cast<size_t>(n)), s(static_cast<size_t>(n));
   std::vector<int8_t> ct(static_cast<size_t>(d * n));
   std::vector<uint8_t> bt(static_cast<size_t>(d / 2 * n));
   for (int64_t h = 0; h < heads; ++h) {
-    rotated_int4_head_cpu(packed + h * n * (d / 2), scales + h * (per_channel_in ? d : n), per_channel_in, n, d,
-                          xt.data(), bt.data());
+    rotated_int4_head_cpu(packed + h * n * (d / 2), scales + h * (per_channel_in ? d : n),
+                          centres ? centres + h * d : nullptr, per_channel_in, n, d, xt.data(), bt.data());
     if (per_channel) {  // a scale per channel: a row of xt each
       for (int64_t j = 0; j < d; ++j) {
         const float* x = xt.data() + j * n;
@@ -372,7 +437,7 @@ COMB_INLINE void rotated_int4_keys_to_int8(const uint8_t* packed, const float* s
 // at::parallel_for, whose threads do not carry ATen's thread-local state).
 struct Int8BlockRead {
   std::array<at::Tensor, 4> out;  // key codes, key scales, value codes, value scales
-  at::Tensor keys, key_scales, values;  // the inputs read by run (contiguous), where converted
+  at::Tensor keys, key_scales, key_centres, values;  // the inputs read by run (contiguous), where converted
   bool per_channel_in = false;
   // Prepares the rotated int4 keys `packed` with their scales (float16, or coded) to be read as int8.
   void prepare_int4_keys(const at::Tensor& packed, const at::Tensor& coded_or_half) {
@@ -380,6 +445,8 @@ struct Int8BlockRead {
     per_channel_in = int4_keys_per_channel(packed, scales);
     const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
     keys = packed.contiguous(), key_scales = scales.to(at::kFloat).contiguous();
+    key_centres = int4_key_centres(packed, coded_or_half);
+    if (key_centres.defined()) key_centres = key_centres.contiguous();
     out[0] = at::empty({heads, n, d}, at::kChar);
     out[1] = DocumentKV::keys_per_channel(n, d) ? at::empty({heads, 1, d}, at::kHalf)
                                                 : at::empty({heads, n, 1}, at::kHalf);
@@ -416,8 +483,10 @@ COMB_INLINE at::Tensor unpack_int4_cpu(const at::Tensor& packed) {
 
 COMB_INLINE void Int8BlockRead::run() const {
   if (keys.defined())
-    rotated_int4_keys_to_int8(keys.data_ptr<uint8_t>(), key_scales.data_ptr<float>(), per_channel_in, keys.size(0),
-                              keys.size(1), keys.size(2) * 2, out[0].data_ptr<int8_t>(), out[1].data_ptr<at::Half>());
+    rotated_int4_keys_to_int8(keys.data_ptr<uint8_t>(), key_scales.data_ptr<float>(),
+                              key_centres.defined() ? key_centres.data_ptr<int8_t>() : nullptr, per_channel_in,
+                              keys.size(0), keys.size(1), keys.size(2) * 2, out[0].data_ptr<int8_t>(),
+                              out[1].data_ptr<at::Half>());
   if (values.defined()) unpack_int4_bytes(values.data_ptr<uint8_t>(), values.numel(), out[2].data_ptr<int8_t>());
 }
 
@@ -475,7 +544,10 @@ COMB_INLINE at::Tensor rotated_int4_keys_float(const at::Tensor& packed, const a
   if (packed.device().is_cpu()) return detail::document_kv::rotated_int4_keys_float_cpu(packed, coded_or_half);
   const at::Tensor scales = int4_key_scales(packed, coded_or_half);
   detail::document_kv::int4_keys_per_channel(packed, scales);  // the same checks (sizes only)
-  return hadamard_rows(unpack_int4(packed).to(at::kFloat) * scales.to(at::kFloat));
+  const at::Tensor centres = int4_key_centres(packed, coded_or_half);
+  at::Tensor q = unpack_int4(packed).to(at::kFloat);
+  if (centres.defined()) q = q + centres.to(at::kFloat);  // (q + m_j): exact integers
+  return hadamard_rows(q * scales.to(at::kFloat));
 }
 
 COMB_INLINE std::pair<at::Tensor, at::Tensor> code_int4_key_scales(const at::Tensor& scales, const at::Tensor& zero) {
@@ -498,19 +570,38 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> code_int4_key_scales(const at::Ten
   return {bytes, used};
 }
 
+namespace detail::document_kv {
+// Coded int4 key scales checked against their keys; returns head_dim / 2.
+COMB_INLINE int64_t check_coded_key_scales(const at::Tensor& packed, const at::Tensor& scales) {
+  const int64_t half = packed.dim() == 3 ? packed.size(2) : 0;  // head_dim / 2
+  COMB_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && scales.dim() == 3 &&
+                 scales.size(0) == packed.size(0) && scales.size(1) == 1 &&
+                 (scales.size(2) == 2 + half || scales.size(2) == 2 + 3 * half) && scales.device() == packed.device(),
+             "int4 keys [{}] ({}): expected coded scales [{}, 1, {}] or, centred, [{}, 1, {}] (uint8) on their device, "
+             "found [{}] on {}",
+             fmt::join(packed.sizes(), ", "), c10::toString(packed.scalar_type()), packed.dim() == 3 ? packed.size(0) : 0,
+             2 + half, packed.dim() == 3 ? packed.size(0) : 0, 2 + 3 * half, fmt::join(scales.sizes(), ", "),
+             scales.device().str());
+  return half;
+}
+}  // namespace detail::document_kv
+
 COMB_INLINE at::Tensor int4_key_scales(const at::Tensor& packed, const at::Tensor& scales) {
   if (scales.scalar_type() != at::kByte) return scales;
-  COMB_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && scales.dim() == 3 &&
-                 scales.size(0) == packed.size(0) && scales.size(1) == 1 && scales.size(2) == 2 + packed.size(2) &&
-                 scales.device() == packed.device(),
-             "int4 keys [{}] ({}): expected coded scales [{}, 1, {}] (uint8) on their device, found [{}] on {}",
-             fmt::join(packed.sizes(), ", "), c10::toString(packed.scalar_type()), packed.dim() == 3 ? packed.size(0) : 0,
-             packed.dim() == 3 ? 2 + packed.size(2) : 0, fmt::join(scales.sizes(), ", "), scales.device().str());
-  if (!scales.device().is_cpu()) return detail::document_kv::decode_int4_key_scales_ops(scales);
-  const int64_t heads = scales.size(0), d = 2 * packed.size(2);
+  const int64_t half = detail::document_kv::check_coded_key_scales(packed, scales);
+  if (!scales.device().is_cpu())
+    return detail::document_kv::decode_int4_key_scales_ops(scales.narrow(-1, 0, 2 + half));
+  const int64_t heads = scales.size(0), d = 2 * half;
   at::Tensor in = scales.contiguous(), out = at::empty({heads, 1, d}, at::kHalf);
-  detail::document_kv::decode_key_scales_cpu(in.data_ptr<uint8_t>(), heads, d, out.data_ptr<at::Half>());
+  detail::document_kv::decode_key_scales_cpu(in.data_ptr<uint8_t>(), heads, d, scales.size(2), out.data_ptr<at::Half>());
   return out;
+}
+
+COMB_INLINE at::Tensor int4_key_centres(const at::Tensor& packed, const at::Tensor& scales) {
+  if (scales.scalar_type() != at::kByte) return at::Tensor();
+  const int64_t half = detail::document_kv::check_coded_key_scales(packed, scales);
+  if (scales.size(2) != 2 + 3 * half) return at::Tensor();
+  return scales.narrow(-1, 2 + half, 2 * half).contiguous().view(at::kChar);
 }
 
 namespace detail::document_kv {
@@ -644,13 +735,14 @@ COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype)
       }
       const bool per_channel = keys_per_channel(k.size(1), k.size(2), dtype);
       const bool coded = dtype == kCacheInt4 && codes_int4_key_scales(k.size(1), k.size(2));
+      const bool centred = dtype == kCacheInt4 && centres_int4_keys(k.size(1), k.size(2));
       if (k.device().is_cpu() && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat) {
         auto q = detail::document_kv::quantize_int8_cpu(k.contiguous(), v.contiguous(), key_levels, value_levels,
-                                                        per_channel, coded);
+                                                        per_channel, coded, centred);
         kq = q[0], ks = q[1], vq = q[2], vs = q[3];
       } else {
         v = v.to(at::kFloat);
-        std::tie(kq, ks) = detail::document_kv::quantize_keys(k.to(at::kFloat), key_levels, per_channel, coded);
+        std::tie(kq, ks) = detail::document_kv::quantize_keys(k.to(at::kFloat), key_levels, per_channel, coded, centred);
         vs = detail::document_kv::scales_of(v.abs().amax(2, true), value_levels).contiguous();
         vq = detail::document_kv::codes_of(v, vs, value_levels);
       }

@@ -67,7 +67,8 @@ struct DiskHeader {
                      // (float16 scales, keys per row); int4 values (float16 scales): 6 and 7 (int8
                      // keys per channel, per row), 10 and 11 (int4 keys rotated, per channel, per
                      // row; 8 and 9 were int4 keys not rotated, written before: refused), 12 (int4
-                     // keys rotated, per channel, the scales coded: per head 2 + head_dim / 2 bytes)
+                     // keys rotated, per channel, the scales coded: per head 2 + head_dim / 2 bytes),
+                     // 13 (as 12, centred: per head the coded scales, then head_dim int8 centres)
   uint32_t n_blocks, n_head_kv, head_dim, reserved;
   uint64_t n_tokens, payload_bytes, checksum;  // checksum: XXH3-64 of the payload
   uint64_t key_high, key_low;
@@ -94,7 +95,11 @@ COMB_INLINE c10::ScalarType code_key_type(uint32_t c) {
 COMB_INLINE c10::ScalarType code_value_type(uint32_t c) { return c <= 5 ? code_key_type(c) : at::kByte; }
 COMB_INLINE bool code_key_rows(uint32_t c) { return c == 5 || c == 7 || c == 11; }
 // Whether an entry of code `c` keeps its key scales coded (int4 keys: code_int4_key_scales).
-COMB_INLINE bool code_key_scales_coded(uint32_t c) { return c == 12; }
+COMB_INLINE bool code_key_scales_coded(uint32_t c) { return c == 12 || c == 13; }
+// A head's coded key scales in an entry of code 12 or 13 (centred keys: their centres after them).
+COMB_INLINE uint64_t coded_key_scale_bytes(uint32_t c, uint64_t head_dim) {
+  return 2 + head_dim / 2 + (c == 13 ? head_dim : 0);
+}
 // int8 entries: 4 with float16 scales and keys scaled per channel, 5 with float16 scales and keys
 // per row (as quantize_int8_cpu writes them), 3 with float32 scales and keys per channel (as comb
 // wrote int8 before).
@@ -106,7 +111,7 @@ COMB_INLINE uint32_t entry_code(const DocumentKV& kv) {
     COMB_CHECK(c == 10, "{} entry: key scales of uint8 (coded int4 key scales belong to int4 entries)",
                cache_dtype_name(kv.dtype()));
     int4_key_scales(kv.keys.at(0), ks);
-    return 12;
+    return int4_key_centres(kv.keys.at(0), ks).defined() ? 13 : 12;
   }
   // [n_head_kv, 1, head_dim] per channel, [n_head_kv, n_tokens, 1] per row (the same numbers when
   // both are 1: a one-token document of head_dim 1).
@@ -144,7 +149,9 @@ COMB_INLINE std::string serialize(const CacheKey& key, const DocumentKV& kv) {
       const bool coded_scales = i == 2 && code_key_scales_coded(h.dtype);
       if (i == 2)
         COMB_CHECK((c.scalar_type() == at::kByte) == coded_scales &&
-                       (!coded_scales || c.sizes() == at::IntArrayRef({h.n_head_kv, 1, 2 + h.head_dim / 2})),
+                       (!coded_scales ||
+                        c.sizes() == at::IntArrayRef({h.n_head_kv, 1,
+                                                      static_cast<int64_t>(coded_key_scale_bytes(h.dtype, h.head_dim))})),
                    "{} entry: block {} has key scales {} [{}]; expected them in block 0's layout",
                    cache_dtype_name(kv.dtype()), b, c10::toString(c.scalar_type()), fmt::join(c.sizes(), ", "));
       if (i >= 2 && !coded_scales) c = c.to(scale_dtype(h.dtype));
@@ -162,7 +169,7 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
   if (size < sizeof(DiskHeader)) return why = "shorter than its header", std::nullopt;
   DiskHeader h;
   std::memcpy(&h, data, sizeof(h));
-  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 12) return why = "bad magic or version", std::nullopt;
+  if (std::memcmp(h.magic, kMagic, 8) != 0 || h.version != 1 || h.dtype > 13) return why = "bad magic or version", std::nullopt;
   if (h.dtype == 8 || h.dtype == 9) return why = "int4 keys not rotated (written by an older build)", std::nullopt;
   if (h.key_high != key.high || h.key_low != key.low) return why = "holds another key", std::nullopt;
   const c10::ScalarType key_type = code_key_type(h.dtype), value_type = code_value_type(h.dtype);
@@ -181,7 +188,7 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
   const uint64_t scale_bytes = c10::elementSize(scale_dtype(h.dtype));
   // A head's key scales: coded (2 + head_dim / 2 bytes), per row or per channel.
   uint64_t key_block = 0, value_block = 0, scales = 0, kv_bytes = 0, per_block = 0, total = 0;
-  uint64_t key_scale_bytes = 2 + uint64_t(h.head_dim) / 2, value_scale_bytes = 0, head_scale_bytes = 0;
+  uint64_t key_scale_bytes = coded_key_scale_bytes(h.dtype, h.head_dim), value_scale_bytes = 0, head_scale_bytes = 0;
   const bool wraps = (!coded && __builtin_mul_overflow(uint64_t(key_rows ? h.n_tokens : h.head_dim), scale_bytes,
                                                        &key_scale_bytes)) ||
                      __builtin_mul_overflow(uint64_t(h.n_head_kv) * row_bytes(key_type), h.n_tokens, &key_block) ||
@@ -212,7 +219,7 @@ COMB_INLINE std::optional<DocumentKV> deserialize(const uint8_t* data, size_t si
     kv.values.push_back(v);
     if (!int8) continue;
     const c10::ScalarType scale_type = scale_dtype(h.dtype);
-    at::Tensor ks = coded     ? at::empty({h.n_head_kv, 1, 2 + h.head_dim / 2}, at::kByte)
+    at::Tensor ks = coded     ? at::empty({h.n_head_kv, 1, static_cast<int64_t>(key_scale_bytes)}, at::kByte)
                     : key_rows ? at::empty({h.n_head_kv, static_cast<int64_t>(h.n_tokens), 1}, scale_type)
                                : at::empty({h.n_head_kv, 1, h.head_dim}, scale_type);
     at::Tensor vs = at::empty({h.n_head_kv, static_cast<int64_t>(h.n_tokens), 1}, scale_type);
