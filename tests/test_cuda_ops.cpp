@@ -600,8 +600,9 @@ TEST_CASE("quantize_int8 on CUDA makes the CPU's int8 codes and scales, bit for 
   for (auto source : {at::kFloat, at::kBFloat16, at::kHalf})
     for (int64_t hd : {64, 128}) {
       const int64_t n_kv = 2, blocks = 3;
-      // Documents of 1 to 200 tokens: keys per row below head_dim / 2 tokens, per channel from it;
-      // one block all zeros (scale 1) and one with tiny values (the 2^-14 floor).
+      // Documents of 1 to 200 tokens: keys per row below head_dim / 2 tokens, per channel from it
+      // (int4 keys centred from head_dim tokens); one block all zeros (scale 1) and one with tiny
+      // values (the 2^-14 floor).
       std::vector<int64_t> lens{1, 9, hd / 2 - 1, hd / 2, 200};
       std::vector<std::vector<std::array<at::Tensor, 2>>> in;
       std::vector<DocumentKV> want;
@@ -611,6 +612,8 @@ TEST_CASE("quantize_int8 on CUDA makes the CPU's int8 codes and scales, bit for 
         in.emplace_back();
         for (int64_t b = 0; b < blocks; ++b) {
           at::Tensor k = at::randn({n_kv, len, hd}, gen) * 4, v = at::randn({n_kv, len, hd}, gen);
+          // block 0's channels off zero by up to a few times their spread (centred int4 keys)
+          if (b == 0) k.add_(at::randn({n_kv, 1, hd}, gen) * 16);
           if (b == 1) k.zero_();
           if (b == 2) v.mul_(1e-7);
           k = k.to(source).to(at::kFloat), v = v.to(source).to(at::kFloat);

@@ -295,7 +295,9 @@ std::pair<at::Tensor, at::Tensor> centred_reference(const at::Tensor& x) {
       for (int64_t t = 1; t < n; ++t) lo = std::min(lo, a[h][t][j]), hi = std::max(hi, a[h][t][j]);
       mid[h * d + j] = (lo + hi) * 0.5f;
       const float w = std::max((hi - lo) / 15.0f, std::fabs(mid[h * d + j]) / 127.0f);
-      s[h][0][j] = float(at::Half(w > 0 ? std::min(std::max(w, 6.103515625e-05f), 65504.0f) : 1.0f));
+      at::Half scale(w > 0 ? std::min(std::max(w, 6.103515625e-05f), 65504.0f) : 1.0f);
+      if (float(scale) < w && float(scale) < 65504.0f) scale.x += 1;  // rounded up to float16
+      s[h][0][j] = float(scale);
       zero[h][0][j] = !(w > 0);
     }
   auto [bytes, used] = coded_scales_reference(s, zero);
@@ -998,6 +1000,12 @@ TEST_CASE("int4 keys coded centred from head_dim tokens: an int8 centre a channe
   x[0].select(1, 3).fill_(0.0f);
   x[0].select(1, 4).fill_(-2.5f);
   x[1].select(1, 7).copy_(40.0f + (at::rand({n}) < 0.5).to(at::kFloat) / 64.0f);
+  // A channel whose float16 scale to nearest would fall under (hi - lo) / 15 and put its centre
+  // past 127 steps (119.546875 to 134.546875: w = 1.000369, rounded to nearest 1.0): rounded up,
+  // every key stays within half a step. The head's other channels are made smaller, so that this
+  // one's scale is the head's S, taken as it is (exponent 0).
+  x[2].mul_(0.25f);
+  x[2].select(1, 0).copy_(at::linspace(0, 15, n).round() + 119.546875f);
   x = (x * 64.0f).round() / 64.0f;
   DocumentKV kv;
   kv.n_tokens = n;
@@ -1020,14 +1028,15 @@ TEST_CASE("int4 keys coded centred from head_dim tokens: an int8 centre a channe
   CHECK(m.equal(ref_bytes.narrow(-1, 10, 16).contiguous().view(at::kChar)));
   CHECK(m[0][0][3].item<int>() == 0);             // zeros: centre 0, codes 0
   CHECK((ref_q[0].select(1, 3) == 0).all().item<bool>());
-  CHECK(m.abs().max().item<int>() <= 127);
+  CHECK(m.min().item<int>() >= -127);
+  CHECK(m.max().item<int>() <= 127);
   CHECK(int4_key_centres(q.keys[0], q.key_scales[0].narrow(-1, 0, 10).contiguous()).defined() == false);
   CHECK_FALSE(int4_key_centres(q.keys[0], used.to(at::kHalf)).defined());
-  // Each element (q + m) * s within half its step of the key (two float16 roundings of 2^-11 on
-  // the scale leave the clamped ends at most 8 * 2^-10 steps out), read on the CPU by the loops and
-  // by the tensor ops alike.
+  // Each element (q + m) * s within half its step of the key: the scale covers the channel's range
+  // over 15 steps and its |mid| over 127 (float32 rounding aside), read on the CPU as the tensor ops
+  // read it.
   const at::Tensor xr = (unpack_int4(q.keys[0]).to(at::kFloat) + m.to(at::kFloat)) * used;
-  CHECK(((xr - x).abs() <= used * 0.51).all().item<bool>());
+  CHECK(((xr - x).abs() <= used * 0.5001).all().item<bool>());
   const at::Tensor back = rotated_int4_keys_float(q.keys[0], q.key_scales[0]);
   CHECK(back.equal(hadamard_rows(xr)));
   // The error against the symmetric codes of dtype 10 (a float16 scale per channel, fifteen levels
@@ -1050,6 +1059,17 @@ TEST_CASE("int4 keys coded centred from head_dim tokens: an int8 centre a channe
   CHECK(q.bytes() == DocumentKV::storage_bytes(kCacheInt4, 1, 3, 16, n));
   CHECK_THROWS_WITH(int4_key_scales(q.keys[0], q.key_scales[0].narrow(-1, 0, 20).contiguous()),
                     Catch::Contains("or, centred, [3, 1, 26]"));
+  // NaN keys are coded as 0 and infinite ones as 65504 * 127, alike by the loops and the tensor ops
+  // (no NaN reaches a conversion to int8).
+  DocumentKV odd = kv;
+  odd.keys[0] = kv.keys[0].clone();
+  odd.keys[0][0][2][5] = NAN;
+  odd.keys[0][1][4][2] = INFINITY;
+  odd.keys[0][2][6][9] = -INFINITY;
+  const DocumentKV odd4 = odd.to(at::kCPU, kCacheInt4);
+  auto [odd_q, odd_bytes] = comb::detail::document_kv::code_centred_int4_keys_ops(hadamard_rows(odd.keys[0]));
+  CHECK(odd4.key_scales[0].equal(odd_bytes));
+  CHECK(unpack_int4(odd4.keys[0]).equal(odd_q));
 
   // Through disk as dtype 13 and back; a stored dtype-10 entry (float16 scales per channel, as
   // builds before wrote documents of head_dim tokens or more) is still read as it was.

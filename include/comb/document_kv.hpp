@@ -28,7 +28,8 @@ inline constexpr c10::ScalarType kCacheInt8Int4 = c10::ScalarType::QUInt2x4;
 // the document's tokens ([n_head_kv, 1, head_dim]: keys have outlier channels) or, for documents of
 // fewer than head_dim / 2 tokens, one per row (where per-channel scales would cost more than the
 // codes' savings); the element is q * scale. Entries written with float32 scales per key channel
-// (disk dtype 3) are still read as they are. int4 codes lie in [-7, 7] (scale amax / 7), two to a
+// (disk dtype 3) are still read as they are. int4 codes lie in [-7, 7] (scale amax / 7; centred
+// keys, below, [-8, 7]), two to a
 // byte: a uint8 tensor [n_head_kv, n_tokens, head_dim / 2] whose byte j holds channel 2j in its low
 // nibble and 2j + 1 in its high one, each as q + 8. int4 values are scaled as int8 values, and
 // unpacked they are an int8 entry's codes with the same scales. int4 keys (kCacheInt4) are coded
@@ -46,10 +47,12 @@ inline constexpr c10::ScalarType kCacheInt8Int4 = c10::ScalarType::QUInt2x4;
 // on one side of zero, so fifteen levels around zero waste half their range. The scales are coded
 // as above, followed per head by an int8 centre m_j per channel ([n_head_kv, 1, 2 + head_dim / 2 +
 // head_dim] uint8); the codes lie in [-8, 7] and the element is (q + m_j) * s_j. The writer takes
-// per channel lo and hi (the least and largest rotated key), mid = (lo + hi) * 0.5, the scale
-// float16(max((hi - lo) / 15, |mid| / 127)) coded as above (s_j), m_j = round(mid / s_j + 0.5)
-// within [-127, 127] and q = round(x / s_j - m_j) within [-8, 7] (rounding half to even): every
-// element within half a step of its key (int4_key_centres reads the centres).
+// per channel lo and hi (the least and largest rotated key; NaN keys taken as 0, infinite ones as
+// +-65504 * 127), mid = (lo + hi) * 0.5, the scale max((hi - lo) / 15, |mid| / 127) rounded up to
+// float16 (2^-14 to 65504; 1 for a channel of zeros) and coded as above (s_j, at least that),
+// m_j = round(mid / s_j + 0.5) within [-127, 127] and q = round(x / s_j - m_j) within [-8, 7]
+// (rounding half to even): every element within half a step of its key, float32 rounding aside
+// (int4_key_centres reads the centres).
 struct DocumentKV {
   std::vector<at::Tensor> keys;    // per block: [n_head_kv, n_tokens, head_dim]
   std::vector<at::Tensor> values;  // per block: [n_head_kv, n_tokens, head_dim]
@@ -84,8 +87,7 @@ struct DocumentKV {
   static bool codes_int4_key_scales(int64_t n_tokens, int64_t head_dim) { return n_tokens < head_dim; }
   // Whether int4 keys of a document of `n_tokens` are coded centred (coded scales and an int8 centre
   // per channel, head_dim * 3 / 2 + 2 bytes a head): from head_dim tokens on, where that takes fewer
-  // bytes a token than float16 scales did (2 * head_dim), and at most 1.5 bytes a token a head more
-  // than the coded scales alone.
+  // bytes than float16 scales did (2 * head_dim), and the centres at most 1 byte a token a head.
   static bool centres_int4_keys(int64_t n_tokens, int64_t head_dim) { return n_tokens >= head_dim; }
   // Bytes a document of `n_tokens` takes in `dtype` (or form) with `n_blocks` blocks of [n_head_kv,
   // head_dim].
@@ -108,9 +110,9 @@ at::Tensor as_int8_codes(const at::Tensor& part);
 // rounding), and every device computes the same floats.
 at::Tensor hadamard_rows(const at::Tensor& x);
 // The rotated int4 keys of one block ([n_head_kv, n_tokens, head_dim / 2] codes, their float16
-// scales per channel or per row, or coded per channel) read as float32 and rotated back:
-// hadamard_rows(codes * scales). On the CPU one pass over each head (the same floats), elsewhere
-// those tensor ops.
+// scales per channel or per row, or coded per channel, with centres or without) read as float32 and
+// rotated back: hadamard_rows((codes + centres) * scales). On the CPU one pass over each head (the
+// same floats), elsewhere those tensor ops.
 at::Tensor rotated_int4_keys_float(const at::Tensor& packed, const at::Tensor& scales);
 
 // 2^(-e/8) for e = 0..15 in float32: the steps of int4 keys' coded scales (DocumentKV).
@@ -123,16 +125,18 @@ inline constexpr float kInt4ScaleSteps[16] = {
 // where `zero` marks a channel of zeros: its codes are 0 under any scale). Returns the coded form ([n_head_kv, 1, 2 + head_dim / 2] uint8) and the float16 scales it
 // stands for, with which the codes are computed. Any device; the same bytes on each.
 std::pair<at::Tensor, at::Tensor> code_int4_key_scales(const at::Tensor& scales, const at::Tensor& zero);
-// int4 keys' scales as float16: coded ones ([n_head_kv, 1, 2 + head_dim / 2] uint8) decoded to
-// [n_head_kv, 1, head_dim]; float16 ones (per channel or row) as they are. Checked against the keys
-// `packed` ([n_head_kv, n_tokens, head_dim / 2] uint8).
+// int4 keys' scales as float16: coded ones ([n_head_kv, 1, 2 + head_dim / 2] uint8, or centred
+// [n_head_kv, 1, 2 + head_dim * 3 / 2]) decoded to [n_head_kv, 1, head_dim]; float16 ones (per
+// channel or row) as they are. Checked against the keys `packed` ([n_head_kv, n_tokens, head_dim /
+// 2] uint8). Centred keys' elements are (code + centre) * scale: int4_key_centres reads the centres.
 at::Tensor int4_key_scales(const at::Tensor& packed, const at::Tensor& scales);
 // int4 keys' centres: the int8 m_j of centred keys ([n_head_kv, 1, head_dim] int8, from scales
 // [n_head_kv, 1, 2 + head_dim * 3 / 2] uint8); an undefined tensor for every other form of scales.
 at::Tensor int4_key_centres(const at::Tensor& packed, const at::Tensor& scales);
 namespace detail::document_kv {
 // code_int4_key_scales and int4_key_scales by tensor ops, as they run off the CPU (declared for the
-// tests that compare them with the CPU's loops).
+// tests that compare them with the CPU's loops); decode_int4_key_scales_ops takes coded scales
+// without centres ([n_head_kv, 1, 2 + head_dim / 2]).
 std::pair<at::Tensor, at::Tensor> code_int4_key_scales_ops(const at::Tensor& scales, const at::Tensor& zero);
 at::Tensor decode_int4_key_scales_ops(const at::Tensor& coded);
 // Rotated keys [n_head_kv, n_tokens, head_dim] (float32) coded centred by tensor ops, as run off the

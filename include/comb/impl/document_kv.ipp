@@ -143,19 +143,37 @@ COMB_INLINE void decode_key_scales_cpu(const uint8_t* in, int64_t heads, int64_t
   }
 }
 
+// Centred int4 keys: the largest magnitude a key is coded with (65504, the largest float16 scale,
+// times 127 centre steps); NaN keys are coded as 0 and infinite ones as this bound, alike by the
+// loops and the tensor ops.
+inline constexpr float kCentredKeyBound = 65504.0f * 127.0f;
+COMB_INLINE float centred_key(float v) {
+  return std::isnan(v) ? 0.0f : std::min(kCentredKeyBound, std::max(-kCentredKeyBound, v));
+}
+// The float16 scale of a centred channel: w rounded up to float16 (so that the scale covers w and
+// |mid| / scale is at most 127), at least 2^-14 and at most 65504; 1 where w is not above 0.
+COMB_INLINE at::Half centred_scale(float w) {
+  at::Half h = int8_scale(w, 1.0f);
+  if (static_cast<float>(h) < w && static_cast<float>(h) < 65504.0f) h.x = static_cast<uint16_t>(h.x + 1);
+  return h;
+}
+
 // One head's rotated keys ([n, d] floats, row-major) coded centred (see DocumentKV): the codes in
 // [-8, 7] to `q`, the coded scales and the centres (2 + d / 2 + d bytes) to `out`.
 COMB_INLINE void code_centred_head(const float* x, int64_t n, int64_t d, int8_t* q, uint8_t* out) {
   std::vector<float> lo(static_cast<size_t>(d), 0.0f), hi(static_cast<size_t>(d), 0.0f), mid(static_cast<size_t>(d));
   std::vector<at::Half> s(static_cast<size_t>(d)), used(static_cast<size_t>(d));
   std::unique_ptr<bool[]> zero(new bool[d]);
-  for (int64_t j = 0; j < d && n > 0; ++j) lo[j] = hi[j] = x[j];
+  for (int64_t j = 0; j < d && n > 0; ++j) lo[j] = hi[j] = centred_key(x[j]);
   for (int64_t t = 1; t < n; ++t)
-    for (int64_t j = 0; j < d; ++j) lo[j] = std::min(lo[j], x[t * d + j]), hi[j] = std::max(hi[j], x[t * d + j]);
+    for (int64_t j = 0; j < d; ++j) {
+      const float v = centred_key(x[t * d + j]);
+      lo[j] = std::min(lo[j], v), hi[j] = std::max(hi[j], v);
+    }
   for (int64_t j = 0; j < d; ++j) {
     mid[j] = (lo[j] + hi[j]) * 0.5f;
     const float w = std::max((hi[j] - lo[j]) / 15.0f, std::fabs(mid[j]) / 127.0f);
-    s[j] = int8_scale(w, 1.0f), zero[j] = !(w > 0.0f);
+    s[j] = centred_scale(w), zero[j] = !(w > 0.0f);
   }
   code_key_scales_head(s.data(), zero.get(), d, out, used.data());
   int8_t* centre = reinterpret_cast<int8_t*>(out + 2 + d / 2);
@@ -167,7 +185,7 @@ COMB_INLINE void code_centred_head(const float* x, int64_t n, int64_t d, int8_t*
   }
   for (int64_t t = 0; t < n; ++t)
     for (int64_t j = 0; j < d; ++j) {
-      const float c = round_half_even(x[t * d + j] / scale[j] - m[j]);
+      const float c = round_half_even(centred_key(x[t * d + j]) / scale[j] - m[j]);
       q[t * d + j] = static_cast<int8_t>(std::min(7.0f, std::max(-8.0f, c)));
     }
 }
@@ -272,14 +290,18 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> code_centred_int4_keys_ops(const a
              "{} [{}]",
              c10::toString(x.scalar_type()), fmt::join(x.sizes(), ", "));
   auto f = [&](float v) { return at::full({}, v, x.options()); };
-  at::Tensor lo = x.amin(1, /*keepdim=*/true), hi = x.amax(1, /*keepdim=*/true);
+  const at::Tensor k = at::nan_to_num(x, 0.0, kCentredKeyBound, -kCentredKeyBound).clamp(-kCentredKeyBound, kCentredKeyBound);
+  at::Tensor lo = k.amin(1, /*keepdim=*/true), hi = k.amax(1, /*keepdim=*/true);
   at::Tensor mid = (lo + hi) * f(0.5f);
   at::Tensor w = at::maximum((hi - lo) / f(15.0f), mid.abs() / f(127.0f));
   at::Tensor s = at::where(w > 0, w.clamp(6.103515625e-05, 65504.0), at::ones_like(w)).to(at::kHalf);
+  // rounded up (centred_scale): the next float16 where the nearest is under w
+  const at::Tensor up = (s.to(at::kFloat) < w).logical_and(s.to(at::kFloat) < 65504.0f);
+  s = at::where(up, (s.view(at::kShort) + 1).view(at::kHalf), s);
   auto [bytes, used] = code_int4_key_scales_ops(s, (w > 0).logical_not());
   at::Tensor scale = used.to(at::kFloat);
   at::Tensor m = (mid / scale + f(0.5f)).round().clamp(-127, 127);
-  at::Tensor q = (x / scale - m).round().clamp(-8, 7).to(at::kChar).contiguous();
+  at::Tensor q = (k / scale - m).round().clamp(-8, 7).to(at::kChar).contiguous();
   at::Tensor centres = m.to(at::kChar).view(at::kByte);
   return {q, at::cat({bytes, centres}, -1).contiguous()};
 }
