@@ -616,6 +616,10 @@ TEST_CASE("quantize_int8 on CUDA makes the CPU's int8 codes and scales, bit for 
           if (b == 0) k.add_(at::randn({n_kv, 1, hd}, gen) * 16);
           if (b == 1) k.zero_();
           if (b == 2) v.mul_(1e-7);
+          // NaN and infinite elements: in int8, NaN counts for nothing in a scale and is coded -127,
+          // an infinity gives its scale 65504 and saturates; every path below as the CPU's
+          if (b == 1) k[1][0][2] = INFINITY, k[0][len - 1][5] = NAN;
+          if (b == 2) v[0][0][3] = NAN, v[1][len - 1][0] = -INFINITY;
           k = k.to(source).to(at::kFloat), v = v.to(source).to(at::kFloat);
           cpu.keys.push_back(k), cpu.values.push_back(v);
           in.back().push_back({k.to(at::kCUDA, source), v.to(at::kCUDA, source)});

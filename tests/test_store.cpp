@@ -883,6 +883,14 @@ TEST_CASE("int4 key scales coded under head_dim tokens: a float16 scale a head, 
   for (int e = 0; e < 16; ++e) CHECK(kInt4ScaleSteps[e] == static_cast<float>(std::pow(2.0, -e / 8.0)));
   CHECK(DocumentKV::codes_int4_key_scales(63, 64));
   CHECK_FALSE(DocumentKV::codes_int4_key_scales(64, 64));
+  using Form = DocumentKV::KeyScaleForm;
+  CHECK(DocumentKV::key_scale_form(kCacheInt4, 63, 64) == Form::coded);
+  CHECK(DocumentKV::key_scale_form(kCacheInt4, 64, 64) == Form::centred);
+  CHECK(DocumentKV::key_scale_form(at::kChar, 31, 64) == Form::per_row);
+  CHECK(DocumentKV::key_scale_form(at::kChar, 32, 64) == Form::per_channel);
+  CHECK(DocumentKV::key_scale_form(kCacheInt8Int4, 32, 64) == Form::per_channel);
+  CHECK(DocumentKV::coded_key_scale_bytes(64, false) == 34);
+  CHECK(DocumentKV::coded_key_scale_bytes(64, true) == 98);
   // The default model's shape (28 blocks of 3 heads of 64): codes, value scales, key scales.
   CHECK(DocumentKV::storage_bytes(kCacheInt4, 28, 3, 64, 17) == 28 * 3 * (17 * 64 + 2 * 17 + (2 + 32)));
 
@@ -1025,6 +1033,7 @@ TEST_CASE("int4 keys coded centred from head_dim tokens: an int8 centre a channe
   const at::Tensor used = int4_key_scales(q.keys[0], q.key_scales[0]).to(at::kFloat);
   const at::Tensor m = int4_key_centres(q.keys[0], q.key_scales[0]);
   REQUIRE(m.scalar_type() == at::kChar);
+  CHECK(m.is_alias_of(q.key_scales[0]));  // a view: the read path copies nothing
   CHECK(m.equal(ref_bytes.narrow(-1, 10, 16).contiguous().view(at::kChar)));
   CHECK(m[0][0][3].item<int>() == 0);             // zeros: centre 0, codes 0
   CHECK((ref_q[0].select(1, 3) == 0).all().item<bool>());
@@ -1119,6 +1128,60 @@ TEST_CASE("int4 keys coded centred from head_dim tokens: an int8 centre a channe
   PICacheStore reader(options);
   CHECK(reader.get(key_of(1)) == nullptr);
   CHECK(reader.stats().corrupt == 1);
+}
+
+TEST_CASE("NaN and infinite elements: the CPU's loops and the tensor ops give the same codes and scales, every "
+          "form and length",
+          "[store]") {
+  // The loops (float32 on the CPU) skip NaN in a largest magnitude (std::max keeps its first
+  // argument) and code it -levels (the clamp's lower end); infinities take the largest scale and
+  // saturate. The tensor ops, which quantize off the CPU (and any values not float32), do the same.
+  using Form = DocumentKV::KeyScaleForm;
+  for (const c10::ScalarType dtype : {at::kChar, kCacheInt4, kCacheInt8Int4})
+    for (const int64_t len : {3, 12, 40}) {
+      INFO(cache_dtype_name(dtype) << ", " << len << " tokens");
+      DocumentKV odd = random_entry(len, 9);
+      odd.keys[0][0][1][3] = NAN;
+      odd.keys[0][1][2][0] = INFINITY;
+      odd.keys[1][0][0][7] = -INFINITY;
+      odd.values[0][0][1][3] = NAN;
+      odd.values[0][1][2][4] = -INFINITY;
+      odd.values[2][1][0][0] = INFINITY;
+      const DocumentKV loops = odd.to(at::kCPU, dtype);
+      const Form form = DocumentKV::key_scale_form(dtype, len, 16);
+      const float levels = dtype == kCacheInt4 ? 7.0f : 127.0f;
+      for (size_t b = 0; b < 3; ++b) {
+        INFO("block " << b);
+        const at::Tensor k = dtype == kCacheInt4 ? hadamard_rows(odd.keys[b]) : odd.keys[b];
+        auto [kq, ks] = comb::detail::document_kv::quantize_keys_ops(k, levels, form);
+        CHECK(ks.equal(loops.key_scales[b]));
+        CHECK(kq.equal(dtype == kCacheInt4 ? unpack_int4(loops.keys[b]) : loops.keys[b]));
+      }
+      // NaN counts for nothing in a scale: int8 keys' and values' scales as with that element 0,
+      // the element coded -127.
+      DocumentKV clean = odd;
+      clean.keys[0] = at::nan_to_num(odd.keys[0], 0.0, INFINITY, -INFINITY);
+      clean.values[0] = at::nan_to_num(odd.values[0], 0.0, INFINITY, -INFINITY);
+      const DocumentKV cleaned = clean.to(at::kCPU, dtype);
+      CHECK(loops.value_scales[0].equal(cleaned.value_scales[0]));
+      if (dtype != kCacheInt4) {
+        CHECK(loops.key_scales[0].equal(cleaned.key_scales[0]));
+        CHECK(loops.keys[0][0][1][3].item<int>() == -127);
+      }
+      // Values through DocumentKV::to: float16 ones go through the tensor ops (the same numbers as
+      // float32 ones here, whose values float16 holds exactly).
+      DocumentKV exact = odd, half = odd;
+      for (size_t b = 0; b < 3; ++b) {
+        half.values[b] = odd.values[b].to(at::kHalf);
+        exact.values[b] = half.values[b].to(at::kFloat);
+      }
+      const DocumentKV by_loops = exact.to(at::kCPU, dtype), by_ops = half.to(at::kCPU, dtype);
+      for (size_t b = 0; b < 3; ++b) {
+        CHECK(by_ops.value_scales[b].equal(by_loops.value_scales[b]));
+        CHECK(by_ops.values[b].equal(by_loops.values[b]));
+      }
+      CHECK((by_loops.value_scales[0][1].to(at::kFloat) == 65504.0f).any().item<bool>());  // the infinite row
+    }
 }
 
 TEST_CASE("a cache directory that cannot be written is a clear error; the store stays usable", "[store][errors]") {

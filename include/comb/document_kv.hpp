@@ -27,7 +27,10 @@ inline constexpr c10::ScalarType kCacheInt8Int4 = c10::ScalarType::QUInt2x4;
 // float16 scales: one per value row ([n_head_kv, n_tokens, 1]) and, for keys, one per channel over
 // the document's tokens ([n_head_kv, 1, head_dim]: keys have outlier channels) or, for documents of
 // fewer than head_dim / 2 tokens, one per row (where per-channel scales would cost more than the
-// codes' savings); the element is q * scale. Entries written with float32 scales per key channel
+// codes' savings); the element is q * scale. A NaN element counts for nothing in its scale and is
+// coded -levels, an infinite one gives its scale 65504 and saturates, alike on every path (int8
+// codes, int4 values and int4 keys under head_dim tokens, there per rotated element, in which one
+// NaN key makes its row NaN; centred keys below take NaN as 0). Entries written with float32 scales per key channel
 // (disk dtype 3) are still read as they are. int4 codes lie in [-7, 7] (scale amax / 7; centred
 // keys, below, [-8, 7]), two to a
 // byte: a uint8 tensor [n_head_kv, n_tokens, head_dim / 2] whose byte j holds channel 2j in its low
@@ -89,6 +92,16 @@ struct DocumentKV {
   // per channel, head_dim * 3 / 2 + 2 bytes a head): from head_dim tokens on, where that takes fewer
   // bytes than float16 scales did (2 * head_dim), and the centres at most 1 byte a token a head.
   static bool centres_int4_keys(int64_t n_tokens, int64_t head_dim) { return n_tokens >= head_dim; }
+  // How the keys of a document of `n_tokens` in `form` keep their scales: float16 per row or per
+  // channel (keys_per_channel), coded per channel (int4 under head_dim tokens) or coded with
+  // centres (int4 from head_dim tokens on).
+  enum class KeyScaleForm { per_row, per_channel, coded, centred };
+  static KeyScaleForm key_scale_form(c10::ScalarType form, int64_t n_tokens, int64_t head_dim);
+  // Bytes of one head's coded int4 key scales: a float16 and 4 bits a channel, then for centred
+  // keys an int8 centre a channel.
+  static int64_t coded_key_scale_bytes(int64_t head_dim, bool centred) {
+    return 2 + head_dim / 2 + (centred ? head_dim : 0);
+  }
   // Bytes a document of `n_tokens` takes in `dtype` (or form) with `n_blocks` blocks of [n_head_kv,
   // head_dim].
   static int64_t storage_bytes(c10::ScalarType dtype, int64_t n_blocks, int64_t n_head_kv, int64_t head_dim,
@@ -130,8 +143,9 @@ std::pair<at::Tensor, at::Tensor> code_int4_key_scales(const at::Tensor& scales,
 // channel or row) as they are. Checked against the keys `packed` ([n_head_kv, n_tokens, head_dim /
 // 2] uint8). Centred keys' elements are (code + centre) * scale: int4_key_centres reads the centres.
 at::Tensor int4_key_scales(const at::Tensor& packed, const at::Tensor& scales);
-// int4 keys' centres: the int8 m_j of centred keys ([n_head_kv, 1, head_dim] int8, from scales
-// [n_head_kv, 1, 2 + head_dim * 3 / 2] uint8); an undefined tensor for every other form of scales.
+// int4 keys' centres: the int8 m_j of centred keys ([n_head_kv, 1, head_dim] int8, a view of scales
+// [n_head_kv, 1, 2 + head_dim * 3 / 2] uint8 sharing their memory, not contiguous where n_head_kv >
+// 1); an undefined tensor for every other form of scales.
 at::Tensor int4_key_centres(const at::Tensor& packed, const at::Tensor& scales);
 namespace detail::document_kv {
 // code_int4_key_scales and int4_key_scales by tensor ops, as they run off the CPU (declared for the
@@ -139,10 +153,20 @@ namespace detail::document_kv {
 // without centres ([n_head_kv, 1, 2 + head_dim / 2]).
 std::pair<at::Tensor, at::Tensor> code_int4_key_scales_ops(const at::Tensor& scales, const at::Tensor& zero);
 at::Tensor decode_int4_key_scales_ops(const at::Tensor& coded);
+// Coded int4 key scales ([n_head_kv, 1, 2 + head_dim / 2] uint8, or centred [n_head_kv, 1, 2 +
+// head_dim * 3 / 2]) checked against their keys `packed`; returns head_dim / 2.
+int64_t check_coded_key_scales(const at::Tensor& packed, const at::Tensor& scales);
+// int4_key_scales and int4_key_centres with one check: the float16 scales and the centres (a view
+// of `scales`, which may not be contiguous; undefined unless centred).
+std::pair<at::Tensor, at::Tensor> int4_key_scales_and_centres(const at::Tensor& packed, const at::Tensor& scales);
 // Rotated keys [n_head_kv, n_tokens, head_dim] (float32) coded centred by tensor ops, as run off the
 // CPU: the int8 codes in [-8, 7] (to be packed) and the coded scales with the centres. The CPU's
 // loops give the same bytes (declared for the tests that compare them).
 std::pair<at::Tensor, at::Tensor> code_centred_int4_keys_ops(const at::Tensor& rotated);
+// Keys [n_head_kv, n_tokens, head_dim] (float32; int4 keys rotated) quantized by tensor ops, as off
+// the CPU: the codes (int8, int4 ones unpacked) and the scales of `form` at `levels` (127 or 7).
+// The CPU's loops give the same numbers, NaN and infinite keys included (declared for the tests).
+std::pair<at::Tensor, at::Tensor> quantize_keys_ops(const at::Tensor& k, float levels, DocumentKV::KeyScaleForm form);
 }  // namespace detail::document_kv
 
 // Documents linked int8 as stored (Linker with keep_int8): keys and values [block][document], the

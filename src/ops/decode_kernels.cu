@@ -418,7 +418,7 @@ __device__ inline float quant_load(JoinSource source, const void* data, int64_t 
 // The float16 scale of a largest magnitude (document_kv.ipp's int8_scale) and a code.
 __device__ inline __half quant_scale(float amax) {
   const float s = amax / 127.0f;
-  return __float2half_rn(s > 0.0f ? fmaxf(s, 6.103515625e-05f) : 1.0f);
+  return __float2half_rn(s > 0.0f ? fminf(fmaxf(s, 6.103515625e-05f), 65504.0f) : 1.0f);
 }
 __device__ inline int8_t quant_code(float x, float scale) {
   return static_cast<int8_t>(fminf(127.0f, fmaxf(-127.0f, rintf(__fdiv_rn(x, scale)))));

@@ -128,7 +128,8 @@ cudaError_t join_documents(Half type, const JoinPiece* pieces, int64_t n_pieces,
                            int64_t head_dim, const float* cos, const float* sin, cudaStream_t stream);
 
 // One document's K/V of one block in int8 as the CPU keeps them (document_kv.ipp): a float16
-// scale of amax / 127 (at least 2^-14; 1 where all are 0) per value row, and per key channel over
+// scale of amax / 127 (2^-14 to 65504; 1 where all are 0; NaN elements count for nothing in amax
+// and are coded -127) per value row, and per key channel over
 // the tokens where 2 len >= head_dim (keys_per_channel), else per key row; codes x / scale rounded
 // half to even, clamped to [-127, 127]. The same IEEE operations in the same order, so the codes
 // and scales equal the CPU's bit for bit. Sources [n_head_kv, len, head_dim] contiguous, float32

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "comb/document_kv.hpp"
@@ -51,12 +52,17 @@ COMB_INLINE int64_t DocumentKV::storage_bytes(c10::ScalarType dtype, int64_t n_b
   // head_dim tokens on those and an int8 centre a channel.
   const int64_t codes = dtype == at::kChar ? elements : dtype == kCacheInt4 ? elements / 2 : elements * 3 / 4;
   const int64_t value_scales = 2 * n_blocks * n_head_kv * n_tokens;
-  if (dtype == kCacheInt4 && codes_int4_key_scales(n_tokens, head_dim))
-    return codes + value_scales + n_blocks * n_head_kv * (2 + head_dim / 2);
-  if (dtype == kCacheInt4 && centres_int4_keys(n_tokens, head_dim))
-    return codes + value_scales + n_blocks * n_head_kv * (2 + head_dim / 2 + head_dim);
-  const int64_t key_scales = keys_per_channel(n_tokens, head_dim, dtype) ? head_dim : n_tokens;
+  const KeyScaleForm form = key_scale_form(dtype, n_tokens, head_dim);
+  if (form == KeyScaleForm::coded || form == KeyScaleForm::centred)
+    return codes + value_scales + n_blocks * n_head_kv * coded_key_scale_bytes(head_dim, form == KeyScaleForm::centred);
+  const int64_t key_scales = form == KeyScaleForm::per_channel ? head_dim : n_tokens;
   return codes + value_scales + 2 * n_blocks * n_head_kv * key_scales;
+}
+
+COMB_INLINE DocumentKV::KeyScaleForm DocumentKV::key_scale_form(c10::ScalarType form, int64_t n_tokens,
+                                                                int64_t head_dim) {
+  if (form == kCacheInt4) return centres_int4_keys(n_tokens, head_dim) ? KeyScaleForm::centred : KeyScaleForm::coded;
+  return keys_per_channel(n_tokens, head_dim, form) ? KeyScaleForm::per_channel : KeyScaleForm::per_row;
 }
 
 namespace detail::document_kv {  // this file's own helpers
@@ -176,7 +182,7 @@ COMB_INLINE void code_centred_head(const float* x, int64_t n, int64_t d, int8_t*
     s[j] = centred_scale(w), zero[j] = !(w > 0.0f);
   }
   code_key_scales_head(s.data(), zero.get(), d, out, used.data());
-  int8_t* centre = reinterpret_cast<int8_t*>(out + 2 + d / 2);
+  int8_t* centre = reinterpret_cast<int8_t*>(out + DocumentKV::coded_key_scale_bytes(d, false));
   std::vector<float> scale(static_cast<size_t>(d)), m(static_cast<size_t>(d));
   for (int64_t j = 0; j < d; ++j) {
     scale[j] = static_cast<float>(used[j]);
@@ -190,22 +196,25 @@ COMB_INLINE void code_centred_head(const float* x, int64_t n, int64_t d, int8_t*
     }
 }
 
+using KeyScaleForm = DocumentKV::KeyScaleForm;
+
 // Keys [heads, n, d] (float32, contiguous): codes and a scale per channel over the tokens
 // ([heads, 1, d]), or per row ([heads, n, 1]); `coded`: per channel, the scales coded
 // (code_int4_key_scales: [heads, 1, 2 + d / 2] bytes), the codes computed with what they stand for;
 // `centred`: rotated int4 keys coded centred ([heads, 1, 2 + d / 2 + d] bytes; see DocumentKV).
-COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys_cpu(const at::Tensor& k, float levels, bool per_channel,
-                                                                bool coded = false, bool centred = false) {
+COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys_cpu(const at::Tensor& k, float levels, KeyScaleForm form) {
   const int64_t heads = k.size(0), n = k.size(1), d = k.size(2);
-  if (centred) {
-    at::Tensor kq = at::empty({heads, n, d}, at::kChar), ks = at::empty({heads, 1, 2 + d / 2 + d}, at::kByte);
+  const bool coded = form == KeyScaleForm::coded, per_channel = form != KeyScaleForm::per_row;
+  const int64_t row = DocumentKV::coded_key_scale_bytes(d, form == KeyScaleForm::centred);
+  if (form == KeyScaleForm::centred) {
+    at::Tensor kq = at::empty({heads, n, d}, at::kChar), ks = at::empty({heads, 1, row}, at::kByte);
     for (int64_t h = 0; h < heads; ++h)
       code_centred_head(k.data_ptr<float>() + h * n * d, n, d, kq.data_ptr<int8_t>() + h * n * d,
-                        ks.data_ptr<uint8_t>() + h * (2 + d / 2 + d));
+                        ks.data_ptr<uint8_t>() + h * row);
     return {kq, ks};
   }
   at::Tensor kq = at::empty({heads, n, d}, at::kChar);
-  at::Tensor ks = coded        ? at::empty({heads, 1, 2 + d / 2}, at::kByte)
+  at::Tensor ks = coded        ? at::empty({heads, 1, row}, at::kByte)
                   : per_channel ? at::empty({heads, 1, d}, at::kHalf)
                                 : at::empty({heads, n, 1}, at::kHalf);
   const float* kp = k.data_ptr<float>();
@@ -224,7 +233,7 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys_cpu(const at::Tensor
     // zero: a channel whose scale is int8_scale's 1 for nothing to scale (amax / levels not above 0)
     for (int64_t j = 0; j < d; ++j) s[j] = int8_scale(m[j], levels), zero[j] = !(m[j] / levels > 0.0f);
     if (coded)
-      code_key_scales_head(s.data(), zero.get(), d, ks.data_ptr<uint8_t>() + h * (2 + d / 2), used.data());
+      code_key_scales_head(s.data(), zero.get(), d, ks.data_ptr<uint8_t>() + h * row, used.data());
     else
       std::copy(s.begin(), s.end(), ks.data_ptr<at::Half>() + h * d);
     for (int64_t j = 0; j < d; ++j) scale[j] = static_cast<float>(coded ? used[j] : s[j]);
@@ -235,25 +244,31 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys_cpu(const at::Tensor
 }
 
 COMB_INLINE std::array<at::Tensor, 4> quantize_int8_cpu(const at::Tensor& k, const at::Tensor& v, float key_levels,
-                                                        float value_levels, bool keys_per_channel,
-                                                        bool coded_key_scales = false, bool centred_keys = false) {
+                                                        float value_levels, KeyScaleForm key_form) {
   const int64_t heads = v.size(0), n = v.size(1), d = v.size(2);
   at::Tensor vq = at::empty({heads, n, d}, at::kChar), vs = at::empty({heads, n, 1}, at::kHalf);
   quantize_rows_cpu(v.data_ptr<float>(), heads * n, d, value_levels, vq.data_ptr<int8_t>(), vs.data_ptr<at::Half>());
-  auto [kq, ks] = quantize_keys_cpu(k, key_levels, keys_per_channel, coded_key_scales, centred_keys);
+  auto [kq, ks] = quantize_keys_cpu(k, key_levels, key_form);
   return {kq, ks, vq, vs};
 }
 
 // The tensor ops' form of the same (any device): float16 scales of amax / levels (2^-14 to 65504;
 // 1 for all zeros), codes by float32 division, round half to even and clamp. The divisor a tensor:
 // ATen divides a CUDA tensor by a scalar as a product with its reciprocal, which can differ in the
-// last place from the CPU's quotient.
+// last place from the CPU's quotient. NaN elements are coded -levels, as code() codes them
+// (std::max(-levels, NaN) is -levels).
 COMB_INLINE at::Tensor scales_of(const at::Tensor& amax, float levels) {
   at::Tensor s = amax / at::full({}, levels, amax.options());
   return at::where(s > 0, s.clamp(6.103515625e-05, 65504.0), at::ones_like(s)).to(at::kHalf);
 }
 COMB_INLINE at::Tensor codes_of(const at::Tensor& x, const at::Tensor& scales, float levels) {
-  return (x / scales.to(at::kFloat)).round().clamp(-levels, levels).to(at::kChar).contiguous();
+  return (x / scales.to(at::kFloat)).round().nan_to_num_(-levels).clamp_(-levels, levels).to(at::kChar).contiguous();
+}
+// The largest magnitude along `dim` (kept) as the loops take it: NaN skipped (std::max keeps its
+// first argument), infinities kept.
+COMB_INLINE at::Tensor abs_max(const at::Tensor& x, int64_t dim) {
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  return x.abs().nan_to_num_(0.0, inf, inf).amax(dim, /*keepdim=*/true);
 }
 // code_int4_key_scales and int4_key_scales by tensor ops (any device; the CPU's loops give the same
 // bytes and scales).
@@ -306,15 +321,17 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> code_centred_int4_keys_ops(const a
   return {q, at::cat({bytes, centres}, -1).contiguous()};
 }
 
-COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys(const at::Tensor& k, float levels, bool per_channel,
-                                                            bool coded = false, bool centred = false) {
-  if (k.device().is_cpu()) return quantize_keys_cpu(k.contiguous(), levels, per_channel, coded, centred);
-  if (centred) return code_centred_int4_keys_ops(k);
-  at::Tensor amax = k.abs().amax(per_channel ? 1 : 2, /*keepdim=*/true);
+COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys_ops(const at::Tensor& k, float levels, KeyScaleForm form) {
+  if (form == KeyScaleForm::centred) return code_centred_int4_keys_ops(k);
+  at::Tensor amax = abs_max(k, form == KeyScaleForm::per_row ? 2 : 1);
   at::Tensor ks = scales_of(amax, levels).contiguous();
-  if (!coded) return {codes_of(k, ks, levels), ks};
+  if (form != KeyScaleForm::coded) return {codes_of(k, ks, levels), ks};
   auto [bytes, used] = code_int4_key_scales_ops(ks, (amax / at::full({}, levels, amax.options()) > 0).logical_not());
   return {codes_of(k, used, levels), bytes};
+}
+COMB_INLINE std::pair<at::Tensor, at::Tensor> quantize_keys(const at::Tensor& k, float levels, KeyScaleForm form) {
+  if (k.device().is_cpu()) return quantize_keys_cpu(k.contiguous(), levels, form);
+  return quantize_keys_ops(k, levels, form);
 }
 
 COMB_INLINE float hadamard_norm(int64_t d) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))); }
@@ -385,11 +402,11 @@ COMB_INLINE void rotated_int4_head_cpu(const uint8_t* codes, const float* scales
 
 // Rotated int4 keys read as float32 and rotated back on the CPU, one head at a time.
 COMB_INLINE at::Tensor rotated_int4_keys_float_cpu(const at::Tensor& packed, const at::Tensor& coded_or_half) {
-  const at::Tensor scales = int4_key_scales(packed, coded_or_half);
+  auto [scales, centres] = int4_key_scales_and_centres(packed, coded_or_half);
   const bool per_channel = int4_keys_per_channel(packed, scales);
   const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
   at::Tensor p = packed.contiguous(), sc = scales.to(at::kFloat).contiguous();
-  const at::Tensor centres = int4_key_centres(packed, coded_or_half);
+  if (centres.defined()) centres = centres.contiguous();
   at::Tensor x = at::empty({heads, n, d}, at::kFloat);
   float* xp = x.data_ptr<float>();
   std::vector<float> xt(static_cast<size_t>(d * n));
@@ -463,12 +480,11 @@ struct Int8BlockRead {
   bool per_channel_in = false;
   // Prepares the rotated int4 keys `packed` with their scales (float16, or coded) to be read as int8.
   void prepare_int4_keys(const at::Tensor& packed, const at::Tensor& coded_or_half) {
-    const at::Tensor scales = int4_key_scales(packed, coded_or_half);
+    auto [scales, centres] = int4_key_scales_and_centres(packed, coded_or_half);
     per_channel_in = int4_keys_per_channel(packed, scales);
     const int64_t heads = packed.size(0), n = packed.size(1), d = packed.size(2) * 2;
     keys = packed.contiguous(), key_scales = scales.to(at::kFloat).contiguous();
-    key_centres = int4_key_centres(packed, coded_or_half);
-    if (key_centres.defined()) key_centres = key_centres.contiguous();
+    if (centres.defined()) key_centres = centres.contiguous();
     out[0] = at::empty({heads, n, d}, at::kChar);
     out[1] = DocumentKV::keys_per_channel(n, d) ? at::empty({heads, 1, d}, at::kHalf)
                                                 : at::empty({heads, n, 1}, at::kHalf);
@@ -518,7 +534,7 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> rotated_int4_keys_as_int8(const at
                                                                         const at::Tensor& scales) {
   if (packed.device().is_cpu()) return rotated_int4_keys_cpu(packed, scales);
   at::Tensor x = rotated_int4_keys_float(packed, scales);
-  return quantize_keys(x, 127.0f, DocumentKV::keys_per_channel(x.size(1), x.size(2)));
+  return quantize_keys(x, 127.0f, DocumentKV::key_scale_form(at::kChar, x.size(1), x.size(2)));
 }
 }  // namespace detail::document_kv
 
@@ -564,9 +580,8 @@ COMB_INLINE at::Tensor hadamard_rows(const at::Tensor& x) {
 
 COMB_INLINE at::Tensor rotated_int4_keys_float(const at::Tensor& packed, const at::Tensor& coded_or_half) {
   if (packed.device().is_cpu()) return detail::document_kv::rotated_int4_keys_float_cpu(packed, coded_or_half);
-  const at::Tensor scales = int4_key_scales(packed, coded_or_half);
+  const auto [scales, centres] = detail::document_kv::int4_key_scales_and_centres(packed, coded_or_half);
   detail::document_kv::int4_keys_per_channel(packed, scales);  // the same checks (sizes only)
-  const at::Tensor centres = int4_key_centres(packed, coded_or_half);
   at::Tensor q = unpack_int4(packed).to(at::kFloat);
   if (centres.defined()) q = q + centres.to(at::kFloat);  // (q + m_j): exact integers
   return hadamard_rows(q * scales.to(at::kFloat));
@@ -584,10 +599,11 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> code_int4_key_scales(const at::Ten
   if (!scales.device().is_cpu()) return detail::document_kv::code_int4_key_scales_ops(scales, zero);
   const int64_t heads = scales.size(0), d = scales.size(2);
   at::Tensor s = scales.contiguous(), z = zero.contiguous();
-  at::Tensor bytes = at::empty({heads, 1, 2 + d / 2}, at::kByte), used = at::empty({heads, 1, d}, at::kHalf);
+  const int64_t row = DocumentKV::coded_key_scale_bytes(d, false);
+  at::Tensor bytes = at::empty({heads, 1, row}, at::kByte), used = at::empty({heads, 1, d}, at::kHalf);
   for (int64_t h = 0; h < heads; ++h)
     detail::document_kv::code_key_scales_head(s.data_ptr<at::Half>() + h * d, z.data_ptr<bool>() + h * d, d,
-                                              bytes.data_ptr<uint8_t>() + h * (2 + d / 2),
+                                              bytes.data_ptr<uint8_t>() + h * row,
                                               used.data_ptr<at::Half>() + h * d);
   return {bytes, used};
 }
@@ -596,34 +612,47 @@ namespace detail::document_kv {
 // Coded int4 key scales checked against their keys; returns head_dim / 2.
 COMB_INLINE int64_t check_coded_key_scales(const at::Tensor& packed, const at::Tensor& scales) {
   const int64_t half = packed.dim() == 3 ? packed.size(2) : 0;  // head_dim / 2
+  const int64_t coded = DocumentKV::coded_key_scale_bytes(2 * half, false);
+  const int64_t centred = DocumentKV::coded_key_scale_bytes(2 * half, true);
   COMB_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && scales.dim() == 3 &&
                  scales.size(0) == packed.size(0) && scales.size(1) == 1 &&
-                 (scales.size(2) == 2 + half || scales.size(2) == 2 + 3 * half) && scales.device() == packed.device(),
+                 (scales.size(2) == coded || scales.size(2) == centred) && scales.device() == packed.device(),
              "int4 keys [{}] ({}): expected coded scales [{}, 1, {}] or, centred, [{}, 1, {}] (uint8) on their device, "
              "found [{}] on {}",
              fmt::join(packed.sizes(), ", "), c10::toString(packed.scalar_type()), packed.dim() == 3 ? packed.size(0) : 0,
-             2 + half, packed.dim() == 3 ? packed.size(0) : 0, 2 + 3 * half, fmt::join(scales.sizes(), ", "),
+             coded, packed.dim() == 3 ? packed.size(0) : 0, centred, fmt::join(scales.sizes(), ", "),
              scales.device().str());
   return half;
+}
+
+// The centres of coded scales checked by check_coded_key_scales (a view, undefined without them).
+COMB_INLINE at::Tensor coded_key_centres(const at::Tensor& scales, int64_t half) {
+  if (scales.size(2) != DocumentKV::coded_key_scale_bytes(2 * half, true)) return at::Tensor();
+  return scales.narrow(-1, DocumentKV::coded_key_scale_bytes(2 * half, false), 2 * half).view(at::kChar);
+}
+
+COMB_INLINE std::pair<at::Tensor, at::Tensor> int4_key_scales_and_centres(const at::Tensor& packed,
+                                                                           const at::Tensor& scales) {
+  if (scales.scalar_type() != at::kByte) return {scales, at::Tensor()};
+  const int64_t half = check_coded_key_scales(packed, scales);
+  at::Tensor centres = coded_key_centres(scales, half);
+  if (!scales.device().is_cpu())
+    return {decode_int4_key_scales_ops(scales.narrow(-1, 0, DocumentKV::coded_key_scale_bytes(2 * half, false))),
+            centres};
+  const int64_t heads = scales.size(0), d = 2 * half;
+  at::Tensor in = scales.contiguous(), out = at::empty({heads, 1, d}, at::kHalf);
+  decode_key_scales_cpu(in.data_ptr<uint8_t>(), heads, d, scales.size(2), out.data_ptr<at::Half>());
+  return {out, centres};
 }
 }  // namespace detail::document_kv
 
 COMB_INLINE at::Tensor int4_key_scales(const at::Tensor& packed, const at::Tensor& scales) {
-  if (scales.scalar_type() != at::kByte) return scales;
-  const int64_t half = detail::document_kv::check_coded_key_scales(packed, scales);
-  if (!scales.device().is_cpu())
-    return detail::document_kv::decode_int4_key_scales_ops(scales.narrow(-1, 0, 2 + half));
-  const int64_t heads = scales.size(0), d = 2 * half;
-  at::Tensor in = scales.contiguous(), out = at::empty({heads, 1, d}, at::kHalf);
-  detail::document_kv::decode_key_scales_cpu(in.data_ptr<uint8_t>(), heads, d, scales.size(2), out.data_ptr<at::Half>());
-  return out;
+  return detail::document_kv::int4_key_scales_and_centres(packed, scales).first;
 }
 
 COMB_INLINE at::Tensor int4_key_centres(const at::Tensor& packed, const at::Tensor& scales) {
   if (scales.scalar_type() != at::kByte) return at::Tensor();
-  const int64_t half = detail::document_kv::check_coded_key_scales(packed, scales);
-  if (scales.size(2) != 2 + 3 * half) return at::Tensor();
-  return scales.narrow(-1, 2 + half, 2 * half).contiguous().view(at::kChar);
+  return detail::document_kv::coded_key_centres(scales, detail::document_kv::check_coded_key_scales(packed, scales));
 }
 
 namespace detail::document_kv {
@@ -755,17 +784,15 @@ COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype)
         detail::document_kv::check_hadamard_order(k.size(2));
         k = hadamard_rows(k.to(at::kFloat));
       }
-      const bool per_channel = keys_per_channel(k.size(1), k.size(2), dtype);
-      const bool coded = dtype == kCacheInt4 && codes_int4_key_scales(k.size(1), k.size(2));
-      const bool centred = dtype == kCacheInt4 && centres_int4_keys(k.size(1), k.size(2));
+      const KeyScaleForm key_form = key_scale_form(dtype, k.size(1), k.size(2));
       if (k.device().is_cpu() && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat) {
         auto q = detail::document_kv::quantize_int8_cpu(k.contiguous(), v.contiguous(), key_levels, value_levels,
-                                                        per_channel, coded, centred);
+                                                        key_form);
         kq = q[0], ks = q[1], vq = q[2], vs = q[3];
       } else {
         v = v.to(at::kFloat);
-        std::tie(kq, ks) = detail::document_kv::quantize_keys(k.to(at::kFloat), key_levels, per_channel, coded, centred);
-        vs = detail::document_kv::scales_of(v.abs().amax(2, true), value_levels).contiguous();
+        std::tie(kq, ks) = detail::document_kv::quantize_keys(k.to(at::kFloat), key_levels, key_form);
+        vs = detail::document_kv::scales_of(detail::document_kv::abs_max(v, 2), value_levels).contiguous();
         vq = detail::document_kv::codes_of(v, vs, value_levels);
       }
       out.keys.push_back(dtype == kCacheInt4 ? pack_int4(kq) : kq);

@@ -98,7 +98,7 @@ COMB_INLINE bool code_key_rows(uint32_t c) { return c == 5 || c == 7 || c == 11;
 COMB_INLINE bool code_key_scales_coded(uint32_t c) { return c == 12 || c == 13; }
 // A head's coded key scales in an entry of code 12 or 13 (centred keys: their centres after them).
 COMB_INLINE uint64_t coded_key_scale_bytes(uint32_t c, uint64_t head_dim) {
-  return 2 + head_dim / 2 + (c == 13 ? head_dim : 0);
+  return static_cast<uint64_t>(DocumentKV::coded_key_scale_bytes(static_cast<int64_t>(head_dim), c == 13));
 }
 // int8 entries: 4 with float16 scales and keys scaled per channel, 5 with float16 scales and keys
 // per row (as quantize_int8_cpu writes them), 3 with float32 scales and keys per channel (as comb
@@ -110,8 +110,8 @@ COMB_INLINE uint32_t entry_code(const DocumentKV& kv) {
   if (ks.scalar_type() == at::kByte) {  // coded int4 key scales: checked as a reader checks them
     COMB_CHECK(c == 10, "{} entry: key scales of uint8 (coded int4 key scales belong to int4 entries)",
                cache_dtype_name(kv.dtype()));
-    int4_key_scales(kv.keys.at(0), ks);
-    return int4_key_centres(kv.keys.at(0), ks).defined() ? 13 : 12;
+    const int64_t half = detail::document_kv::check_coded_key_scales(kv.keys.at(0), ks);
+    return ks.size(2) == DocumentKV::coded_key_scale_bytes(2 * half, true) ? 13 : 12;
   }
   // [n_head_kv, 1, head_dim] per channel, [n_head_kv, n_tokens, 1] per row (the same numbers when
   // both are 1: a one-token document of head_dim 1).
