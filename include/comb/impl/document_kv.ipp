@@ -309,7 +309,7 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> code_centred_int4_keys_ops(const a
   at::Tensor lo = k.amin(1, /*keepdim=*/true), hi = k.amax(1, /*keepdim=*/true);
   at::Tensor mid = (lo + hi) * f(0.5f);
   at::Tensor w = at::maximum((hi - lo) / f(15.0f), mid.abs() / f(127.0f));
-  at::Tensor s = at::where(w > 0, w.clamp(6.103515625e-05, 65504.0), at::ones_like(w)).to(at::kHalf);
+  at::Tensor s = scales_of(w, 1.0f);  // int8_scale(w, 1), as centred_scale starts
   // rounded up (centred_scale): the next float16 where the nearest is under w
   const at::Tensor up = (s.to(at::kFloat) < w).logical_and(s.to(at::kFloat) < 65504.0f);
   s = at::where(up, (s.view(at::kShort) + 1).view(at::kHalf), s);

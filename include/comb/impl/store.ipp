@@ -110,8 +110,7 @@ COMB_INLINE uint32_t entry_code(const DocumentKV& kv) {
   if (ks.scalar_type() == at::kByte) {  // coded int4 key scales: checked as a reader checks them
     COMB_CHECK(c == 10, "{} entry: key scales of uint8 (coded int4 key scales belong to int4 entries)",
                cache_dtype_name(kv.dtype()));
-    const int64_t half = detail::document_kv::check_coded_key_scales(kv.keys.at(0), ks);
-    return ks.size(2) == DocumentKV::coded_key_scale_bytes(2 * half, true) ? 13 : 12;
+    return int4_key_centres(kv.keys.at(0), ks).defined() ? 13 : 12;  // checked; a view, no copy
   }
   // [n_head_kv, 1, head_dim] per channel, [n_head_kv, n_tokens, 1] per row (the same numbers when
   // both are 1: a one-token document of head_dim 1).
