@@ -1472,6 +1472,85 @@ TEST_CASE("joint blocks with consecutive documents: at step 0, naive reuse's att
   CHECK(Plugin::load(path, model.decoder()).config().consecutive_documents);
 }
 
+TEST_CASE("a document span shrinks consecutive documents' distances in proportion, on every joining path",
+          "[plugin]") {
+  at::NoGradGuard off;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  PluginInitOptions init;
+  init.reads = init.joint_attention = init.consecutive_documents = true;
+  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
+  model.set_plugin(plugin);
+  auto tokens = sample_documents(3, 9, 53);
+  tokens[1].resize(5);  // documents of different lengths
+  auto docs = documents_of(model, tokens);
+  LinkedDocuments l = Linker(c10::kCPU).link(docs);
+  const int64_t hd = model.config().head_dim, span = 10;
+  std::vector<int64_t> offsets, lens;  // where each document begins in the row; its tokens
+  int64_t total = 0;
+  for (const auto& d : docs) offsets.push_back(total), lens.push_back(d->keys[0].size(1)), total += lens.back();
+  REQUIRE(total > span);
+
+  // The arithmetic: unchanged up to the span, then in proportion, rounded down.
+  Plugin spanned = *plugin;
+  spanned.set_document_span(span);
+  CHECK(spanned.config().document_offset(14, 23) == 6);  // 14 * 10 / 23 = 6.09
+  CHECK(spanned.config().document_offset(9, 23) == 3);   // 90 / 23 = 3.9
+  CHECK(spanned.config().document_offset(0, 23) == 0);
+  CHECK(spanned.config().document_offset(7, span) == 7);  // rows within the span: as linked
+  CHECK(plugin->config().document_offset(14, 23) == 14);
+  CHECK(spanned.fingerprint() != plugin->fingerprint());  // caches keyed apart
+  std::vector<int64_t> turns;  // each document's distance from the question (tokens after it), shrunk
+  for (size_t i = 0; i < docs.size(); ++i) turns.push_back((total - offsets[i] - lens[i]) * span / total);
+  REQUIRE(turns[0] > 0);
+  REQUIRE(turns[2] == 0);
+
+  // Both joining paths place document i turned back by its shrunk distance: the tensor ops (taken
+  // while gradients are recorded, as training runs them) and the one-pass CPU path.
+  auto joined = [&](const Plugin& p, bool ops) {
+    at::AutoGradMode mode(ops);
+    return p.joint_kv(p.weights(), l.keys, l.values, l.doc_counts);
+  };
+  for (bool ops : {true, false}) {
+    INFO((ops ? "tensor ops" : "one pass"));
+    auto got = joined(spanned, ops);
+    REQUIRE(got.size() == static_cast<size_t>(plugin->config().n_blocks()));
+    for (int64_t b : {int64_t(0), plugin->config().n_blocks() - 1})
+      for (size_t i = 0; i < docs.size(); ++i) {
+        const at::Tensor part = got[b].keys[0].narrow(1, offsets[i], lens[i]);
+        const at::Tensor& own = docs[i]->keys[b];
+        at::Tensor want = turns[i] == 0 ? own
+                                        : apply_rope(own, model.decoder().rope_cos()[turns[i]].view({1, 1, hd}),
+                                                     -model.decoder().rope_sin()[turns[i]].view({1, 1, hd}));
+        CHECK(max_diff(part, want) <= rope_bound(total, magnitude(want)));
+        CHECK(got[b].values[0].narrow(1, offsets[i], lens[i]).equal(docs[i]->values[b]));
+      }
+    // Against no span: the first document moved (turned by less), the last not.
+    auto plain = joined(*plugin, ops);
+    CHECK(max_diff(got[0].keys[0].narrow(1, 0, lens[0]), plain[0].keys[0].narrow(1, 0, lens[0])) > 1e-2);
+    CHECK(got[0].keys[0].narrow(1, offsets[2], lens[2]).equal(plain[0].keys[0].narrow(1, offsets[2], lens[2])));
+    // A span the row does not exceed changes nothing, bit for bit.
+    Plugin wide = *plugin;
+    wide.set_document_span(total);
+    auto same = joined(wide, ops);
+    for (size_t b = 0; b < same.size(); ++b) CHECK(same[b].keys.equal(plain[b].keys));
+  }
+
+  // It survives a save and load; a negative span, or one on documents that are not consecutive, is refused.
+  std::string path = temp_dir("span") + "/p.safetensors";
+  spanned.save(path);
+  CHECK(Plugin::load(path, model.decoder()).config().document_span == span);
+  CHECK_THROWS_WITH(spanned.set_document_span(-1), Catch::Contains("found -1"));
+  PluginInitOptions apart = init;
+  apart.consecutive_documents = false;
+  Plugin shared = Plugin::fresh(model.decoder(), apart);
+  CHECK_THROWS_WITH(shared.set_document_span(64), Catch::Contains("not consecutive"));
+  nlohmann::json j = spanned.config().to_json();
+  CHECK(j["document_span"] == span);
+  j["document_span"] = -3;
+  CHECK_THROWS_WITH(PluginConfig::from_json(j, "test"), Catch::Contains("document_span"));
+}
+
 TEST_CASE("documents encoded together equal each encoded alone; a request's order changes no cache", "[plugin]") {
   c10::InferenceMode guard;
   Model model = Model::load(oracle_dir() + "/tiny-llama");

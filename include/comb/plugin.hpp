@@ -55,6 +55,13 @@ struct PluginConfig {
   // before the prompt. Each cache still depends on its document alone; the keys are turned into
   // place when linked (Plugin::joint_kv), so the order linked now matters as it does in a prompt.
   bool consecutive_documents = false;
+  // Consecutive documents only, 0 (the default): off. When a row's linked documents hold more than
+  // this many tokens in all, their distances from the question shrink in proportion: a document
+  // that ends `after` tokens before the question (of `total` linked) is turned as if it ended
+  // after * document_span / total tokens before it (rounded down; document_offset). Each document
+  // keeps its own tokens' spacing, so the documents' spans overlap. The far documents of a long
+  // row are read at the distances a plug-in trained on shorter rows has seen.
+  int64_t document_span = 0;
   // How its document caches are kept when the store's dtype is "auto" (StoreOptions::dtype
   // Undefined, the default): "" (float32 as computed), "bfloat16", "float16", "int8", "int8-int4"
   // or "int4". The dtype
@@ -64,6 +71,11 @@ struct PluginConfig {
   int64_t n_blocks() const { return static_cast<int64_t>(cross_layers.size()); }
   int64_t n_encoder_layers() const { return encoder_layers > 0 ? encoder_layers : n_blocks(); }
   int64_t read_depth(int64_t k) const { return read_depths.empty() ? k + 1 : read_depths.at(k); }
+  // Where a consecutive document ending `after` tokens before the question (of `total` linked in
+  // its row) is placed: `after` itself unless document_span shrinks it.
+  int64_t document_offset(int64_t after, int64_t total) const {
+    return document_span > 0 && total > document_span ? after * document_span / total : after;
+  }
   nlohmann::json to_json() const;
   static PluginConfig from_json(const nlohmann::json& j, const std::string& where);
 };
@@ -151,6 +163,9 @@ class Plugin {
   // "int4"); the
   // fingerprint follows, so caches kept in another dtype are not mixed up with its own.
   void set_cache_dtype(const std::string& dtype);
+  // Sets PluginConfig::document_span (0: off; only for consecutive documents). The caches do not
+  // change: only where linking places them.
+  void set_document_span(int64_t tokens);
   // Identifies these weights (XXH3-128, hex): caches made by another plug-in never match.
   const std::string& fingerprint() const { return fingerprint_; }
   // Cross block index that runs before decoder layer `layer`, or -1.

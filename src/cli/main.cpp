@@ -93,6 +93,9 @@ plugin convert options:
   --keep-blocks LIST  only these cross blocks (indices from 0, increasing, comma separated), each as
                       it was, the encoder cut to the deepest depth they read: caches of fewer
                       blocks, untrained (default: every block)
+  --document-span N   consecutive documents: when a request's documents hold more than N tokens,
+                      their distances from the question shrink in proportion (0: off; default: as
+                      it was)
 
 plugin init options:
   --out FILE          where to write the plug-in (safetensors)

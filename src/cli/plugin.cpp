@@ -67,6 +67,9 @@ int cmd_plugin_convert(Args& args) {
   const c10::ScalarType save = parse_dtype(args.str("save-dtype", "bfloat16"));
   const bool set_cache = args.has("cache-dtype");
   const std::string cache = args.str("cache-dtype");
+  const bool set_span = args.has("document-span");
+  const int64_t span = args.num<int64_t>("document-span", 0);
+  COMB_CHECK(span >= 0, "plugin convert: --document-span expects 0 (off) or a number of tokens, found {}", span);
   const bool cut = args.has("keep-blocks");
   const std::string keep_list = args.str("keep-blocks");
   // Parsed before the model loads: every comma-separated item a block index (none empty);
@@ -90,6 +93,7 @@ int cmd_plugin_convert(Args& args) {
                plugin.config().n_encoder_layers(), depth);
   }
   if (set_cache) plugin.set_cache_dtype(cache);
+  if (set_span) plugin.set_document_span(span);
   plugin.save(out, save);
   fmt::print(stderr, "[comb] wrote {} ({} weights, documents cached in {} by default)\n", out, c10::toString(save),
              plugin.config().cache_dtype.empty() ? "float32" : plugin.config().cache_dtype);
@@ -107,7 +111,8 @@ int cmd_plugin(int argc, char** argv) {
   }
   if (argc < 3 || std::string(argv[2]) != "init")
     throw Error("usage: comb plugin init --out FILE [options] | comb plugin memory [--plugin FILE | --encoder-layers N] "
-                "| comb plugin convert --plugin FILE --out FILE [--save-dtype T] [--cache-dtype T] [--keep-blocks LIST]");
+                "| comb plugin convert --plugin FILE --out FILE [--save-dtype T] [--cache-dtype T] [--keep-blocks LIST] "
+                "[--document-span N]");
   Args args(argc, argv, 3, {"random-init"});
   std::string out = args.str("out");
   if (out.empty()) throw Error("plugin init needs --out FILE");

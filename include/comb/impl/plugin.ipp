@@ -50,6 +50,7 @@ COMB_INLINE nlohmann::json PluginConfig::to_json() const {
   if (joint_attention) j["joint_attention"] = true;
   if (documents_after_prefix) j["documents_after_prefix"] = true;
   if (consecutive_documents) j["consecutive_documents"] = true;
+  if (document_span > 0) j["document_span"] = document_span;
   if (!cache_dtype.empty()) j["cache_dtype"] = cache_dtype;
   return j;
 }
@@ -203,6 +204,9 @@ COMB_INLINE PluginConfig PluginConfig::from_json(const nlohmann::json& j, const 
   c.joint_attention = flag("joint_attention", false);
   c.documents_after_prefix = flag("documents_after_prefix", false);
   c.consecutive_documents = flag("consecutive_documents", false);
+  c.document_span = integer("document_span", 0);
+  COMB_CHECK(c.document_span >= 0, "{}: plug-in config 'document_span' should be 0 (off) or a number of tokens, found {}",
+             where, c.document_span);
   if (j.contains("cache_dtype")) {
     const auto& v = j["cache_dtype"];
     COMB_CHECK(v.is_string() && detail::plugin::is_cache_dtype_name(v.get<std::string>()),
@@ -253,6 +257,9 @@ COMB_INLINE void check_layout(const PluginConfig& p, const ModelConfig& c) {
              "documents_after_prefix is a layout of joint cross blocks (joint_attention), not of residual ones");
   COMB_CHECK(!p.consecutive_documents || p.joint_attention,
              "consecutive_documents is a layout of joint cross blocks (joint_attention), not of residual ones");
+  COMB_CHECK(p.document_span == 0 || p.consecutive_documents,
+             "document_span ({}) shrinks the distances of consecutive documents; this plug-in's documents are not "
+             "consecutive", p.document_span);
   COMB_CHECK(!p.encoder_from_base || p.n_encoder_layers() <= c.n_layer,
              "an encoder of the base's layers can have at most its {} layers, found {}", c.n_layer,
              p.n_encoder_layers());
@@ -308,6 +315,15 @@ COMB_INLINE Plugin Plugin::with_blocks(const std::vector<int64_t>& keep, const D
     w.encoder.assign(weights_.encoder.begin(), weights_.encoder.begin() + c.encoder_layers);
   }
   return Plugin(std::move(c), std::move(w), base);
+}
+
+COMB_INLINE void Plugin::set_document_span(int64_t tokens) {
+  COMB_CHECK(tokens >= 0, "a plug-in's document span is 0 (off) or a number of tokens, found {}", tokens);
+  COMB_CHECK(tokens == 0 || config_.consecutive_documents,
+             "a document span ({} tokens) shrinks the distances of consecutive documents; this plug-in's documents are "
+             "not consecutive", tokens);
+  config_.document_span = tokens;
+  refresh_fingerprint();
 }
 
 COMB_INLINE void Plugin::set_cache_dtype(const std::string& dtype) {
@@ -1147,14 +1163,16 @@ COMB_INLINE std::vector<JointKV> Plugin::joint_kv(const PluginWeights& w, const 
         // Each document's keys (at -n..-1) turned back by the tokens of the documents after it, so
         // that the row's documents lie one after another and the last ends at -1. RoPE rotations
         // compose; cos(-a) = cos(a), sin(-a) = -sin(a).
-        int64_t after = 0;
+        int64_t total = 0, after = 0;
+        for (const at::Tensor& t : rk) total += t.size(1);
         for (int64_t i = count - 1; i >= 0; --i) {
-          if (after > 0) {
-            COMB_CHECK(after < rope_cos_.size(0), "joint_kv: {} document tokens linked, beyond the context of {}",
-                       after, rope_cos_.size(0));
+          const int64_t turn = config_.document_offset(after, total);
+          if (turn > 0) {
+            COMB_CHECK(turn < rope_cos_.size(0), "joint_kv: {} document tokens linked, beyond the context of {}",
+                       turn, rope_cos_.size(0));
             const int64_t hd = rk[i].size(-1);
-            rk[i] = apply_rope(rk[i], rope_cos_.select(0, after).to(rk[i].scalar_type()).view({1, 1, hd}),
-                               -rope_sin_.select(0, after).to(rk[i].scalar_type()).view({1, 1, hd}));
+            rk[i] = apply_rope(rk[i], rope_cos_.select(0, turn).to(rk[i].scalar_type()).view({1, 1, hd}),
+                               -rope_sin_.select(0, turn).to(rk[i].scalar_type()).view({1, 1, hd}));
           }
           after += rk[i].size(1);
         }
@@ -1204,7 +1222,7 @@ COMB_INLINE std::vector<Plugin::JoinPlace> Plugin::join_places(const std::vector
     int64_t before = 0;
     for (int64_t i = 0; i < count; ++i) {
       const int64_t len = keys[d + i].size(1);
-      const int64_t after = config_.consecutive_documents ? total - before - len : 0;
+      const int64_t after = config_.consecutive_documents ? config_.document_offset(total - before - len, total) : 0;
       COMB_CHECK(after < rope_cos_.size(0), "joint_kv: {} document tokens linked, beyond the context of {}", after,
                  rope_cos_.size(0));
       places.push_back({d + i, static_cast<int64_t>(r), before, anchor - after});
