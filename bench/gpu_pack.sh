@@ -23,23 +23,14 @@ for f in "$build/comb" "$build/tests/comb_tests" "$tiny/config.json" "$data"; do
 done
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
-rm -rf "$dir/bin" "$dir/lib" "$dir/tokenizer" "$dir/greedy"
-mkdir -p "$dir/bin" "$dir/lib" "$dir/greedy/plugins"
+rm -rf "$dir/tokenizer" "$dir/greedy"
+mkdir -p "$dir/greedy/plugins"
 say() { echo "[gpu_pack] $*" >&2; }
+# shellcheck source=gpu_env.sh
+source "$root/bench/gpu_env.sh"
 
 say "binaries and libraries"
-cp "$build/comb" "$build/tests/comb_tests" "$dir/bin/"
-cp -P "$build"/libcomb*.so* "$dir/lib/"
-# The Debian libraries they link, less the C and C++ runtimes every Linux machine has (CUDA's and
-# torch's come from the GPU machine's python3).
-runtime='libc|libm|libdl|librt|libpthread|libutil|libstdc\+\+|libgcc_s|ld-linux[^/]*'
-cuda='libcuda|libcudart|libcublas|libcublasLt|libcufft|libcurand|libcusparse|libcusolver|libcudnn|libcupti|libnccl'
-cuda+='|libnvJitLink|libnvrtc'
-for b in "$build/comb" "$build/tests/comb_tests" "$build"/libcomb*.so; do ldd "$b"; done |
-  awk '$3 ~ /^\/(usr\/)?lib\/x86_64-linux-gnu\// {print $3}' | sort -u |
-  { grep -v -E "/($runtime|$cuda)\.so" || true; } |
-  while read -r lib; do cp -L "$lib" "$dir/lib/"; done
-"$py" -c 'import torch; print(torch.__version__)' > "$dir/torch-version.txt"
+PY=$py gpu_pack_binaries "$dir" "$build" "$build/comb" "$build/tests/comb_tests"
 
 say "the default model's tokenizer"
 "$py" "$root/bench/export_tokenizer.py" "$dir/tokenizer" >/dev/null
@@ -89,37 +80,9 @@ cat > "$dir/run.sh" <<'EOF'
 set -uo pipefail
 pack=$(cd "$(dirname "$0")" && pwd)
 out=${1:?usage: DIR/run.sh OUT_DIR [STEPS]}
-# The binaries link this LibTorch's libraries, whose names carry no version: another one fails
-# only when a symbol is looked up.
-torch_version=$(python3 -c 'import torch; print(torch.__version__)') || { echo "python3 has no torch"; exit 1; }
-[ "$torch_version" = "$(cat "$pack/torch-version.txt")" ] ||
-  { echo "built against torch $(cat "$pack/torch-version.txt"), python3 has $torch_version"; exit 1; }
-torch_lib=$(python3 -c 'import torch, os; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
-# CUDA's libraries from pip (nvidia is a namespace package: its folders are in __path__).
-cuda_libs=$(python3 -c 'import nvidia; print(":".join(p for p in nvidia.__path__))' 2>/dev/null || true)
-cuda_path=""
-for folder in ${cuda_libs//:/ }; do
-  for lib in "$folder"/*/lib; do [ -d "$lib" ] && cuda_path+="$lib:"; done
-done
-# comb's libraries, and of the system ones carried only those this machine lacks.
-needed=$(mktemp -d)
-trap 'rm -rf "$needed"' EXIT
-known=$(ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true)
-for lib in "$pack"/lib/*; do
-  name=$(basename "$lib")
-  case "$name" in
-    libcomb*) ln -s "$lib" "$needed/$name" ;;
-    *) [[ "$known" == *"/$name"$'\n'* || "$known" == *"/$name" ]] || ln -s "$lib" "$needed/$name" ;;
-  esac
-done
-echo "carried libraries used: $(ls "$needed" | tr '\n' ' ')"
-export LD_LIBRARY_PATH=$needed:$torch_lib:$cuda_path${LD_LIBRARY_PATH:-}
-export LD_LIBRARY_PATH=${LD_LIBRARY_PATH%:}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
-# libcomb_cuda.so is opened at run time (beside libcomb): its libraries are checked too.
-missing=$(ldd "$pack/bin/comb" "$pack/bin/comb_tests" "$needed/libcomb_cuda.so" | grep "not found" | sort -u)
-[ -z "$missing" ] || { echo "libraries not found: $missing"; exit 1; }
 [ -f bench/gpu_check.sh ] || { echo "run it from the repository root (bench/gpu_check.sh not found)"; exit 1; }
+source bench/gpu_env.sh
+gpu_env "$pack" || exit 1
 mkdir -p "$out"
 COMB_BIN=$pack/bin/comb COMB_TESTS=$pack/bin/comb_tests COMB_GPU_CHECK_STEPS=${2:-1 2 3 4 5 6 7 8 9 10 11} \
   bash bench/gpu_check.sh "$pack/tokenizer" "$pack/greedy" "$pack/items.jsonl" "$out"
