@@ -29,7 +29,7 @@ gpu_pack_binaries() {
 # built against (its libraries' names carry no version: another one fails only when a symbol is
 # looked up); puts on LD_LIBRARY_PATH comb's libraries, of the carried system ones only those the
 # machine lacks, torch's and the pip CUDA libraries; checks that every binary finds its libraries.
-# Returns 1 (and says why) otherwise. The link folder lives until the shell exits.
+# Returns 1 (and says why) otherwise. The links are made in PACK/.libs (made again at each call).
 gpu_env() {
   local pack=$1 torch_version torch_lib cuda_libs cuda_path="" folder lib name known missing
   torch_version=$(python3 -c 'import torch; print(torch.__version__)') || { echo "python3 has no torch"; return 1; }
@@ -41,21 +41,21 @@ gpu_env() {
   for folder in ${cuda_libs//:/ }; do
     for lib in "$folder"/*/lib; do [ -d "$lib" ] && cuda_path+="$lib:"; done
   done
-  GPU_ENV_LIBS=$(mktemp -d)
-  trap 'rm -rf "$GPU_ENV_LIBS"' EXIT
+  local links=$pack/.libs
+  rm -rf "$links" && mkdir -p "$links" || { echo "cannot make $links"; return 1; }
   known=$(ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true)
   for lib in "$pack"/lib/*; do
     name=$(basename "$lib")
     case "$name" in
-      libcomb*) ln -s "$lib" "$GPU_ENV_LIBS/$name" ;;
-      *) [[ "$known" == *"/$name"$'\n'* || "$known" == *"/$name" ]] || ln -s "$lib" "$GPU_ENV_LIBS/$name" ;;
+      libcomb*) ln -s "$lib" "$links/$name" ;;
+      *) [[ "$known" == *"/$name"$'\n'* || "$known" == *"/$name" ]] || ln -s "$lib" "$links/$name" ;;
     esac
   done
-  echo "carried libraries used: $(ls "$GPU_ENV_LIBS" | tr '\n' ' ')"
-  export LD_LIBRARY_PATH=$GPU_ENV_LIBS:$torch_lib:$cuda_path${LD_LIBRARY_PATH:-}
+  echo "carried libraries used: $(ls "$links" | tr '\n' ' ')"
+  export LD_LIBRARY_PATH=$links:$torch_lib:$cuda_path${LD_LIBRARY_PATH:-}
   export LD_LIBRARY_PATH=${LD_LIBRARY_PATH%:}
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   # libcomb_cuda.so is opened at run time (beside libcomb): its libraries are checked too.
-  missing=$(ldd "$pack"/bin/* "$GPU_ENV_LIBS/libcomb_cuda.so" | grep "not found" | sort -u)
+  missing=$(ldd "$pack"/bin/* "$links/libcomb_cuda.so" | grep "not found" | sort -u)
   [ -z "$missing" ] || { echo "libraries not found: $missing"; return 1; }
 }

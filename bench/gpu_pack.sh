@@ -10,7 +10,7 @@
 # bfloat16 with the default model's chat template, 4 code-word items, three fresh plug-ins, and
 # the answers on this CPU in float32), items.jsonl (the first 20 items of $COMB_DATA's
 # nq-multidoc-10.dev, the caching methods' data), torch-version.txt (the LibTorch it was built
-# against: run.sh refuses another) and run.sh. About 37 MB.
+# against: run.sh refuses another), gpu_env.sh (run.sh's environment) and run.sh. About 37 MB.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir=${1:?usage: bench/gpu_pack.sh DIR}
@@ -31,6 +31,7 @@ source "$root/bench/gpu_env.sh"
 
 say "binaries and libraries"
 PY=$py gpu_pack_binaries "$dir" "$build" "$build/comb" "$build/tests/comb_tests"
+cp "$root/bench/gpu_env.sh" "$dir/"  # run.sh's environment, of the same version as the pack
 
 say "the default model's tokenizer"
 "$py" "$root/bench/export_tokenizer.py" "$dir/tokenizer" >/dev/null
@@ -81,7 +82,7 @@ set -uo pipefail
 pack=$(cd "$(dirname "$0")" && pwd)
 out=${1:?usage: DIR/run.sh OUT_DIR [STEPS]}
 [ -f bench/gpu_check.sh ] || { echo "run it from the repository root (bench/gpu_check.sh not found)"; exit 1; }
-source bench/gpu_env.sh
+source "$pack/gpu_env.sh"
 gpu_env "$pack" || exit 1
 mkdir -p "$out"
 COMB_BIN=$pack/bin/comb COMB_TESTS=$pack/bin/comb_tests COMB_GPU_CHECK_STEPS=${2:-1 2 3 4 5 6 7 8 9 10 11} \

@@ -11,8 +11,10 @@
 #   data/rs7.jsonl.gz, data/rs8.jsonl.gz   records, train split, seeds 7 and 8, 800 items each, sentences
 #   data/cws.jsonl.gz        code words, train split, seed 1, 800 items, sentences
 # gzip-compressed and split into DIR/part.aa, part.ab, ... of PART_MIB (default 40) MiB, with
-# DIR/parts.txt naming them and the archive's sha256. On the GPU machine, one call per part, the
-# machine kept warm between them (each call's command starts within its idle time):
+# DIR/parts.txt naming them with their sha256 and the archive's. DIR must be ignored by git (else
+# the whole archive travels with every call). On the GPU machine, one call per part, the machine
+# kept warm between them: it goes back after 30 s idle and a fresh one has lost the parts kept, so
+# start each call at once after the last (`status` says whether the machine is still warm):
 #   carry [DIR/parts.txt, DIR/part.aa]:  bash bench/gpu_train.sh --stash DIR
 #   ... likewise for each part but the last ...
 #   carry [DIR/parts.txt, DIR/part.LAST]: bash bench/gpu_train.sh DIR $OUT [SECONDS]
@@ -34,8 +36,10 @@ say() { echo "[gpu_train_pack] $*" >&2; }
 source "$root/bench/gpu_env.sh"
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
+git -C "$root" check-ignore -q "$dir" ||
+  { echo "gpu_train_pack: $dir is not ignored by git: every call would carry the whole archive" >&2; exit 1; }
 stage=$(mktemp -d)
-trap 'rm -rf "$stage"' EXIT
+trap 'rm -rf "$stage" "$stage.tgz"' EXIT
 rm -f "$dir"/part.* "$dir/parts.txt"
 
 say "binaries and libraries"
@@ -58,10 +62,14 @@ done
 
 say "archive, in parts of $part_mib MiB"
 tar -C "$stage" -cf - . | gzip -6 > "$stage.tgz"
-trap 'rm -rf "$stage" "$stage.tgz"' EXIT
 (cd "$dir" && split -b "${part_mib}M" -a 2 "$stage.tgz" part.)
 {
   echo "sha256 $(sha256sum "$stage.tgz" | cut -d' ' -f1)"
-  (cd "$dir" && ls part.* | sed 's/^/part /')
+  for p in "$dir"/part.*; do echo "part $(basename "$p") $(sha256sum "$p" | cut -d' ' -f1)"; done
 } > "$dir/parts.txt"
-say "$dir: $(ls "$dir" | tr '\n' ' ')($(du -sh "$stage.tgz" | cut -f1) in all)"
+# What one call carries: the repository's tracked files and one part (64 MiB at most).
+tracked=$(git -C "$root" ls-files -z | (cd "$root" && xargs -0 du -cb 2>/dev/null) | tail -1 | cut -f1)
+largest=$(du -b "$dir"/part.* | sort -n | tail -1 | cut -f1)
+say "$dir: $(ls "$dir" | tr '\n' ' ')($(du -sh "$stage.tgz" | cut -f1) in all);" \
+  "a call carries $(((tracked + largest) / 1048576)) MiB of 64 (the repository's $((tracked / 1048576)) and a part)"
+[ $((tracked + largest)) -lt $((64 * 1048576)) ] || { say "too much for one call: a smaller PART_MIB"; exit 1; }

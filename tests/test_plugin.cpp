@@ -1507,9 +1507,16 @@ TEST_CASE("a document span shrinks consecutive documents' distances in proportio
 
   // Both joining paths place document i turned back by its shrunk distance: the tensor ops (taken
   // while gradients are recorded, as training runs them) and the one-pass CPU path.
-  auto joined = [&](const Plugin& p, bool ops) {
-    at::AutoGradMode mode(ops);
-    return p.joint_kv(p.weights(), l.keys, l.values, l.doc_counts);
+  // The tensor ops (as training runs them, gradients recorded) or the one-pass CPU path, called by
+  // name so that the test does not rest on joint_kv's choice.
+  auto joined = [&](const Plugin& p, bool ops, int64_t anchor = 0) {
+    if (ops) {
+      at::AutoGradMode mode(true);
+      return p.joint_kv(p.weights(), l.keys, l.values, l.doc_counts, anchor);
+    }
+    auto direct = p.joint_kv_direct(p.weights(), l.keys, l.values, l.doc_counts, anchor, {}, {});
+    REQUIRE(direct.has_value());
+    return std::move(*direct);
   };
   for (bool ops : {true, false}) {
     INFO((ops ? "tensor ops" : "one pass"));
@@ -1536,6 +1543,30 @@ TEST_CASE("a document span shrinks consecutive documents' distances in proportio
     for (size_t b = 0; b < same.size(); ++b) CHECK(same[b].keys.equal(plain[b].keys));
   }
 
+  // After an anchor (documents after the prefix, as the shipped plug-in places them): each document
+  // turned back by its shrunk distance and forward by the anchor, on both paths.
+  PluginInitOptions after_prefix = init;
+  after_prefix.documents_after_prefix = true;
+  Plugin anchored = Plugin::fresh(model.decoder(), after_prefix);
+  anchored.set_document_span(span);
+  const int64_t anchor = 5;
+  for (bool ops : {true, false}) {
+    INFO((ops ? "tensor ops, anchor 5" : "one pass, anchor 5"));
+    auto got = joined(anchored, ops, anchor);
+    const int64_t b = anchored.config().n_blocks() - 1;
+    for (size_t i = 0; i < docs.size(); ++i) {
+      at::Tensor want = docs[i]->keys[b];
+      if (turns[i] > 0)
+        want = apply_rope(want, model.decoder().rope_cos()[turns[i]].view({1, 1, hd}),
+                          -model.decoder().rope_sin()[turns[i]].view({1, 1, hd}));
+      want = apply_rope(want, model.decoder().rope_cos()[anchor].view({1, 1, hd}),
+                        model.decoder().rope_sin()[anchor].view({1, 1, hd}));
+      // two turns against one (or two) of another kernel: twice the bound of one
+      CHECK(max_diff(got[b].keys[0].narrow(1, offsets[i], lens[i]), want) <=
+            2 * rope_bound(total + anchor, magnitude(want)));
+    }
+  }
+
   // It survives a save and load; a negative span, or one on documents that are not consecutive, is refused.
   std::string path = temp_dir("span") + "/p.safetensors";
   spanned.save(path);
@@ -1549,6 +1580,8 @@ TEST_CASE("a document span shrinks consecutive documents' distances in proportio
   CHECK(j["document_span"] == span);
   j["document_span"] = -3;
   CHECK_THROWS_WITH(PluginConfig::from_json(j, "test"), Catch::Contains("document_span"));
+  j["document_span"] = 1.5;
+  CHECK_THROWS_WITH(PluginConfig::from_json(j, "test"), Catch::Contains("'document_span' should be an integer"));
 }
 
 TEST_CASE("documents encoded together equal each encoded alone; a request's order changes no cache", "[plugin]") {

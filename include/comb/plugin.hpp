@@ -163,8 +163,9 @@ class Plugin {
   // "int4"); the
   // fingerprint follows, so caches kept in another dtype are not mixed up with its own.
   void set_cache_dtype(const std::string& dtype);
-  // Sets PluginConfig::document_span (0: off; only for consecutive documents). The caches do not
-  // change: only where linking places them.
+  // Sets PluginConfig::document_span (0: off; only for consecutive documents). A document's cache
+  // holds the same numbers, only where linking places it changes; the fingerprint changes with the
+  // field, so a store keys such caches apart.
   void set_document_span(int64_t tokens);
   // Identifies these weights (XXH3-128, hex): caches made by another plug-in never match.
   const std::string& fingerprint() const { return fingerprint_; }

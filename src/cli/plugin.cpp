@@ -28,14 +28,15 @@ int cmd_plugin_memory(Args& args) {
   for (int64_t i = 0; i < n_doc; ++i) doc.push_back(static_cast<int32_t>(1000 + (i * 7919) % 20000));
   comb::DocumentKV kv = plugin->encode(model.decoder(), doc);
   const double decoder_fp32 = 2.0 * c.n_layer * c.kv_dim() * 4;  // the decoder's own K/V, float32
-  fmt::print("plug-in: {}, {} cross blocks at decoder layers {}; encoder: {} layers, {} (L_E/L = {}/{} = {:.4f}){}\n",
+  fmt::print("plug-in: {}, {} cross blocks at decoder layers {}; encoder: {} layers, {} (L_E/L = {}/{} = {:.4f}){}{}\n",
              model.plugin() && !fresh_layout ? "loaded" : "fresh", p.n_blocks(), fmt::join(p.cross_layers, ","),
              p.n_encoder_layers(), p.encoder_from_base ? "the base's first ones" : "its own", p.n_encoder_layers(),
              c.n_layer, double(p.n_encoder_layers()) / c.n_layer,
              !p.joint_attention ? ""
              : p.documents_after_prefix ? (p.consecutive_documents ? ", joint, documents in a row after the prefix"
                                                                    : ", joint, documents after the prefix")
-                                        : (p.consecutive_documents ? ", joint, documents in a row" : ", joint"));
+                                        : (p.consecutive_documents ? ", joint, documents in a row" : ", joint"),
+             p.document_span > 0 ? fmt::format(", their distances shrunk past {} tokens", p.document_span) : "");
   fmt::print("bytes per cached token of a {}-token document (int8, int4: scales included), against the decoder's "
              "float32 K/V ({:.0f} bytes/token); kept by default (--cache-dtype auto) in {}\n\n",
              n_doc, decoder_fp32, p.cache_dtype.empty() ? "float32" : p.cache_dtype);
@@ -95,8 +96,11 @@ int cmd_plugin_convert(Args& args) {
   if (set_cache) plugin.set_cache_dtype(cache);
   if (set_span) plugin.set_document_span(span);
   plugin.save(out, save);
-  fmt::print(stderr, "[comb] wrote {} ({} weights, documents cached in {} by default)\n", out, c10::toString(save),
-             plugin.config().cache_dtype.empty() ? "float32" : plugin.config().cache_dtype);
+  fmt::print(stderr, "[comb] wrote {} ({} weights, documents cached in {} by default{})\n", out, c10::toString(save),
+             plugin.config().cache_dtype.empty() ? "float32" : plugin.config().cache_dtype,
+             plugin.config().document_span > 0
+                 ? fmt::format(", their distances shrunk past {} tokens", plugin.config().document_span)
+                 : "");
   return 0;
 }
 
