@@ -87,6 +87,15 @@ at::Tensor prompt_ids(int64_t n, uint64_t seed = 5) {
 
 // Without documents (none linked, or an empty link) `with` gives the bare decoder's logits and
 // greedy tokens bit for bit.
+// Options for a fresh plug-in of joint blocks before every decoder layer of `model` (reading from
+// step 0); a test sets the layout flags it needs on top.
+PluginInitOptions joint_at_every_layer(const Model& model) {
+  PluginInitOptions init;
+  init.reads = init.joint_attention = true;
+  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  return init;
+}
+
 void check_off_is_bare(const Model& with, const Model& bare) {
   SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
   at::Tensor ids = ref.load("p3.ids", at::kLong).unsqueeze(0);
@@ -954,9 +963,8 @@ TEST_CASE("without gradients on CPU, joint attention and joined keys take direct
   // with consecutive documents after an anchor and a batch of rows of different lengths.
   at::NoGradGuard off;
   Model model = Model::load(oracle_dir() + "/tiny-llama");
-  PluginInitOptions init;
-  init.reads = init.joint_attention = init.consecutive_documents = init.documents_after_prefix = true;
-  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  PluginInitOptions init = joint_at_every_layer(model);
+  init.consecutive_documents = init.documents_after_prefix = true;
   auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
   model.set_plugin(plugin);
   auto tokens = sample_documents(3, 10, 47);
@@ -1077,9 +1085,8 @@ TEST_CASE("a cold request's documents and prompt in one pass: encoding first, th
   for (const std::string dtype : {"", "int8", "int8-int4", "int4"}) {
     INFO("plug-in cache dtype '" << dtype << "'");
     Model model = Model::load(oracle_dir() + "/tiny-llama");
-    PluginInitOptions init;
-    init.reads = init.joint_attention = init.consecutive_documents = init.documents_after_prefix = true;
-    for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+    PluginInitOptions init = joint_at_every_layer(model);
+    init.consecutive_documents = init.documents_after_prefix = true;
     init.encoder_prefix = {1, 2};
     auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
     auto gen = at::detail::createCPUGenerator(17);
@@ -1220,10 +1227,7 @@ TEST_CASE("document reads: segments only from reads built for a paged step; resi
 TEST_CASE("joint blocks at every layer read one document exactly as the decoder reads it in context", "[plugin]") {
   c10::InferenceMode guard;
   Model model = Model::load(oracle_dir() + "/tiny-llama");
-  const int64_t n_layer = model.config().n_layer;
-  PluginInitOptions init;
-  init.reads = init.joint_attention = true;
-  for (int64_t l = 0; l < n_layer; ++l) init.cross_layers.push_back(l);
+  PluginInitOptions init = joint_at_every_layer(model);
   auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
   const PluginConfig& c = plugin->config();
   CHECK(c.joint_attention);
@@ -1288,9 +1292,8 @@ TEST_CASE("joint blocks with the documents after the prefix: the prefix reads no
           "[plugin]") {
   c10::InferenceMode guard;
   Model model = Model::load(oracle_dir() + "/tiny-llama");
-  PluginInitOptions init;
-  init.reads = init.joint_attention = init.documents_after_prefix = true;
-  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  PluginInitOptions init = joint_at_every_layer(model);
+  init.documents_after_prefix = true;
   auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
   REQUIRE(plugin->config().documents_after_prefix);
   auto gen = at::detail::createCPUGenerator(8);
@@ -1417,9 +1420,8 @@ TEST_CASE("joint blocks with consecutive documents: at step 0, naive reuse's att
           "[plugin]") {
   c10::InferenceMode guard;
   Model model = Model::load(oracle_dir() + "/tiny-llama");
-  PluginInitOptions init;
-  init.reads = init.joint_attention = init.consecutive_documents = true;  // no encoder prefix
-  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  PluginInitOptions init = joint_at_every_layer(model);
+  init.consecutive_documents = true;  // no encoder prefix
   auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
   REQUIRE(plugin->config().consecutive_documents);
   model.set_plugin(plugin);
@@ -1476,9 +1478,8 @@ TEST_CASE("a document span shrinks consecutive documents' distances in proportio
           "[plugin]") {
   at::NoGradGuard off;
   Model model = Model::load(oracle_dir() + "/tiny-llama");
-  PluginInitOptions init;
-  init.reads = init.joint_attention = init.consecutive_documents = true;
-  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  PluginInitOptions init = joint_at_every_layer(model);
+  init.consecutive_documents = true;
   auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
   model.set_plugin(plugin);
   auto tokens = sample_documents(3, 9, 53);
@@ -1505,10 +1506,9 @@ TEST_CASE("a document span shrinks consecutive documents' distances in proportio
   REQUIRE(turns[0] > 0);
   REQUIRE(turns[2] == 0);
 
-  // Both joining paths place document i turned back by its shrunk distance: the tensor ops (taken
-  // while gradients are recorded, as training runs them) and the one-pass CPU path.
-  // The tensor ops (as training runs them, gradients recorded) or the one-pass CPU path, called by
-  // name so that the test does not rest on joint_kv's choice.
+  // Both joining paths place document i turned back by its shrunk distance: the tensor ops (as
+  // training runs them, gradients recorded) and the one-pass CPU path, each called by name so that
+  // the test does not rest on joint_kv's choice.
   auto joined = [&](const Plugin& p, bool ops, int64_t anchor = 0) {
     if (ops) {
       at::AutoGradMode mode(true);
@@ -1518,6 +1518,13 @@ TEST_CASE("a document span shrinks consecutive documents' distances in proportio
     REQUIRE(direct.has_value());
     return std::move(*direct);
   };
+  // Keys turned by `turn` positions (back when negative), with the decoder's RoPE tables.
+  auto turned = [&](const at::Tensor& keys, int64_t turn) {
+    if (turn == 0) return keys;
+    const int64_t at = std::abs(turn);
+    at::Tensor sin = model.decoder().rope_sin()[at].view({1, 1, hd});
+    return apply_rope(keys, model.decoder().rope_cos()[at].view({1, 1, hd}), turn < 0 ? -sin : sin);
+  };
   for (bool ops : {true, false}) {
     INFO((ops ? "tensor ops" : "one pass"));
     auto got = joined(spanned, ops);
@@ -1525,10 +1532,7 @@ TEST_CASE("a document span shrinks consecutive documents' distances in proportio
     for (int64_t b : {int64_t(0), plugin->config().n_blocks() - 1})
       for (size_t i = 0; i < docs.size(); ++i) {
         const at::Tensor part = got[b].keys[0].narrow(1, offsets[i], lens[i]);
-        const at::Tensor& own = docs[i]->keys[b];
-        at::Tensor want = turns[i] == 0 ? own
-                                        : apply_rope(own, model.decoder().rope_cos()[turns[i]].view({1, 1, hd}),
-                                                     -model.decoder().rope_sin()[turns[i]].view({1, 1, hd}));
+        at::Tensor want = turned(docs[i]->keys[b], -turns[i]);
         CHECK(max_diff(part, want) <= rope_bound(total, magnitude(want)));
         CHECK(got[b].values[0].narrow(1, offsets[i], lens[i]).equal(docs[i]->values[b]));
       }
@@ -1555,12 +1559,7 @@ TEST_CASE("a document span shrinks consecutive documents' distances in proportio
     auto got = joined(anchored, ops, anchor);
     const int64_t b = anchored.config().n_blocks() - 1;
     for (size_t i = 0; i < docs.size(); ++i) {
-      at::Tensor want = docs[i]->keys[b];
-      if (turns[i] > 0)
-        want = apply_rope(want, model.decoder().rope_cos()[turns[i]].view({1, 1, hd}),
-                          -model.decoder().rope_sin()[turns[i]].view({1, 1, hd}));
-      want = apply_rope(want, model.decoder().rope_cos()[anchor].view({1, 1, hd}),
-                        model.decoder().rope_sin()[anchor].view({1, 1, hd}));
+      at::Tensor want = turned(turned(docs[i]->keys[b], -turns[i]), anchor);
       // two turns against one (or two) of another kernel: twice the bound of one
       CHECK(max_diff(got[b].keys[0].narrow(1, offsets[i], lens[i]), want) <=
             2 * rope_bound(total + anchor, magnitude(want)));
@@ -1571,15 +1570,21 @@ TEST_CASE("a document span shrinks consecutive documents' distances in proportio
   std::string path = temp_dir("span") + "/p.safetensors";
   spanned.save(path);
   CHECK(Plugin::load(path, model.decoder()).config().document_span == span);
+  const std::string before = spanned.fingerprint();
   CHECK_THROWS_WITH(spanned.set_document_span(-1), Catch::Contains("found -1"));
+  CHECK(spanned.config().document_span == span);  // a refused span changes nothing
+  CHECK(spanned.fingerprint() == before);
   PluginInitOptions apart = init;
   apart.consecutive_documents = false;
   Plugin shared = Plugin::fresh(model.decoder(), apart);
   CHECK_THROWS_WITH(shared.set_document_span(64), Catch::Contains("not consecutive"));
+  CHECK(shared.config().document_span == 0);
   nlohmann::json j = spanned.config().to_json();
   CHECK(j["document_span"] == span);
-  j["document_span"] = -3;
-  CHECK_THROWS_WITH(PluginConfig::from_json(j, "test"), Catch::Contains("document_span"));
+  j["document_span"] = -3;  // a file that says so is refused when loaded
+  save_safetensors(path, spanned.named_tensors(), {{"comb.plugin", j.dump()}});
+  CHECK_THROWS_WITH(Plugin::load(path, model.decoder()), Catch::Contains("document_span is 0 (off) or a number of "
+                                                                         "tokens, found -3"));
   j["document_span"] = 1.5;
   CHECK_THROWS_WITH(PluginConfig::from_json(j, "test"), Catch::Contains("'document_span' should be an integer"));
 }
@@ -1587,10 +1592,8 @@ TEST_CASE("a document span shrinks consecutive documents' distances in proportio
 TEST_CASE("documents encoded together equal each encoded alone; a request's order changes no cache", "[plugin]") {
   c10::InferenceMode guard;
   Model model = Model::load(oracle_dir() + "/tiny-llama");
-  PluginInitOptions init;
-  init.reads = init.joint_attention = true;
+  PluginInitOptions init = joint_at_every_layer(model);
   init.encoder_prefix = {1, 2, 3};  // read before every document, from states computed once
-  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
   auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
   REQUIRE(plugin->encoder_is_base());
   model.set_plugin(plugin);

@@ -3,6 +3,13 @@
 
 namespace comb::cli {
 
+namespace {
+// How `plugin memory` and `plugin convert` name a plug-in's document span ("" when off).
+std::string span_words(const comb::PluginConfig& p) {
+  return p.document_span > 0 ? fmt::format(", their distances shrunk past {} tokens", p.document_span) : "";
+}
+}  // namespace
+
 int cmd_plugin_memory(Args& args) {
   // The shipped plug-in for the default model unless --plugin or --encoder-layers says otherwise.
   const bool fresh_layout = args.has("encoder-layers");
@@ -36,7 +43,7 @@ int cmd_plugin_memory(Args& args) {
              : p.documents_after_prefix ? (p.consecutive_documents ? ", joint, documents in a row after the prefix"
                                                                    : ", joint, documents after the prefix")
                                         : (p.consecutive_documents ? ", joint, documents in a row" : ", joint"),
-             p.document_span > 0 ? fmt::format(", their distances shrunk past {} tokens", p.document_span) : "");
+             span_words(p));
   fmt::print("bytes per cached token of a {}-token document (int8, int4: scales included), against the decoder's "
              "float32 K/V ({:.0f} bytes/token); kept by default (--cache-dtype auto) in {}\n\n",
              n_doc, decoder_fp32, p.cache_dtype.empty() ? "float32" : p.cache_dtype);
@@ -98,9 +105,7 @@ int cmd_plugin_convert(Args& args) {
   plugin.save(out, save);
   fmt::print(stderr, "[comb] wrote {} ({} weights, documents cached in {} by default{})\n", out, c10::toString(save),
              plugin.config().cache_dtype.empty() ? "float32" : plugin.config().cache_dtype,
-             plugin.config().document_span > 0
-                 ? fmt::format(", their distances shrunk past {} tokens", plugin.config().document_span)
-                 : "");
+             span_words(plugin.config()));
   return 0;
 }
 

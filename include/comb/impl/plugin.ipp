@@ -204,9 +204,7 @@ COMB_INLINE PluginConfig PluginConfig::from_json(const nlohmann::json& j, const 
   c.joint_attention = flag("joint_attention", false);
   c.documents_after_prefix = flag("documents_after_prefix", false);
   c.consecutive_documents = flag("consecutive_documents", false);
-  c.document_span = integer("document_span", 0);
-  COMB_CHECK(c.document_span >= 0, "{}: plug-in config 'document_span' should be 0 (off) or a number of tokens, found {}",
-             where, c.document_span);
+  c.document_span = integer("document_span", 0);  // its bounds: detail::plugin::check_layout
   if (j.contains("cache_dtype")) {
     const auto& v = j["cache_dtype"];
     COMB_CHECK(v.is_string() && detail::plugin::is_cache_dtype_name(v.get<std::string>()),
@@ -257,8 +255,10 @@ COMB_INLINE void check_layout(const PluginConfig& p, const ModelConfig& c) {
              "documents_after_prefix is a layout of joint cross blocks (joint_attention), not of residual ones");
   COMB_CHECK(!p.consecutive_documents || p.joint_attention,
              "consecutive_documents is a layout of joint cross blocks (joint_attention), not of residual ones");
+  COMB_CHECK(p.document_span >= 0, "a plug-in's document_span is 0 (off) or a number of tokens, found {}",
+             p.document_span);
   COMB_CHECK(p.document_span == 0 || p.consecutive_documents,
-             "document_span ({}) shrinks the distances of consecutive documents; this plug-in's documents are not "
+             "document_span ({} tokens) shrinks the distances of consecutive documents; this plug-in's documents are not "
              "consecutive", p.document_span);
   COMB_CHECK(!p.encoder_from_base || p.n_encoder_layers() <= c.n_layer,
              "an encoder of the base's layers can have at most its {} layers, found {}", c.n_layer,
@@ -318,11 +318,10 @@ COMB_INLINE Plugin Plugin::with_blocks(const std::vector<int64_t>& keep, const D
 }
 
 COMB_INLINE void Plugin::set_document_span(int64_t tokens) {
-  COMB_CHECK(tokens >= 0, "a plug-in's document span is 0 (off) or a number of tokens, found {}", tokens);
-  COMB_CHECK(tokens == 0 || config_.consecutive_documents,
-             "a document span ({} tokens) shrinks the distances of consecutive documents; this plug-in's documents are "
-             "not consecutive", tokens);
-  config_.document_span = tokens;
+  PluginConfig next = config_;  // checked as a whole before anything changes
+  next.document_span = tokens;
+  detail::plugin::check_layout(next, base_config_);
+  config_ = std::move(next);
   refresh_fingerprint();
 }
 
