@@ -1547,6 +1547,28 @@ TEST_CASE("a document span shrinks consecutive documents' distances in proportio
     for (size_t b = 0; b < same.size(); ++b) CHECK(same[b].keys.equal(plain[b].keys));
   }
 
+  // With the distances up to `near` kept: a document ending within them is turned as linked, one
+  // beyond them into (near, span] in proportion; on both paths.
+  Plugin kept = *plugin;
+  const int64_t near = 4;
+  kept.set_document_span(span, near);
+  CHECK(kept.config().document_offset(3, 23) == 3);      // within `near`: as linked
+  CHECK(kept.config().document_offset(14, 23) == 7);     // 4 + (14 - 4) * (10 - 4) / (23 - 4) = 7.16
+  CHECK(kept.config().document_offset(23, 23) == span);  // the farthest lands at the span
+  CHECK(kept.config().document_offset(14, span) == 14);  // rows within the span: as linked
+  CHECK(kept.fingerprint() != spanned.fingerprint());
+  for (bool ops : {true, false}) {
+    INFO((ops ? "tensor ops, near kept" : "one pass, near kept"));
+    auto got = joined(kept, ops);
+    const int64_t b = kept.config().n_blocks() - 1;
+    for (size_t i = 0; i < docs.size(); ++i) {
+      const int64_t after = total - offsets[i] - lens[i];
+      const int64_t turn = after <= near ? after : near + (after - near) * (span - near) / (total - near);
+      at::Tensor want = turned(docs[i]->keys[b], -turn);
+      CHECK(max_diff(got[b].keys[0].narrow(1, offsets[i], lens[i]), want) <= rope_bound(total, magnitude(want)));
+    }
+  }
+
   // After an anchor (documents after the prefix, as the shipped plug-in places them): each document
   // turned back by its shrunk distance and forward by the anchor, on both paths.
   PluginInitOptions after_prefix = init;
@@ -1579,8 +1601,16 @@ TEST_CASE("a document span shrinks consecutive documents' distances in proportio
   Plugin shared = Plugin::fresh(model.decoder(), apart);
   CHECK_THROWS_WITH(shared.set_document_span(64), Catch::Contains("not consecutive"));
   CHECK(shared.config().document_span == 0);
+  CHECK_THROWS_WITH(kept.set_document_span(span, span), Catch::Contains("document_near (10 tokens)"));
+  CHECK_THROWS_WITH(kept.set_document_span(0, near), Catch::Contains("(0: none set)"));
+  CHECK_THROWS_WITH(kept.set_document_span(span, -2), Catch::Contains("found -2"));
+  CHECK(kept.config().document_near == near);
+  kept.save(path);
+  CHECK(Plugin::load(path, model.decoder()).config().document_near == near);
+  CHECK(Plugin::load(path, model.decoder()).fingerprint() == kept.fingerprint());
   nlohmann::json j = spanned.config().to_json();
   CHECK(j["document_span"] == span);
+  CHECK_FALSE(j.contains("document_near"));  // 0: not written
   j["document_span"] = -3;  // a file that says so is refused when loaded
   save_safetensors(path, spanned.named_tensors(), {{"comb.plugin", j.dump()}});
   CHECK_THROWS_WITH(Plugin::load(path, model.decoder()), Catch::Contains("document_span is 0 (off) or a number of "

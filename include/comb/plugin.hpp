@@ -62,6 +62,10 @@ struct PluginConfig {
   // keeps its own tokens' spacing, so the documents' spans overlap. The far documents of a long
   // row are read at the distances a plug-in trained on shorter rows has seen.
   int64_t document_span = 0;
+  // With document_span, 0 (the default) or fewer tokens than it: the distances up to this many
+  // tokens are kept as linked and only those beyond shrink, into (document_near, document_span]:
+  // the documents nearest the question are read where a row within the span reads them.
+  int64_t document_near = 0;
   // How its document caches are kept when the store's dtype is "auto" (StoreOptions::dtype
   // Undefined, the default): "" (float32 as computed), "bfloat16", "float16", "int8", "int8-int4"
   // or "int4". The dtype
@@ -72,9 +76,10 @@ struct PluginConfig {
   int64_t n_encoder_layers() const { return encoder_layers > 0 ? encoder_layers : n_blocks(); }
   int64_t read_depth(int64_t k) const { return read_depths.empty() ? k + 1 : read_depths.at(k); }
   // Where a consecutive document ending `after` tokens before the question (of `total` linked in
-  // its row) is placed: `after` itself unless document_span shrinks it.
+  // its row) is placed: `after` itself unless document_span shrinks it (beyond document_near).
   int64_t document_offset(int64_t after, int64_t total) const {
-    return document_span > 0 && total > document_span ? after * document_span / total : after;
+    if (document_span <= 0 || total <= document_span || after <= document_near) return after;
+    return document_near + (after - document_near) * (document_span - document_near) / (total - document_near);
   }
   nlohmann::json to_json() const;
   static PluginConfig from_json(const nlohmann::json& j, const std::string& where);
@@ -163,10 +168,11 @@ class Plugin {
   // "int4"); the
   // fingerprint follows, so caches kept in another dtype are not mixed up with its own.
   void set_cache_dtype(const std::string& dtype);
-  // Sets PluginConfig::document_span (0: off; only for consecutive documents). A document's cache
+  // Sets PluginConfig::document_span (0: off; only for consecutive documents) and document_near
+  // (below the span). A document's cache
   // holds the same numbers, only where linking places it changes; the fingerprint changes with the
   // field, so a store keys such caches apart.
-  void set_document_span(int64_t tokens);
+  void set_document_span(int64_t tokens, int64_t near = 0);
   // Identifies these weights (XXH3-128, hex): caches made by another plug-in never match.
   const std::string& fingerprint() const { return fingerprint_; }
   // Cross block index that runs before decoder layer `layer`, or -1.

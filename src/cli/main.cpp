@@ -96,6 +96,8 @@ plugin convert options:
   --document-span N   consecutive documents: when a request's documents hold more than N tokens,
                       their distances from the question shrink in proportion (0: off; default: as
                       it was)
+  --document-near N   with --document-span: distances up to N tokens kept, only those beyond
+                      shrink (default 0: all shrink in proportion)
 
 plugin init options:
   --out FILE          where to write the plug-in (safetensors)

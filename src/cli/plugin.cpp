@@ -6,7 +6,9 @@ namespace comb::cli {
 namespace {
 // How `plugin memory` and `plugin convert` name a plug-in's document span ("" when off).
 std::string span_words(const comb::PluginConfig& p) {
-  return p.document_span > 0 ? fmt::format(", their distances shrunk past {} tokens", p.document_span) : "";
+  if (p.document_span <= 0) return "";
+  return fmt::format(", their distances shrunk past {} tokens{}", p.document_span,
+                     p.document_near > 0 ? fmt::format(" (kept up to {})", p.document_near) : "");
 }
 }  // namespace
 
@@ -78,6 +80,8 @@ int cmd_plugin_convert(Args& args) {
   const bool set_span = args.has("document-span");
   const int64_t span = args.num<int64_t>("document-span", 0);
   COMB_CHECK(span >= 0, "plugin convert: --document-span expects 0 (off) or a number of tokens, found {}", span);
+  const int64_t near = args.num<int64_t>("document-near", 0);
+  COMB_CHECK(!args.has("document-near") || set_span, "plugin convert: --document-near goes with --document-span");
   const bool cut = args.has("keep-blocks");
   const std::string keep_list = args.str("keep-blocks");
   // Parsed before the model loads: every comma-separated item a block index (none empty);
@@ -101,7 +105,7 @@ int cmd_plugin_convert(Args& args) {
                plugin.config().n_encoder_layers(), depth);
   }
   if (set_cache) plugin.set_cache_dtype(cache);
-  if (set_span) plugin.set_document_span(span);
+  if (set_span) plugin.set_document_span(span, near);
   plugin.save(out, save);
   fmt::print(stderr, "[comb] wrote {} ({} weights, documents cached in {} by default{})\n", out, c10::toString(save),
              plugin.config().cache_dtype.empty() ? "float32" : plugin.config().cache_dtype,
@@ -121,7 +125,7 @@ int cmd_plugin(int argc, char** argv) {
   if (argc < 3 || std::string(argv[2]) != "init")
     throw Error("usage: comb plugin init --out FILE [options] | comb plugin memory [--plugin FILE | --encoder-layers N] "
                 "| comb plugin convert --plugin FILE --out FILE [--save-dtype T] [--cache-dtype T] [--keep-blocks LIST] "
-                "[--document-span N]");
+                "[--document-span N [--document-near N]]");
   Args args(argc, argv, 3, {"random-init"});
   std::string out = args.str("out");
   if (out.empty()) throw Error("plugin init needs --out FILE");

@@ -51,6 +51,7 @@ COMB_INLINE nlohmann::json PluginConfig::to_json() const {
   if (documents_after_prefix) j["documents_after_prefix"] = true;
   if (consecutive_documents) j["consecutive_documents"] = true;
   if (document_span > 0) j["document_span"] = document_span;
+  if (document_near > 0) j["document_near"] = document_near;
   if (!cache_dtype.empty()) j["cache_dtype"] = cache_dtype;
   return j;
 }
@@ -204,7 +205,8 @@ COMB_INLINE PluginConfig PluginConfig::from_json(const nlohmann::json& j, const 
   c.joint_attention = flag("joint_attention", false);
   c.documents_after_prefix = flag("documents_after_prefix", false);
   c.consecutive_documents = flag("consecutive_documents", false);
-  c.document_span = integer("document_span", 0);  // its bounds: detail::plugin::check_layout
+  c.document_span = integer("document_span", 0);  // their bounds: detail::plugin::check_layout
+  c.document_near = integer("document_near", 0);
   if (j.contains("cache_dtype")) {
     const auto& v = j["cache_dtype"];
     COMB_CHECK(v.is_string() && detail::plugin::is_cache_dtype_name(v.get<std::string>()),
@@ -260,6 +262,10 @@ COMB_INLINE void check_layout(const PluginConfig& p, const ModelConfig& c) {
   COMB_CHECK(p.document_span == 0 || p.consecutive_documents,
              "document_span ({} tokens) shrinks the distances of consecutive documents; this plug-in's documents are not "
              "consecutive", p.document_span);
+  COMB_CHECK(p.document_near >= 0, "a plug-in's document_near is 0 or a number of tokens, found {}", p.document_near);
+  COMB_CHECK(p.document_near == 0 || p.document_near < p.document_span,
+             "a plug-in's document_near ({} tokens) keeps the distances below its document_span, so it is smaller than "
+             "the span ({}{})", p.document_near, p.document_span, p.document_span == 0 ? ": none set" : "");
   COMB_CHECK(!p.encoder_from_base || p.n_encoder_layers() <= c.n_layer,
              "an encoder of the base's layers can have at most its {} layers, found {}", c.n_layer,
              p.n_encoder_layers());
@@ -317,9 +323,10 @@ COMB_INLINE Plugin Plugin::with_blocks(const std::vector<int64_t>& keep, const D
   return Plugin(std::move(c), std::move(w), base);
 }
 
-COMB_INLINE void Plugin::set_document_span(int64_t tokens) {
+COMB_INLINE void Plugin::set_document_span(int64_t tokens, int64_t near) {
   PluginConfig next = config_;  // checked as a whole before anything changes
   next.document_span = tokens;
+  next.document_near = near;
   detail::plugin::check_layout(next, base_config_);
   config_ = std::move(next);
   refresh_fingerprint();
