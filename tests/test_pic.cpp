@@ -392,6 +392,56 @@ TEST_CASE("a per-document cache does not depend on the request that filled it", 
   }
 }
 
+TEST_CASE("comb with its last documents recomputed: the decoder reads them as text before the question", "[pic]") {
+  c10::InferenceMode guard;
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  PluginInitOptions init;
+  init.reads = init.joint_attention = init.consecutive_documents = init.documents_after_prefix = true;
+  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  init.seed = 3;
+  init.init_std = 0.1;
+  auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
+  auto gen = at::detail::createCPUGenerator(5);
+  for (auto& b : plugin->mutable_weights().cross) b.doc_bias.add_(at::randn(b.doc_bias.sizes(), gen));
+  plugin->refresh_fingerprint();
+  model.set_plugin(plugin);
+  const PicRequest r = request(16, {21, 17, 13}, 8, 11);  // the prefix one whole block of the prefix cache
+  // The last document as the question's own text, the others linked: what recompute_last 1 asks.
+  PicRequest by_hand = r;
+  by_hand.documents.pop_back();
+  by_hand.suffix = r.documents.back();
+  by_hand.suffix.insert(by_hand.suffix.end(), r.suffix.begin(), r.suffix.end());
+  PicOptions last;
+  last.comb_recompute_last = 1;
+  PicEngine engine(model, Method::comb, last);
+  PicPrefill cold = engine.prefill(r, 1);
+  PicPrefill warm = engine.prefill(r, 1);
+  // Cold (documents encoded with the prompt) and warm (read from the store) each as the request
+  // by hand goes.
+  PicEngine by_hand_engine(model, Method::comb);
+  PicPrefill want = by_hand_engine.prefill(by_hand, 1);
+  PicPrefill want_warm = by_hand_engine.prefill(by_hand, 1);
+  CHECK(at::equal(cold.logits, want.logits));
+  CHECK(at::equal(warm.logits, want_warm.logits));
+  CHECK(cold.tokens == want.tokens);
+  CHECK(cold.n_prompt == 16 + 13 + 8);
+  // Warm: the instruction from the prefix cache and the two linked documents from the store; the
+  // last document and the question computed.
+  CHECK(warm.reused == 16 + 21 + 17);
+  CHECK(warm.computed == 13 + 8);
+  // Linking it instead changes what the decoder reads.
+  CHECK(max_diff(PicEngine(model, Method::comb).prefill(r, 1).logits, want.logits) > 1e-4);
+  // Every document as text: no document is linked, and the plug-in is off (the bare decoder's
+  // prompt with every document: full's, computed after the prefix as a warm prefix is).
+  PicOptions all;
+  all.comb_recompute_last = 5;  // more than the request has: all of them
+  at::Tensor full = prefill_logits(model, Method::full, r);
+  CHECK(max_diff(prefill_logits(model, Method::comb, r, all), full) <= logits_bound(model, 16 + 51 + 8, full));
+  PicOptions bad;
+  bad.comb_recompute_last = -1;
+  CHECK_THROWS_WITH(PicEngine(model, Method::comb, bad), Catch::Contains("recomputed last documents must be >= 0"));
+}
+
 TEST_CASE("decoder_kv_many: a request's pieces computed together (a GPU's way) or one by one", "[pic]") {
   c10::InferenceMode guard;
   const Model& m = tiny();

@@ -38,6 +38,11 @@ struct PicOptions {
   int64_t check_layer = 1;      // cacheblend: layer whose K deviation picks them
   int64_t epic_k = 16;          // epic: leading tokens recomputed per document
   int64_t prefix_block = 16;    // prefix: tokens per cached block
+  // comb: the last N documents of a request go to the decoder as text, between the instruction
+  // and the question, computed with the question on every request and reading the documents
+  // linked before them; the others are linked through the plug-in (0, the default: every document
+  // linked). A small recompute on top of COMB (docs/evaluation.md, "The last documents computed").
+  int64_t comb_recompute_last = 0;
   int64_t cache_bytes = int64_t(4) << 30;  // budget of the document store / prefix cache
   // The document store's device tier on a CUDA device (-1: cache_bytes); smaller than what
   // requests read, the host tier behind it serves the rest (a benchmark of that tier).

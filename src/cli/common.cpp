@@ -35,7 +35,7 @@ void check_inputs(const Args& args) {
 // used) before a model loads, so that "--max-tokens 1x" is refused at once, naming the option.
 void check_numbers(const Args& args) {
   Args probe = args;
-  for (const char* o : {"accumulate", "batch", "block-tokens", "cache-mb", "cache-ttl", "cached", "check-layer",
+  for (const char* o : {"accumulate", "batch", "block-tokens", "cache-mb", "cache-ttl", "cached", "check-layer", "comb-recompute-last",
                         "decode-tokens", "default-max-tokens", "device-cache-mb", "docs", "document-tokens", "drain-timeout", "encoder-layers", "epic-k",
                         "items", "kv-mb", "limit", "log-every", "max-docs", "max-document-tokens", "max-documents",
                         "max-new-tokens", "max-queued", "max-request-document-tokens", "max-connections", "max-connections-per-client", "max-running", "max-tokens", "max-tokens-in-flight", "min-docs",
@@ -92,6 +92,7 @@ PicOptions pic_method_options(Args& args, PicOptions o) {
   o.check_layer = args.num<int64_t>("check-layer", o.check_layer);
   o.epic_k = args.num<int64_t>("epic-k", o.epic_k);
   o.prefix_block = args.num<int64_t>("prefix-block", o.prefix_block);
+  o.comb_recompute_last = args.num<int64_t>("comb-recompute-last", o.comb_recompute_last);
   return o;
 }
 

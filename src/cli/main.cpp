@@ -147,6 +147,10 @@ eval options:
   --blend-ratio R     cacheblend: share of document tokens recomputed (default 0.3)
   --check-layer L     cacheblend: layer that picks them (default 1)
   --epic-k K          epic: leading tokens recomputed per document (default 16)
+  --comb-recompute-last N
+                      comb: the last N documents given to the decoder as text before the question
+                      (computed on every request, reading the linked ones), the others linked
+                      (default 0: all linked)
   --prefix-block N    prefix: tokens per cached block (default 16)
   --cache-dtype T     storage of cached document K/V (as for generate)
   --cache-url URL, --cache-ttl S   as for generate; with a shared Redis, "cold" means the local tiers

@@ -241,6 +241,8 @@ COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions o
              model.config().n_layer, options_.check_layer);
   COMB_CHECK(options_.epic_k >= 0, "EPIC k must be >= 0, found {}", options_.epic_k);
   COMB_CHECK(options_.prefix_block > 0, "prefix block must be > 0, found {}", options_.prefix_block);
+  COMB_CHECK(options_.comb_recompute_last >= 0, "comb's recomputed last documents must be >= 0, found {}",
+             options_.comb_recompute_last);
   if (method == Method::comb) COMB_CHECK(model.plugin(), "--method comb needs a plug-in (--plugin FILE; the default model has a shipped one)");
   documents_ = shared_documents ? std::move(shared_documents)
                                 : std::make_shared<Documents>(model, std::make_shared<PICacheStore>(
@@ -440,8 +442,23 @@ COMB_INLINE PicPrefill PicEngine::start(const PicRequest& r, int64_t max_new_tok
   const Decoder& dec = model_.decoder();
   const auto& c = dec.config();
   const bool comb = method_ == Method::comb;
+  // comb: the documents the plug-in links, and the last comb_recompute_last given to the decoder
+  // as text after the prefix (where the linked ones end), computed with the question.
+  const size_t n_text = comb ? static_cast<size_t>(std::min<int64_t>(options_.comb_recompute_last,
+                                                                     static_cast<int64_t>(r.documents.size())))
+                             : 0;
+  PicRequest trimmed;
+  if (n_text > 0) {
+    trimmed = r;
+    trimmed.documents.resize(r.documents.size() - n_text);
+  }
+  const PicRequest& linked = n_text > 0 ? trimmed : r;
   std::vector<int32_t> decoder_tokens = comb ? r.prefix : r.tokens();
-  if (comb) decoder_tokens.insert(decoder_tokens.end(), r.suffix.begin(), r.suffix.end());
+  if (comb) {
+    for (size_t d = r.documents.size() - n_text; d < r.documents.size(); ++d)
+      decoder_tokens.insert(decoder_tokens.end(), r.documents[d].begin(), r.documents[d].end());
+    decoder_tokens.insert(decoder_tokens.end(), r.suffix.begin(), r.suffix.end());
+  }
   const int64_t n = static_cast<int64_t>(decoder_tokens.size());
   COMB_CHECK(!r.suffix.empty(), "a request needs a question (its suffix is empty)");
   for (size_t d = 0; d < r.documents.size(); ++d) COMB_CHECK(!r.documents[d].empty(), "document {} is empty", d);
@@ -454,7 +471,7 @@ COMB_INLINE PicPrefill PicEngine::start(const PicRequest& r, int64_t max_new_tok
     case Method::naive: prefill_naive(r, decoder_tokens, out); break;
     case Method::epic: prefill_epic(r, decoder_tokens, out); break;
     case Method::cacheblend: prefill_cacheblend(r, decoder_tokens, out); break;
-    case Method::comb: prefill_comb(r, decoder_tokens, out); break;
+    case Method::comb: prefill_comb(linked, decoder_tokens, out); break;
   }
   return out;
 }
@@ -599,6 +616,9 @@ COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<
   // The documents from the store or encoded (together, in batches where lengths allow); when some
   // are encoded and the plug-in allows, the prompt is computed in the same pass (each layer's
   // weights read once for both), else left pending.
+  // None (all of them given as text, or a request without documents): the plug-in is off, the
+  // prompt computed by the bare decoder (pending).
+  if (r.documents.empty()) return;
   std::vector<bool> cached;
   const int64_t from = out.cache.length();
   at::Tensor logits = documents_->get_with_prompt(r.documents, out.tenant, &cached,
