@@ -429,6 +429,20 @@ TEST_CASE("comb with its last documents recomputed: the decoder reads them as te
   // last document and the question computed.
   CHECK(warm.reused == 16 + 21 + 17);
   CHECK(warm.computed == 13 + 8);
+  // Linked as well: the request by hand with every document linked.
+  PicOptions both = last;
+  both.comb_recompute_linked = true;
+  PicEngine both_engine(model, Method::comb, both);
+  both_engine.prefill(r, 1);
+  PicPrefill both_warm = both_engine.prefill(r, 1);
+  PicRequest by_hand_linked = by_hand;
+  by_hand_linked.documents = r.documents;
+  PicEngine by_hand_linked_engine(model, Method::comb);
+  by_hand_linked_engine.prefill(by_hand_linked, 1);
+  CHECK(at::equal(both_warm.logits, by_hand_linked_engine.prefill(by_hand_linked, 1).logits));
+  CHECK(both_warm.reused == 16 + 21 + 17 + 13);
+  CHECK(both_warm.computed == 13 + 8);
+  CHECK(max_diff(both_warm.logits, warm.logits) > 1e-4);
   // Linking it instead changes what the decoder reads.
   CHECK(max_diff(PicEngine(model, Method::comb).prefill(r, 1).logits, want.logits) > 1e-4);
   // Every document as text: no document is linked, and the plug-in is off (the bare decoder's

@@ -43,6 +43,9 @@ struct PicOptions {
   // linked before them; the others are linked through the plug-in (0, the default: every document
   // linked). A small recompute on top of COMB (docs/evaluation.md, "The last documents computed").
   int64_t comb_recompute_last = 0;
+  // comb: those documents also linked through the plug-in (read twice: as text by the decoder's
+  // own attention, and as every document is linked), instead of as text alone.
+  bool comb_recompute_linked = false;
   int64_t cache_bytes = int64_t(4) << 30;  // budget of the document store / prefix cache
   // The document store's device tier on a CUDA device (-1: cache_bytes); smaller than what
   // requests read, the host tier behind it serves the rest (a benchmark of that tier).

@@ -43,7 +43,7 @@ void check_numbers(const Args& args) {
                         "prefix-block", "save-every", "steps", "teacher-tokens", "teacher-top-k", "tokenize", "top-k",
                         "warm", "warmup"})
     probe.num<int64_t>(o, 0);
-  for (const char* o : {"consecutive-documents", "cpu-kernels", "documents-after-prefix", "encoder-prefix", "mixed-step", "profile", "reading-check",
+  for (const char* o : {"comb-recompute-linked", "consecutive-documents", "cpu-kernels", "documents-after-prefix", "encoder-prefix", "mixed-step", "profile", "reading-check",
                         "relative-positions", "repeat", "resume", "threads"})
     probe.num<int>(o, 0);
   probe.num<int>("log-requests", 0);
@@ -93,6 +93,7 @@ PicOptions pic_method_options(Args& args, PicOptions o) {
   o.epic_k = args.num<int64_t>("epic-k", o.epic_k);
   o.prefix_block = args.num<int64_t>("prefix-block", o.prefix_block);
   o.comb_recompute_last = args.num<int64_t>("comb-recompute-last", o.comb_recompute_last);
+  o.comb_recompute_linked = args.num<int>("comb-recompute-linked", o.comb_recompute_linked ? 1 : 0) != 0;
   return o;
 }
 

@@ -151,6 +151,8 @@ eval options:
                       comb: the last N documents given to the decoder as text before the question
                       (computed on every request, reading the linked ones), the others linked
                       (default 0: all linked)
+  --comb-recompute-linked 0|1
+                      1: those documents linked as well, read both ways (default 0: as text only)
   --prefix-block N    prefix: tokens per cached block (default 16)
   --cache-dtype T     storage of cached document K/V (as for generate)
   --cache-url URL, --cache-ttl S   as for generate; with a shared Redis, "cold" means the local tiers

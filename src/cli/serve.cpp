@@ -374,9 +374,9 @@ int cmd_serve(Args& args) {
   o.pic.cache_dtype = parse_cache_dtype(args.str("cache-dtype", "auto"));
   o.pic.cache_ttl_s = args.num<int64_t>("cache-ttl", 0);
   o.pic = pic_method_options(args, o.pic);
-  COMB_CHECK(o.pic.comb_recompute_last == 0,
-             "--comb-recompute-last: the server links every document (comb eval and comb bench take it), found {}",
-             o.pic.comb_recompute_last);
+  COMB_CHECK(!args.has("comb-recompute-last") && !args.has("comb-recompute-linked"),
+             "--comb-recompute-last and --comb-recompute-linked are options of comb eval and comb bench; the server "
+             "links every document");
   o.cache_dir = args.str("cache-dir");
   o.cache_disk_bytes = o.pic.cache_bytes;  // --cache-mb bounds every tier, the disk's included
   const int64_t kv_mb = args.num<int64_t>("kv-mb", 0);

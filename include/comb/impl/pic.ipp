@@ -443,16 +443,18 @@ COMB_INLINE PicPrefill PicEngine::start(const PicRequest& r, int64_t max_new_tok
   const auto& c = dec.config();
   const bool comb = method_ == Method::comb;
   // comb: the documents the plug-in links, and the last comb_recompute_last given to the decoder
-  // as text after the prefix (where the linked ones end), computed with the question.
+  // as text after the prefix (where the linked ones end), computed with the question; linked as
+  // well with comb_recompute_linked.
   const size_t n_text = comb ? static_cast<size_t>(std::min<int64_t>(options_.comb_recompute_last,
                                                                      static_cast<int64_t>(r.documents.size())))
                              : 0;
+  const bool trim = n_text > 0 && !options_.comb_recompute_linked;
   PicRequest trimmed;
-  if (n_text > 0) {
+  if (trim) {
     trimmed = r;
     trimmed.documents.resize(r.documents.size() - n_text);
   }
-  const PicRequest& linked = n_text > 0 ? trimmed : r;
+  const PicRequest& linked = trim ? trimmed : r;
   std::vector<int32_t> decoder_tokens = comb ? r.prefix : r.tokens();
   if (comb) {
     for (size_t d = r.documents.size() - n_text; d < r.documents.size(); ++d)
