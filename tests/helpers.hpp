@@ -203,6 +203,14 @@ inline void write_bytes(const std::string& path, const std::string& bytes) {
 inline std::string read_bytes(const std::string& path) { return detail::read_text_file(path); }
 
 // A plug-in with random weights and open gates, so that documents change the output.
+// A fresh plug-in's options: joint blocks before every decoder layer, each reading its layer.
+inline PluginInitOptions joint_at_every_layer(const Model& model) {
+  PluginInitOptions init;
+  init.reads = init.joint_attention = true;
+  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  return init;
+}
+
 inline std::shared_ptr<Plugin> random_plugin(const Decoder& base, int64_t n_layers = 2, uint64_t seed = 1) {
   PluginInitOptions init;
   init.n_encoder_layers = n_layers;

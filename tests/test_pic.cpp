@@ -395,9 +395,8 @@ TEST_CASE("a per-document cache does not depend on the request that filled it", 
 TEST_CASE("comb with its last documents recomputed: the decoder reads them as text before the question", "[pic]") {
   c10::InferenceMode guard;
   Model model = Model::load(oracle_dir() + "/tiny-llama");
-  PluginInitOptions init;
-  init.reads = init.joint_attention = init.consecutive_documents = init.documents_after_prefix = true;
-  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  PluginInitOptions init = joint_at_every_layer(model);
+  init.consecutive_documents = init.documents_after_prefix = true;
   init.seed = 3;
   init.init_std = 0.1;
   auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));

@@ -89,13 +89,6 @@ at::Tensor prompt_ids(int64_t n, uint64_t seed = 5) {
 // greedy tokens bit for bit.
 // Options for a fresh plug-in of joint blocks before every decoder layer of `model` (reading from
 // step 0); a test sets the layout flags it needs on top.
-PluginInitOptions joint_at_every_layer(const Model& model) {
-  PluginInitOptions init;
-  init.reads = init.joint_attention = true;
-  for (int64_t l = 0; l < model.config().n_layer; ++l) init.cross_layers.push_back(l);
-  return init;
-}
-
 void check_off_is_bare(const Model& with, const Model& bare) {
   SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
   at::Tensor ids = ref.load("p3.ids", at::kLong).unsqueeze(0);

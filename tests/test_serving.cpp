@@ -401,6 +401,10 @@ TEST_CASE("serving: cancellation frees blocks, overload is refused, stop strings
   CHECK(engine.options().prefill_chunk == 256);  // sized at start: the CPU's
   o.prefill_chunk = -1;
   CHECK_THROWS_WITH(ServeEngine(m, o), Catch::Contains("prefill chunk must be >= 0 tokens"));
+  o.prefill_chunk = 0;
+  o.pic.comb_recompute_last = 1;
+  CHECK_THROWS_WITH(ServeEngine(m, o), Catch::Contains("comb_recompute_last must be 0"));
+  o.pic.comb_recompute_last = 0;
 
   // A long request, cancelled after its first pieces.
   std::promise<ServeResult> long_done;

@@ -618,9 +618,6 @@ COMB_INLINE void PicEngine::prefill_comb(const PicRequest& r, const std::vector<
   // The documents from the store or encoded (together, in batches where lengths allow); when some
   // are encoded and the plug-in allows, the prompt is computed in the same pass (each layer's
   // weights read once for both), else left pending.
-  // None (all of them given as text, or a request without documents): the plug-in is off, the
-  // prompt computed by the bare decoder (pending).
-  if (r.documents.empty()) return;
   std::vector<bool> cached;
   const int64_t from = out.cache.length();
   at::Tensor logits = documents_->get_with_prompt(r.documents, out.tenant, &cached,

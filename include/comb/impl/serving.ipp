@@ -96,6 +96,10 @@ COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
              "prefill share must be >= 0, found {}", options_.prefill_share);
   COMB_CHECK(options_.block_tokens > 0 && options_.block_tokens <= 1024, "block size must be 1 to 1024 tokens, found {}",
              options_.block_tokens);
+  // Its steps warm every document of a request before start() and read them all when decoding.
+  COMB_CHECK(options_.pic.comb_recompute_last == 0,
+             "the serving engine links every document: comb_recompute_last must be 0, found {}",
+             options_.pic.comb_recompute_last);
   if (options_.method == Method::comb)
     COMB_CHECK(model.plugin(), "the default method comb needs a plug-in (--plugin FILE, or another --method)");
   StoreOptions so = options_.pic.store_options(dec.device());  // on a GPU: a device tier first
