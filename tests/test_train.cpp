@@ -143,6 +143,89 @@ TEST_CASE("the training forward equals the inference path, document by document"
   CHECK(diff <= logits_bound(model, n_keys, w));  // generic ops against the inference kernels (helpers.hpp)
 }
 
+TEST_CASE("training encodes its documents as inference does: encode_many's numbers exactly, and within rounding of "
+          "the generic padded batch, gradients included",
+          "[train]") {
+  Model model = Model::load(oracle_dir() + "/tiny-llama");
+  const Decoder& base = model.decoder();
+  const ModelConfig& c = base.config();
+  auto plugin = reads_plugin(base, /*joint=*/true, /*after_prefix=*/true);
+  REQUIRE(plugin->config().kv_norm);  // the gradient's scale below relies on the states normed
+  REQUIRE(train_encodes_as_inference(base, *plugin, plugin->weights()));
+  auto examples = random_examples(6, 23);
+  TrainBatch batch = make_train_batch(examples, c10::kCPU);
+  const auto n_docs = static_cast<int64_t>(batch.documents.size());
+  const int64_t n_blocks = plugin->config().n_blocks();
+  int64_t longest = 0, total = 0;
+  for (int64_t len : batch.doc_lens) longest = std::max(longest, len), total += len;
+  const int64_t n_keys = longest + static_cast<int64_t>(plugin->config().encoder_prefix.size());
+
+  // Without gradients and with the plug-in's own weights: encode_many's K/V, bit for bit.
+  {
+    c10::InferenceMode guard;
+    TrainDocumentKV got = train_document_kv(base, *plugin, plugin->weights(), batch, /*as_inference=*/true);
+    std::vector<DocumentKV> want = plugin->encode_many(base, batch.documents);
+    for (int64_t k = 0; k < n_blocks; ++k)
+      for (int64_t d = 0; d < n_docs; ++d) {
+        CHECK(got.keys[k][d].equal(want[d].keys[k]));
+        CHECK(got.values[k][d].equal(want[d].values[k]));
+      }
+  }
+
+  // With gradients, against the generic padded batch (Plugin::encode_batch): the same computation
+  // by other kernels, so within rounding, forward and backward.
+  auto trainable = [&] {
+    PluginWeights w = plugin->weights();
+    for (auto* list : {&w.wk, &w.wv, &w.kv_norm})
+      for (auto& t : *list) t = t.detach().clone().requires_grad_();
+    return w;
+  };
+  PluginWeights wa = trainable(), wb = trainable();
+  TrainDocumentKV a = train_document_kv(base, *plugin, wa, batch, true);
+  TrainDocumentKV b = train_document_kv(base, *plugin, wb, batch, false);
+  auto gen = at::detail::createCPUGenerator(41);
+  at::Tensor la = at::zeros({}), lb = at::zeros({});
+  double probe_max = 0;
+  for (int64_t k = 0; k < n_blocks; ++k) {
+    // K at block k: the states after read_depth(k) layers, then the norm and projection and the
+    // rotation (two layers more).
+    const int64_t layers = plugin->config().read_depth(k) + 2;
+    for (int64_t d = 0; d < n_docs; ++d) {
+      INFO("block " << k << ", document " << d);
+      REQUIRE(a.keys[k][d].sizes() == b.keys[k][d].sizes());
+      REQUIRE(a.values[k][d].sizes() == b.values[k][d].sizes());
+      CHECK(max_diff(a.keys[k][d], b.keys[k][d]) <= path_bound(c, layers, n_keys, magnitude(b.keys[k][d])));
+      CHECK(max_diff(a.values[k][d], b.values[k][d]) <= path_bound(c, layers, n_keys, magnitude(b.values[k][d])));
+      at::Tensor rk = at::randn(b.keys[k][d].sizes(), gen), rv = at::randn(b.values[k][d].sizes(), gen);
+      probe_max = std::max({probe_max, magnitude(rk), magnitude(rv)});
+      la = la + (a.keys[k][d] * rk).sum() + (a.values[k][d] * rv).sum();
+      lb = lb + (b.keys[k][d] * rk).sum() + (b.values[k][d] * rv).sum();
+    }
+  }
+  la.backward();
+  lb.backward();
+  // A projection's gradient sums, over the batch's `total` tokens, a probe (<= probe_max) times a
+  // normed state (each element <= sqrt(n_embd) times the norm's largest weight; the rotation keeps
+  // a pair's length): that worst-case sum is the scale the two paths' difference is bounded by,
+  // through the states' layers, the projection, the rotation and the sum (one layer more).
+  for (int64_t k = 0; k < n_blocks; ++k) {
+    INFO("block " << k);
+    const int64_t layers = plugin->config().read_depth(k) + 3;
+    const double states = std::sqrt(static_cast<double>(c.n_embd)) * magnitude(wb.kv_norm[k]);
+    const double scale = static_cast<double>(total) * probe_max * std::sqrt(2.0) * states;
+    const int64_t k_sum = std::max(longest_sum(c, n_keys), total);
+    for (auto [ga, gb] : {std::pair{wa.wk[k].grad(), wb.wk[k].grad()}, std::pair{wa.wv[k].grad(), wb.wv[k].grad()}}) {
+      REQUIRE(ga.defined());
+      REQUIRE(gb.defined());
+      const double bound = layers_bound(layers, k_sum, scale);
+      CHECK(bound < 0.05 * magnitude(gb));  // the check can tell a wrong gradient from rounding
+      CHECK(max_diff(ga, gb) <= bound);
+    }
+    CHECK(max_diff(wa.kv_norm[k].grad(), wb.kv_norm[k].grad()) <=
+          layers_bound(layers + 1, k_sum, scale * magnitude(plugin->weights().wk[k]) * c.n_embd));
+  }
+}
+
 TEST_CASE("training can read documents as a cache dtype keeps them: the stored numbers forward, straight through "
           "backward",
           "[train]") {

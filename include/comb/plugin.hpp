@@ -188,9 +188,17 @@ class Plugin {
   // CUDA half base encode_many runs it (COMB_CUDA_VARLEN=0 in the environment: the padded batch).
   std::vector<DocumentKV> encode_packed(const Decoder& base, const std::vector<const std::vector<int32_t>*>& documents,
                                         const KVCache& prefix_states, bool varlen) const;
-  // encoder_is_base(): documents [n_docs] through the base's cached forward as one padded batch.
+  // encoder_is_base(): documents [n_docs] through the base's cached forward as one padded batch,
+  // each block's K/V projected with `w` (nullptr: this plug-in's own weights). The base's layers run
+  // without gradients; the projections keep them where they are enabled (encode_trainable).
   std::vector<DocumentKV> encode_padded(const Decoder& base, const std::vector<const std::vector<int32_t>*>& documents,
-                                        const KVCache& prefix_states) const;
+                                        const KVCache& prefix_states, const PluginWeights* w = nullptr) const;
+  // encode_many's computation (its batches, the base's cached forward, no gradient through the
+  // base's frozen layers) with the blocks' K/V projected by `w` (training's masters), differentiable
+  // in `w` where gradients are enabled. Needs encoder_is_base() and `w` without an embedding of its
+  // own. Training encodes its documents so on the CPU (plugin_train_logits).
+  std::vector<DocumentKV> encode_trainable(const Decoder& base, const PluginWeights& w,
+                                           const std::vector<std::vector<int32_t>>& documents) const;
   // encode_many's batches (and Documents::decoder_kv_many's): indices of `documents`, by length
   // then tokens (so the same documents make the same batches in any order), padded tokens within
   // 5/4 of the real ones and 4096. On a GPU (`gpu`), where a forward costs its launches more than

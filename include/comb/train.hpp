@@ -74,6 +74,7 @@ struct TrainBatch {
   at::Tensor doc_mask;     // [n_docs, max_len] bool: real tokens
   std::vector<int64_t> doc_lens;    // [n_docs] real tokens of each document row
   std::vector<int64_t> doc_counts;  // [batch] documents of each example (rows in order)
+  std::vector<std::vector<int32_t>> documents;  // [n_docs] each document's tokens (rows in order)
   at::Tensor tokens;       // [batch, max_tokens] int64 decoder tokens: prefix, suffix, answer (0-padded)
   at::Tensor target_rows;  // [m] int64: flat rows of [batch * max_tokens] whose next token is a target
   at::Tensor targets;      // [m] int64
@@ -89,6 +90,17 @@ TrainBatch make_train_batch(const std::vector<TrainExample>& examples, c10::Devi
 // store of that dtype keeps them (forward: the stored numbers; backward: straight through).
 at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const PluginWeights& weights,
                                const TrainBatch& batch, c10::ScalarType documents_as = c10::ScalarType::Undefined);
+// Every document's K/V per block ([block][document], [n_head_kv, len, head_dim], rows in order),
+// differentiable in `weights`. `as_inference`: Plugin::encode_trainable, encode_many's batches and
+// the base's cached forward without gradients (needs an encoder of the base's own layers); else
+// Plugin::encode_batch, all documents in one padded batch through the generic layers.
+// plugin_train_logits takes the first on the CPU where it applies (train_encodes_as_inference).
+struct TrainDocumentKV {
+  std::vector<std::vector<at::Tensor>> keys, values;
+};
+TrainDocumentKV train_document_kv(const Decoder& base, const Plugin& plugin, const PluginWeights& weights,
+                                  const TrainBatch& batch, bool as_inference);
+bool train_encodes_as_inference(const Decoder& base, const Plugin& plugin, const PluginWeights& weights);
 // One document's K/V of one block ([n_head_kv, n_tokens, head_dim]) as a store of `dtype` keeps
 // them, read back in their own dtype: DocumentKV::to's numbers forward, the identity backward.
 std::pair<at::Tensor, at::Tensor> read_as_stored(const at::Tensor& keys, const at::Tensor& values,

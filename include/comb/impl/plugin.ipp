@@ -755,11 +755,40 @@ COMB_INLINE Plugin::PaddedBatch Plugin::padded_batch(const Decoder& base,
 
 COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
                                                           const std::vector<const std::vector<int32_t>*>& documents,
-                                                          const KVCache& prefix_states) const {
-  PaddedBatch b = padded_batch(base, documents, prefix_states);
+                                                          const KVCache& prefix_states, const PluginWeights* w) const {
+  const PluginWeights& weights = w ? *w : weights_;
+  std::optional<PaddedBatch> b;
+  {
+    c10::AutoGradMode no_grad(false);  // the base is frozen: its states need no graph
+    b.emplace(padded_batch(base, documents, prefix_states));
+  }
   return encoder_pass(
-      b.lens, [&](int64_t k) { return documents_kv(weights_, k, b.h, b.lens, b.back_cos, b.back_sin); },
-      [&](int64_t j) { b.h = base.layer(j, b.h, b.cache); });
+      b->lens, [&](int64_t k) { return documents_kv(weights, k, b->h, b->lens, b->back_cos, b->back_sin); },
+      [&](int64_t j) {
+        c10::AutoGradMode no_grad(false);
+        b->h = base.layer(j, b->h, b->cache);
+      });
+}
+
+COMB_INLINE std::vector<DocumentKV> Plugin::encode_trainable(const Decoder& base, const PluginWeights& w,
+                                                             const std::vector<std::vector<int32_t>>& documents) const {
+  RECORD_FUNCTION("comb::encode_trainable", std::vector<c10::IValue>());
+  COMB_CHECK(encoder_is_base() && !w.tok_embd.defined(),
+             "encode_trainable: needs an encoder of the base's own causal layers and weights without an embedding");
+  for (const auto& d : documents) check_document(d);
+  std::optional<KVCache> prefix_states;
+  {
+    c10::AutoGradMode no_grad(false);
+    prefix_states.emplace(encoder_prefix_states(base));
+  }
+  std::vector<DocumentKV> out(documents.size());
+  for (const auto& indices : encoding_batches(documents)) {
+    std::vector<const std::vector<int32_t>*> batch;
+    for (size_t i : indices) batch.push_back(&documents[i]);
+    auto encoded = encode_padded(base, batch, *prefix_states, &w);
+    for (size_t i = 0; i < indices.size(); ++i) out[indices[i]] = std::move(encoded[i]);
+  }
+  return out;
 }
 
 COMB_INLINE std::vector<DocumentKV> Plugin::encoder_pass(const std::vector<int64_t>& lens,

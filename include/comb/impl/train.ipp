@@ -198,6 +198,7 @@ COMB_INLINE TrainBatch make_train_batch(const std::vector<TrainExample>& example
     out.doc_counts.push_back(e.documents.size());
     for (const auto& doc : e.documents) {
       out.doc_lens.push_back(doc->size());
+      out.documents.push_back(*doc);
       for (size_t t = 0; t < doc->size(); ++t) {
         doc_tokens[d * max_len + t] = (*doc)[t];
         doc_mask[d * max_len + t] = 1;
@@ -266,22 +267,50 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> read_as_stored(const at::Tensor& k
   return {k + (keys - keys.detach()), v + (values - values.detach())};
 }
 
-COMB_INLINE at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const PluginWeights& pw,
-                               const TrainBatch& batch, c10::ScalarType documents_as) {
-  // The inference code itself: every document through Plugin::encode_batch (alone, padding after
-  // its tokens), each example's documents read through Plugin::cross_block (comb::cross_attention,
-  // differentiable), with `pw` in place of the plug-in's own weights.
-  auto [keys, values] = plugin.encode_batch(base, pw, batch.doc_tokens, batch.doc_mask);
+COMB_INLINE bool train_encodes_as_inference(const Decoder& base, const Plugin& plugin, const PluginWeights& weights) {
+  // On the CPU only: the GPU's training keeps the padded batch it was measured with.
+  return plugin.encoder_is_base() && !weights.tok_embd.defined() && base.device().is_cpu();
+}
+
+COMB_INLINE TrainDocumentKV train_document_kv(const Decoder& base, const Plugin& plugin, const PluginWeights& pw,
+                                              const TrainBatch& batch, bool as_inference) {
   const int64_t n_blocks = plugin.config().n_blocks();
-  std::vector<std::vector<at::Tensor>> doc_keys(n_blocks), doc_values(n_blocks);
+  TrainDocumentKV out{std::vector<std::vector<at::Tensor>>(n_blocks), std::vector<std::vector<at::Tensor>>(n_blocks)};
+  if (as_inference) {
+    COMB_CHECK(batch.documents.size() == batch.doc_lens.size(),
+               "train_document_kv: the batch holds {} documents' tokens for {} rows", batch.documents.size(),
+               batch.doc_lens.size());
+    std::vector<DocumentKV> docs = plugin.encode_trainable(base, pw, batch.documents);
+    for (int64_t k = 0; k < n_blocks; ++k)
+      for (auto& d : docs) {
+        out.keys[k].push_back(std::move(d.keys[k]));
+        out.values[k].push_back(std::move(d.values[k]));
+      }
+    return out;
+  }
+  auto [keys, values] = plugin.encode_batch(base, pw, batch.doc_tokens, batch.doc_mask);
   for (int64_t k = 0; k < n_blocks; ++k)
     for (size_t d = 0; d < batch.doc_lens.size(); ++d) {
-      doc_keys[k].push_back(keys[k][d].narrow(1, 0, batch.doc_lens[d]));
-      doc_values[k].push_back(values[k][d].narrow(1, 0, batch.doc_lens[d]));
-      if (documents_as != c10::ScalarType::Undefined)
-        std::tie(doc_keys[k].back(), doc_values[k].back()) =
-            read_as_stored(doc_keys[k].back(), doc_values[k].back(), documents_as);
+      out.keys[k].push_back(keys[k][d].narrow(1, 0, batch.doc_lens[d]));
+      out.values[k].push_back(values[k][d].narrow(1, 0, batch.doc_lens[d]));
     }
+  return out;
+}
+
+COMB_INLINE at::Tensor plugin_train_logits(const Decoder& base, const Plugin& plugin, const PluginWeights& pw,
+                               const TrainBatch& batch, c10::ScalarType documents_as) {
+  // The inference code itself: every document encoded alone (on the CPU with an encoder of the
+  // base's own layers, encode_many's batches and kernels, Plugin::encode_trainable; else
+  // Plugin::encode_batch's one padded batch), each example's documents read through
+  // Plugin::cross_block (comb::cross_attention, differentiable), with `pw` in place of the plug-in's
+  // own weights.
+  TrainDocumentKV kv = train_document_kv(base, plugin, pw, batch, train_encodes_as_inference(base, plugin, pw));
+  std::vector<std::vector<at::Tensor>>& doc_keys = kv.keys;
+  std::vector<std::vector<at::Tensor>>& doc_values = kv.values;
+  if (documents_as != c10::ScalarType::Undefined)
+    for (size_t k = 0; k < doc_keys.size(); ++k)
+      for (size_t d = 0; d < doc_keys[k].size(); ++d)
+        std::tie(doc_keys[k][d], doc_values[k][d]) = read_as_stored(doc_keys[k][d], doc_values[k][d], documents_as);
   if (plugin.config().joint_attention) {
     // Documents after the prefix: the anchor is the prefix's length, the same in every example.
     int64_t anchor = 0;
