@@ -202,8 +202,8 @@ inline void write_bytes(const std::string& path, const std::string& bytes) {
 
 inline std::string read_bytes(const std::string& path) { return detail::read_text_file(path); }
 
-// A plug-in with random weights and open gates, so that documents change the output.
-// A fresh plug-in's options: joint blocks before every decoder layer, each reading its layer.
+// A fresh plug-in's options: joint blocks before every decoder layer of `model`, each reading its
+// layer (reading from step 0); a test sets the layout flags it needs on top.
 inline PluginInitOptions joint_at_every_layer(const Model& model) {
   PluginInitOptions init;
   init.reads = init.joint_attention = true;
@@ -211,6 +211,7 @@ inline PluginInitOptions joint_at_every_layer(const Model& model) {
   return init;
 }
 
+// A plug-in with random weights and open gates, so that documents change the output.
 inline std::shared_ptr<Plugin> random_plugin(const Decoder& base, int64_t n_layers = 2, uint64_t seed = 1) {
   PluginInitOptions init;
   init.n_encoder_layers = n_layers;

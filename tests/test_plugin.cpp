@@ -87,8 +87,6 @@ at::Tensor prompt_ids(int64_t n, uint64_t seed = 5) {
 
 // Without documents (none linked, or an empty link) `with` gives the bare decoder's logits and
 // greedy tokens bit for bit.
-// Options for a fresh plug-in of joint blocks before every decoder layer of `model` (reading from
-// step 0); a test sets the layout flags it needs on top.
 void check_off_is_bare(const Model& with, const Model& bare) {
   SafetensorsFile ref(oracle_dir() + "/decoder_reference.safetensors");
   at::Tensor ids = ref.load("p3.ids", at::kLong).unsqueeze(0);

@@ -665,12 +665,11 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
                                                         const std::vector<std::vector<int32_t>>& documents,
                                                         const KVCache* prefix_states) const {
   RECORD_FUNCTION("comb::encode_many", std::vector<c10::IValue>());
-  std::vector<DocumentKV> out(documents.size());
   if (!encoder_is_base()) {  // one at a time (encode() checks each)
+    std::vector<DocumentKV> out(documents.size());
     for (size_t i = 0; i < documents.size(); ++i) out[i] = encode(base, documents[i]);
     return out;
   }
-  for (const auto& d : documents) check_document(d);
   std::optional<KVCache> own;
   if (!prefix_states) prefix_states = &own.emplace(encoder_prefix_states(base));
   // On a CUDA half base each batch packed, one FlashAttention launch a layer (COMB_CUDA_VARLEN=0: the
@@ -681,11 +680,21 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_many(const Decoder& base,
   const bool packed = varlen_asked && base.device().is_cuda() &&
                       (base.dtype() == at::kBFloat16 || base.dtype() == at::kHalf) && !at::GradMode::is_enabled() &&
                       detail::cuda_layer_ops() != nullptr;
+  return in_encoding_batches(base, documents, [&](const std::vector<const std::vector<int32_t>*>& batch) {
+    return packed ? encode_packed(base, batch, *prefix_states, /*varlen=*/true)
+                  : encode_padded(base, batch, *prefix_states);
+  });
+}
+
+COMB_INLINE std::vector<DocumentKV> Plugin::in_encoding_batches(
+    const Decoder& base, const std::vector<std::vector<int32_t>>& documents,
+    const std::function<std::vector<DocumentKV>(const std::vector<const std::vector<int32_t>*>&)>& encode) const {
+  for (const auto& d : documents) check_document(d);
+  std::vector<DocumentKV> out(documents.size());
   for (const auto& indices : encoding_batches(documents, base.device().is_cuda())) {
     std::vector<const std::vector<int32_t>*> batch;
     for (size_t i : indices) batch.push_back(&documents[i]);
-    auto encoded = packed ? encode_packed(base, batch, *prefix_states, /*varlen=*/true)
-                          : encode_padded(base, batch, *prefix_states);
+    auto encoded = encode(batch);
     for (size_t i = 0; i < indices.size(); ++i) out[indices[i]] = std::move(encoded[i]);
   }
   return out;
@@ -757,16 +766,15 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_padded(const Decoder& base,
                                                           const std::vector<const std::vector<int32_t>*>& documents,
                                                           const KVCache& prefix_states, const PluginWeights* w) const {
   const PluginWeights& weights = w ? *w : weights_;
-  std::optional<PaddedBatch> b;
-  {
+  PaddedBatch b = [&] {
     c10::AutoGradMode no_grad(false);  // the base is frozen: its states need no graph
-    b.emplace(padded_batch(base, documents, prefix_states));
-  }
+    return padded_batch(base, documents, prefix_states);
+  }();
   return encoder_pass(
-      b->lens, [&](int64_t k) { return documents_kv(weights, k, b->h, b->lens, b->back_cos, b->back_sin); },
+      b.lens, [&](int64_t k) { return documents_kv(weights, k, b.h, b.lens, b.back_cos, b.back_sin); },
       [&](int64_t j) {
         c10::AutoGradMode no_grad(false);
-        b->h = base.layer(j, b->h, b->cache);
+        b.h = base.layer(j, b.h, b.cache);
       });
 }
 
@@ -775,20 +783,13 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_trainable(const Decoder& base
   RECORD_FUNCTION("comb::encode_trainable", std::vector<c10::IValue>());
   COMB_CHECK(encoder_is_base() && !w.tok_embd.defined(),
              "encode_trainable: needs an encoder of the base's own causal layers and weights without an embedding");
-  for (const auto& d : documents) check_document(d);
-  std::optional<KVCache> prefix_states;
-  {
+  const KVCache prefix_states = [&] {
     c10::AutoGradMode no_grad(false);
-    prefix_states.emplace(encoder_prefix_states(base));
-  }
-  std::vector<DocumentKV> out(documents.size());
-  for (const auto& indices : encoding_batches(documents)) {
-    std::vector<const std::vector<int32_t>*> batch;
-    for (size_t i : indices) batch.push_back(&documents[i]);
-    auto encoded = encode_padded(base, batch, *prefix_states, &w);
-    for (size_t i = 0; i < indices.size(); ++i) out[indices[i]] = std::move(encoded[i]);
-  }
-  return out;
+    return encoder_prefix_states(base);
+  }();
+  return in_encoding_batches(base, documents, [&](const std::vector<const std::vector<int32_t>*>& batch) {
+    return encode_padded(base, batch, prefix_states, &w);
+  });
 }
 
 COMB_INLINE std::vector<DocumentKV> Plugin::encoder_pass(const std::vector<int64_t>& lens,
