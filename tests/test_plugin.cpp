@@ -1197,6 +1197,38 @@ TEST_CASE("document reads: segments only from reads built for a paged step; resi
   REQUIRE(s.bias != nullptr);
   CHECK(s.bias[0] == joint->weights().cross[1].doc_bias[0].item<float>());
 
+  // Reads whose documents come as segments alone (the fused CPU paged step's) are refused by every
+  // other forward, which would otherwise run without the documents, before it writes anything.
+  std::vector<std::vector<at::Tensor>> seg_keys, seg_values;
+  for (const auto& b : blocks) {
+    seg_keys.push_back({b.keys[0].contiguous()});
+    seg_values.push_back({b.values[0].contiguous()});
+  }
+  const DocumentReads segments_alone = DocumentReads::segmented(*joint, seg_keys, seg_values);
+  CHECK(segments_alone.segments_only());
+  CHECK_FALSE(paged.segments_only());
+  CHECK_FALSE(plain.segments_only());
+  CHECK(segments_alone.joint(1) == nullptr);
+  REQUIRE(segments_alone.segments(1).lengths.size() == 1);
+  CHECK(segments_alone.segments(1).lengths[0] == blocks[1].keys.size(2));
+  const at::Tensor ids = at::full({1, 3}, 5, at::kLong);
+  const Decoder& dec = model.decoder();
+  KVCache cache = dec.make_cache(1, 8);
+  CHECK_THROWS_WITH(dec.forward(ids, cache, LogitsMode::last, &segments_alone), Catch::Contains("as segments"));
+  CHECK(cache.length() == 0);
+  CHECK_THROWS_WITH(dec.hidden(ids, &segments_alone), Catch::Contains("as segments"));
+  Options generic;
+  generic.cpu_kernels = false;
+  const Model off = Model::load(oracle_dir() + "/tiny-llama", generic);
+  REQUIRE(!off.decoder().cpu_kernels());
+  BlockPool pool(off.config(), 4, 8);
+  const std::vector<int32_t> row_blocks = pool.allocate(1);
+  REQUIRE(row_blocks.size() == 1);
+  const std::vector<Decoder::PagedRow> rows{{5, 0, &row_blocks, &segments_alone}};
+  CHECK_THROWS_WITH(off.decoder().step_paged(pool, rows), Catch::Contains("as segments"));
+  const std::vector<Decoder::PagedRow> plain_rows{{5, 0, &row_blocks, nullptr}};
+  CHECK(off.decoder().step_paged(pool, plain_rows).size(0) == 1);  // the same row without documents runs
+
   // Residual blocks over linked documents read in place (a decoding step builds these) equal the
   // same over a copy of the linked tensors (training's form).
   Model residual = Model::load(oracle_dir() + "/tiny-llama");

@@ -85,6 +85,10 @@ class LayerReads {
     (void)layer;
     return {};
   }
+  // Whether segments() is the only way these reads give their documents: only the fused CPU
+  // paged step (Decoder::step_paged with cpu_kernels()) reads them; every other forward refuses
+  // them rather than run without the documents.
+  virtual bool segments_only() const { return false; }
 };
 // Grouped-query attention of q [batch, n_head, n, head_dim] (RoPE applied) over `joint`'s keys and
 // its own context keys, values [batch, n_head_kv, start + n, head_dim], query j seeing context keys

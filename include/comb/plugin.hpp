@@ -385,6 +385,7 @@ class DocumentReads final : public LayerReads {
   bool changes_state() const override { return mode_ == Mode::residual; }
   const JointKV* joint(int64_t layer) const override;
   JointSegments segments(int64_t layer) const override;
+  bool segments_only() const override { return mode_ == Mode::segmented; }
 
  private:
   enum class Mode { residual, joined, segmented };

@@ -584,6 +584,14 @@ class JointOnly final : public LayerReads {
  private:
   const JointKV* joint_;
 };
+// Reads whose documents come as segments alone (Documents::paged_reads) are the fused CPU paged
+// step's; every other forward refuses them instead of running without the documents.
+COMB_INLINE void check_not_segments_only(const LayerReads* reads, const char* where) {
+  COMB_CHECK(!reads || !reads->segments_only(),
+             "{}: documents read as segments (Documents::paged_reads) are for the fused CPU paged step "
+             "(Decoder::step_paged with cpu_kernels()); this path would read none of them",
+             where);
+}
 }  // namespace detail::decoder
 
 COMB_INLINE at::Tensor Decoder::layer_cpu(int64_t i, const at::Tensor& x, KVCache& cache, const JointKV* joint) const {
@@ -601,6 +609,7 @@ COMB_INLINE std::vector<at::Tensor> Decoder::layer_parts(int64_t i, const std::v
   std::vector<int64_t> row_counts;
   int64_t rows = 0;
   for (const auto& p : parts) {
+    detail::decoder::check_not_segments_only(p.reads, "layer_parts");
     COMB_CHECK(p.x.dim() == 3 && p.x.size(2) == c.n_embd && p.cache && p.x.size(0) == p.cache->batch(),
                "layer_parts: an input of shape [{}] for a cache of batch {}", fmt::join(p.x.sizes(), ", "),
                p.cache ? p.cache->batch() : 0);
@@ -729,6 +738,7 @@ COMB_INLINE at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache
                                         const LayerReads* reads) const {
   COMB_CHECK(tokens.dim() == 2 && tokens.size(1) > 0, "decoder input should be [batch, n>0] token ids, found shape [{}]",
              fmt::join(tokens.sizes(), ", "));
+  detail::decoder::check_not_segments_only(reads, "Decoder::forward");
   COMB_CHECK(tokens.size(0) == cache.batch(), "decoder input batch {} does not match the KV cache batch {}",
              tokens.size(0), cache.batch());
   const int64_t n = tokens.size(1), start = cache.length();
@@ -932,6 +942,7 @@ COMB_INLINE at::Tensor Decoder::hidden(const at::Tensor& tokens, const LayerRead
   COMB_CHECK(tokens.dim() == 2 && n > 0, "decoder input should be [batch, n>0] token ids, found shape [{}]",
              fmt::join(tokens.sizes(), ", "));
   COMB_CHECK(n <= c.n_ctx, "a sequence of {} tokens; the context holds {}", n, c.n_ctx);
+  detail::decoder::check_not_segments_only(reads, "Decoder::hidden");
   at::Tensor x = embed(tokens);
   at::Tensor cos = rope_cos_.narrow(0, 0, n), sin = rope_sin_.narrow(0, 0, n);
   for (int64_t i = 0; i < c.n_layer; ++i)
@@ -973,7 +984,11 @@ COMB_INLINE at::Tensor Decoder::step_paged(BlockPool& pool, const std::vector<Pa
                "step_paged: a piece of {} tokens after {} in a cache of batch {} holding {} (context {})", n, from,
                pc.batch(), pc.capacity(), c.n_ctx);
   }
-  if (!cpu_kernels()) return step_paged_generic(pool, rows, piece);
+  if (!cpu_kernels()) {
+    for (const auto& r : rows) detail::decoder::check_not_segments_only(r.reads, "step_paged (the generic path)");
+    if (piece) detail::decoder::check_not_segments_only(piece->reads, "step_paged (the generic path)");
+    return step_paged_generic(pool, rows, piece);
+  }
   ParallelFor each = run ? run : ParallelFor([](int64_t n, const std::function<void(int64_t)>& fn) {
     at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) fn(j);

@@ -10,6 +10,9 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "comb/document_kv.hpp"
@@ -272,9 +275,26 @@ COMB_INLINE at::Tensor abs_max(const at::Tensor& x, int64_t dim) {
 }
 // code_int4_key_scales and int4_key_scales by tensor ops (any device; the CPU's loops give the same
 // bytes and scales).
+// kInt4ScaleSteps on `device`: on the CPU the table itself; elsewhere a copy made once per device
+// and kept (a copy from pageable host memory waits for the device: once per key block read, every
+// int4 block of a request would wait). Kept for the process's life, never destroyed, so no tensor
+// is freed after the device's runtime has shut down.
+COMB_INLINE at::Tensor int4_scale_steps_on(c10::Device device) {
+  const at::Tensor table = at::from_blob(const_cast<float*>(kInt4ScaleSteps), {16}, at::kFloat);
+  if (device.is_cpu()) return table;
+  static std::mutex mutex;
+  static auto* held = new std::map<std::pair<int, int>, at::Tensor>();
+  const std::pair<int, int> key{static_cast<int>(device.type()), static_cast<int>(device.index())};
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = held->find(key);
+  if (it == held->end()) {
+    c10::InferenceMode normal(false);  // a plain tensor, usable with autograd on or off
+    it = held->emplace(key, table.to(device)).first;
+  }
+  return it->second;
+}
 COMB_INLINE at::Tensor int4_scale_steps(const at::Tensor& big) {
-  at::Tensor steps = at::from_blob(const_cast<float*>(kInt4ScaleSteps), {16}, at::kFloat).to(big.device());
-  return (big.to(at::kFloat) * steps).to(at::kHalf);  // [heads, 1, 16]
+  return (big.to(at::kFloat) * int4_scale_steps_on(big.device())).to(at::kHalf);  // [heads, 1, 16]
 }
 COMB_INLINE std::pair<at::Tensor, at::Tensor> code_int4_key_scales_ops(const at::Tensor& scales,
                                                                        const at::Tensor& zero) {
