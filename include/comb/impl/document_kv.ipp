@@ -273,8 +273,6 @@ COMB_INLINE at::Tensor abs_max(const at::Tensor& x, int64_t dim) {
   constexpr double inf = std::numeric_limits<double>::infinity();
   return x.abs().nan_to_num_(0.0, inf, inf).amax(dim, /*keepdim=*/true);
 }
-// code_int4_key_scales and int4_key_scales by tensor ops (any device; the CPU's loops give the same
-// bytes and scales).
 // kInt4ScaleSteps on `device`: on the CPU the table itself; elsewhere a copy made once per device
 // and kept (a copy from pageable host memory waits for the device: once per key block read, every
 // int4 block of a request would wait). Kept for the process's life, never destroyed, so no tensor
@@ -293,6 +291,8 @@ COMB_INLINE at::Tensor int4_scale_steps_on(c10::Device device) {
   }
   return it->second;
 }
+// code_int4_key_scales and int4_key_scales by tensor ops (any device; the CPU's loops give the same
+// bytes and scales).
 COMB_INLINE at::Tensor int4_scale_steps(const at::Tensor& big) {
   return (big.to(at::kFloat) * int4_scale_steps_on(big.device())).to(at::kHalf);  // [heads, 1, 16]
 }
