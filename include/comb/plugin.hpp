@@ -335,14 +335,14 @@ class Plugin {
   using BlockKV = std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>;
   std::vector<DocumentKV> encoder_pass(const std::vector<int64_t>& lens, const std::function<BlockKV(int64_t k)>& block,
                                        const std::function<void(int64_t j)>& layer) const;
-  // One padded batch of documents ready for the base's cached forward: their lengths, embeddings
-  // [n_docs, m, n_embd] (padding after each document), a cache holding the encoder prefix's
-  // states, and (relative_positions) the turns back that end each document at -1.
   // encode_many's batches of `documents` (each checked first), each batch given to `encode`; the
   // documents' K/V in the order given. encode_many and encode_trainable share it.
   std::vector<DocumentKV> in_encoding_batches(
       const Decoder& base, const std::vector<std::vector<int32_t>>& documents,
       const std::function<std::vector<DocumentKV>(const std::vector<const std::vector<int32_t>*>&)>& encode) const;
+  // One padded batch of documents ready for the base's cached forward: their lengths, embeddings
+  // [n_docs, m, n_embd] (padding after each document), a cache holding the encoder prefix's
+  // states, and (relative_positions) the turns back that end each document at -1.
   struct PaddedBatch {
     std::vector<int64_t> lens;
     at::Tensor h, back_cos, back_sin;
