@@ -675,6 +675,97 @@ TEST_CASE("quantize_int8 on CUDA makes the CPU's int8 codes and scales, bit for 
   CHECK(checked == 3 * 2 * 5 * 3);
 }
 
+TEST_CASE("split_documents on CUDA copies each document's rows of a block, into one allocation per document",
+          "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  const comb::detail::CudaLayerOps* ops = comb::detail::cuda_layer_ops();
+  REQUIRE(ops);
+  REQUIRE(ops->split_documents);
+  auto gen = at::detail::createCPUGenerator(29);
+  const int64_t batch = 2, n_kv = 3, n = 40, hd = 64, blocks = 3;
+  // (batch row, first position, length): a document at a batch row's start, one inside, one of a
+  // single token, one the whole row.
+  const std::vector<std::array<int64_t, 3>> rows{{0, 0, 5}, {1, 3, 7}, {0, 39, 1}, {1, 0, n}};
+  int checked = 0;
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    std::vector<at::Tensor> keys, values;
+    for (int64_t b = 0; b < blocks; ++b) {
+      // Keys as a projection's view ([batch, n, n_kv, hd] transposed: heads hd apart, rows n_kv * hd
+      // apart), values contiguous.
+      keys.push_back(at::randn({batch, n, n_kv, hd}, gen).to(at::kCUDA, dtype).transpose(1, 2));
+      values.push_back(at::randn({batch, n_kv, n, hd}, gen).to(at::kCUDA, dtype));
+    }
+    REQUIRE_FALSE(keys[0].is_contiguous());
+    // The op a block at a time into the documents' allocations, and Plugin::split_rows through it.
+    std::vector<at::Tensor> outs;
+    for (const auto& r : rows) outs.push_back(at::full({blocks, 2, n_kv, r[2], hd}, 7.0, keys[0].options()));
+    for (int64_t b = 0; b < blocks; ++b) ops->split_documents(keys[b], values[b], rows, outs, b);
+    const std::vector<DocumentKV> via_plugin = Plugin::split_rows(keys, values, rows);
+    REQUIRE(via_plugin.size() == rows.size());
+    for (size_t d = 0; d < rows.size(); ++d) {
+      const auto [row, first, len] = rows[d];
+      CHECK(via_plugin[d].n_tokens == len);
+      for (int64_t b = 0; b < blocks; ++b) {
+        INFO(c10::toString(dtype) << ", document " << d << ", block " << b);
+        const at::Tensor want_k = keys[b][row].narrow(1, first, len), want_v = values[b][row].narrow(1, first, len);
+        CHECK(at::equal(outs[d][b][0], want_k));  // a copy: exactly, every element written
+        CHECK(at::equal(outs[d][b][1], want_v));
+        CHECK(via_plugin[d].keys[b].is_contiguous());
+        CHECK(via_plugin[d].keys[b].sizes() == want_k.sizes());
+        CHECK(at::equal(via_plugin[d].keys[b], want_k));
+        CHECK(at::equal(via_plugin[d].values[b], want_v));
+        // Every block of a document in its one allocation, apart from every other document's.
+        CHECK(via_plugin[d].keys[b].storage().data() == via_plugin[d].keys[0].storage().data());
+        CHECK(via_plugin[d].values[b].storage().data() == via_plugin[d].keys[0].storage().data());
+        if (d > 0) CHECK(via_plugin[d].keys[b].storage().data() != via_plugin[d - 1].keys[0].storage().data());
+        ++checked;
+      }
+      // The entry's bytes are its own tokens' (the store's budget counts them).
+      CHECK(via_plugin[d].bytes() == 2 * blocks * n_kv * len * hd * static_cast<int64_t>(keys[0].element_size()));
+    }
+    // Bad input says what was expected, what was found and where.
+    CHECK_THROWS_WITH(ops->split_documents(keys[0], values[0], {{2, 0, 1}}, {outs[0]}, 0),
+                      Catch::Contains("document 0: batch row 2, positions [0, 1) of a batch [2, 40]"));
+    CHECK_THROWS_WITH(ops->split_documents(keys[0], values[0], {{0, 35, 6}}, {outs[0]}, 0),
+                      Catch::Contains("positions [35, 41)"));
+    CHECK_THROWS_WITH(ops->split_documents(keys[0], values[0], {rows[0]}, {outs[1]}, 0),
+                      Catch::Contains("document 0: output [blocks > 0, 2, 3, 5, 64]"));
+    CHECK_THROWS_WITH(ops->split_documents(keys[0], values[0], {rows[0]}, {outs[0]}, blocks),
+                      Catch::Contains("output [blocks > 3"));
+    const at::Tensor other = values[1].to(dtype == at::kFloat ? at::kBFloat16 : at::kFloat);
+    CHECK_THROWS_WITH(ops->split_documents(keys[1], other, rows, outs, 1), Catch::Contains("values as the keys"));
+  }
+  CHECK(checked == 3 * 4 * 3);
+}
+
+TEST_CASE("rope_rows turns each packed row's queries and keys in place, exactly as apply_rope", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  const comb::detail::CudaLayerOps* ops = comb::detail::cuda_layer_ops();
+  REQUIRE(ops);
+  REQUIRE(ops->rope_rows);
+  auto gen = at::detail::createCPUGenerator(37);
+  const int64_t n = 37, n_head = 4, n_kv = 2, hd = 64, heads = n_head + 2 * n_kv;
+  // Each row at its own position (packed documents restart), angles of the rotate-half layout.
+  const at::Tensor pos = at::randint(0, 4096, {n, 1}, gen).to(at::kFloat);
+  const at::Tensor freq = at::pow(10000.0, -at::arange(0, hd / 2, at::kFloat) * 2 / hd).repeat({2}).unsqueeze(0);
+  for (auto dtype : kHalfTypes) {
+    INFO(c10::toString(dtype));
+    const at::Tensor cos = at::cos(pos * freq).to(at::kCUDA, dtype), sin = at::sin(pos * freq).to(at::kCUDA, dtype);
+    const at::Tensor qkv = at::randn({1, n, heads * hd}, gen).to(at::kCUDA, dtype);
+    const at::Tensor before = qkv.clone().view({n, heads, hd});
+    ops->rope_rows(qkv, cos, sin, n_head, n_kv);
+    const at::Tensor after = qkv.view({n, heads, hd});
+    // apply_rope over [heads, rows, head_dim] with each row's cos and sin.
+    const at::Tensor want = apply_rope(before.narrow(1, 0, n_head + n_kv).transpose(0, 1), cos, sin).transpose(0, 1);
+    CHECK(at::equal(after.narrow(1, 0, n_head + n_kv), want));
+    CHECK(at::equal(after.narrow(1, n_head + n_kv, n_kv), before.narrow(1, n_head + n_kv, n_kv)));  // values as they were
+    CHECK_THROWS_WITH(ops->rope_rows(qkv, cos.narrow(0, 0, n - 1), sin.narrow(0, 0, n - 1), n_head, n_kv),
+                      Catch::Contains("qkv of 36 rows of 512 values, found [1, 37, 512]"));
+  }
+}
+
 TEST_CASE("encode_packed on CUDA: one FlashAttention launch over variable lengths gives the padded batch's K/V",
           "[ops][cuda]") {
   if (!cuda_ops_here()) return;
@@ -704,6 +795,9 @@ TEST_CASE("encode_packed on CUDA: one FlashAttention launch over variable length
       for (const auto* got : {&varlen, &apart}) {
         REQUIRE((*got)[d].keys[k].sizes() == padded[d].keys[k].sizes());
         CHECK(at::isfinite((*got)[d].keys[k]).all().item<bool>());
+        // Cut from the batch in one launch: every block of a document in its one allocation.
+        CHECK((*got)[d].keys[k].is_contiguous());
+        CHECK((*got)[d].values[k].storage().data() == (*got)[d].keys[0].storage().data());
       }
       if (plugin.config().read_depth(static_cast<int64_t>(k)) > 1) continue;
       // Within one encoder layer of the embeddings: each path rounds to bfloat16 (2^-9 relative)
@@ -763,6 +857,40 @@ TEST_CASE("the prefix cache fills a CUDA half cache in one launch, exactly", "[o
     CHECK(filled.values(l).narrow(2, 32, 16).eq(-7).all().item<bool>());
   }
   prefix.release(held);
+}
+
+TEST_CASE("many short documents on CUDA: more (document, block) pieces than one launch takes, every one cut and "
+          "quantized", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  Model model = cuda_bf16_model();
+  PluginInitOptions init;
+  init.reads = init.joint_attention = true;
+  for (int64_t l = 0; l + 1 < model.config().n_layer; ++l) init.cross_layers.push_back(l);
+  auto plugin = std::make_shared<Plugin>(Plugin::fresh(model.decoder(), init));
+  plugin->set_cache_dtype("int8");
+  model.set_plugin(plugin);
+  const int64_t blocks = plugin->config().n_blocks();
+  // Enough two-token documents for 65,535 / blocks + 10 of them: one encoding batch (16,384 padded
+  // tokens hold 8,192 of them), quantized in two calls.
+  const int64_t n_docs = 65535 / blocks + 10;
+  REQUIRE(2 * n_docs <= 16384);
+  std::vector<std::vector<int32_t>> docs;
+  for (int64_t d = 0; d < n_docs; ++d)
+    docs.push_back({static_cast<int32_t>(100 + d % 3000), static_cast<int32_t>(200 + d / 3000)});
+  Documents documents(model);
+  const auto entries = documents.get(docs, "");
+  REQUIRE(static_cast<int64_t>(entries.size()) == n_docs);
+  int64_t int8 = 0;
+  for (const auto& e : entries) {
+    REQUIRE(e);
+    REQUIRE(static_cast<int64_t>(e->keys.size()) == blocks);
+    if (e->n_tokens == 2 && e->dtype() == at::kChar && e->keys.back().size(1) == 2 && e->keys.back().is_cuda()) ++int8;
+  }
+  CHECK(int8 == n_docs);
+  // The last document's codes are its own K/V's: not all zero, scales finite.
+  CHECK(entries.back()->values[0].abs().max().item<int>() > 0);
+  CHECK(at::isfinite(entries.back()->value_scales[0].to(at::kFloat)).all().item<bool>());
 }
 
 TEST_CASE("COMB on a CUDA half model: documents kept int8 on the device, joined by one kernel, warm = cold",

@@ -1684,3 +1684,37 @@ TEST_CASE("documents encoded together equal each encoded alone; a request's orde
       CHECK(second[docs.size() - 1 - i]->values[b].equal(first[i]->values[b]));
     }
 }
+
+TEST_CASE("split_rows copies each document's rows of every block, on the CPU a copy each", "[plugin]") {
+  auto gen = at::detail::createCPUGenerator(31);
+  const int64_t batch = 2, n_kv = 2, n = 12, hd = 8;
+  std::vector<at::Tensor> keys, values;
+  for (int b = 0; b < 2; ++b) {
+    keys.push_back(at::randn({batch, n, n_kv, hd}, gen).transpose(1, 2));  // a projection's view
+    values.push_back(at::randn({batch, n_kv, n, hd}, gen));
+  }
+  const std::vector<std::array<int64_t, 3>> rows{{0, 0, 3}, {1, 4, 8}, {0, 11, 1}};
+  const std::vector<DocumentKV> docs = Plugin::split_rows(keys, values, rows);
+  REQUIRE(docs.size() == rows.size());
+  for (size_t d = 0; d < rows.size(); ++d) {
+    const auto [row, first, len] = rows[d];
+    CHECK(docs[d].n_tokens == len);
+    REQUIRE(docs[d].keys.size() == 2);
+    for (size_t b = 0; b < 2; ++b) {
+      INFO("document " << d << ", block " << b);
+      CHECK(docs[d].keys[b].is_contiguous());
+      CHECK(at::equal(docs[d].keys[b], keys[b][row].narrow(1, first, len)));
+      CHECK(at::equal(docs[d].values[b], values[b][row].narrow(1, first, len)));
+    }
+  }
+  // split_documents: the first lens[d] positions of row d.
+  const std::vector<DocumentKV> firsts = Plugin::split_documents(keys, values, {5, 12});
+  CHECK(at::equal(firsts[1].keys[0], keys[0][1]));
+  CHECK(at::equal(firsts[0].values[1], values[1][0].narrow(1, 0, 5)));
+  CHECK_THROWS_WITH(Plugin::split_rows(keys, {values[0]}, rows), Catch::Contains("2 key and 1 value blocks"));
+  CHECK_THROWS_WITH(Plugin::split_rows(keys, values, {{2, 0, 1}}),
+                    Catch::Contains("document 0: batch row 2, positions [0, 1) of a batch [2, 12]"));
+  CHECK_THROWS_WITH(Plugin::split_rows(keys, values, {{0, 0, 3}, {1, 10, 3}}),
+                    Catch::Contains("document 1: batch row 1, positions [10, 13)"));
+  CHECK_THROWS_WITH(Plugin::split_rows(keys, values, {{0, 2, 0}}), Catch::Contains("positions [2, 2)"));
+}

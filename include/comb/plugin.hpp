@@ -3,6 +3,7 @@
 // cross-attention blocks. With gates at 0 (a fresh plug-in) or no documents, the decoder is unchanged.
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -182,6 +183,12 @@ class Plugin {
   static std::vector<DocumentKV> split_documents(const std::vector<at::Tensor>& keys,
                                                  const std::vector<at::Tensor>& values,
                                                  const std::vector<int64_t>& lens);
+  // The same from per block K, V [batch, n_head_kv, n, head_dim] with document d at batch row
+  // rows[d][0], positions [rows[d][1], rows[d][1] + rows[d][2]). Both copy in one launch a block,
+  // into one allocation per document whose blocks are views of it, on a CUDA device with comb's ops
+  // and without gradients (CudaLayerOps::split_documents); else a copy per document and block.
+  static std::vector<DocumentKV> split_rows(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                                            const std::vector<std::array<int64_t, 3>>& rows);
   // encode_many's documents (an encoder of the base's own layers) packed in one row sequence, after
   // `prefix_states`' encoder prefix: encode_padded's K/V without the padding, up to rounding
   // (Decoder::layer_packed; `varlen`: one FlashAttention launch a layer, a CUDA half base). On a

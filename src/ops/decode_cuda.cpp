@@ -566,6 +566,80 @@ void quantize_int8(const std::vector<std::vector<std::array<at::Tensor, 2>>>& kv
                op);
 }
 
+// qkv [.., (n_head + 2 n_head_kv) head_dim] rows (in place): each row's queries and keys turned by
+// its row of cos, sin [rows, head_dim].
+void rope_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t n_head, int64_t n_head_kv) {
+  const char* op = "comb::rope_rows";
+  const k::Half type = half_type(qkv, op);
+  check_like(qkv, qkv, "qkv", op);
+  check_like(cos, qkv, "cos", op);
+  check_like(sin, qkv, "sin", op);
+  COMB_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) % 2 == 0 && n_head > 0 && n_head_kv > 0,
+             "{}: cos and sin [rows, head_dim] (head_dim even) for {} query and {} key heads, found [{}] and [{}]", op,
+             n_head, n_head_kv, fmt::join(cos.sizes(), ", "), fmt::join(sin.sizes(), ", "));
+  const int64_t hd = cos.size(1), width = (n_head + 2 * n_head_kv) * hd;
+  COMB_CHECK(qkv.dim() >= 1 && qkv.size(-1) == width && qkv.numel() == cos.size(0) * width,
+             "{}: qkv of {} rows of {} values, found [{}]", op, cos.size(0), width, fmt::join(qkv.sizes(), ", "));
+  c10::cuda::CUDAGuard guard(qkv.device());
+  check_launch(k::rope_rows(type, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.size(0), n_head, n_head_kv, hd,
+                            at::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+void split_documents(const at::Tensor& keys, const at::Tensor& values, const std::vector<std::array<int64_t, 3>>& rows,
+                     const std::vector<at::Tensor>& outs, int64_t block) {
+  const char* op = "comb::split_documents";
+  auto shape = [](const at::Tensor& t) {
+    return t.defined() ? fmt::format("{} [{}] on {}", c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", "),
+                                     t.device().str())
+                       : std::string("undefined");
+  };
+  COMB_CHECK(keys.defined() && keys.is_cuda() && keys.dim() == 4 && keys.stride(3) == 1 &&
+                 (keys.element_size() == 2 || keys.element_size() == 4),
+             "{}: keys [batch, n_head_kv, n, head_dim] of 2- or 4-byte elements on a CUDA device, the last dimension "
+             "contiguous, found {}", op, shape(keys));
+  COMB_CHECK(values.defined() && values.device() == keys.device() && values.scalar_type() == keys.scalar_type() &&
+                 values.sizes() == keys.sizes() && values.stride(3) == 1,
+             "{}: values as the keys ({}), found {}", op, shape(keys), shape(values));
+  COMB_CHECK(outs.size() == rows.size(), "{}: {} outputs for {} documents", op, outs.size(), rows.size());
+  const int64_t batch = keys.size(0), n_kv = keys.size(1), n = keys.size(2), hd = keys.size(3);
+  std::vector<k::SplitPiece> pieces;
+  int64_t longest = 0;
+  for (size_t d = 0; d < rows.size(); ++d) {
+    const auto [row, first, len] = rows[d];
+    COMB_CHECK(0 <= row && row < batch && 0 < len && 0 <= first && first + len <= n,
+               "{}: document {}: batch row {}, positions [{}, {}) of a batch [{}, {}]", op, d, row, first, first + len,
+               batch, n);
+    const at::Tensor& o = outs[d];
+    COMB_CHECK(o.defined() && o.device() == keys.device() && o.scalar_type() == keys.scalar_type() &&
+                   o.is_contiguous() && o.dim() == 5 && 0 <= block && block < o.size(0) && o.size(1) == 2 &&
+                   o.size(2) == n_kv && o.size(3) == len && o.size(4) == hd,
+               "{}: document {}: output [blocks > {}, 2, {}, {}, {}] {} on {}, contiguous, found {}", op, d, block, n_kv,
+               len, hd, c10::toString(keys.scalar_type()), keys.device().str(), shape(o));
+    const int64_t es = keys.element_size(), each = n_kv * len * hd;
+    k::SplitPiece p;
+    p.keys = static_cast<const char*>(keys.data_ptr()) + (row * keys.stride(0) + first * keys.stride(2)) * es;
+    p.values = static_cast<const char*>(values.data_ptr()) + (row * values.stride(0) + first * values.stride(2)) * es;
+    p.key_head_stride = keys.stride(1), p.key_row_stride = keys.stride(2);
+    p.value_head_stride = values.stride(1), p.value_row_stride = values.stride(2);
+    p.out_keys = static_cast<char*>(o.data_ptr()) + 2 * block * each * es;
+    p.out_values = static_cast<char*>(o.data_ptr()) + (2 * block + 1) * each * es;
+    p.len = len;
+    pieces.push_back(p);
+    longest = std::max(longest, len);
+  }
+  if (pieces.empty()) return;
+  c10::cuda::CUDAGuard guard(keys.device());
+  at::Tensor table = upload(pieces, keys);
+  const auto* all = reinterpret_cast<const k::SplitPiece*>(table.data_ptr());
+  for (size_t from = 0; from < pieces.size(); from += 65535) {  // the grid's second dimension: a piece each
+    const auto count = static_cast<int64_t>(std::min<size_t>(65535, pieces.size() - from));
+    check_launch(k::split_documents(static_cast<int>(keys.element_size()), all + from, count, longest, n_kv, hd,
+                                    at::cuda::getCurrentCUDAStream()),
+                 op);
+  }
+}
+
 int gemv_blocks(const at::Tensor& on) {
   return 4 * at::cuda::getDeviceProperties(on.device().index())->multiProcessorCount;
 }
@@ -916,7 +990,8 @@ std::unique_ptr<comb::detail::DecodeStep> make_decode_step(const comb::detail::D
 const comb::detail::CudaLayerOps kLayerOps{&add_rms_norm,   &rope_append,   &place_keys,       &silu_mul,
                                            &rows_attention, &join_documents, &quantize_int8, &paged_rope_store,
                                            &paged_attention, &free_memory,  &make_paged_graphs, &pin_host,
-                                           &to_device_async, &paged_attention_joined};
+                                           &to_device_async, &paged_attention_joined, &split_documents,
+                                           &rope_rows};
 
 // Registered when the module loads (comb::load_cuda_backend).
 [[maybe_unused]] const bool registered = (comb::detail::set_decode_step_factory(&make_decode_step),

@@ -138,6 +138,25 @@ __global__ void rope_store_kernel(const T* qkv, const T* cos, const T* sin, Cach
   dst[i + half] = from_float<T>(y2);
 }
 
+// One thread per (row, query or key head, i < head_dim / 2): rotated in place by the row's own
+// cos and sin rows, each product and the sum rounded to T (as rope_store_kernel).
+template <typename T>
+__global__ void rope_rows_kernel(T* qkv, const T* cos, const T* sin, int64_t n, int64_t n_rotated, int64_t heads,
+                                 int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n * n_rotated * half) return;
+  const int64_t i = idx % half, h = (idx / half) % n_rotated, row = idx / (half * n_rotated);
+  T* x = qkv + (row * heads + h) * head_dim;
+  const T* c = cos + row * head_dim;
+  const T* s = sin + row * head_dim;
+  const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+  const float y1 = round_to<T>(round_to<T>(x1 * to_float(c[i])) + round_to<T>(-x2 * to_float(s[i])));
+  const float y2 = round_to<T>(round_to<T>(x2 * to_float(c[i + half])) + round_to<T>(x1 * to_float(s[i + half])));
+  x[i] = from_float<T>(y1);
+  x[i + half] = from_float<T>(y2);
+}
+
 // ---- Cached keys moved to another position ------------------------------------------------------
 
 // One thread per (head, row, i < head_dim / 2): keys k [n_head_kv, n, head_dim] (row stride
@@ -466,6 +485,19 @@ __global__ void quantize_channels_kernel(const QuantPiece* pieces, int64_t n_hea
     p.key_codes[base + t * head_dim] = quant_code(quant_load<T>(p.source, p.keys, base + t * head_dim), sf);
 }
 
+// Block (range of a piece's (head, token, channel) elements, piece): one key and one value element
+// copied per thread.
+template <typename E>
+__global__ void split_documents_kernel(const SplitPiece* pieces, int64_t n_head_kv, int64_t head_dim) {
+  const SplitPiece p = pieces[blockIdx.y];
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n_head_kv * p.len * head_dim) return;
+  const int64_t j = idx % head_dim, t = (idx / head_dim) % p.len, h = idx / (head_dim * p.len);
+  static_cast<E*>(p.out_keys)[idx] = static_cast<const E*>(p.keys)[h * p.key_head_stride + t * p.key_row_stride + j];
+  static_cast<E*>(p.out_values)[idx] =
+      static_cast<const E*>(p.values)[h * p.value_head_stride + t * p.value_row_stride + j];
+}
+
 // Block (range of a piece's (head, token, i < head_dim / 2) triples, piece): one key pair rotated
 // and one value pair copied per thread.
 template <typename T>
@@ -517,6 +549,20 @@ cudaError_t quantize_int8(Half type, const QuantPiece* pieces, int64_t n_pieces,
   return cudaGetLastError();
 }
 
+cudaError_t split_documents(int elem_bytes, const SplitPiece* pieces, int64_t n_pieces, int64_t longest,
+                            int64_t n_head_kv, int64_t head_dim, cudaStream_t stream) {
+  if (n_pieces > 65535 || (elem_bytes != 2 && elem_bytes != 4)) return cudaErrorInvalidValue;
+  const int64_t total = n_head_kv * longest * head_dim;
+  if (n_pieces == 0 || total == 0) return cudaSuccess;
+  const int threads = 256;
+  const dim3 grid(static_cast<unsigned>(blocks_for(total, threads)), static_cast<unsigned>(n_pieces));
+  if (elem_bytes == 2)
+    split_documents_kernel<uint16_t><<<grid, threads, 0, stream>>>(pieces, n_head_kv, head_dim);
+  else
+    split_documents_kernel<uint32_t><<<grid, threads, 0, stream>>>(pieces, n_head_kv, head_dim);
+  return cudaGetLastError();
+}
+
 cudaError_t join_documents(Half type, const JoinPiece* pieces, int64_t n_pieces, int64_t longest, int64_t n_head_kv,
                            int64_t head_dim, const float* cos, const float* sin, cudaStream_t stream) {
   if (n_pieces > 65535 || head_dim % 2 != 0) return cudaErrorInvalidValue;
@@ -561,6 +607,23 @@ cudaError_t rope_store(Half type, const void* qkv, const void* cos, const void* 
     rope_store_kernel<<<blocks_for(total, threads), threads, 0, stream>>>(
         static_cast<const __half*>(qkv), static_cast<const __half*>(cos), static_cast<const __half*>(sin), at,
         static_cast<__half*>(q), n, n_head, n_head_kv, head_dim);
+  return cudaGetLastError();
+}
+
+cudaError_t rope_rows(Half type, void* qkv, const void* cos, const void* sin, int64_t n, int64_t n_head,
+                      int64_t n_head_kv, int64_t head_dim, cudaStream_t stream) {
+  const int64_t n_rotated = n_head + n_head_kv, heads = n_head + 2 * n_head_kv;
+  const int64_t total = n * n_rotated * (head_dim / 2);
+  if (total == 0) return cudaSuccess;
+  const int threads = 256;
+  if (type == Half::bf16)
+    rope_rows_kernel<<<blocks_for(total, threads), threads, 0, stream>>>(
+        static_cast<__nv_bfloat16*>(qkv), static_cast<const __nv_bfloat16*>(cos),
+        static_cast<const __nv_bfloat16*>(sin), n, n_rotated, heads, head_dim);
+  else
+    rope_rows_kernel<<<blocks_for(total, threads), threads, 0, stream>>>(
+        static_cast<__half*>(qkv), static_cast<const __half*>(cos), static_cast<const __half*>(sin), n, n_rotated,
+        heads, head_dim);
   return cudaGetLastError();
 }
 

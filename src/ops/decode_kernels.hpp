@@ -57,6 +57,12 @@ cudaError_t add_rms_norm(Half type, void* residual, const void* delta, const voi
 cudaError_t rope_store(Half type, const void* qkv, const void* cos, const void* sin, const CacheAt& at, void* q,
                        int64_t n, int64_t n_head, int64_t n_head_kv, int64_t head_dim, cudaStream_t stream);
 
+// Rows qkv [n, (n_head + 2 n_head_kv) * head_dim], in place: each row's query and key heads turned
+// by its own angle (cos, sin [n, head_dim], row r for row r; rope_store's rounding), value heads
+// left as they are (the packed encoder's rows, each at its position in its own document).
+cudaError_t rope_rows(Half type, void* qkv, const void* cos, const void* sin, int64_t n, int64_t n_head,
+                      int64_t n_head_kv, int64_t head_dim, cudaStream_t stream);
+
 // Keys k [n_head_kv, n, head_dim] computed at positions [0, n) (strides k_head and k_row, the last
 // dimension contiguous) moved to [position, position + n) of a cache [n_head_kv, capacity,
 // head_dim]: rotated by position's angle (cos, sin: its rows of the tables, [head_dim]), as
@@ -149,5 +155,20 @@ struct QuantPiece {
 // `pieces` (at most 65535) in device memory; longest: the longest piece's len.
 cudaError_t quantize_int8(Half type, const QuantPiece* pieces, int64_t n_pieces, int64_t longest, int64_t n_head_kv,
                           int64_t head_dim, cudaStream_t stream);
+
+// One document's rows of one block's K/V copied out of a batch's: element (h, t, j) of the
+// document's keys at keys[h * key_head_stride + t * key_row_stride + j] (values likewise), copied
+// to out_keys and out_values [n_head_kv, len, head_dim], contiguous. Elements of elem_bytes, 2 or 4
+// (a copy: any dtype of that size); strides in elements.
+struct SplitPiece {
+  const void* keys = nullptr;
+  const void* values = nullptr;
+  void* out_keys = nullptr;
+  void* out_values = nullptr;
+  int64_t len = 0, key_head_stride = 0, key_row_stride = 0, value_head_stride = 0, value_row_stride = 0;
+};
+// `pieces` (at most 65535) in device memory; longest: the longest piece's len.
+cudaError_t split_documents(int elem_bytes, const SplitPiece* pieces, int64_t n_pieces, int64_t longest,
+                            int64_t n_head_kv, int64_t head_dim, cudaStream_t stream);
 
 }  // namespace comb::detail::cuda

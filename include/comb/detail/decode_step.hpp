@@ -177,6 +177,19 @@ struct CudaLayerOps {
   at::Tensor (*paged_attention_joined)(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                        const at::Tensor& table, const at::Tensor& positions, int64_t longest,
                                        const at::Tensor& joined) = nullptr;
+  // One block's K/V of each document copied out of a batch's, in one launch (each 65,535
+  // documents): keys and values [batch, n_head_kv, n, head_dim] (the last dimension contiguous,
+  // other strides any; one dtype of 2 or 4 bytes; a CUDA device), document d at batch row
+  // rows[d][0], positions [rows[d][1], rows[d][1] + rows[d][2]), into outs[d] [blocks, 2, n_head_kv,
+  // len, head_dim] (contiguous, the sources' dtype and device) at [block][0] (keys) and [block][1].
+  void (*split_documents)(const at::Tensor& keys, const at::Tensor& values,
+                          const std::vector<std::array<int64_t, 3>>& rows, const std::vector<at::Tensor>& outs,
+                          int64_t block) = nullptr;
+  // Rows qkv [.., (n_head + 2 n_head_kv) head_dim] (contiguous), in place: each row's query and key
+  // heads turned by its own row of cos, sin [rows, head_dim] (qkv's dtype), as apply_rope rounds
+  // (each product and the sum); value heads left (Decoder::layer_packed's rows).
+  void (*rope_rows)(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t n_head,
+                    int64_t n_head_kv) = nullptr;
 };
 
 // graph: capture the step as a CUDA graph on its first run and replay it after (else: launch the

@@ -862,7 +862,24 @@ COMB_INLINE at::Tensor Decoder::layer_packed(int64_t i, const at::Tensor& x, con
   const detail::decoder::LayerMath math = half && cuda_kernels_ && !weights_.quantized() && ops
                                               ? detail::decoder::cuda_math(w, c, *ops)
                                               : detail::decoder::generic_math(w, c);
+  // The packed rows' queries and keys turned in one launch, in place (the qkv product is this
+  // layer's own), equal to apply_rope's.
+  const bool fused_rope = varlen && cuda_kernels_ && !weights_.quantized() && ops && ops->rope_rows;
   return detail::decoder::layer_body(x, w, math, [&](const at::Tensor& qkv) {
+    if (fused_rope && qkv.is_contiguous()) {
+      ops->rope_rows(qkv, rows.cos, rows.sin, c.n_head, c.n_head_kv);
+      const at::Tensor heads = qkv.view({n, c.n_head + 2 * c.n_head_kv, c.head_dim});  // [rows, heads, head_dim]
+      auto keys_of = [&](const at::Tensor& own, const at::Tensor& prefix) {  // as below, from [rows, n_head_kv, head_dim]
+        at::Tensor all = own;
+        if (pre > 0) all = at::cat({prefix[0].narrow(1, 0, pre).transpose(0, 1).to(all.scalar_type()), all}, 0);
+        return all.index_select(0, rows.gather);
+      };
+      at::Tensor out = std::get<0>(at::_flash_attention_forward(
+          heads.narrow(1, 0, c.n_head).contiguous(), keys_of(heads.narrow(1, c.n_head, c.n_head_kv), prefix_keys),
+          keys_of(heads.narrow(1, c.n_head + c.n_head_kv, c.n_head_kv), prefix_values), rows.cu_rows, rows.cu_keys,
+          rows.longest, rows.longest + pre, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false));
+      return out.reshape({1, n, c.q_dim()});
+    }
     auto [q, k, v] = split_qkv(qkv, c);  // [1, heads, n, head_dim]
     q = apply_rope(q, rows.cos, rows.sin);
     k = apply_rope(k, rows.cos, rows.sin);

@@ -962,6 +962,92 @@ COMB_INLINE DocumentKV Plugin::finish_encoding(const std::vector<std::vector<at:
   return out;
 }
 
+namespace detail::plugin {  // this file's own helpers
+
+// Documents' entries filled a block at a time from a batch's K/V ([batch, n_head_kv, n, head_dim]
+// a block; document d at batch row rows[d][0], positions [rows[d][1], rows[d][1] + rows[d][2])): on a
+// CUDA device with comb's ops and without gradients one launch a block into one allocation per
+// document, its blocks views of it (CudaLayerOps::split_documents); else a copy per document and
+// block. Only the block being added is held besides the documents' own entries.
+class DocumentSplit {
+ public:
+  DocumentSplit(std::vector<std::array<int64_t, 3>> rows, int64_t n_blocks)
+      : rows_(std::move(rows)), out_(rows_.size()), n_blocks_(n_blocks) {
+    for (size_t d = 0; d < rows_.size(); ++d) {
+      out_[d].n_tokens = rows_[d][2];
+      out_[d].keys.resize(n_blocks);
+      out_[d].values.resize(n_blocks);
+    }
+  }
+
+  void add(int64_t block, const at::Tensor& keys, const at::Tensor& values) {
+    COMB_CHECK(0 <= block && block < n_blocks_, "split_rows: block {} of {}", block, n_blocks_);
+    COMB_CHECK(keys.defined() && keys.dim() == 4 && values.defined() && values.sizes() == keys.sizes(),
+               "split_rows: block {}: keys and values [batch, n_head_kv, n, head_dim], found [{}] and [{}]", block,
+               keys.defined() ? fmt::format("{}", fmt::join(keys.sizes(), ", ")) : std::string("undefined"),
+               values.defined() ? fmt::format("{}", fmt::join(values.sizes(), ", ")) : std::string("undefined"));
+    for (size_t d = 0; d < rows_.size(); ++d) {
+      const auto [row, first, len] = rows_[d];
+      COMB_CHECK(0 <= row && row < keys.size(0) && 0 < len && 0 <= first && first + len <= keys.size(2),
+                 "split_rows: document {}: batch row {}, positions [{}, {}) of a batch [{}, {}]", d, row, first,
+                 first + len, keys.size(0), keys.size(2));
+    }
+    if (on_device(keys, values)) {
+      const int64_t n_kv = keys.size(1), hd = keys.size(3);
+      if (buffers_.empty())
+        for (const auto& r : rows_) buffers_.push_back(at::empty({n_blocks_, 2, n_kv, r[2], hd}, keys.options()));
+      detail::cuda_layer_ops()->split_documents(keys, values, rows_, buffers_, block);
+      for (size_t d = 0; d < rows_.size(); ++d) {
+        const at::Tensor& b = buffers_[d];
+        const int64_t len = rows_[d][2], each = n_kv * len * hd;
+        const auto part = [&](int64_t i) {
+          return b.as_strided({n_kv, len, hd}, {len * hd, hd, 1}, b.storage_offset() + i * each);
+        };
+        out_[d].keys[block] = part(2 * block);
+        out_[d].values[block] = part(2 * block + 1);
+      }
+      return;
+    }
+    // K after k_norm (stored so, never recomputed per decode step), V as is: [n_head_kv, n, head_dim]
+    for (size_t d = 0; d < rows_.size(); ++d) {
+      const auto [row, first, len] = rows_[d];
+      out_[d].keys[block] = keys[row].narrow(1, first, len).contiguous();
+      out_[d].values[block] = values[row].narrow(1, first, len).contiguous();
+    }
+  }
+
+  // The entries; every block must have been added.
+  std::vector<DocumentKV> take() {
+    for (int64_t k = 0; k < n_blocks_; ++k)
+      COMB_CHECK(out_.empty() || out_[0].keys[k].defined(), "split_rows: block {} of {} was never added", k,
+                 n_blocks_);
+    return std::move(out_);
+  }
+
+ private:
+  // The op's form: one dtype of 2 or 4 bytes on a CUDA device, channels contiguous, no gradients,
+  // the documents' allocations (once made) of that dtype, device and head shape.
+  bool on_device(const at::Tensor& keys, const at::Tensor& values) const {
+    const CudaLayerOps* ops = cuda_layer_ops();
+    if (!ops || !ops->split_documents || at::GradMode::is_enabled() || keys.requires_grad() ||
+        values.requires_grad() || !keys.is_cuda() || values.device() != keys.device() ||
+        values.scalar_type() != keys.scalar_type() || keys.stride(3) != 1 || values.stride(3) != 1 ||
+        (keys.element_size() != 2 && keys.element_size() != 4) || rows_.size() == 0)
+      return false;
+    if (buffers_.empty()) return true;
+    const at::Tensor& b = buffers_[0];
+    return b.device() == keys.device() && b.scalar_type() == keys.scalar_type() && b.size(2) == keys.size(1) &&
+           b.size(4) == keys.size(3);
+  }
+
+  std::vector<std::array<int64_t, 3>> rows_;
+  std::vector<DocumentKV> out_;
+  int64_t n_blocks_ = 0;
+  std::vector<at::Tensor> buffers_;  // [blocks, 2, n_head_kv, len, head_dim] a document, once on the device
+};
+
+}  // namespace detail::plugin
+
 COMB_INLINE std::vector<DocumentKV> Plugin::encode_packed(const Decoder& base,
                                                           const std::vector<const std::vector<int32_t>*>& documents,
                                                           const KVCache& prefix_states, bool varlen) const {
@@ -990,21 +1076,24 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_packed(const Decoder& base,
     back_cos = rope_cos_.index_select(0, b).view({1, 1, n, -1});
     back_sin = -rope_sin_.index_select(0, b).view({1, 1, n, -1});  // sin(-a) = -sin(a)
   }
-  return encoder_pass(
+  // Each block's K/V of every document [1, n_head_kv, n, head_dim] cut into the documents' entries
+  // as the pass computes it (on a CUDA device with comb's ops one launch a block, into one allocation
+  // per document).
+  std::vector<std::array<int64_t, 3>> at_rows;
+  for (int64_t d = 0; d < n_docs; ++d) at_rows.push_back({0, rows.first[d], lens[d]});
+  detail::plugin::DocumentSplit split(std::move(at_rows), config_.n_blocks());
+  encoder_pass(
       lens,
       [&](int64_t k) {
-        auto [keys, values] = block_kv(weights_, k, h, back_cos, back_sin);  // [1, n_head_kv, n, head_dim]
-        BlockKV each;
-        for (int64_t d = 0; d < n_docs; ++d) {
-          each.first.push_back(keys[0].narrow(1, rows.first[d], lens[d]).contiguous());
-          each.second.push_back(values[0].narrow(1, rows.first[d], lens[d]).contiguous());
-        }
-        return each;
+        auto [keys, values] = block_kv(weights_, k, h, back_cos, back_sin);
+        split.add(k, keys, values);
+        return BlockKV(std::vector<at::Tensor>(n_docs), std::vector<at::Tensor>(n_docs));  // the split's
       },
       [&](int64_t j) {
         h = base.layer_packed(j, h, rows, pre > 0 ? prefix_states.keys(j) : at::Tensor(),
                               pre > 0 ? prefix_states.values(j) : at::Tensor(), varlen);
       });
+  return split.take();
 }
 
 COMB_INLINE std::pair<at::Tensor, at::Tensor> Plugin::back_rope(const at::Tensor& lens, int64_t len) const {
@@ -1018,16 +1107,20 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> Plugin::back_rope(const at::Tensor
 COMB_INLINE std::vector<DocumentKV> Plugin::split_documents(const std::vector<at::Tensor>& keys,
                                                             const std::vector<at::Tensor>& values,
                                                             const std::vector<int64_t>& lens) {
-  std::vector<DocumentKV> out(lens.size());
-  for (size_t d = 0; d < lens.size(); ++d) {
-    out[d].n_tokens = lens[d];
-    // K after k_norm (stored so, never recomputed per decode step), V as is: [n_head_kv, n, head_dim]
-    for (size_t k = 0; k < keys.size(); ++k) {
-      out[d].keys.push_back(keys[k][d].narrow(1, 0, lens[d]).contiguous());
-      out[d].values.push_back(values[k][d].narrow(1, 0, lens[d]).contiguous());
-    }
-  }
-  return out;
+  std::vector<std::array<int64_t, 3>> rows;
+  for (size_t d = 0; d < lens.size(); ++d) rows.push_back({static_cast<int64_t>(d), 0, lens[d]});
+  return split_rows(keys, values, rows);
+}
+
+COMB_INLINE std::vector<DocumentKV> Plugin::split_rows(const std::vector<at::Tensor>& keys,
+                                                       const std::vector<at::Tensor>& values,
+                                                       const std::vector<std::array<int64_t, 3>>& rows) {
+  RECORD_FUNCTION("comb::split_rows", std::vector<c10::IValue>());
+  COMB_CHECK(!keys.empty() && values.size() == keys.size(), "split_rows: {} key and {} value blocks", keys.size(),
+             values.size());
+  detail::plugin::DocumentSplit split(rows, static_cast<int64_t>(keys.size()));
+  for (size_t k = 0; k < keys.size(); ++k) split.add(static_cast<int64_t>(k), keys[k], values[k]);
+  return split.take();
 }
 
 COMB_INLINE std::pair<at::Tensor, at::Tensor> Plugin::block_kv(const PluginWeights& w, int64_t k, const at::Tensor& states,
@@ -1037,9 +1130,18 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> Plugin::block_kv(const PluginWeigh
   const c10::ScalarType dt = states.scalar_type();
   auto W = [&](const at::Tensor& t) { return t.scalar_type() == dt ? t : t.to(dt); };
   const int64_t n_docs = states.size(0), len = states.size(1);
-  at::Tensor s = config_.kv_norm ? rms_norm(states, W(w.kv_norm[k]), c.rms_eps) : states;
+  // RMSNorm: on a CUDA half device without gradients comb's fused kernel (one launch for ATen's
+  // six; the same float32 normalisation, its sum in another order), else the ATen composition.
+  const detail::CudaLayerOps* ops = detail::cuda_layer_ops();
+  const bool fused_norm = ops && ops->add_rms_norm && states.is_cuda() && (dt == at::kBFloat16 || dt == at::kHalf) &&
+                          !at::GradMode::is_enabled() && !states.requires_grad();
+  auto norm = [&](const at::Tensor& x, const at::Tensor& weight) {
+    return fused_norm ? ops->add_rms_norm(x.contiguous(), at::Tensor(), W(weight).contiguous(), c.rms_eps)
+                      : rms_norm(x, W(weight), c.rms_eps);
+  };
+  at::Tensor s = config_.kv_norm ? norm(states, w.kv_norm[k]) : states;
   at::Tensor ke = at::linear(s, W(w.wk[k])).view({n_docs, len, c.n_head_kv, c.head_dim});
-  if (config_.qk_norm) ke = rms_norm(ke, W(w.cross[k].k_norm), c.rms_eps);
+  if (config_.qk_norm) ke = norm(ke, w.cross[k].k_norm);
   at::Tensor keys = ke.transpose(1, 2);
   if (back_cos.defined()) keys = apply_rope(keys, back_cos.to(dt), back_sin.to(dt));
   at::Tensor values = at::linear(s, W(w.wv[k])).view({n_docs, len, c.n_head_kv, c.head_dim}).transpose(1, 2);
@@ -1062,9 +1164,10 @@ COMB_INLINE std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::
                       (!back_cos.defined() || (is_f32(back_cos) && is_f32(back_sin)));
   if (!direct) {
     auto [kk, vv] = block_kv(w, k, s, back_cos, back_sin);
+    std::vector<DocumentKV> docs = split_documents({kk}, {vv}, lens);
     for (int64_t d = 0; d < n_docs; ++d) {
-      keys[d] = kk[d].narrow(1, 0, lens[d]).contiguous();
-      values[d] = vv[d].narrow(1, 0, lens[d]).contiguous();
+      keys[d] = std::move(docs[d].keys[0]);
+      values[d] = std::move(docs[d].values[0]);
     }
     return {keys, values};
   }
