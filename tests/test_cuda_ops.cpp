@@ -977,8 +977,9 @@ TEST_CASE("COMB on a CUDA half model: documents kept int8 on the device, joined 
   PicPrefill b = naive.prefill(r, 4);
   CHECK(b.reused > a.reused);
   CHECK(at::equal(a.logits, b.logits));
-  // The cold request computed its four pieces (prefix and documents) in one padded forward, on the
-  // generic path; each piece alone runs the fused one-sequence path. Layer 0's K/V do not depend on
+  // The cold request computed its four pieces (prefix and documents) in one packed forward (the
+  // fused norms, rope_rows, one FlashAttention launch a layer); each piece alone runs the fused
+  // one-sequence path, another number of GEMM rows. Layer 0's K/V do not depend on
   // the context: K = RoPE(Wk RMSNorm(e)), V = Wv RMSNorm(e), each path rounding the norm, the
   // product (float32 sums) and the rotation's products and sum to bfloat16: at most four roundings
   // of 2^-9 relative to values bounded by the largest, so within 2^-6 of the largest |K| or |V|.

@@ -483,8 +483,8 @@ TEST_CASE("decoder_kv_many: a request's pieces computed together (a GPU's way) o
           CHECK(at::equal(got[i]->keys[l], alone->keys[l]));
           CHECK(at::equal(got[i]->values[l], alone->values[l]));
         } else {
-          // One padded forward of the three on the generic path (padding after each piece, which
-          // no real token reads), against the fused path of one: path_bound for l + 1 layers.
+          // The three packed in one forward (Decoder::layer_packed, each piece's attention apart on
+          // the CPU, no padding), against the fused path of one: path_bound for l + 1 layers.
           CHECK(max_diff(got[i]->keys[l], alone->keys[l]) <= path_bound(c, l + 1, n, magnitude(alone->keys[l])));
           CHECK(max_diff(got[i]->values[l], alone->values[l]) <= path_bound(c, l + 1, n, magnitude(alone->values[l])));
         }

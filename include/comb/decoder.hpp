@@ -236,9 +236,12 @@ class Decoder {
   // prefix_values ([1, n_head_kv, >= pre, head_dim], keys turned) and causally to itself; no cache
   // is written. `varlen` (a CUDA bfloat16/float16 decoder): one FlashAttention launch over every
   // sequence (variable lengths); else a sequence at a time. On a CUDA half decoder the norms and the
-  // activation are the fused kernels, else generic ATen ops.
+  // activation are the fused kernels, else generic ATen ops. `kv` (when given): the layer's keys
+  // (turned, each row at its position) and values of every row, [1, n_head_kv, rows, head_dim] (the
+  // last dimension contiguous), as a cache at the rows' positions would hold them.
   at::Tensor layer_packed(int64_t i, const at::Tensor& x, const PackedRows& rows, const at::Tensor& prefix_keys,
-                          const at::Tensor& prefix_values, bool varlen) const;
+                          const at::Tensor& prefix_values, bool varlen,
+                          std::pair<at::Tensor, at::Tensor>* kv = nullptr) const;
   // Layer `i` for tokens at explicit, increasing `positions` [m] (batch 1): their K/V go into
   // `cache` at those positions, and each attends to every cached position up to its own among
   // [0, n_keys). For recomputing chosen tokens over a cache filled by other means.

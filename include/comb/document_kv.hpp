@@ -169,6 +169,32 @@ std::pair<at::Tensor, at::Tensor> code_centred_int4_keys_ops(const at::Tensor& r
 std::pair<at::Tensor, at::Tensor> quantize_keys_ops(const at::Tensor& k, float levels, DocumentKV::KeyScaleForm form);
 }  // namespace detail::document_kv
 
+namespace detail {
+// Documents' entries filled a block at a time from a batch's K/V ([batch, n_head_kv, n, head_dim]
+// a block; document d at batch row rows[d][0], positions [rows[d][1], rows[d][1] + rows[d][2])),
+// each as its own tensors: on a CUDA device with comb's ops and without gradients one launch a
+// block into one allocation per document, its blocks views of it (CudaLayerOps::split_documents);
+// else a copy per document and block. Only the block being added is held besides the documents'
+// own entries (Plugin::split_rows, the packed encoder, Documents::decoder_kv_many).
+class DocumentSplit {
+ public:
+  DocumentSplit(std::vector<std::array<int64_t, 3>> rows, int64_t n_blocks);
+  void add(int64_t block, const at::Tensor& keys, const at::Tensor& values);
+  // The entries; every block must have been added.
+  std::vector<DocumentKV> take();
+
+ private:
+  // The op's form: one dtype of 2 or 4 bytes on a CUDA device, channels contiguous, no gradients,
+  // the documents' allocations (once made) of that dtype, device and head shape.
+  bool on_device(const at::Tensor& keys, const at::Tensor& values) const;
+
+  std::vector<std::array<int64_t, 3>> rows_;
+  std::vector<DocumentKV> out_;
+  int64_t n_blocks_ = 0;
+  std::vector<at::Tensor> buffers_;  // [blocks, 2, n_head_kv, len, head_dim] a document, once on the device
+};
+}  // namespace detail
+
 // Documents linked int8 as stored (Linker with keep_int8): keys and values [block][document], the
 // scales beside them (undefined for a document of another dtype; empty: none). Each int8 one is
 // read as float32 in place (q * scale), as DocumentKV::to does; packed int4 keys (uint8) are the

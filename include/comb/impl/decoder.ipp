@@ -844,7 +844,7 @@ COMB_INLINE Decoder::PackedRows Decoder::packed_rows(const std::vector<int64_t>&
 
 COMB_INLINE at::Tensor Decoder::layer_packed(int64_t i, const at::Tensor& x, const PackedRows& rows,
                                              const at::Tensor& prefix_keys, const at::Tensor& prefix_values,
-                                             bool varlen) const {
+                                             bool varlen, std::pair<at::Tensor, at::Tensor>* kv) const {
   RECORD_FUNCTION("comb::layer_packed", std::vector<c10::IValue>());
   const auto& c = config_;
   const auto& w = weights_.layers[i];
@@ -869,6 +869,9 @@ COMB_INLINE at::Tensor Decoder::layer_packed(int64_t i, const at::Tensor& x, con
     if (fused_rope && qkv.is_contiguous()) {
       ops->rope_rows(qkv, rows.cos, rows.sin, c.n_head, c.n_head_kv);
       const at::Tensor heads = qkv.view({n, c.n_head + 2 * c.n_head_kv, c.head_dim});  // [rows, heads, head_dim]
+      if (kv)
+        *kv = {heads.narrow(1, c.n_head, c.n_head_kv).transpose(0, 1).unsqueeze(0),
+               heads.narrow(1, c.n_head + c.n_head_kv, c.n_head_kv).transpose(0, 1).unsqueeze(0)};
       auto keys_of = [&](const at::Tensor& own, const at::Tensor& prefix) {  // as below, from [rows, n_head_kv, head_dim]
         at::Tensor all = own;
         if (pre > 0) all = at::cat({prefix[0].narrow(1, 0, pre).transpose(0, 1).to(all.scalar_type()), all}, 0);
@@ -883,6 +886,7 @@ COMB_INLINE at::Tensor Decoder::layer_packed(int64_t i, const at::Tensor& x, con
     auto [q, k, v] = split_qkv(qkv, c);  // [1, heads, n, head_dim]
     q = apply_rope(q, rows.cos, rows.sin);
     k = apply_rope(k, rows.cos, rows.sin);
+    if (kv) *kv = {k, v};
     if (varlen) {
       // Every sequence's keys, the prefix's then its own, gathered from [prefix; every row]
       // ([keys, n_head_kv, head_dim]); FlashAttention's causal mask is aligned to the last key, so

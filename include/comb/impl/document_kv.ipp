@@ -5,6 +5,7 @@
 #include "comb/detail/inline.hpp"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <array>
@@ -15,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "comb/detail/decode_step.hpp"
 #include "comb/document_kv.hpp"
 #include "comb/error.hpp"
 #include "comb/store.hpp"  // cache_dtype_name
@@ -874,6 +876,72 @@ COMB_INLINE LinkedDocuments Linker::link_batch(const std::vector<std::vector<std
     }
   }
   return out;
+}
+
+// ---- DocumentSplit -----------------------------------------------------------------------------
+
+COMB_INLINE detail::DocumentSplit::DocumentSplit(std::vector<std::array<int64_t, 3>> rows, int64_t n_blocks)
+    : rows_(std::move(rows)), out_(rows_.size()), n_blocks_(n_blocks) {
+  for (size_t d = 0; d < rows_.size(); ++d) {
+    out_[d].n_tokens = rows_[d][2];
+    out_[d].keys.resize(static_cast<size_t>(n_blocks));
+    out_[d].values.resize(static_cast<size_t>(n_blocks));
+  }
+}
+
+COMB_INLINE void detail::DocumentSplit::add(int64_t block, const at::Tensor& keys, const at::Tensor& values) {
+  COMB_CHECK(0 <= block && block < n_blocks_, "split_rows: block {} of {}", block, n_blocks_);
+  COMB_CHECK(keys.defined() && keys.dim() == 4 && values.defined() && values.sizes() == keys.sizes(),
+             "split_rows: block {}: keys and values [batch, n_head_kv, n, head_dim], found [{}] and [{}]", block,
+             keys.defined() ? fmt::format("{}", fmt::join(keys.sizes(), ", ")) : std::string("undefined"),
+             values.defined() ? fmt::format("{}", fmt::join(values.sizes(), ", ")) : std::string("undefined"));
+  for (size_t d = 0; d < rows_.size(); ++d) {
+    const auto [row, first, len] = rows_[d];
+    COMB_CHECK(0 <= row && row < keys.size(0) && 0 < len && 0 <= first && first + len <= keys.size(2),
+               "split_rows: document {}: batch row {}, positions [{}, {}) of a batch [{}, {}]", d, row, first,
+               first + len, keys.size(0), keys.size(2));
+  }
+  if (on_device(keys, values)) {
+    const int64_t n_kv = keys.size(1), hd = keys.size(3);
+    if (buffers_.empty())
+      for (const auto& r : rows_) buffers_.push_back(at::empty({n_blocks_, 2, n_kv, r[2], hd}, keys.options()));
+    cuda_layer_ops()->split_documents(keys, values, rows_, buffers_, block);
+    for (size_t d = 0; d < rows_.size(); ++d) {
+      const at::Tensor& b = buffers_[d];
+      const int64_t len = rows_[d][2], each = n_kv * len * hd;
+      const auto part = [&](int64_t i) {
+        return b.as_strided({n_kv, len, hd}, {len * hd, hd, 1}, b.storage_offset() + i * each);
+      };
+      out_[d].keys[block] = part(2 * block);
+      out_[d].values[block] = part(2 * block + 1);
+    }
+    return;
+  }
+  // K after k_norm (stored so, never recomputed per decode step), V as is: [n_head_kv, n, head_dim]
+  for (size_t d = 0; d < rows_.size(); ++d) {
+    const auto [row, first, len] = rows_[d];
+    out_[d].keys[block] = keys[row].narrow(1, first, len).contiguous();
+    out_[d].values[block] = values[row].narrow(1, first, len).contiguous();
+  }
+}
+
+COMB_INLINE std::vector<DocumentKV> detail::DocumentSplit::take() {
+  for (int64_t k = 0; k < n_blocks_; ++k)
+    COMB_CHECK(out_.empty() || out_[0].keys[k].defined(), "split_rows: block {} of {} was never added", k, n_blocks_);
+  return std::move(out_);
+}
+
+COMB_INLINE bool detail::DocumentSplit::on_device(const at::Tensor& keys, const at::Tensor& values) const {
+  const CudaLayerOps* ops = cuda_layer_ops();
+  if (!ops || !ops->split_documents || at::GradMode::is_enabled() || keys.requires_grad() || values.requires_grad() ||
+      !keys.is_cuda() || values.device() != keys.device() || values.scalar_type() != keys.scalar_type() ||
+      keys.stride(3) != 1 || values.stride(3) != 1 || (keys.element_size() != 2 && keys.element_size() != 4) ||
+      rows_.empty())
+    return false;
+  if (buffers_.empty()) return true;
+  const at::Tensor& b = buffers_[0];
+  return b.device() == keys.device() && b.scalar_type() == keys.scalar_type() && b.size(2) == keys.size(1) &&
+         b.size(4) == keys.size(3);
 }
 
 }  // namespace comb

@@ -4,6 +4,7 @@
 #pragma once
 #include "comb/detail/inline.hpp"
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
 #include <c10/core/InferenceMode.h>
 
@@ -250,27 +251,38 @@ COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Documents::decoder_kv
     const CacheKey& k = keys[std::find(source.begin(), source.end(), static_cast<int64_t>(j)) - source.begin()];
     made[j] = store_ ? store_->put(k, kv) : std::make_shared<const DocumentKV>(std::move(kv));
   };
+  // One FlashAttention launch a layer over the packed pieces where encode_many packs documents (a
+  // CUDA half decoder with comb's ops; COMB_CUDA_VARLEN=0: a piece at a time in each layer).
+  static const bool varlen_asked = detail::env_on("COMB_CUDA_VARLEN");
+  const bool varlen = varlen_asked && dec.device().is_cuda() &&
+                      (dec.dtype() == at::kBFloat16 || dec.dtype() == at::kHalf) && !at::GradMode::is_enabled() &&
+                      detail::cuda_layer_ops() != nullptr;
   for (const auto& batch : Plugin::encoding_batches(missing, /*gpu=*/true)) {
     if (batch.size() == 1) {  // alone: decoder_kv's path (a fused one-sequence forward)
       std::optional<KVCache> cache;
       keep(batch[0], *decoder_piece(missing[batch[0]], 0, static_cast<int64_t>(missing[batch[0]].size()), cache));
       continue;
     }
-    // Padding (token 0) after each piece's tokens: causally, no real token reads it.
-    const auto b = static_cast<int64_t>(batch.size());
-    int64_t m = 0;
-    for (size_t j : batch) m = std::max<int64_t>(m, static_cast<int64_t>(missing[j].size()));
-    std::vector<int64_t> flat(b * m, 0);
-    for (int64_t d = 0; d < b; ++d) std::copy(missing[batch[d]].begin(), missing[batch[d]].end(), flat.begin() + d * m);
-    KVCache cache = dec.make_cache(b, m);
-    dec.forward(at::tensor(flat, at::kLong).view({b, m}).to(dec.device()), cache);
-    // Each piece's positions [0, len) of each layer (a block a layer), copied out of the batch's cache.
-    std::vector<at::Tensor> keys, values;
-    for (int64_t l = 0; l < cache.n_layers(); ++l) keys.push_back(cache.keys(l)), values.push_back(cache.values(l));
-    std::vector<int64_t> lens;
-    for (size_t j : batch) lens.push_back(static_cast<int64_t>(missing[j].size()));
-    std::vector<DocumentKV> kvs = Plugin::split_documents(keys, values, lens);
-    for (int64_t d = 0; d < b; ++d) keep(batch[d], std::move(kvs[d]));
+    // The pieces packed in one row sequence, each from position 0 (Decoder::layer_packed: no padding;
+    // on a CUDA half decoder the fused layers and one FlashAttention launch a layer), each layer's
+    // K/V cut into the pieces' entries as the pass computes it (one launch a layer on a GPU).
+    std::vector<int64_t> lens, flat;
+    for (size_t j : batch) {
+      lens.push_back(static_cast<int64_t>(missing[j].size()));
+      flat.insert(flat.end(), missing[j].begin(), missing[j].end());
+    }
+    const Decoder::PackedRows rows = dec.packed_rows(lens, 0);
+    std::vector<std::array<int64_t, 3>> at_rows;
+    for (size_t d = 0; d < lens.size(); ++d) at_rows.push_back({0, rows.first[d], lens[d]});
+    detail::DocumentSplit split(std::move(at_rows), dec.config().n_layer);
+    at::Tensor h = dec.embed(at::tensor(flat, at::kLong).view({1, static_cast<int64_t>(flat.size())}).to(dec.device()));
+    for (int64_t l = 0; l < dec.config().n_layer; ++l) {
+      std::pair<at::Tensor, at::Tensor> kv;
+      h = dec.layer_packed(l, h, rows, at::Tensor(), at::Tensor(), varlen, &kv);
+      split.add(l, kv.first, kv.second);
+    }
+    std::vector<DocumentKV> kvs = split.take();
+    for (size_t d = 0; d < batch.size(); ++d) keep(batch[d], std::move(kvs[d]));
   }
   for (size_t i = 0; i < n; ++i)
     if (source[i] >= 0) out[i] = made[static_cast<size_t>(source[i])];

@@ -962,92 +962,6 @@ COMB_INLINE DocumentKV Plugin::finish_encoding(const std::vector<std::vector<at:
   return out;
 }
 
-namespace detail::plugin {  // this file's own helpers
-
-// Documents' entries filled a block at a time from a batch's K/V ([batch, n_head_kv, n, head_dim]
-// a block; document d at batch row rows[d][0], positions [rows[d][1], rows[d][1] + rows[d][2])): on a
-// CUDA device with comb's ops and without gradients one launch a block into one allocation per
-// document, its blocks views of it (CudaLayerOps::split_documents); else a copy per document and
-// block. Only the block being added is held besides the documents' own entries.
-class DocumentSplit {
- public:
-  DocumentSplit(std::vector<std::array<int64_t, 3>> rows, int64_t n_blocks)
-      : rows_(std::move(rows)), out_(rows_.size()), n_blocks_(n_blocks) {
-    for (size_t d = 0; d < rows_.size(); ++d) {
-      out_[d].n_tokens = rows_[d][2];
-      out_[d].keys.resize(n_blocks);
-      out_[d].values.resize(n_blocks);
-    }
-  }
-
-  void add(int64_t block, const at::Tensor& keys, const at::Tensor& values) {
-    COMB_CHECK(0 <= block && block < n_blocks_, "split_rows: block {} of {}", block, n_blocks_);
-    COMB_CHECK(keys.defined() && keys.dim() == 4 && values.defined() && values.sizes() == keys.sizes(),
-               "split_rows: block {}: keys and values [batch, n_head_kv, n, head_dim], found [{}] and [{}]", block,
-               keys.defined() ? fmt::format("{}", fmt::join(keys.sizes(), ", ")) : std::string("undefined"),
-               values.defined() ? fmt::format("{}", fmt::join(values.sizes(), ", ")) : std::string("undefined"));
-    for (size_t d = 0; d < rows_.size(); ++d) {
-      const auto [row, first, len] = rows_[d];
-      COMB_CHECK(0 <= row && row < keys.size(0) && 0 < len && 0 <= first && first + len <= keys.size(2),
-                 "split_rows: document {}: batch row {}, positions [{}, {}) of a batch [{}, {}]", d, row, first,
-                 first + len, keys.size(0), keys.size(2));
-    }
-    if (on_device(keys, values)) {
-      const int64_t n_kv = keys.size(1), hd = keys.size(3);
-      if (buffers_.empty())
-        for (const auto& r : rows_) buffers_.push_back(at::empty({n_blocks_, 2, n_kv, r[2], hd}, keys.options()));
-      detail::cuda_layer_ops()->split_documents(keys, values, rows_, buffers_, block);
-      for (size_t d = 0; d < rows_.size(); ++d) {
-        const at::Tensor& b = buffers_[d];
-        const int64_t len = rows_[d][2], each = n_kv * len * hd;
-        const auto part = [&](int64_t i) {
-          return b.as_strided({n_kv, len, hd}, {len * hd, hd, 1}, b.storage_offset() + i * each);
-        };
-        out_[d].keys[block] = part(2 * block);
-        out_[d].values[block] = part(2 * block + 1);
-      }
-      return;
-    }
-    // K after k_norm (stored so, never recomputed per decode step), V as is: [n_head_kv, n, head_dim]
-    for (size_t d = 0; d < rows_.size(); ++d) {
-      const auto [row, first, len] = rows_[d];
-      out_[d].keys[block] = keys[row].narrow(1, first, len).contiguous();
-      out_[d].values[block] = values[row].narrow(1, first, len).contiguous();
-    }
-  }
-
-  // The entries; every block must have been added.
-  std::vector<DocumentKV> take() {
-    for (int64_t k = 0; k < n_blocks_; ++k)
-      COMB_CHECK(out_.empty() || out_[0].keys[k].defined(), "split_rows: block {} of {} was never added", k,
-                 n_blocks_);
-    return std::move(out_);
-  }
-
- private:
-  // The op's form: one dtype of 2 or 4 bytes on a CUDA device, channels contiguous, no gradients,
-  // the documents' allocations (once made) of that dtype, device and head shape.
-  bool on_device(const at::Tensor& keys, const at::Tensor& values) const {
-    const CudaLayerOps* ops = cuda_layer_ops();
-    if (!ops || !ops->split_documents || at::GradMode::is_enabled() || keys.requires_grad() ||
-        values.requires_grad() || !keys.is_cuda() || values.device() != keys.device() ||
-        values.scalar_type() != keys.scalar_type() || keys.stride(3) != 1 || values.stride(3) != 1 ||
-        (keys.element_size() != 2 && keys.element_size() != 4) || rows_.size() == 0)
-      return false;
-    if (buffers_.empty()) return true;
-    const at::Tensor& b = buffers_[0];
-    return b.device() == keys.device() && b.scalar_type() == keys.scalar_type() && b.size(2) == keys.size(1) &&
-           b.size(4) == keys.size(3);
-  }
-
-  std::vector<std::array<int64_t, 3>> rows_;
-  std::vector<DocumentKV> out_;
-  int64_t n_blocks_ = 0;
-  std::vector<at::Tensor> buffers_;  // [blocks, 2, n_head_kv, len, head_dim] a document, once on the device
-};
-
-}  // namespace detail::plugin
-
 COMB_INLINE std::vector<DocumentKV> Plugin::encode_packed(const Decoder& base,
                                                           const std::vector<const std::vector<int32_t>*>& documents,
                                                           const KVCache& prefix_states, bool varlen) const {
@@ -1081,7 +995,7 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_packed(const Decoder& base,
   // per document).
   std::vector<std::array<int64_t, 3>> at_rows;
   for (int64_t d = 0; d < n_docs; ++d) at_rows.push_back({0, rows.first[d], lens[d]});
-  detail::plugin::DocumentSplit split(std::move(at_rows), config_.n_blocks());
+  detail::DocumentSplit split(std::move(at_rows), config_.n_blocks());
   encoder_pass(
       lens,
       [&](int64_t k) {
@@ -1118,7 +1032,7 @@ COMB_INLINE std::vector<DocumentKV> Plugin::split_rows(const std::vector<at::Ten
   RECORD_FUNCTION("comb::split_rows", std::vector<c10::IValue>());
   COMB_CHECK(!keys.empty() && values.size() == keys.size(), "split_rows: {} key and {} value blocks", keys.size(),
              values.size());
-  detail::plugin::DocumentSplit split(rows, static_cast<int64_t>(keys.size()));
+  detail::DocumentSplit split(rows, static_cast<int64_t>(keys.size()));
   for (size_t k = 0; k < keys.size(); ++k) split.add(static_cast<int64_t>(k), keys[k], values[k]);
   return split.take();
 }
