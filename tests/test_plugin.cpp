@@ -1717,4 +1717,18 @@ TEST_CASE("split_rows copies each document's rows of every block, on the CPU a c
   CHECK_THROWS_WITH(Plugin::split_rows(keys, values, {{0, 0, 3}, {1, 10, 3}}),
                     Catch::Contains("document 1: batch row 1, positions [10, 13)"));
   CHECK_THROWS_WITH(Plugin::split_rows(keys, values, {{0, 2, 0}}), Catch::Contains("positions [2, 2)"));
+  // One head: a document's slice is contiguous already, yet copied, so that its entry does not hold
+  // the whole batch.
+  const at::Tensor one = at::randn({1, 1, n, hd}, gen);
+  const DocumentKV alone = Plugin::split_rows({one}, {one}, {{0, 4, 3}})[0];
+  CHECK(at::equal(alone.keys[0], one[0].narrow(1, 4, 3)));
+  CHECK(alone.keys[0].storage().nbytes() == static_cast<size_t>(3 * hd * 4));
+  CHECK(alone.values[0].storage().nbytes() == static_cast<size_t>(3 * hd * 4));
+  // The splitter hands its entries over once.
+  comb::detail::DocumentSplit split({{0, 0, 2}}, 1);
+  CHECK_THROWS_WITH(split.take(), Catch::Contains("block 0 of 1 was never added"));
+  split.add(0, one, one);
+  CHECK(split.take().size() == 1);
+  CHECK_THROWS_WITH(split.take(), Catch::Contains("taken already"));
+  CHECK_THROWS_WITH(split.add(0, one, one), Catch::Contains("added after the entries were taken"));
 }

@@ -180,7 +180,7 @@ class DocumentSplit {
  public:
   DocumentSplit(std::vector<std::array<int64_t, 3>> rows, int64_t n_blocks);
   void add(int64_t block, const at::Tensor& keys, const at::Tensor& values);
-  // The entries; every block must have been added.
+  // The entries, once; every block must have been added.
   std::vector<DocumentKV> take();
 
  private:
@@ -192,6 +192,7 @@ class DocumentSplit {
   std::vector<DocumentKV> out_;
   int64_t n_blocks_ = 0;
   std::vector<at::Tensor> buffers_;  // [blocks, 2, n_head_kv, len, head_dim] a document, once on the device
+  bool taken_ = false;
 };
 }  // namespace detail
 

@@ -92,9 +92,11 @@ class Documents {
   std::shared_ptr<const DocumentKV> decoder_kv(const std::vector<int32_t>& tokens, const std::string& tenant = "",
                                                bool* computed = nullptr) const;
   // decoder_kv() of each piece of a request. `batched` (default: on a CUDA decoder, where one
-  // forward costs what one piece's does): the missing ones computed together, in as few padded
-  // forwards as Plugin::encoding_batches allows (one for ten short documents; a piece alone takes
-  // decoder_kv's path); else one after another, as decoder_kv computes them. A piece given twice
+  // forward costs what one piece's does): the missing ones computed together, packed in as few
+  // forwards as Plugin::encoding_batches allows (Decoder::layer_packed: one for ten short documents,
+  // one FlashAttention launch a layer on a CUDA half decoder, elsewhere or with COMB_CUDA_VARLEN=0
+  // each piece's attention apart; a piece alone takes decoder_kv's path); else one after another,
+  // as decoder_kv computes them. A piece given twice
   // is computed once when there is a store. `computed`, if given, receives which were computed.
   std::vector<std::shared_ptr<const DocumentKV>> decoder_kv_many(const std::vector<std::vector<int32_t>>& pieces,
                                                                  const std::string& tenant = "",

@@ -451,7 +451,7 @@ void join_documents(const std::vector<comb::detail::JoinPart>& parts, const std:
                    t->size(1) == hd && t->sizes() == cos.sizes(),
                "{}: RoPE tables should be contiguous float32 [n_ctx, {}] on {}, found [{}] {} on {}", op, hd,
                o.device().str(), fmt::join(t->sizes(), ", "), c10::toString(t->scalar_type()), t->device().str());
-  COMB_CHECK(parts.size() <= 65535 && hd % 2 == 0, "{}: {} parts (at most 65535), head_dim {}", op, parts.size(), hd);
+  COMB_CHECK(hd % 2 == 0, "{}: head_dim {} should be even", op, hd);
   std::vector<k::JoinPiece> pieces(parts.size());
   int64_t longest = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
@@ -498,10 +498,13 @@ void join_documents(const std::vector<comb::detail::JoinPart>& parts, const std:
   if (pieces.empty()) return;
   c10::cuda::CUDAGuard guard(o.device());
   at::Tensor table = upload(pieces, o);
-  check_launch(k::join_documents(type, reinterpret_cast<const k::JoinPiece*>(table.data_ptr()),
-                                 static_cast<int64_t>(pieces.size()), longest, n_kv, hd, cos.data_ptr<float>(),
-                                 sin.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
-               op);
+  const auto* all = reinterpret_cast<const k::JoinPiece*>(table.data_ptr());
+  for (size_t from = 0; from < pieces.size(); from += 65535) {  // the grid's second dimension: a piece each
+    const auto count = static_cast<int64_t>(std::min<size_t>(65535, pieces.size() - from));
+    check_launch(k::join_documents(type, all + from, count, longest, n_kv, hd, cos.data_ptr<float>(),
+                                   sin.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
+                 op);
+  }
 }
 
 void quantize_int8(const std::vector<std::vector<std::array<at::Tensor, 2>>>& kv,
@@ -556,14 +559,16 @@ void quantize_int8(const std::vector<std::vector<std::array<at::Tensor, 2>>>& kv
     }
   }
   if (pieces.empty()) return;
-  COMB_CHECK(pieces.size() <= 65535, "{}: {} pieces (documents x blocks), at most 65535", op, pieces.size());
   c10::cuda::CUDAGuard guard(first->device());
   at::Tensor table = upload(pieces, *first);
   const k::Half type = half && *half == at::kHalf ? k::Half::f16 : k::Half::bf16;  // the loader of half sources
-  check_launch(k::quantize_int8(type, reinterpret_cast<const k::QuantPiece*>(table.data_ptr()),
-                                static_cast<int64_t>(pieces.size()), longest, first->size(0), first->size(2),
-                                at::cuda::getCurrentCUDAStream()),
-               op);
+  const auto* all = reinterpret_cast<const k::QuantPiece*>(table.data_ptr());
+  for (size_t from = 0; from < pieces.size(); from += 65535) {  // the grid's second dimension: a piece each
+    const auto count = static_cast<int64_t>(std::min<size_t>(65535, pieces.size() - from));
+    check_launch(k::quantize_int8(type, all + from, count, longest, first->size(0), first->size(2),
+                                  at::cuda::getCurrentCUDAStream()),
+                 op);
+  }
 }
 
 // qkv [.., (n_head + 2 n_head_kv) head_dim] rows (in place): each row's queries and keys turned by

@@ -125,7 +125,7 @@ struct CudaLayerOps {
   at::Tensor (*rows_attention)(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                int64_t start, const at::Tensor& joined_keys, const at::Tensor& joined_values,
                                const at::Tensor& joined_bias, int64_t anchor) = nullptr;
-  // Every part (at most 65535) into out_keys[part.block], out_values[part.block] [rows, n_head_kv,
+  // Every part into out_keys[part.block], out_values[part.block] [rows, n_head_kv,
   // m, head_dim] (float16 or bfloat16, contiguous; what no part covers is left as it is), in one
   // launch: keys dequantized and rotated in float32 (cos, sin: float32 RoPE tables [n_ctx,
   // head_dim]), values copied, each rounded once.
@@ -134,8 +134,9 @@ struct CudaLayerOps {
                          const at::Tensor& sin) = nullptr;
   // Each document's K/V of each block, kv[d][b] = {keys, values} [n_head_kv, len, head_dim]
   // (float32 or one half type, contiguous, one CUDA device; a document's blocks of one length), in
-  // int8 as the CPU quantizes them (document_kv.ipp's quantize_int8_cpu), bit for bit: out[d][b] = {key codes, key
-  // scales, value codes, value scales} (float16 scales), one allocation per document, two launches.
+  // int8 as the CPU quantizes them (document_kv.ipp's quantize_int8_cpu), bit for bit: out[d][b] =
+  // {key codes, key scales, value codes, value scales} (float16 scales), one allocation per
+  // document, two launches (each 65,535 document blocks).
   void (*quantize_int8)(const std::vector<std::vector<std::array<at::Tensor, 2>>>& kv,
                         std::vector<std::vector<std::array<at::Tensor, 4>>>& out) = nullptr;
   // The server's paged step (Decoder::step_paged): rows of several sequences whose K/V lie in a

@@ -890,15 +890,16 @@ COMB_INLINE detail::DocumentSplit::DocumentSplit(std::vector<std::array<int64_t,
 }
 
 COMB_INLINE void detail::DocumentSplit::add(int64_t block, const at::Tensor& keys, const at::Tensor& values) {
-  COMB_CHECK(0 <= block && block < n_blocks_, "split_rows: block {} of {}", block, n_blocks_);
+  COMB_CHECK(!taken_, "splitting documents' K/V: block {} added after the entries were taken", block);
+  COMB_CHECK(0 <= block && block < n_blocks_, "splitting documents' K/V: block {} of {}", block, n_blocks_);
   COMB_CHECK(keys.defined() && keys.dim() == 4 && values.defined() && values.sizes() == keys.sizes(),
-             "split_rows: block {}: keys and values [batch, n_head_kv, n, head_dim], found [{}] and [{}]", block,
+             "splitting documents' K/V: block {}: keys and values [batch, n_head_kv, n, head_dim], found [{}] and [{}]", block,
              keys.defined() ? fmt::format("{}", fmt::join(keys.sizes(), ", ")) : std::string("undefined"),
              values.defined() ? fmt::format("{}", fmt::join(values.sizes(), ", ")) : std::string("undefined"));
   for (size_t d = 0; d < rows_.size(); ++d) {
     const auto [row, first, len] = rows_[d];
     COMB_CHECK(0 <= row && row < keys.size(0) && 0 < len && 0 <= first && first + len <= keys.size(2),
-               "split_rows: document {}: batch row {}, positions [{}, {}) of a batch [{}, {}]", d, row, first,
+               "splitting documents' K/V: document {}: batch row {}, positions [{}, {}) of a batch [{}, {}]", d, row, first,
                first + len, keys.size(0), keys.size(2));
   }
   if (on_device(keys, values)) {
@@ -917,17 +918,27 @@ COMB_INLINE void detail::DocumentSplit::add(int64_t block, const at::Tensor& key
     }
     return;
   }
-  // K after k_norm (stored so, never recomputed per decode step), V as is: [n_head_kv, n, head_dim]
+  // K after k_norm (stored so, never recomputed per decode step), V as is: [n_head_kv, n, head_dim],
+  // each a tensor of its own (a slice that happens to be contiguous copied too, so that an entry
+  // never holds the whole batch's memory).
+  const auto own = [](const at::Tensor& t) {
+    return t.is_contiguous() && t.storage_offset() == 0 && static_cast<size_t>(t.nbytes()) == t.storage().nbytes()
+               ? t
+               : t.clone(at::MemoryFormat::Contiguous);
+  };
   for (size_t d = 0; d < rows_.size(); ++d) {
     const auto [row, first, len] = rows_[d];
-    out_[d].keys[block] = keys[row].narrow(1, first, len).contiguous();
-    out_[d].values[block] = values[row].narrow(1, first, len).contiguous();
+    out_[d].keys[block] = own(keys[row].narrow(1, first, len));
+    out_[d].values[block] = own(values[row].narrow(1, first, len));
   }
 }
 
 COMB_INLINE std::vector<DocumentKV> detail::DocumentSplit::take() {
-  for (int64_t k = 0; k < n_blocks_; ++k)
-    COMB_CHECK(out_.empty() || out_[0].keys[k].defined(), "split_rows: block {} of {} was never added", k, n_blocks_);
+  COMB_CHECK(!taken_, "splitting documents' K/V: the entries were taken already");
+  for (int64_t k = 0; k < n_blocks_; ++k)  // every add fills every document's block
+    COMB_CHECK(out_.empty() || out_[0].keys[k].defined(), "splitting documents' K/V: block {} of {} was never added",
+               k, n_blocks_);
+  taken_ = true;
   return std::move(out_);
 }
 

@@ -120,16 +120,7 @@ COMB_INLINE void Documents::quantize_on_device(std::vector<DocumentKV>& kvs) con
     }
   }
   std::vector<std::vector<std::array<at::Tensor, 4>>> out;
-  // At most 65,535 (document, block) pieces a call (the launch's grid); many short documents take several.
-  const size_t per_call = std::max<size_t>(1, 65535 / in[0].size());
-  for (size_t from = 0; from < in.size(); from += per_call) {
-    const size_t end = std::min(in.size(), from + per_call);
-    const std::vector<std::vector<std::array<at::Tensor, 2>>> part(in.begin() + static_cast<std::ptrdiff_t>(from),
-                                                                     in.begin() + static_cast<std::ptrdiff_t>(end));
-    std::vector<std::vector<std::array<at::Tensor, 4>>> got;
-    ops->quantize_int8(part, got);
-    for (auto& g : got) out.push_back(std::move(g));
-  }
+  ops->quantize_int8(in, out);
   for (size_t d = 0; d < kvs.size(); ++d) {
     DocumentKV q;
     q.n_tokens = kvs[d].n_tokens;
