@@ -763,6 +763,11 @@ TEST_CASE("rope_rows turns each packed row's queries and keys in place, exactly 
     CHECK(at::equal(after.narrow(1, n_head + n_kv, n_kv), before.narrow(1, n_head + n_kv, n_kv)));  // values as they were
     CHECK_THROWS_WITH(ops->rope_rows(qkv, cos.narrow(0, 0, n - 1), sin.narrow(0, 0, n - 1), n_head, n_kv),
                       Catch::Contains("qkv of 36 rows of 512 values, found [1, 37, 512]"));
+    // Rows of keys alone (n_head_kv 0, a cross block's documents): every head turned.
+    const at::Tensor keys = at::randn({n, n_kv * hd}, gen).to(at::kCUDA, dtype);
+    const at::Tensor keys_before = keys.clone().view({n, n_kv, hd});
+    ops->rope_rows(keys, cos, sin, n_kv, 0);
+    CHECK(at::equal(keys.view({n, n_kv, hd}), apply_rope(keys_before.transpose(0, 1), cos, sin).transpose(0, 1)));
   }
 }
 

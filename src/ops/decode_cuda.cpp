@@ -579,7 +579,7 @@ void rope_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   check_like(qkv, qkv, "qkv", op);
   check_like(cos, qkv, "cos", op);
   check_like(sin, qkv, "sin", op);
-  COMB_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) % 2 == 0 && n_head > 0 && n_head_kv > 0,
+  COMB_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) % 2 == 0 && n_head > 0 && n_head_kv >= 0,
              "{}: cos and sin [rows, head_dim] (head_dim even) for {} query and {} key heads, found [{}] and [{}]", op,
              n_head, n_head_kv, fmt::join(cos.sizes(), ", "), fmt::join(sin.sizes(), ", "));
   const int64_t hd = cos.size(1), width = (n_head + 2 * n_head_kv) * hd;

@@ -188,7 +188,8 @@ struct CudaLayerOps {
                           int64_t block) = nullptr;
   // Rows qkv [.., (n_head + 2 n_head_kv) head_dim] (contiguous), in place: each row's query and key
   // heads turned by its own row of cos, sin [rows, head_dim] (qkv's dtype), as apply_rope rounds
-  // (each product and the sum); value heads left (Decoder::layer_packed's rows).
+  // (each product and the sum); value heads left (Decoder::layer_packed's rows). n_head_kv 0: rows
+  // of n_head heads, every one turned (a cross block's document keys, Plugin::block_kv).
   void (*rope_rows)(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t n_head,
                     int64_t n_head_kv) = nullptr;
 };

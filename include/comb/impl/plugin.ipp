@@ -1056,8 +1056,20 @@ COMB_INLINE std::pair<at::Tensor, at::Tensor> Plugin::block_kv(const PluginWeigh
   at::Tensor s = config_.kv_norm ? norm(states, w.kv_norm[k]) : states;
   at::Tensor ke = at::linear(s, W(w.wk[k])).view({n_docs, len, c.n_head_kv, c.head_dim});
   if (config_.qk_norm) ke = norm(ke, w.cross[k].k_norm);
-  at::Tensor keys = ke.transpose(1, 2);
-  if (back_cos.defined()) keys = apply_rope(keys, back_cos.to(dt), back_sin.to(dt));
+  at::Tensor keys;
+  if (back_cos.defined() && fused_norm && ops->rope_rows && back_cos.numel() == n_docs * len * c.head_dim &&
+      back_sin.numel() == back_cos.numel()) {
+    // Each row turned back in place in one launch (rope_rows over rows of n_head_kv key heads),
+    // equal to apply_rope's seven operations; ke is this call's own product.
+    at::Tensor rows = ke.contiguous();
+    ops->rope_rows(rows.view({n_docs * len, c.n_head_kv * c.head_dim}),
+                   back_cos.to(dt).reshape({n_docs * len, c.head_dim}).contiguous(),
+                   back_sin.to(dt).reshape({n_docs * len, c.head_dim}).contiguous(), c.n_head_kv, 0);
+    keys = rows.transpose(1, 2);
+  } else {
+    keys = ke.transpose(1, 2);
+    if (back_cos.defined()) keys = apply_rope(keys, back_cos.to(dt), back_sin.to(dt));
+  }
   at::Tensor values = at::linear(s, W(w.wv[k])).view({n_docs, len, c.n_head_kv, c.head_dim}).transpose(1, 2);
   return {keys, values};
 }
