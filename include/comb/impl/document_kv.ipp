@@ -893,14 +893,14 @@ COMB_INLINE void detail::DocumentSplit::add(int64_t block, const at::Tensor& key
   COMB_CHECK(!taken_, "splitting documents' K/V: block {} added after the entries were taken", block);
   COMB_CHECK(0 <= block && block < n_blocks_, "splitting documents' K/V: block {} of {}", block, n_blocks_);
   COMB_CHECK(keys.defined() && keys.dim() == 4 && values.defined() && values.sizes() == keys.sizes(),
-             "splitting documents' K/V: block {}: keys and values [batch, n_head_kv, n, head_dim], found [{}] and [{}]", block,
-             keys.defined() ? fmt::format("{}", fmt::join(keys.sizes(), ", ")) : std::string("undefined"),
+             "splitting documents' K/V: block {}: keys and values [batch, n_head_kv, n, head_dim], found [{}] and [{}]",
+             block, keys.defined() ? fmt::format("{}", fmt::join(keys.sizes(), ", ")) : std::string("undefined"),
              values.defined() ? fmt::format("{}", fmt::join(values.sizes(), ", ")) : std::string("undefined"));
   for (size_t d = 0; d < rows_.size(); ++d) {
     const auto [row, first, len] = rows_[d];
     COMB_CHECK(0 <= row && row < keys.size(0) && 0 < len && 0 <= first && first + len <= keys.size(2),
-               "splitting documents' K/V: document {}: batch row {}, positions [{}, {}) of a batch [{}, {}]", d, row, first,
-               first + len, keys.size(0), keys.size(2));
+               "splitting documents' K/V: document {}: batch row {}, positions [{}, {}) of a batch [{}, {}]", d, row,
+               first, first + len, keys.size(0), keys.size(2));
   }
   if (on_device(keys, values)) {
     const int64_t n_kv = keys.size(1), hd = keys.size(3);
