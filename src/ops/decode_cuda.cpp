@@ -431,6 +431,20 @@ at::Tensor upload(const std::vector<Piece>& pieces, const at::Tensor& like) {
   return device;
 }
 
+// The pieces' table uploaded, then `launch(the device's first piece, count)` for each 65,535 of them
+// (a launch's grid holds one piece a block row), each launch checked.
+template <typename Piece, typename Launch>
+void launch_pieces(const std::vector<Piece>& pieces, const at::Tensor& like, const char* op, const Launch& launch) {
+  if (pieces.empty()) return;
+  c10::cuda::CUDAGuard guard(like.device());
+  at::Tensor table = upload(pieces, like);
+  const auto* all = reinterpret_cast<const Piece*>(table.data_ptr());
+  for (size_t from = 0; from < pieces.size(); from += 65535) {
+    const auto count = static_cast<int64_t>(std::min<size_t>(65535, pieces.size() - from));
+    check_launch(launch(all + from, count), op);
+  }
+}
+
 void join_documents(const std::vector<comb::detail::JoinPart>& parts, const std::vector<at::Tensor>& out_keys,
                     const std::vector<at::Tensor>& out_values, const at::Tensor& cos, const at::Tensor& sin) {
   const char* op = "comb::join_documents";
@@ -495,16 +509,10 @@ void join_documents(const std::vector<comb::detail::JoinPart>& parts, const std:
     piece.len = len, piece.m = m, piece.row = p.row, piece.offset = p.offset, piece.angle = p.angle;
     longest = std::max(longest, len);
   }
-  if (pieces.empty()) return;
-  c10::cuda::CUDAGuard guard(o.device());
-  at::Tensor table = upload(pieces, o);
-  const auto* all = reinterpret_cast<const k::JoinPiece*>(table.data_ptr());
-  for (size_t from = 0; from < pieces.size(); from += 65535) {  // the grid's second dimension: a piece each
-    const auto count = static_cast<int64_t>(std::min<size_t>(65535, pieces.size() - from));
-    check_launch(k::join_documents(type, all + from, count, longest, n_kv, hd, cos.data_ptr<float>(),
-                                   sin.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
-                 op);
-  }
+  launch_pieces(pieces, o, op, [&](const k::JoinPiece* from, int64_t count) {
+    return k::join_documents(type, from, count, longest, n_kv, hd, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                             at::cuda::getCurrentCUDAStream());
+  });
 }
 
 void quantize_int8(const std::vector<std::vector<std::array<at::Tensor, 2>>>& kv,
@@ -559,16 +567,11 @@ void quantize_int8(const std::vector<std::vector<std::array<at::Tensor, 2>>>& kv
     }
   }
   if (pieces.empty()) return;
-  c10::cuda::CUDAGuard guard(first->device());
-  at::Tensor table = upload(pieces, *first);
   const k::Half type = half && *half == at::kHalf ? k::Half::f16 : k::Half::bf16;  // the loader of half sources
-  const auto* all = reinterpret_cast<const k::QuantPiece*>(table.data_ptr());
-  for (size_t from = 0; from < pieces.size(); from += 65535) {  // the grid's second dimension: a piece each
-    const auto count = static_cast<int64_t>(std::min<size_t>(65535, pieces.size() - from));
-    check_launch(k::quantize_int8(type, all + from, count, longest, first->size(0), first->size(2),
-                                  at::cuda::getCurrentCUDAStream()),
-                 op);
-  }
+  launch_pieces(pieces, *first, op, [&](const k::QuantPiece* from, int64_t count) {
+    return k::quantize_int8(type, from, count, longest, first->size(0), first->size(2),
+                            at::cuda::getCurrentCUDAStream());
+  });
 }
 
 // qkv [.., (n_head + 2 n_head_kv) head_dim] rows (in place): each row's queries and keys turned by
@@ -633,16 +636,10 @@ void split_documents(const at::Tensor& keys, const at::Tensor& values, const std
     pieces.push_back(p);
     longest = std::max(longest, len);
   }
-  if (pieces.empty()) return;
-  c10::cuda::CUDAGuard guard(keys.device());
-  at::Tensor table = upload(pieces, keys);
-  const auto* all = reinterpret_cast<const k::SplitPiece*>(table.data_ptr());
-  for (size_t from = 0; from < pieces.size(); from += 65535) {  // the grid's second dimension: a piece each
-    const auto count = static_cast<int64_t>(std::min<size_t>(65535, pieces.size() - from));
-    check_launch(k::split_documents(static_cast<int>(keys.element_size()), all + from, count, longest, n_kv, hd,
-                                    at::cuda::getCurrentCUDAStream()),
-                 op);
-  }
+  launch_pieces(pieces, keys, op, [&](const k::SplitPiece* from, int64_t count) {
+    return k::split_documents(static_cast<int>(keys.element_size()), from, count, longest, n_kv, hd,
+                              at::cuda::getCurrentCUDAStream());
+  });
 }
 
 int gemv_blocks(const at::Tensor& on) {

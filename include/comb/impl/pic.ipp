@@ -123,12 +123,12 @@ namespace detail::pic {
 // device, each for the layer `block` at positions [offset, offset + len)) into a one-sequence CUDA
 // bfloat16/float16 cache in one join_documents launch: the RoPE angle 0 (cos 1, sin 0), which
 // copies finite keys and values exactly. False, and nothing copied, where that launch does not
-// apply (no CUDA ops, another cache or dtype, more than join_documents' 65535 parts).
+// apply (no CUDA ops, another cache or dtype).
 COMB_INLINE bool copy_in_one_launch(const std::vector<JoinPart>& parts, KVCache& cache) {
   const CudaLayerOps* ops = cuda_layer_ops();
   const at::Tensor& k0 = cache.keys(0);
   const auto t = k0.scalar_type();
-  if (parts.empty() || parts.size() > 65535 || !ops || !ops->join_documents || !k0.is_cuda() || cache.batch() != 1 ||
+  if (parts.empty() || !ops || !ops->join_documents || !k0.is_cuda() || cache.batch() != 1 ||
       (t != at::kBFloat16 && t != at::kHalf))
     return false;
   std::vector<at::Tensor> keys, values;
