@@ -27,11 +27,16 @@
 #    --device-cache-mb), most documents promoted from the host tier at each, its entries in
 #    pageable then page-locked memory (COMB_CUDA_PINNED_HOST=0, 1);
 # 11. tests/greedy/same_tokens.py on cuda in float32 (the random 135m model, a fresh plug-in):
-#    comb serve's greedy answers, alone and batched, equal comb eval's on the same device.
-# COMB_GPU_CHECK_STEPS (default "1 2 3 4 5 6 7 8 9 10 11") picks the steps; 3 makes the models the later
+#    comb serve's greedy answers, alone and batched, equal comb eval's on the same device;
+# 12. where a decoding step's GPU time goes (1b and 8b, bf16): the step timed (comb bench), then 4
+#    steps under Nsight Compute (ncu), the graph's nodes one by one and then each replay as one
+#    result; bench/decode_kernels.py prints each kernel's time, bytes and share of the bandwidth
+#    limit, and what lies outside the kernels. Skipped where ncu is missing.
+# COMB_GPU_CHECK_STEPS (default "1 2 3 4 5 6 7 8 9 10 11 12") picks the steps; 3 makes the models the later
 # steps use. Each step's output goes to OUT_DIR (tests.txt, greedy-cuda-float32.txt, gpu.txt,
 # gpu.err.txt, pic-profile-1b.txt, varlen-1b.txt, graphs-1b.txt, batch-decode-8b-graphs{0,1}.txt, serve-8b.txt,
-# serve-8b.log, serve-8b-unmixed.txt, serve-8b-unmixed.log, serve-8b-plain.txt, serve-8b-plain.log, host-tier-1b.txt, same-tokens-cuda.txt); a summary to stdout. COMB_BIN and
+# serve-8b.log, serve-8b-unmixed.txt, serve-8b-unmixed.log, serve-8b-plain.txt, serve-8b-plain.log, host-tier-1b.txt, same-tokens-cuda.txt,
+# decode-kernels-{1b,8b}.txt and their ncu tables decode-kernels-{1b,8b}-{node,graph}.csv); a summary to stdout. COMB_BIN and
 # COMB_TESTS name the binaries (default build/comb, build/tests/comb_tests); python3 with torch and
 # transformers is needed.
 set -uo pipefail
@@ -47,7 +52,7 @@ mkdir -p "$out" "$work"
 start=$(date +%s)
 step() { printf '[gpu_check +%ds] %s\n' "$(($(date +%s) - start))" "$*"; }
 export PYTHONUNBUFFERED=1
-steps=" ${COMB_GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8 9 10 11} "
+steps=" ${COMB_GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8 9 10 11 12} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 
 if want 1; then
@@ -191,5 +196,41 @@ if want 11; then
     > "$out/same-tokens-cuda.txt" 2>&1
   echo "tests/greedy/same_tokens.py on cuda: rc $?"
   grep -E "^FAIL|passed|failed" "$out/same-tokens-cuda.txt" | head -20
+fi
+if want 12; then
+  step "12. a decoding step's kernels under Nsight Compute (1b, 8b; bf16)"
+  # On the PATH, else where Nsight Compute installs itself (the newest version).
+  ncu=$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | sort -V | tail -1)
+  if [ -z "$ncu" ]; then
+    echo "no ncu (on the PATH or under /opt/nvidia/nsight-compute): step 12 skipped"
+  else
+    for shape in 1b 8b; do
+      [ -d "$work/$shape" ] || { echo "no $work/$shape (step 3 makes it): skipped"; continue; }
+      # The step as users meet it (a token read back each step), without the profiler.
+      tps=$(timeout 120 "$comb" bench --model "$work/$shape" --device cuda --dtype bfloat16 --prompt-tokens 16 \
+        --decode-tokens 64 --repeat 3 --json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    if r.get("bench") == "decode":
+        print(r["tokens_per_s"])')
+      # --profile 1 opens the profiler's range around its 4 profiled steps alone.
+      for mode in node graph; do
+        timeout 240 "$ncu" --profile-from-start off --clock-control none --graph-profiling "$mode" \
+          --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum -f -o "$work/step-$shape-$mode" \
+          "$comb" bench --model "$work/$shape" --device cuda --dtype bfloat16 --prompt-tokens 16 --decode-tokens 4 \
+          --repeat 1 --profile 1 > "$out/ncu-$shape-$mode.log" 2>&1
+        echo "ncu $shape ($mode): rc $?"
+        "$ncu" --import "$work/step-$shape-$mode.ncu-rep" --csv --page raw --print-units base \
+          > "$out/decode-kernels-$shape-$mode.csv" 2>> "$out/ncu-$shape-$mode.log" || tail -5 "$out/ncu-$shape-$mode.log"
+      done
+      step_us=$(python3 -c "import sys; print(1e6 / float(sys.argv[1]))" "${tps:-0}" 2>/dev/null)
+      python3 "$here/decode_kernels.py" "$out/decode-kernels-$shape-node.csv" --graph "$out/decode-kernels-$shape-graph.csv" \
+        --steps 4 ${step_us:+--step-us "$step_us"} 2>&1 | tee "$out/decode-kernels-$shape.txt"
+    done
+  fi
 fi
 step "done"

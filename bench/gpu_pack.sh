@@ -3,7 +3,7 @@
 # but neither this project's build nor its Debian libraries, from a build made here:
 #   bench/gpu_pack.sh DIR        (after scripts/build.sh and `ctest -R oracle`; DIR: e.g. .gpu)
 # then, on the GPU machine, from a copy of the repository with DIR beside it:
-#   bash DIR/run.sh OUT_DIR [STEPS]     (STEPS: gpu_check.sh's, default "1 2 3 4 5 6 7 8 9 10 11")
+#   bash DIR/run.sh OUT_DIR [STEPS]     (STEPS: gpu_check.sh's, default "1 2 3 4 5 6 7 8 9 10 11 12")
 # DIR gets bin/ (comb, comb_tests), lib/ (libcomb*, and the libraries they link that a bare machine
 # may lack; run.sh puts only those it does not find there on the library path), tokenizer/ (the
 # default model's), greedy/ (bench/greedy_answers.sh's inputs: the tests' tiny random Llama stored
@@ -85,7 +85,7 @@ out=${1:?usage: DIR/run.sh OUT_DIR [STEPS]}
 source "$pack/gpu_env.sh"
 gpu_env "$pack" || exit 1
 mkdir -p "$out"
-COMB_BIN=$pack/bin/comb COMB_TESTS=$pack/bin/comb_tests COMB_GPU_CHECK_STEPS=${2:-1 2 3 4 5 6 7 8 9 10 11} \
+COMB_BIN=$pack/bin/comb COMB_TESTS=$pack/bin/comb_tests COMB_GPU_CHECK_STEPS=${2:-1 2 3 4 5 6 7 8 9 10 11 12} \
   bash bench/gpu_check.sh "$pack/tokenizer" "$pack/greedy" "$pack/items.jsonl" "$out"
 EOF
 chmod +x "$dir/run.sh"

@@ -2,6 +2,7 @@
 #include <ATen/record_function.h>
 #include <limits>
 
+#include "comb/detail/decode_step.hpp"
 #include "commands.hpp"
 
 namespace comb::cli {
@@ -336,7 +337,19 @@ void bench_decode(Bench& b, int64_t n_decode, bool profile) {
   b.report("decode", n_decode, median(rates));
   if (profile) {
     double step_us = 0;
-    after_prompt([&](const auto& decode) { step_us = op_profile::record(decode); });
+    // On a GPU the profiled steps are also the range a device profiler started with its capture off
+    // records (`ncu --profile-from-start off`: their kernels, graph nodes included, and no others).
+    const comb::detail::CudaLayerOps* ops = dec.device().is_cuda() ? comb::detail::cuda_layer_ops() : nullptr;
+    auto range = [&](bool start) {
+      if (ops && ops->profiler_range) ops->profiler_range(start);
+    };
+    after_prompt([&](const auto& decode) {
+      step_us = op_profile::record([&] {
+        range(true);
+        decode();
+        range(false);
+      });
+    });
     op_profile::print(fmt::format("decode profile, {} steps", n_decode), "step", n_decode, step_us,
                       nlohmann::json{{"bench", "decode_profile"}}, json);
   }

@@ -254,7 +254,9 @@ bench options:
                          (the decoder's own C++ between them); with --pic-data, each method's cold
                          and warm requests once more over the items, time per request by operation
                          (host time: on a GPU, launches and waits), after cold requests over as many
-                         further items of the file, of lengths not met before (default 0)
+                         further items of the file, of lengths not met before; on a GPU the profiled
+                         decode steps are also a device profiler's range (cudaProfilerStart/Stop:
+                         ncu --profile-from-start off; bench/decode_kernels.py) (default 0)
   --pic-data FILE        instead: caching methods' TTFT on QA items (data format) in one process,
                          the methods alternated item by item: each item cold, then warm --repeat
                          times; p50s and the per-item ratio against the first method

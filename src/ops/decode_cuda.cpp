@@ -8,6 +8,7 @@
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_profiler_api.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -328,6 +329,13 @@ int64_t free_memory(int index) {
   size_t free = 0, total = 0;
   check_launch(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
   return static_cast<int64_t>(free);
+}
+
+void profiler_range(bool start) {
+  if (start)
+    check_launch(cudaProfilerStart(), "cudaProfilerStart");
+  else
+    check_launch(cudaProfilerStop(), "cudaProfilerStop");
 }
 
 std::vector<at::Tensor> pin_host(const std::vector<at::Tensor>& parts) {
@@ -993,7 +1001,7 @@ const comb::detail::CudaLayerOps kLayerOps{&add_rms_norm,   &rope_append,   &pla
                                            &rows_attention, &join_documents, &quantize_int8, &paged_rope_store,
                                            &paged_attention, &free_memory,  &make_paged_graphs, &pin_host,
                                            &to_device_async, &paged_attention_joined, &split_documents,
-                                           &rope_rows};
+                                           &rope_rows,      &profiler_range};
 
 // Registered when the module loads (comb::load_cuda_backend).
 [[maybe_unused]] const bool registered = (comb::detail::set_decode_step_factory(&make_decode_step),

@@ -192,6 +192,10 @@ struct CudaLayerOps {
   // of n_head heads, every one turned (a cross block's document keys, Plugin::block_kv).
   void (*rope_rows)(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t n_head,
                     int64_t n_head_kv) = nullptr;
+  // Opens (start) or closes the range a device profiler started with its capture off records
+  // (cudaProfilerStart, cudaProfilerStop; `ncu --profile-from-start off`): `comb bench --profile 1`
+  // opens it around the profiled decoding steps. Without a profiler attached it does nothing.
+  void (*profiler_range)(bool start) = nullptr;
 };
 
 // graph: capture the step as a CUDA graph on its first run and replay it after (else: launch the
