@@ -2,7 +2,9 @@
 # What a GPU run checks and measures, in one command (about 5 minutes on one H100):
 #   bench/gpu_check.sh TOKENIZER_DIR GREEDY_DIR DATA OUT_DIR [WORK_DIR]
 # 1. comb_tests "[cuda]" (the fused ops, the device tier, the one-launch fills, the packed encoder)
-#    on a random model of the default model's shape (bench/make_random_llama.py --shape 135m);
+#    on a random model of the default model's shape (bench/make_random_llama.py --shape 135m),
+#    with transformers' float32 and bfloat16 logits of it on this GPU for comb's bf16 against them
+#    (tests/oracle/bf16_reference.py);
 # 2. bench/greedy_answers.sh GREEDY_DIR cuda float32 against GREEDY_DIR/cpu-float32.txt (the same
 #    script run on a CPU): every method's greedy answers, compared line for line;
 # 3. bench/gpu.sh with the caching methods on DATA (items of the nq-multidoc-10 kind) for the 1b
@@ -58,8 +60,12 @@ want() { [[ "$steps" == *" $1 "* ]]; }
 if want 1; then
   step "1. comb_tests [cuda]"
   python3 "$here/make_random_llama.py" --shape 135m --tokenizer "$tok" --out "$work/135m" >/dev/null 2>&1
+  # transformers' float32 and bfloat16 logits of that model on this GPU, for comb's bf16 against them.
+  python3 "$here/../tests/oracle/bf16_reference.py" --model "$work/135m" --device cuda \
+    --out "$work/135m-bf16-reference.safetensors" > "$out/bf16-reference.txt" 2>&1 || tail -5 "$out/bf16-reference.txt"
   # Two cases load the default model (COMB_MODEL); where it was not brought, the random one of its shape.
-  COMB_MODEL=${COMB_MODEL:-$work/135m} COMB_CUDA_MODEL=$work/135m timeout 180 "$tests" "[cuda]" > "$out/tests.txt" 2>&1
+  COMB_MODEL=${COMB_MODEL:-$work/135m} COMB_CUDA_MODEL=$work/135m COMB_CUDA_BF16_REF=$work/135m-bf16-reference.safetensors \
+    timeout 180 "$tests" "[cuda]" > "$out/tests.txt" 2>&1
   echo "rc $?"
   grep -B3 -A15 "FAILED" "$out/tests.txt" | head -60
   tail -3 "$out/tests.txt"

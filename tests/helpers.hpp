@@ -266,4 +266,48 @@ class GgufWriter {
   std::vector<T> tensors_;
 };
 
+// comb's logits of one model against transformers' on the same weights, from
+// tests/oracle/bf16_reference.py's file `ref`: its ids fed as the oracle fed them (a prompt in one
+// forward, more rows after it in one, then a token a step through the cache), to the model at
+// `model_dir` loaded with `options`. Over every position's logits: the root mean square and the
+// largest distance to transformers' float32 logits, of comb's and of transformers' bfloat16 ones,
+// and comb's to transformers' bfloat16 ones.
+struct AgainstTransformers {
+  int64_t positions = 0;
+  double rms = 0, max = 0;            // comb's, to transformers' float32
+  double rms_hf = 0, max_hf = 0;      // transformers' bfloat16, to its float32
+  double rms_to_hf = 0, max_to_hf = 0;  // comb's, to transformers' bfloat16
+};
+inline AgainstTransformers against_transformers(const std::string& model_dir, const std::string& ref,
+                                                const Options& options) {
+  c10::InferenceMode guard;
+  SafetensorsFile file(ref);
+  const at::Tensor ids = file.load("ids", at::kLong).unsqueeze(0);
+  const at::Tensor split = file.load("split", at::kLong);
+  const at::Tensor want = file.load("logits_float32", at::kFloat), hf = file.load("logits_bfloat16", at::kFloat);
+  const int64_t prompt = split[0].item<int64_t>(), more = split[1].item<int64_t>(), steps = split[2].item<int64_t>();
+  const int64_t n = ids.size(1);
+  if (prompt + more + steps != n || want.size(0) != n || !want.sizes().equals(hf.sizes()))
+    throw Error(fmt::format("{}: expected {} positions (split {}, {}, {}) of logits, found ids {} and logits {}, {}",
+                            ref, prompt + more + steps, prompt, more, steps, n, c10::str(want.sizes()), c10::str(hf.sizes())));
+  Model m = Model::load(model_dir, options);
+  const Decoder& d = m.decoder();
+  if (d.config().n_vocab != want.size(1))
+    throw Error(fmt::format("{} was made from another model: logits of {} tokens, {} has {}", ref, want.size(1),
+                            model_dir, d.config().n_vocab));
+  KVCache cache = d.make_cache(1, n);
+  std::vector<at::Tensor> rows;
+  rows.push_back(d.forward(ids.narrow(1, 0, prompt), cache, LogitsMode::all)[0]);
+  rows.push_back(d.forward(ids.narrow(1, prompt, more), cache, LogitsMode::all)[0]);
+  for (int64_t i = prompt + more; i < n; ++i) rows.push_back(d.forward(ids.narrow(1, i, 1), cache)[0]);
+  const at::Tensor got = at::cat(rows).to(at::kCPU, at::kFloat);
+  auto rms = [](const at::Tensor& t) { return t.pow(2).mean().sqrt().item<double>(); };
+  AgainstTransformers a;
+  a.positions = n;
+  a.rms = rms(got - want), a.max = max_diff(got, want);
+  a.rms_hf = rms(hf - want), a.max_hf = max_diff(hf, want);
+  a.rms_to_hf = rms(got - hf), a.max_to_hf = max_diff(got, hf);
+  return a;
+}
+
 }  // namespace comb::test
