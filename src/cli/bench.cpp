@@ -122,6 +122,9 @@ namespace {
 // after cold requests over as many further items of the file, whose lengths the process has not met
 // (on a GPU a new shape can cost what a seen one does not), each after a fresh store as in the
 // timed pass.
+// The median of xs, or null when there is none (a JSON field).
+nlohmann::json p50(const std::vector<double>& xs) { return xs.empty() ? nlohmann::json() : nlohmann::json(median(xs)); }
+
 int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, const std::string& method_list,
               const comb::PicOptions& options, int repeat, bool json, bool profile) {
   std::vector<comb::Method> methods;
@@ -142,6 +145,27 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
   const size_t k = methods.size();
   std::vector<std::vector<double>> cold(k), warm(k), cold_ratio(k), warm_ratio(k);
   std::vector<int64_t> warm_device_hits(k), warm_host_hits(k);  // the store's, over the warm requests
+  // A warm request against the prefill of its new tokens alone (the tokens it computed, on a fresh
+  // cache, the first token read back as a request's is): that prefill's median over `repeat` runs
+  // after one untimed run, by length (items share lengths).
+  const comb::Decoder& dec = model.decoder();
+  std::map<int64_t, double> prefill_ms;
+  auto new_prefill_ms = [&](int64_t n) {
+    auto it = prefill_ms.find(n);
+    if (it != prefill_ms.end()) return it->second;
+    auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(n));
+    const at::Tensor ids = at::randint(std::min<int64_t>(1000, dec.config().n_vocab / 2), dec.config().n_vocab, {1, n}, gen);
+    std::vector<double> times;
+    for (int r = 0; r <= repeat; ++r) {
+      comb::KVCache cache = dec.make_cache(1, n);
+      const auto t0 = std::chrono::steady_clock::now();
+      dec.forward(ids, cache)[0][-1].argmax().item<int64_t>();
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      if (r > 0) times.push_back(ms);
+    }
+    return prefill_ms[n] = median(times);
+  };
+  std::vector<std::vector<double>> new_tokens(k), new_ms(k), new_ratio(k);
   for (size_t i = 0; i < items.size(); ++i) {
     const comb::PicRequest request = comb::qa_request(model, items[i].documents, items[i].question);
     std::vector<double> c(k), w(k);
@@ -152,8 +176,9 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
     std::vector<std::vector<double>> ws(k);
     std::vector<comb::StoreStats> before(k);
     for (size_t m = 0; m < k; ++m) before[m] = engines[m]->store().stats();
+    std::vector<comb::PicCounts> counts(k);  // the last warm request's
     for (int r = 0; r < repeat; ++r)
-      for (size_t m = 0; m < k; ++m) ws[m].push_back(engines[m]->generate(request, first).ttft_ms);
+      for (size_t m = 0; m < k; ++m) ws[m].push_back(engines[m]->generate(request, first, &counts[m]).ttft_ms);
     for (size_t m = 0; m < k; ++m) {
       const comb::StoreStats after = engines[m]->store().stats();
       warm_device_hits[m] += after.device.hits - before[m].device.hits;
@@ -165,6 +190,12 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
       warm[m].push_back(w[m]);
       cold_ratio[m].push_back(c[m] / c[0]);
       warm_ratio[m].push_back(w[m] / w[0]);
+      if (counts[m].computed > 0) {
+        const double p = new_prefill_ms(counts[m].computed);
+        new_tokens[m].push_back(static_cast<double>(counts[m].computed));
+        new_ms[m].push_back(p);
+        new_ratio[m].push_back(w[m] / p);
+      }
     }
     fmt::print(stderr, "[bench] item {}/{}\r", i + 1, items.size());
   }
@@ -176,13 +207,20 @@ int bench_pic(comb::Model& model, const std::string& data, int64_t n_items, cons
                                   {"ttft_cold_ms_p50", median(cold[m])}, {"ttft_warm_ms_p50", median(warm[m])},
                                   {"cold_ratio_p50", median(cold_ratio[m])}, {"warm_ratio_p50", median(warm_ratio[m])},
                                   {"against", comb::method_name(methods[0])},
-                                  {"warm_tier_hits", {{"device", warm_device_hits[m]}, {"host", warm_host_hits[m]}}}}
+                                  {"warm_tier_hits", {{"device", warm_device_hits[m]}, {"host", warm_host_hits[m]}}},
+                                  {"warm_new_tokens_p50", p50(new_tokens[m])},
+                                  {"new_prefill_ms_p50", p50(new_ms[m])},
+                                  {"warm_over_new_prefill_p50", p50(new_ratio[m])}}
                        .dump()
                 << std::endl;
     } else {
       fmt::print("{:<10} {} items  cold p50 {:>8.1f} ms  warm p50 {:>7.1f} ms  per item against {}: cold {:.3f}, warm {:.3f}\n",
                  name, items.size(), median(cold[m]), median(warm[m]), comb::method_name(methods[0]),
                  median(cold_ratio[m]), median(warm_ratio[m]));
+      if (!new_ratio[m].empty())
+        fmt::print("{:<10} warm requests computed {:.0f} tokens (p50); the prefill of those alone {:.1f} ms (p50); "
+                   "warm against it, per item: {:.3f}\n",
+                   name, median(new_tokens[m]), median(new_ms[m]), median(new_ratio[m]));
       if (model.decoder().device().is_cuda())  // beside a device tier: where the warm requests found their documents
         fmt::print("{:<10} warm requests' document hits: device tier {}, host tier {}\n", name, warm_device_hits[m],
                    warm_host_hits[m]);

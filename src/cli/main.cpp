@@ -259,7 +259,9 @@ bench options:
                          ncu --profile-from-start off; bench/decode_kernels.py) (default 0)
   --pic-data FILE        instead: caching methods' TTFT on QA items (data format) in one process,
                          the methods alternated item by item: each item cold, then warm --repeat
-                         times; p50s and the per-item ratio against the first method
+                         times; p50s and the per-item ratio against the first method; and each
+                         warm request against the prefill of the tokens it computed alone (a fresh
+                         cache, the first token read back)
   --pic-items N          items of --pic-data (default 20)
   --device-cache-mb N    with --pic-data on a GPU: the document store's device tier in MiB (default: the
                          store's whole budget, 4096); smaller than an item's documents, its warm requests
