@@ -379,7 +379,8 @@ void bench_decode(Bench& b, int64_t n_decode, bool profile) {
     // records (`ncu --profile-from-start off`: their kernels, graph nodes included, and no others).
     const comb::detail::CudaLayerOps* ops = dec.device().is_cuda() ? comb::detail::cuda_layer_ops() : nullptr;
     auto range = [&](bool start) {
-      if (ops && ops->profiler_range) ops->profiler_range(start);
+      if (ops && ops->profiler_range && !ops->profiler_range(start))
+        fmt::print(stderr, "[bench] the CUDA runtime refused to {} the profiler's range\n", start ? "open" : "close");
     };
     after_prompt([&](const auto& decode) {
       step_us = op_profile::record([&] {

@@ -195,7 +195,8 @@ struct CudaLayerOps {
   // Opens (start) or closes the range a device profiler started with its capture off records
   // (cudaProfilerStart, cudaProfilerStop; `ncu --profile-from-start off`): `comb bench --profile 1`
   // opens it around the profiled decoding steps. Without a profiler attached it does nothing.
-  void (*profiler_range)(bool start) = nullptr;
+  // False where the runtime refused (its error cleared).
+  bool (*profiler_range)(bool start) = nullptr;
 };
 
 // graph: capture the step as a CUDA graph on its first run and replay it after (else: launch the
