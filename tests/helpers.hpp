@@ -309,5 +309,13 @@ inline AgainstTransformers against_transformers(const std::string& model_dir, co
   a.rms_to_hf = rms(got - hf), a.max_to_hf = max_diff(got, hf);
   return a;
 }
+// The figures of comb's bf16 and float32 against transformers, for a check's message.
+inline std::string describe(const AgainstTransformers& bf16, const AgainstTransformers& f32) {
+  return fmt::format(
+      "over {} positions' logits, root mean square and largest distance to transformers' float32: comb bf16 {:.3g}, "
+      "{:.3g}; transformers bf16 {:.3g}, {:.3g}; comb float32 {:.3g}, {:.3g}; comb bf16 to transformers bf16 {:.3g}, "
+      "{:.3g}",
+      bf16.positions, bf16.rms, bf16.max, bf16.rms_hf, bf16.max_hf, f32.rms, f32.max, bf16.rms_to_hf, bf16.max_to_hf);
+}
 
 }  // namespace comb::test

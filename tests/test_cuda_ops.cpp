@@ -348,10 +348,7 @@ TEST_CASE("bf16 on CUDA is as close to float32 as transformers' bf16 on the same
   }
   const AgainstTransformers bf16 = against_transformers(cuda_model_path(), ref, Options{"cuda", "bfloat16"});
   const AgainstTransformers f32 = against_transformers(cuda_model_path(), ref, Options{"cuda"});
-  INFO("over " << bf16.positions << " positions' logits, root mean square and largest distance to transformers' "
-       "float32: comb bf16 " << bf16.rms << ", " << bf16.max << "; transformers bf16 " << bf16.rms_hf << ", "
-       << bf16.max_hf << "; comb float32 " << f32.rms << ", " << f32.max << "; comb bf16 to transformers bf16 "
-       << bf16.rms_to_hf << ", " << bf16.max_to_hf);
+  INFO(describe(bf16, f32));
   // As on the CPU ("bf16 on CPU is as close to float32 as transformers' bf16...", which argues the
   // factors): the fused kernels round at no more points than transformers' composition does.
   // Hence comb's bf16 within 2.5x transformers' root mean square distance to float32 of

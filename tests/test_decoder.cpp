@@ -353,10 +353,7 @@ TEST_CASE("bf16 on CPU is as close to float32 as transformers' bf16 on the same 
   bf16_options.dtype = "bfloat16";
   const AgainstTransformers bf16 = against_transformers(dir, ref, bf16_options);
   const AgainstTransformers f32 = against_transformers(dir, ref, Options{});
-  INFO("over " << bf16.positions << " positions' logits, root mean square and largest distance to transformers' "
-       "float32: comb bf16 " << bf16.rms << ", " << bf16.max << "; transformers bf16 " << bf16.rms_hf << ", "
-       << bf16.max_hf << "; comb float32 " << f32.rms << ", " << f32.max << "; comb bf16 to transformers bf16 "
-       << bf16.rms_to_hf << ", " << bf16.max_to_hf);
+  INFO(describe(bf16, f32));
   // Both round to bfloat16 at about the same points (the weights, each projection's and norm's
   // output, the residual stream) and differ in the order of their float32 sums and in a few
   // intermediate roundings: two such walks over 7 million logits have root mean squares within a
