@@ -5,6 +5,7 @@
 
 #include "comb/detail/decode_step.hpp"
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -322,6 +323,55 @@ double relative_error(const DocumentKV& q, const DocumentKV& kv) {
   return worst;
 }
 }  // namespace
+
+namespace {
+int aten_calls = 0;  // operations seen by count_aten
+std::unique_ptr<at::ObserverContext> count_aten(const at::RecordFunction&) {
+  ++aten_calls;
+  return nullptr;
+}
+}  // namespace
+
+TEST_CASE("an entry already on the device and in the dtype asked for is itself, without an operation", "[store]") {
+  c10::InferenceMode guard;
+  auto gen = at::detail::createCPUGenerator(5);
+  DocumentKV kv;
+  kv.n_tokens = 6;
+  for (int b = 0; b < 3; ++b) {
+    kv.keys.push_back(at::randn({2, 6, 16}, gen));
+    kv.values.push_back(at::randn({2, 6, 16}, gen));
+  }
+  const DocumentKV int8 = kv.to(at::kCPU, at::kChar);
+  REQUIRE(int8.quantized());
+  for (const DocumentKV* e : {static_cast<const DocumentKV*>(&kv), &int8}) {
+    aten_calls = 0;
+    auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(count_aten).needsInputs(false));
+    const DocumentKV same = e->to(at::kCPU, e->dtype());
+    at::removeCallback(handle);
+    CHECK(aten_calls == 0);
+    CHECK(same.n_tokens == e->n_tokens);
+    for (size_t b = 0; b < e->keys.size(); ++b) {
+      CHECK(same.keys[b].is_same(e->keys[b]));
+      CHECK(same.values[b].is_same(e->values[b]));
+      if (e->quantized()) CHECK(same.key_scales[b].is_same(e->key_scales[b]));
+      if (e->quantized()) CHECK(same.value_scales[b].is_same(e->value_scales[b]));
+    }
+  }
+  // Anything else still converts: another dtype, a part not contiguous, parts of two dtypes.
+  const DocumentKV bf16 = kv.to(at::kCPU, at::kBFloat16);
+  CHECK(bf16.keys[1].scalar_type() == at::kBFloat16);
+  CHECK(bf16.values[2].scalar_type() == at::kBFloat16);
+  DocumentKV strided = kv;
+  strided.keys[1] = at::randn({2, 16, 6}, gen).transpose(1, 2);
+  const DocumentKV made = strided.to(at::kCPU, at::kFloat);
+  CHECK(made.keys[1].is_contiguous());
+  CHECK(at::equal(made.keys[1], strided.keys[1]));
+  CHECK(made.keys[0].is_same(kv.keys[0]));  // (a contiguous part in the same dtype is still itself)
+  DocumentKV mixed = kv;
+  mixed.values[2] = mixed.values[2].to(at::kBFloat16);
+  const DocumentKV evened = mixed.to(at::kCPU, at::kFloat);
+  CHECK(evened.values[2].scalar_type() == at::kFloat);
+}
 
 TEST_CASE("int8 entries: keys scaled per channel (per row when short), values per row; kept through disk, sizes counted",
           "[store]") {

@@ -774,9 +774,22 @@ COMB_INLINE void dequantize_linked(std::vector<std::vector<at::Tensor>>& keys,
 }
 
 COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype) const {
+  const c10::ScalarType from = keys.empty() || values.empty() ? c10::ScalarType::Undefined : this->dtype();
+  // Already on `device` in `dtype`, every part contiguous: the same tensors, which is what the
+  // conversions below would give, without the ATen call each makes (a store's put of a GPU's
+  // entries: four a document and block).
+  auto here = [&](const std::vector<at::Tensor>& parts) {  // each of one scalar type, as the first
+    return std::all_of(parts.begin(), parts.end(), [&](const at::Tensor& t) {
+      return t.defined() && t.scalar_type() == parts[0].scalar_type() && t.device() == device && t.is_contiguous();
+    });
+  };
+  if (from == dtype && from != c10::ScalarType::Undefined && keys.size() == values.size() &&
+      key_scales.size() == (quantized() ? keys.size() : 0) && value_scales.size() == key_scales.size() &&
+      (quantized() || values[0].scalar_type() == dtype) && here(keys) && here(values) && here(key_scales) &&
+      here(value_scales))
+    return *this;
   DocumentKV out;
   out.n_tokens = n_tokens;
-  const c10::ScalarType from = keys.empty() || values.empty() ? c10::ScalarType::Undefined : this->dtype();
   // An int4 entry is read as its int8 form (int8_codes: int4 keys rotated back); to int8 that, moved.
   if (packs_int4(from) && from != dtype) return int8_codes().to(device, dtype);
   const bool from_int8 = quantized();
