@@ -864,7 +864,14 @@ TEST_CASE("the prefix cache fills a CUDA half cache in one launch, exactly", "[o
   KVCache cache = dec.make_cache(1, 48);
   dec.forward(token_ids(tokens, 0, 40), cache);
   PrefixCache prefix(16, int64_t(1) << 30);
+  copy_calls = 0;
+  auto counting = at::addThreadLocalCallback(at::RecordFunctionCallback(count_copies).needsInputs(false));
   prefix.insert(tokens, 40, cache);
+  at::removeCallback(counting);
+  // Each new block one allocation, every block's rows of a layer in one launch (split_documents),
+  // which uploads its table of pieces: a copy a layer, where a copy a block, layer, keys and values
+  // would be 2 x n_layer x 2.
+  CHECK(copy_calls <= dec.config().n_layer);
   const std::vector<uint64_t> held = prefix.acquire(tokens);
   REQUIRE(held.size() == 2);  // two whole blocks of 16
   KVCache filled = dec.make_cache(1, 48);
@@ -902,7 +909,7 @@ TEST_CASE("many short documents on CUDA: more (document, block) pieces than one 
   model.set_plugin(plugin);
   const int64_t blocks = plugin->config().n_blocks();
   // Enough two-token documents for 65,535 / blocks + 10 of them: one encoding batch (16,384 padded
-  // tokens hold 8,192 of them), quantized in two calls.
+  // tokens hold 8,192 of them), quantized in one call of two launches.
   const int64_t n_docs = 65535 / blocks + 10;
   if (2 * n_docs > 16384) {
     WARN("a model of " << blocks << " blocks: more documents than one encoding batch holds; not checked");
@@ -921,9 +928,62 @@ TEST_CASE("many short documents on CUDA: more (document, block) pieces than one 
     if (e->n_tokens == 2 && e->dtype() == at::kChar && e->keys.back().size(1) == 2 && e->keys.back().is_cuda()) ++int8;
   }
   CHECK(int8 == n_docs);
-  // The last document's codes are its own K/V's: not all zero, scales finite.
-  CHECK(entries.back()->values[0].abs().max().item<int>() > 0);
-  CHECK(at::isfinite(entries.back()->value_scales[0].to(at::kFloat)).all().item<bool>());
+  // The document whose pieces straddle the first launch's end, and the last one: their codes and
+  // scales are the int8 of their own dequantized values (each scale's largest code 127), which
+  // memory no launch wrote (at::empty's) would not be.
+  for (const int64_t d : {65535 / blocks, n_docs - 1}) {
+    const auto& e = entries[static_cast<size_t>(d)];
+    const DocumentKV again = e->to(at::kCPU, at::kFloat).to(at::kCPU, at::kChar);
+    for (int64_t b = 0; b < blocks; ++b) {
+      INFO("document " << d << ", block " << b);
+      CHECK(at::equal(e->keys[b].cpu(), again.keys[b]));
+      CHECK(at::equal(e->values[b].cpu(), again.values[b]));
+      CHECK(at::equal(e->key_scales[b].cpu(), again.key_scales[b]));
+      CHECK(at::equal(e->value_scales[b].cpu(), again.value_scales[b]));
+    }
+  }
+}
+
+TEST_CASE("split_documents and join_documents over more than 65,535 pieces: every chunk's pieces copied, exactly",
+          "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  const comb::detail::CudaLayerOps* ops = comb::detail::cuda_layer_ops();
+  REQUIRE(ops);
+  REQUIRE(ops->split_documents);
+  REQUIRE(ops->join_documents);
+  auto gen = at::detail::createCPUGenerator(29);
+  const int64_t n = 65600;  // one-token pieces: two launches
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  {  // split: row i of a batch's K/V into document i's own output (views of one sentinel tensor)
+    const at::Tensor keys = at::randn({1, 1, n, 8}, gen).to(at::kCUDA);
+    const at::Tensor values = at::randn({1, 1, n, 8}, gen).to(at::kCUDA);
+    const at::Tensor all = at::full({n, 1, 2, 1, 1, 8}, 7.0, cuda);
+    std::vector<std::array<int64_t, 3>> rows;
+    std::vector<at::Tensor> outs;
+    for (int64_t i = 0; i < n; ++i) rows.push_back({0, i, 1}), outs.push_back(all[i]);
+    ops->split_documents(keys, values, rows, outs, 0);
+    CHECK(at::equal(all.select(2, 0).reshape({n, 8}), keys.reshape({n, 8})));
+    CHECK(at::equal(all.select(2, 1).reshape({n, 8}), values.reshape({n, 8})));
+  }
+  for (auto type : kHalfTypes) {  // join: part i at offset i, turned by angle 0 (cos 1, sin 0): copied
+    INFO(c10::toString(type));
+    const int64_t hd = 64;
+    const at::Tensor src_k = at::randn({n, 1, 1, hd}, gen).to(cuda.dtype(type));
+    const at::Tensor src_v = at::randn({n, 1, 1, hd}, gen).to(cuda.dtype(type));
+    const at::Tensor cos = at::ones({8, hd}, cuda.dtype(at::kFloat)), sin = at::zeros({8, hd}, cuda.dtype(at::kFloat));
+    const at::Tensor out_k = at::full({1, 1, n, hd}, 7.0, cuda.dtype(type));
+    const at::Tensor out_v = at::full({1, 1, n, hd}, 7.0, cuda.dtype(type));
+    std::vector<comb::detail::JoinPart> parts(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      auto& p = parts[static_cast<size_t>(i)];
+      p.block = 0, p.row = 0, p.offset = i, p.angle = 0;
+      p.keys = src_k[i], p.values = src_v[i];
+    }
+    ops->join_documents(parts, {out_k}, {out_v}, cos, sin);
+    CHECK(at::equal(out_k.reshape({n, hd}), src_k.reshape({n, hd})));
+    CHECK(at::equal(out_v.reshape({n, hd}), src_v.reshape({n, hd})));
+  }
 }
 
 TEST_CASE("COMB on a CUDA half model: documents kept int8 on the device, joined by one kernel, warm = cold",

@@ -1,5 +1,6 @@
 // comb bench: prefill and decode throughput, placing cached tokens, the tokenizer, a decode profile, memory.
 #include <ATen/record_function.h>
+#include <c10/core/DeviceGuard.h>
 #include <limits>
 
 #include "comb/detail/decode_step.hpp"
@@ -379,6 +380,8 @@ void bench_decode(Bench& b, int64_t n_decode, bool profile) {
     // records (`ncu --profile-from-start off`: their kernels, graph nodes included, and no others).
     const comb::detail::CudaLayerOps* ops = dec.device().is_cuda() ? comb::detail::cuda_layer_ops() : nullptr;
     auto range = [&](bool start) {
+      c10::OptionalDeviceGuard on;  // the range is the current device's context's: the model's
+      if (ops) on.reset_device(dec.device());
       if (ops && ops->profiler_range && !ops->profiler_range(start))
         fmt::print(stderr, "[bench] the CUDA runtime refused to {} the profiler's range\n", start ? "open" : "close");
     };

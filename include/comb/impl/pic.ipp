@@ -5,14 +5,17 @@
 #include "comb/detail/inline.hpp"
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <xxhash.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 
 #include "comb/detail/decode_step.hpp"
 #include "comb/error.hpp"
@@ -178,12 +181,43 @@ COMB_INLINE void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t
   COMB_CHECK(n >= 0 && n <= static_cast<int64_t>(tokens.size()), "prefix cache: insert of {} tokens from a list of {}",
              n, tokens.size());
   auto hashes = chain(tokens, std::min<int64_t>(n, cache.length()), salt);
+  // On a CUDA device without gradients, each new block is one allocation [n_layer, 2, n_head_kv,
+  // block, head_dim] whose layers' keys and values are views, every new block's rows of a layer
+  // copied in one launch (split_documents, a block for a document and a layer for its block):
+  // n_layer launches where a copy a block, layer, keys and values would be 4 n_layer a block.
+  const detail::CudaLayerOps* ops = cache.keys(0).is_cuda() && !c10::GradMode::is_enabled() ? detail::cuda_layer_ops()
+                                                                                           : nullptr;
+  std::map<size_t, at::Tensor> whole;  // by block index, on that path
+  if (ops && ops->split_documents) {
+    const at::Tensor& k0 = cache.keys(0);
+    std::vector<std::array<int64_t, 3>> rows;
+    std::vector<at::Tensor> outs;
+    for (size_t b = 0; b < hashes.size(); ++b) {
+      if (blocks_.count(hashes[b])) continue;
+      rows.push_back({0, static_cast<int64_t>(b) * block_, block_});
+      outs.push_back(at::empty({cache.n_layers(), 2, k0.size(1), block_, k0.size(3)}, k0.options()));
+      whole.emplace(b, outs.back());
+    }
+    if (!rows.empty())
+      for (int64_t l = 0; l < cache.n_layers(); ++l)
+        ops->split_documents(cache.keys(l), cache.values(l), rows, outs, l);
+  }
   for (size_t b = 0; b < hashes.size(); ++b) {
     if (blocks_.count(hashes[b])) continue;  // used again: touched below
     Block block;
+    auto it = whole.find(b);
     for (int64_t l = 0; l < cache.n_layers(); ++l) {
-      block.k.push_back(cache.keys(l).narrow(2, static_cast<int64_t>(b) * block_, block_).clone());
-      block.v.push_back(cache.values(l).narrow(2, static_cast<int64_t>(b) * block_, block_).clone());
+      if (it != whole.end()) {  // views [1, n_head_kv, block, head_dim] of the block's allocation
+        const at::Tensor& w = it->second;
+        const int64_t each = w.size(2) * w.size(3) * w.size(4);
+        const std::vector<int64_t> sizes{1, w.size(2), w.size(3), w.size(4)};
+        const std::vector<int64_t> strides{each, w.size(3) * w.size(4), w.size(4), 1};
+        block.k.push_back(w.as_strided(sizes, strides, w.storage_offset() + 2 * l * each));
+        block.v.push_back(w.as_strided(sizes, strides, w.storage_offset() + (2 * l + 1) * each));
+      } else {
+        block.k.push_back(cache.keys(l).narrow(2, static_cast<int64_t>(b) * block_, block_).clone());
+        block.v.push_back(cache.values(l).narrow(2, static_cast<int64_t>(b) * block_, block_).clone());
+      }
       block.bytes += 2 * block.k.back().numel() * block.k.back().element_size();
     }
     // Map, then LRU list, then byte count, each step undone if the next throws, so that every
