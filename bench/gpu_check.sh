@@ -14,7 +14,8 @@
 #    further items, whose lengths the process has not met);
 # 5. COMB's requests with the packed encoder (the default) against the padded batch (COMB_CUDA_VARLEN=0; 1b),
 #    then full's, naive's and COMB's with short forwards as CUDA graphs (the default) against the
-#    fused layers launched one by one (COMB_CUDA_GRAPHS=0; 1b);
+#    fused layers launched one by one (COMB_CUDA_GRAPHS=0; 1b), then with forwards of up to 64
+#    rows (the default) or 128 as graphs (COMB_CUDA_STEP_ROWS=64, 128; 1b);
 # 6. the serving engine's batched decoding step on the 8b shape (comb bench --batch-decode 1,16,64:
 #    tokens/s with 1, 16 and 64 sequences running, bf16, 128-token prompts), its kernels launched
 #    one by one and then replayed as CUDA graphs (COMB_CUDA_PAGED_GRAPHS=0, 1);
@@ -36,7 +37,7 @@
 #    limit, and what lies outside the kernels. Skipped where ncu is missing.
 # COMB_GPU_CHECK_STEPS (default "1 2 3 4 5 6 7 8 9 10 11 12") picks the steps; 3 makes the models the later
 # steps use. Each step's output goes to OUT_DIR (tests.txt, greedy-cuda-float32.txt, gpu.txt,
-# gpu.err.txt, pic-profile-1b.txt, varlen-1b.txt, graphs-1b.txt, batch-decode-8b-graphs{0,1}.txt, serve-8b.txt,
+# gpu.err.txt, pic-profile-1b.txt, varlen-1b.txt, graphs-1b.txt, step-rows-1b.txt, batch-decode-8b-graphs{0,1}.txt, serve-8b.txt,
 # serve-8b.log, serve-8b-unmixed.txt, serve-8b-unmixed.log, serve-8b-plain.txt, serve-8b-plain.log, host-tier-1b.txt, same-tokens-cuda.txt,
 # decode-kernels-{1b,8b}.txt and their ncu tables decode-kernels-{1b,8b}-{node,graph}.csv); a summary to stdout. COMB_BIN and
 # COMB_TESTS name the binaries (default build/comb, build/tests/comb_tests); python3 with torch and
@@ -111,6 +112,13 @@ if want 5; then
     COMB_CUDA_GRAPHS=$g timeout 60 "$comb" "${pic[@]}" --pic-methods full,naive,comb --repeat 3 --json 2>/dev/null \
       | grep -v '"item"' | sed "s/^/graphs=$g /"
   done | tee "$out/graphs-1b.txt"
+  # A cold COMB request's prompt (~65 rows) on the fused layers (the graph takes up to 64) or on the
+  # graph bucket of 128 (COMB_CUDA_STEP_ROWS=128): its host's launches against the rows kernel's
+  # attention over more rows.
+  for r in 64 128; do
+    COMB_CUDA_STEP_ROWS=$r timeout 60 "$comb" "${pic[@]}" --pic-methods full,naive,comb --repeat 3 --json 2>/dev/null \
+      | grep -v '"item"' | sed "s/^/step_rows=$r /"
+  done | tee "$out/step-rows-1b.txt"
 fi
 
 if want 6; then

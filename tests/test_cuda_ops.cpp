@@ -401,7 +401,7 @@ TEST_CASE("the graph step runs short forwards in buckets of rows, with joint blo
     joint_f32[layer] = JointKV{k.to(at::kFloat), v.to(at::kFloat), {}, bias, anchor};  // the same values
   }
   const TestJoint reads_bf16(joint_bf16), reads_f32(joint_f32);
-  at::Tensor fed = at::randint(c.n_vocab, {1, 140}, gen);
+  at::Tensor fed = at::randint(c.n_vocab, {1, 240}, gen);
   // Pieces of 1, 3 (a bucket of 4), 17 (32), 64 and 12 tokens, then one-token steps: the last
   // row's logits of each, the pieces straddling the anchor.
   const std::vector<int64_t> pieces{1, 3, 17, 64, 12, 1, 1, 1};
@@ -490,7 +490,7 @@ TEST_CASE("the graph step runs short forwards in buckets of rows, with joint blo
   auto spec = bf16.decode_step_spec();
   auto launched = comb::detail::decode_step_factory()(spec, /*graph=*/false);
   auto replayed = comb::detail::decode_step_factory()(spec, /*graph=*/true);
-  KVCache a = bf16.make_cache(1, 200), b = bf16.make_cache(1, 200);
+  KVCache a = bf16.make_cache(1, 260), b = bf16.make_cache(1, 260);
   std::vector<at::Tensor> ak, av, bk, bv;
   std::vector<comb::detail::StepJoined> joined(c.n_layer);
   for (int64_t l = 0; l < c.n_layer; ++l) {
@@ -500,7 +500,9 @@ TEST_CASE("the graph step runs short forwards in buckets of rows, with joint blo
       joined[l] = {joint_bf16[l].keys[0].contiguous(), joint_bf16[l].values[0].contiguous(), joint_bf16[l].bias, anchor};
   }
   int64_t at = 0;
-  for (int64_t n : {1, 2, 3, 5, 9, 17, 33, 64, 1, 3}) {  // the last in a bucket of 4: one padding row past the end
+  // Every bucket up to kStepRowsMax (100 rows: 128, which Decoder::forward takes with
+  // COMB_CUDA_STEP_ROWS=128); the last in a bucket of 4: one padding row past the end.
+  for (int64_t n : {1, 2, 3, 5, 9, 17, 33, 64, 100, 1, 3}) {
     const at::Tensor t = fed[0].narrow(0, at % 70, n).contiguous();
     const std::vector<int64_t> ids(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
     at::Tensor x = launched->run(ids, at, ak, av, joined);
@@ -512,8 +514,8 @@ TEST_CASE("the graph step runs short forwards in buckets of rows, with joint blo
   for (int64_t l = 0; l < c.n_layer; ++l) {  // the real rows' positions; past them, untouched
     CHECK(at::equal(a.keys(l), b.keys(l)));
     CHECK(at::equal(a.values(l), b.values(l)));
-    CHECK(at::all(b.keys(l).narrow(2, at, 200 - at) == 7.0).item<bool>());
-    CHECK(at::all(b.values(l).narrow(2, at, 200 - at) == 7.0).item<bool>());
+    CHECK(at::all(b.keys(l).narrow(2, at, 260 - at) == 7.0).item<bool>());
+    CHECK(at::all(b.values(l).narrow(2, at, 260 - at) == 7.0).item<bool>());
   }
   // Joined keys of another type: refused by name, nothing run.
   std::vector<comb::detail::StepJoined> wrong = joined;

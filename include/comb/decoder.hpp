@@ -136,9 +136,9 @@ class Decoder {
   // On a CUDA device with dense float16 or bfloat16 weights, one sequence's layers run comb's fused
   // CUDA kernels (RMSNorm, RoPE with the cache append, SwiGLU's activation, attention of few rows
   // with the documents' keys in the same softmax; detail/decode_step.hpp), and a short forward (up
-  // to 64 tokens: a decoding step, a warm request's question; with a plug-in's joint blocks or no
-  // documents) runs as one captured CUDA graph of them, one per bucket of rows (1, 2, 4, ..., 64),
-  // the tokens padded up to it. Off (or COMB_CUDA_KERNELS=0 in the
+  // to 64 tokens, COMB_CUDA_STEP_ROWS up to 128: a decoding step, a warm request's question; with a
+  // plug-in's joint blocks or no documents) runs as one captured CUDA graph of them, one per bucket
+  // of rows (1, 2, 4, ..., 64), the tokens padded up to it. Off (or COMB_CUDA_KERNELS=0 in the
   // environment): generic ATen ops only; COMB_CUDA_GRAPHS=0 leaves out the graph alone. Where comb
   // has no CUDA ops the generic path runs either way.
   void set_cuda_kernels(bool on) { cuda_kernels_ = on; }
@@ -297,7 +297,7 @@ class Decoder {
   };
   std::shared_ptr<FingerprintMemo> fingerprint_ = std::make_shared<FingerprintMemo>();
   friend std::string base_fingerprint(const Decoder& base);
-  // forward()'s short forward as the graph step: n <= detail::kStepRowsMax tokens [1, n] that fit
+  // forward()'s short forward as the graph step: n <= detail::step_rows() tokens [1, n] that fit
   // the cache, reading `reads` (null, or joint blocks alone); an undefined tensor when the reads do
   // not fit the step (nothing run).
   at::Tensor cuda_step(const at::Tensor& tokens, KVCache& cache, const LayerReads* reads) const;

@@ -718,7 +718,7 @@ std::unique_ptr<at::cuda::CUDAGraph> capture_on_side(c10::Device device, const s
   return graph;
 }
 
-// The short-forward step (comb::detail::DecodeStep): per bucket of rows (1, 2, 4, ..., 64) static
+// The short-forward step (comb::detail::DecodeStep): per bucket of rows (1, 2, 4, ..., 128) static
 // buffers and a graph over them. Everything a replay reads of the request lies in the bucket's
 // parameter block, copied to the device before each run:
 //   [kParamPosition, kParamCapacity, kParamRows (the real rows)], each layer's keys then values address

@@ -36,11 +36,25 @@ struct DecodeStepSpec {
 
 // The most rows one step takes, and the bucket a step of n rows runs in: 1, 2, 4, ..., kStepRowsMax
 // (one graph each).
-inline constexpr int64_t kStepRowsMax = 64;
+inline constexpr int64_t kStepRowsMax = 128;
 inline int64_t step_bucket(int64_t n) {
   int64_t b = 1;
   while (b < n) b *= 2;
   return b;
+}
+// The most rows Decoder::forward gives the step: 64, or COMB_CUDA_STEP_ROWS (1 to kStepRowsMax;
+// else 64). A cold COMB request's prompt (an instruction and a question, ~65 rows) falls just past
+// 64 onto the fused layers; 128 puts it on a graph at the cost of the rows kernel's attention over
+// more rows, a trade measured on a GPU (bench/gpu_check.sh step 5) before it becomes the default.
+inline int64_t step_rows() {
+  static const int64_t rows = [] {
+    const char* v = std::getenv("COMB_CUDA_STEP_ROWS");
+    if (v == nullptr || *v == '\0') return int64_t(64);
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    return *end == '\0' && n >= 1 && n <= kStepRowsMax ? static_cast<int64_t>(n) : int64_t(64);
+  }();
+  return rows;
 }
 
 // What one layer's attention reads beside its context in a step (a plug-in's joint block): keys

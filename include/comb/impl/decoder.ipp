@@ -745,7 +745,7 @@ COMB_INLINE at::Tensor Decoder::forward(const at::Tensor& tokens, KVCache& cache
   COMB_CHECK(start + n <= config_.n_ctx, "{} positions exceed the model's context of {} tokens", start + n,
              config_.n_ctx);
   // A short forward as one graph: its last row's logits only.
-  if (tokens.size(0) == 1 && n <= detail::kStepRowsMax && (n == 1 || mode == LogitsMode::last) &&
+  if (tokens.size(0) == 1 && n <= detail::step_rows() && (n == 1 || mode == LogitsMode::last) &&
       (!reads || !reads->changes_state()) && start + n <= std::min(cache.capacity(), rope_cos_.size(0)) &&
       cuda_graph_applies(cache)) {
     at::Tensor out = cuda_step(tokens, cache, reads);
