@@ -4,7 +4,7 @@
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum -f -o step \
         build/comb bench --model DIR --device cuda --dtype bfloat16 --prompt-tokens 16 \
         --decode-tokens 4 --repeat 1 --profile 1
-    ncu --import step.ncu-rep --csv --page raw --print-units base > step.csv
+    ncu --import step.ncu-rep --csv --page raw --print-units base --print-kernel-base function > step.csv
     python3 bench/decode_kernels.py step.csv --steps 4 [--graph graph.csv] [--step-us US] [--tbps 4.2]
 
 `comb bench --profile 1` opens the profiler's range around its profiled decoding steps only, so the
@@ -34,7 +34,7 @@ def number(text):
 
 
 def read_report(path):
-    """The report's results in launch order: [(kernel name, ns, bytes or None)]."""
+    """The report's results in launch order: [(kernel name and grid, ns, bytes or None)]."""
     with open(path, newline="", encoding="utf-8", errors="replace") as f:
         lines = f.read().splitlines()
     # ncu may print ==PROF== lines (or the program's output) before the table: it starts at "ID".
@@ -59,7 +59,10 @@ def read_report(path):
         if READ in col and WRITE in col:
             r, w = number(row[col[READ]]), number(row[col[WRITE]])
             moved = None if r is None or w is None else r + w
-        out.append((short_name(row[col["Kernel Name"]]), ns, moved))
+        name = short_name(row[col["Kernel Name"]])
+        if "Grid Size" in col:  # one kernel of several shapes (a GEMM's per projection): its grid apart
+            name = f"{name} {row[col['Grid Size']].replace(' ', '')}"
+        out.append((name, ns, moved))
     if not out:
         sys.exit(f"{path}: the table has no results")
     return out
@@ -67,18 +70,20 @@ def read_report(path):
 
 def short_name(name):
     """A kernel's name without its template arguments and parameters: what groups its calls."""
-    name = re.sub(r"\(.*$", "", name.strip())
+    name = name.strip().replace("(anonymous namespace)::", "")
     depth, kept = 0, []
-    for ch in name:
+    for ch in name:  # template arguments dropped; the name ends at the first "(" outside them
         if ch == "<":
             depth += 1
         elif ch == ">":
             depth = max(0, depth - 1)
         elif depth == 0:
+            if ch == "(":
+                break
             kept.append(ch)
     name = "".join(kept).strip()
     name = re.sub(r"^(void|static)\s+", "", name)
-    return name[-60:] if len(name) > 60 else name
+    return name[-44:] if len(name) > 44 else name
 
 
 def table(results, steps, tbps, title, step_us=None):

@@ -268,12 +268,13 @@ class GgufWriter {
 
 // comb's logits of one model against transformers' on the same weights, from
 // tests/oracle/bf16_reference.py's file `ref`: its ids fed as the oracle fed them (a prompt in one
-// forward, more rows after it in one, then a token a step through the cache), to the model at
-// `model_dir` loaded with `options`. Over every position's logits: the root mean square and the
-// largest distance to transformers' float32 logits, of comb's and of transformers' bfloat16 ones,
-// and comb's to transformers' bfloat16 ones.
+// forward and more rows after it in one, every row's logits kept; pieces of a few rows, each
+// one's last row's logits kept, which a GPU runs as a graph bucket; then a token a step through
+// the cache), to the model at `model_dir` loaded with `options`. Over every kept row's logits: the
+// root mean square and the largest distance to transformers' float32 logits, of comb's and of
+// transformers' bfloat16 ones, and comb's to transformers' bfloat16 ones.
 struct AgainstTransformers {
-  int64_t positions = 0;
+  int64_t positions = 0;              // rows of logits compared
   double rms = 0, max = 0;            // comb's, to transformers' float32
   double rms_hf = 0, max_hf = 0;      // transformers' bfloat16, to its float32
   double rms_to_hf = 0, max_to_hf = 0;  // comb's, to transformers' bfloat16
@@ -285,25 +286,33 @@ inline AgainstTransformers against_transformers(const std::string& model_dir, co
   const at::Tensor ids = file.load("ids", at::kLong).unsqueeze(0);
   const at::Tensor split = file.load("split", at::kLong);
   const at::Tensor want = file.load("logits_float32", at::kFloat), hf = file.load("logits_bfloat16", at::kFloat);
-  const int64_t prompt = split[0].item<int64_t>(), more = split[1].item<int64_t>(), steps = split[2].item<int64_t>();
-  const int64_t n = ids.size(1);
-  if (prompt + more + steps != n || want.size(0) != n || !want.sizes().equals(hf.sizes()))
-    throw Error(fmt::format("{}: expected {} positions (split {}, {}, {}) of logits, found ids {} and logits {}, {}",
-                            ref, prompt + more + steps, prompt, more, steps, n, c10::str(want.sizes()), c10::str(hf.sizes())));
+  if (split.numel() != 5)
+    throw Error(fmt::format("{}: expected a split of 5 counts (prompt, more, pieces, piece length, steps), found {}",
+                            ref, split.numel()));
+  const int64_t prompt = split[0].item<int64_t>(), more = split[1].item<int64_t>(), pieces = split[2].item<int64_t>(),
+                piece = split[3].item<int64_t>(), steps = split[4].item<int64_t>();
+  const int64_t n = ids.size(1), rows = prompt + more + pieces + steps;
+  if (prompt + more + pieces * piece + steps != n || want.size(0) != rows || !want.sizes().equals(hf.sizes()))
+    throw Error(fmt::format("{}: expected {} ids and {} rows of logits (split {}, {}, {} x {}, {}), found {} ids and "
+                            "logits {}, {}", ref, prompt + more + pieces * piece + steps, rows, prompt, more, pieces,
+                            piece, steps, n, c10::str(want.sizes()), c10::str(hf.sizes())));
   Model m = Model::load(model_dir, options);
   const Decoder& d = m.decoder();
   if (d.config().n_vocab != want.size(1))
     throw Error(fmt::format("{} was made from another model: logits of {} tokens, {} has {}", ref, want.size(1),
                             model_dir, d.config().n_vocab));
   KVCache cache = d.make_cache(1, n);
-  std::vector<at::Tensor> rows;
-  rows.push_back(d.forward(ids.narrow(1, 0, prompt), cache, LogitsMode::all)[0]);
-  rows.push_back(d.forward(ids.narrow(1, prompt, more), cache, LogitsMode::all)[0]);
-  for (int64_t i = prompt + more; i < n; ++i) rows.push_back(d.forward(ids.narrow(1, i, 1), cache)[0]);
-  const at::Tensor got = at::cat(rows).to(at::kCPU, at::kFloat);
+  std::vector<at::Tensor> kept;
+  kept.push_back(d.forward(ids.narrow(1, 0, prompt), cache, LogitsMode::all)[0]);
+  kept.push_back(d.forward(ids.narrow(1, prompt, more), cache, LogitsMode::all)[0]);
+  int64_t pos = prompt + more;
+  for (int64_t p = 0; p < pieces; ++p, pos += piece)
+    kept.push_back(d.forward(ids.narrow(1, pos, piece), cache, LogitsMode::last)[0].narrow(0, -1, 1));
+  for (; pos < n; ++pos) kept.push_back(d.forward(ids.narrow(1, pos, 1), cache)[0]);
+  const at::Tensor got = at::cat(kept).to(at::kCPU, at::kFloat);
   auto rms = [](const at::Tensor& t) { return t.pow(2).mean().sqrt().item<double>(); };
   AgainstTransformers a;
-  a.positions = n;
+  a.positions = rows;
   a.rms = rms(got - want), a.max = max_diff(got, want);
   a.rms_hf = rms(hf - want), a.max_hf = max_diff(hf, want);
   a.rms_to_hf = rms(got - hf), a.max_to_hf = max_diff(got, hf);
@@ -312,7 +321,7 @@ inline AgainstTransformers against_transformers(const std::string& model_dir, co
 // The figures of comb's bf16 and float32 against transformers, for a check's message.
 inline std::string describe(const AgainstTransformers& bf16, const AgainstTransformers& f32) {
   return fmt::format(
-      "over {} positions' logits, root mean square and largest distance to transformers' float32: comb bf16 {:.3g}, "
+      "over {} rows of logits, root mean square and largest distance to transformers' float32: comb bf16 {:.3g}, "
       "{:.3g}; transformers bf16 {:.3g}, {:.3g}; comb float32 {:.3g}, {:.3g}; comb bf16 to transformers bf16 {:.3g}, "
       "{:.3g}",
       bf16.positions, bf16.rms, bf16.max, bf16.rms_hf, bf16.max_hf, f32.rms, f32.max, bf16.rms_to_hf, bf16.max_to_hf);

@@ -338,8 +338,9 @@ TEST_CASE("bf16 on CUDA is as close to float32 as transformers' bf16 on the same
   if (!cuda_ops_here()) return;
   // transformers' float32 and bfloat16 logits of COMB_CUDA_MODEL's folder on this GPU
   // (tests/oracle/bf16_reference.py --device cuda; bench/gpu_check.sh step 1 makes them), fed as
-  // there: a prompt of 100 (FlashAttention), 20 rows after it (a graph bucket), 24 one-token steps
-  // (the decoding step's graph).
+  // there: a prompt of 100 (FlashAttention), 20 rows after it with every row's logits (the fused
+  // layers' rows kernel), 3 pieces of 7 with their last row's (the graph bucket of 8), 24 one-token
+  // steps (the decoding step's graph).
   const std::string ref = env_or("COMB_CUDA_BF16_REF", "");
   if (ref.empty()) {
     WARN("COMB_CUDA_BF16_REF names no reference (tests/oracle/bf16_reference.py --model COMB_CUDA_MODEL "

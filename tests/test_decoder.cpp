@@ -344,7 +344,8 @@ TEST_CASE("bf16 on CPU stays close to fp32", "[decoder]") {
 
 TEST_CASE("bf16 on CPU is as close to float32 as transformers' bf16 on the same weights", "[decoder][parity]") {
   // The tiny model (stored float32, llama3 RoPE, untied head) and transformers' logits of it in
-  // float32 and bfloat16, teacher-forced: a prompt of 100, 20 rows after it, 24 steps of one token.
+  // float32 and bfloat16, teacher-forced: a prompt of 100, 20 rows after it, 3 pieces of 7 (their
+  // last rows), 24 steps of one token.
   // COMB_BF16_MODEL and COMB_BF16_REF name another model folder and its reference
   // (tests/oracle/bf16_reference.py --model DIR --out REF).
   const std::string dir = env_or("COMB_BF16_MODEL", oracle_dir() + "/tiny-llama");

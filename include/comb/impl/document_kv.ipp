@@ -783,7 +783,8 @@ COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype)
       return t.defined() && t.scalar_type() == parts[0].scalar_type() && t.device() == device && t.is_contiguous();
     });
   };
-  if (from == dtype && from != c10::ScalarType::Undefined && keys.size() == values.size() &&
+  if (from == dtype && from != c10::ScalarType::Undefined && (quantized() || !is_quantized_form(dtype)) &&
+      keys.size() == values.size() &&
       key_scales.size() == (quantized() ? keys.size() : 0) && value_scales.size() == key_scales.size() &&
       (quantized() || values[0].scalar_type() == dtype) && here(keys) && here(values) && here(key_scales) &&
       here(value_scales))
