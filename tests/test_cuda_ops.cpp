@@ -66,6 +66,13 @@ void check_clear_top(const at::Tensor& got, const at::Tensor& ref, double margin
   CHECK(at::equal(got.argmax(-1).masked_select(clear), ref.argmax(-1).masked_select(clear)));
 }
 
+// comb's CUDA ops table, for a case that has checked cuda_ops_here().
+const comb::detail::CudaLayerOps& layer_ops() {
+  const comb::detail::CudaLayerOps* ops = comb::detail::cuda_layer_ops();
+  REQUIRE(ops);
+  return *ops;
+}
+
 // The model the CUDA cases load: COMB_CUDA_MODEL, else the default one.
 std::string cuda_model_path() { return env_or("COMB_CUDA_MODEL", model_path()); }
 // That model in bfloat16 on the GPU.
@@ -707,9 +714,8 @@ TEST_CASE("split_documents on CUDA copies each document's rows of a block, into 
           "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;
-  const comb::detail::CudaLayerOps* ops = comb::detail::cuda_layer_ops();
-  REQUIRE(ops);
-  REQUIRE(ops->split_documents);
+  const comb::detail::CudaLayerOps& ops = layer_ops();
+  REQUIRE(ops.split_documents);
   auto gen = at::detail::createCPUGenerator(29);
   const int64_t batch = 2, n_kv = 3, n = 40, hd = 64, blocks = 3;
   // (batch row, first position, length): a document at a batch row's start, one inside, one of a
@@ -728,7 +734,7 @@ TEST_CASE("split_documents on CUDA copies each document's rows of a block, into 
     // The op a block at a time into the documents' allocations, and Plugin::split_rows through it.
     std::vector<at::Tensor> outs;
     for (const auto& r : rows) outs.push_back(at::full({blocks, 2, n_kv, r[2], hd}, 7.0, keys[0].options()));
-    for (int64_t b = 0; b < blocks; ++b) ops->split_documents(keys[b], values[b], rows, outs, b);
+    for (int64_t b = 0; b < blocks; ++b) ops.split_documents(keys[b], values[b], rows, outs, b);
     const std::vector<DocumentKV> via_plugin = Plugin::split_rows(keys, values, rows);
     REQUIRE(via_plugin.size() == rows.size());
     for (size_t d = 0; d < rows.size(); ++d) {
@@ -753,16 +759,16 @@ TEST_CASE("split_documents on CUDA copies each document's rows of a block, into 
       CHECK(via_plugin[d].bytes() == 2 * blocks * n_kv * len * hd * static_cast<int64_t>(keys[0].element_size()));
     }
     // Bad input says what was expected, what was found and where.
-    CHECK_THROWS_WITH(ops->split_documents(keys[0], values[0], {{2, 0, 1}}, {outs[0]}, 0),
+    CHECK_THROWS_WITH(ops.split_documents(keys[0], values[0], {{2, 0, 1}}, {outs[0]}, 0),
                       Catch::Contains("document 0: batch row 2, positions [0, 1) of a batch [2, 40]"));
-    CHECK_THROWS_WITH(ops->split_documents(keys[0], values[0], {{0, 35, 6}}, {outs[0]}, 0),
+    CHECK_THROWS_WITH(ops.split_documents(keys[0], values[0], {{0, 35, 6}}, {outs[0]}, 0),
                       Catch::Contains("positions [35, 41)"));
-    CHECK_THROWS_WITH(ops->split_documents(keys[0], values[0], {rows[0]}, {outs[1]}, 0),
+    CHECK_THROWS_WITH(ops.split_documents(keys[0], values[0], {rows[0]}, {outs[1]}, 0),
                       Catch::Contains("document 0: output [blocks > 0, 2, 3, 5, 64]"));
-    CHECK_THROWS_WITH(ops->split_documents(keys[0], values[0], {rows[0]}, {outs[0]}, blocks),
+    CHECK_THROWS_WITH(ops.split_documents(keys[0], values[0], {rows[0]}, {outs[0]}, blocks),
                       Catch::Contains("output [blocks > 3"));
     const at::Tensor other = values[1].to(dtype == at::kFloat ? at::kBFloat16 : at::kFloat);
-    CHECK_THROWS_WITH(ops->split_documents(keys[1], other, rows, outs, 1), Catch::Contains("values as the keys"));
+    CHECK_THROWS_WITH(ops.split_documents(keys[1], other, rows, outs, 1), Catch::Contains("values as the keys"));
   }
   CHECK(checked == 3 * 4 * 3);
 }
@@ -951,10 +957,9 @@ TEST_CASE("split_documents and join_documents over more than 65,535 pieces: ever
           "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;
-  const comb::detail::CudaLayerOps* ops = comb::detail::cuda_layer_ops();
-  REQUIRE(ops);
-  REQUIRE(ops->split_documents);
-  REQUIRE(ops->join_documents);
+  const comb::detail::CudaLayerOps& ops = layer_ops();
+  REQUIRE(ops.split_documents);
+  REQUIRE(ops.join_documents);
   auto gen = at::detail::createCPUGenerator(29);
   const int64_t n = 65600;  // one-token pieces: two launches
   const auto cuda = at::TensorOptions().device(at::kCUDA);
@@ -965,7 +970,7 @@ TEST_CASE("split_documents and join_documents over more than 65,535 pieces: ever
     std::vector<std::array<int64_t, 3>> rows;
     std::vector<at::Tensor> outs;
     for (int64_t i = 0; i < n; ++i) rows.push_back({0, i, 1}), outs.push_back(all[i]);
-    ops->split_documents(keys, values, rows, outs, 0);
+    ops.split_documents(keys, values, rows, outs, 0);
     CHECK(at::equal(all.select(2, 0).reshape({n, 8}), keys.reshape({n, 8})));
     CHECK(at::equal(all.select(2, 1).reshape({n, 8}), values.reshape({n, 8})));
   }
@@ -983,7 +988,7 @@ TEST_CASE("split_documents and join_documents over more than 65,535 pieces: ever
       p.block = 0, p.row = 0, p.offset = i, p.angle = 0;
       p.keys = src_k[i], p.values = src_v[i];
     }
-    ops->join_documents(parts, {out_k}, {out_v}, cos, sin);
+    ops.join_documents(parts, {out_k}, {out_v}, cos, sin);
     CHECK(at::equal(out_k.reshape({n, hd}), src_k.reshape({n, hd})));
     CHECK(at::equal(out_v.reshape({n, hd}), src_v.reshape({n, hd})));
   }
