@@ -21,6 +21,8 @@ class Sampler {
   explicit Sampler(SamplingOptions options);
   // Picks a token from float logits [n_vocab] (any device).
   int32_t sample(const at::Tensor& logits);
+  // Whether sample() is the argmax (temperature 0): the lowest index among equal maxima.
+  bool greedy() const { return options_.temperature == 0; }
 
  private:
   SamplingOptions options_;

@@ -201,7 +201,8 @@ class ServeEngine {
   // One decoding step of every running request, with a piece of `rider`'s prompt (mixes()) if
   // given; returns the piece's share of the step's time in ms (0 without one).
   double decode_step(Sequence* rider = nullptr);
-  bool emit(Sequence& s, const at::Tensor& logits);
+  // picked >= 0: the token, its argmax read already (logits then unread).
+  bool emit(Sequence& s, const at::Tensor& logits, int32_t picked = -1);
   void hand_out(Sequence& s, size_t upto);
   void finish(Sequence& s, const std::string& reason, const std::string& error = "");
   // A document pinned for the request while it reads it (Documents counts pins across requests).
