@@ -306,7 +306,10 @@ COMB_INLINE GenerationResult Model::decode(KVCache& cache, at::Tensor logits, co
   r.stop_reason = "max_tokens";
   const int64_t limit = std::min(c.n_ctx, cache.capacity());
   for (int64_t step = 0; step < options.max_tokens; ++step) {
-    int32_t token = sampler.sample(logits);
+    // The logits on the host once (from a GPU: one copy, one wait): the token and its
+    // log-probability both read there.
+    const at::Tensor host = logits.to(at::kCPU, at::kFloat).contiguous();
+    int32_t token = sampler.sample(host);
     if (step == 0) {
       auto now = clock::now();
       r.ttft_ms = std::chrono::duration<double, std::milli>(now - started).count();
@@ -318,7 +321,7 @@ COMB_INLINE GenerationResult Model::decode(KVCache& cache, at::Tensor logits, co
       break;
     }
     r.tokens.push_back(token);
-    r.logprobs.push_back(at::log_softmax(logits, 0)[token].item<float>());
+    r.logprobs.push_back(at::log_softmax(host, 0)[token].item<float>());
     std::string piece = stream.push(token);
     r.text += piece;
     if (options.on_token && !options.on_token(token, piece)) {
