@@ -534,9 +534,8 @@ TEST_CASE("the graph step runs short forwards in buckets of rows, with joint blo
 TEST_CASE("join_documents places int8, float32 and half documents as a float32 rotation would", "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;
-  const comb::detail::CudaLayerOps* ops = comb::detail::cuda_layer_ops();
-  REQUIRE(ops);
-  REQUIRE(ops->join_documents);
+  const comb::detail::CudaLayerOps& ops = layer_ops();
+  REQUIRE(ops.join_documents);
   auto gen = at::detail::createCPUGenerator(21);
   const int64_t n_ctx = 512;
   int checked = 0;
@@ -584,7 +583,7 @@ TEST_CASE("join_documents places int8, float32 and half documents as a float32 r
         }
       CHECK(parts[0].key_scales.size(1) == 1);            // 70 tokens: keys scaled per channel
       CHECK(parts[1].key_scales.size(2) == 1);            // 9: per row
-      ops->join_documents(parts, out_k, out_v, cos.to(at::kCUDA), sin.to(at::kCUDA));
+      ops.join_documents(parts, out_k, out_v, cos.to(at::kCUDA), sin.to(at::kCUDA));
       std::vector<at::Tensor> got_k, got_v;
       for (int64_t b = 0; b < blocks; ++b) got_k.push_back(out_k[b].cpu()), got_v.push_back(out_v[b].cpu());
       std::vector<at::Tensor> covered(blocks);
@@ -618,7 +617,7 @@ TEST_CASE("join_documents places int8, float32 and half documents as a float32 r
       // A part past its output: an error naming it, nothing written.
       std::vector<comb::detail::JoinPart> bad{parts[2]};
       bad[0].offset = m - 10;
-      CHECK_THROWS_WITH(ops->join_documents(bad, out_k, out_v, cos.to(at::kCUDA), sin.to(at::kCUDA)),
+      CHECK_THROWS_WITH(ops.join_documents(bad, out_k, out_v, cos.to(at::kCUDA), sin.to(at::kCUDA)),
                         Catch::Contains("outside outputs"));
     }
   CHECK(checked == 2 * 3 * 8);
@@ -627,9 +626,8 @@ TEST_CASE("join_documents places int8, float32 and half documents as a float32 r
 TEST_CASE("quantize_int8 on CUDA makes the CPU's int8 codes and scales, bit for bit", "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;
-  const comb::detail::CudaLayerOps* ops = comb::detail::cuda_layer_ops();
-  REQUIRE(ops);
-  REQUIRE(ops->quantize_int8);
+  const comb::detail::CudaLayerOps& ops = layer_ops();
+  REQUIRE(ops.quantize_int8);
   auto gen = at::detail::createCPUGenerator(23);
   int checked = 0;
   for (auto source : {at::kFloat, at::kBFloat16, at::kHalf})
@@ -662,7 +660,7 @@ TEST_CASE("quantize_int8 on CUDA makes the CPU's int8 codes and scales, bit for 
         want.push_back(cpu.to(at::kCPU, at::kChar));
       }
       std::vector<std::vector<std::array<at::Tensor, 4>>> out;
-      ops->quantize_int8(in, out);
+      ops.quantize_int8(in, out);
       REQUIRE(out.size() == lens.size());
       for (size_t d = 0; d < lens.size(); ++d)
         for (int64_t b = 0; b < blocks; ++b) {
@@ -776,9 +774,8 @@ TEST_CASE("split_documents on CUDA copies each document's rows of a block, into 
 TEST_CASE("rope_rows turns each packed row's queries and keys in place, exactly as apply_rope", "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;
-  const comb::detail::CudaLayerOps* ops = comb::detail::cuda_layer_ops();
-  REQUIRE(ops);
-  REQUIRE(ops->rope_rows);
+  const comb::detail::CudaLayerOps& ops = layer_ops();
+  REQUIRE(ops.rope_rows);
   auto gen = at::detail::createCPUGenerator(37);
   const int64_t n = 37, n_head = 4, n_kv = 2, hd = 64, heads = n_head + 2 * n_kv;
   // Each row at its own position (packed documents restart), angles of the rotate-half layout.
@@ -789,18 +786,18 @@ TEST_CASE("rope_rows turns each packed row's queries and keys in place, exactly 
     const at::Tensor cos = at::cos(pos * freq).to(at::kCUDA, dtype), sin = at::sin(pos * freq).to(at::kCUDA, dtype);
     const at::Tensor qkv = at::randn({1, n, heads * hd}, gen).to(at::kCUDA, dtype);
     const at::Tensor before = qkv.clone().view({n, heads, hd});
-    ops->rope_rows(qkv, cos, sin, n_head, n_kv);
+    ops.rope_rows(qkv, cos, sin, n_head, n_kv);
     const at::Tensor after = qkv.view({n, heads, hd});
     // apply_rope over [heads, rows, head_dim] with each row's cos and sin.
     const at::Tensor want = apply_rope(before.narrow(1, 0, n_head + n_kv).transpose(0, 1), cos, sin).transpose(0, 1);
     CHECK(at::equal(after.narrow(1, 0, n_head + n_kv), want));
     CHECK(at::equal(after.narrow(1, n_head + n_kv, n_kv), before.narrow(1, n_head + n_kv, n_kv)));  // values as they were
-    CHECK_THROWS_WITH(ops->rope_rows(qkv, cos.narrow(0, 0, n - 1), sin.narrow(0, 0, n - 1), n_head, n_kv),
+    CHECK_THROWS_WITH(ops.rope_rows(qkv, cos.narrow(0, 0, n - 1), sin.narrow(0, 0, n - 1), n_head, n_kv),
                       Catch::Contains("qkv of 36 rows of 512 values, found [1, 37, 512]"));
     // Rows of keys alone (n_head_kv 0, a cross block's documents): every head turned.
     const at::Tensor keys = at::randn({n, n_kv * hd}, gen).to(at::kCUDA, dtype);
     const at::Tensor keys_before = keys.clone().view({n, n_kv, hd});
-    ops->rope_rows(keys, cos, sin, n_kv, 0);
+    ops.rope_rows(keys, cos, sin, n_kv, 0);
     CHECK(at::equal(keys.view({n, n_kv, hd}), apply_rope(keys_before.transpose(0, 1), cos, sin).transpose(0, 1)));
   }
 }
