@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 
 #include "comb/detail/decode_step.hpp"
 #include "comb/error.hpp"
@@ -187,7 +186,7 @@ COMB_INLINE void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t
   // n_layer launches where a copy a block, layer, keys and values would be 4 n_layer a block.
   const detail::CudaLayerOps* ops = cache.keys(0).is_cuda() && !c10::GradMode::is_enabled() ? detail::cuda_layer_ops()
                                                                                            : nullptr;
-  std::map<size_t, at::Tensor> whole;  // by block index, on that path
+  std::vector<at::Tensor> whole(hashes.size());  // by block index; defined on that path
   if (ops && ops->split_documents) {
     const at::Tensor& k0 = cache.keys(0);
     std::vector<std::array<int64_t, 3>> rows;
@@ -195,8 +194,8 @@ COMB_INLINE void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t
     for (size_t b = 0; b < hashes.size(); ++b) {
       if (blocks_.count(hashes[b])) continue;
       rows.push_back({0, static_cast<int64_t>(b) * block_, block_});
-      outs.push_back(at::empty({cache.n_layers(), 2, k0.size(1), block_, k0.size(3)}, k0.options()));
-      whole.emplace(b, outs.back());
+      whole[b] = at::empty({cache.n_layers(), 2, k0.size(1), block_, k0.size(3)}, k0.options());
+      outs.push_back(whole[b]);
     }
     if (!rows.empty())
       for (int64_t l = 0; l < cache.n_layers(); ++l)
@@ -205,10 +204,9 @@ COMB_INLINE void PrefixCache::insert(const std::vector<int32_t>& tokens, int64_t
   for (size_t b = 0; b < hashes.size(); ++b) {
     if (blocks_.count(hashes[b])) continue;  // used again: touched below
     Block block;
-    auto it = whole.find(b);
     for (int64_t l = 0; l < cache.n_layers(); ++l) {
-      if (it != whole.end()) {  // views [1, n_head_kv, block, head_dim] of the block's allocation
-        const at::Tensor& w = it->second;
+      if (whole[b].defined()) {  // views [1, n_head_kv, block, head_dim] of the block's allocation
+        const at::Tensor& w = whole[b];
         const int64_t each = w.size(2) * w.size(3) * w.size(4);
         const std::vector<int64_t> sizes{1, w.size(2), w.size(3), w.size(4)};
         const std::vector<int64_t> strides{each, w.size(3) * w.size(4), w.size(4), 1};

@@ -740,9 +740,6 @@ COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
   const bool argmax_only = std::all_of(rows.begin(), rows.end(), [](const Sequence* s) {
     return s->sampler->greedy() && !s->request.logprobs;
   });
-  auto read_back = [&](const at::Tensor& device_logits) {
-    return argmax_only ? device_logits : device_logits.to(at::kCPU);
-  };
   at::Tensor logits;  // [rows, n_vocab]; from a GPU in one copy (or left there, argmax_only)
   int64_t computed = 0;
   bool mixed = false, complete = false;
@@ -754,7 +751,7 @@ COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
     s.piece_asked = piece_tokens(s.rate);
     const PieceForward forward = [&](const at::Tensor& tokens, KVCache& cache, const LayerReads* reads) {
       Decoder::PagedPiece piece{tokens, &cache, reads, {}};
-      logits = read_back(batched_forward(rows, &piece));
+      logits = batched_forward(rows, &piece);
       return piece.logits.view({1, 1, -1});
     };
     try {
@@ -771,8 +768,12 @@ COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
       logits = at::Tensor();
     }
   }
-  if (!logits.defined()) logits = read_back(batched_forward(rows));
-  const at::Tensor picked = argmax_only ? logits.argmax(-1).to(at::kCPU) : at::Tensor();  // [rows] int64
+  if (!logits.defined()) logits = batched_forward(rows);
+  at::Tensor picked;  // [rows] int64, argmax_only
+  if (argmax_only)
+    picked = logits.argmax(-1).to(at::kCPU);
+  else
+    logits = logits.to(at::kCPU);
   double piece_ms = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
