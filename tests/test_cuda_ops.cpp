@@ -771,6 +771,67 @@ TEST_CASE("split_documents on CUDA copies each document's rows of a block, into 
   CHECK(checked == 3 * 4 * 3);
 }
 
+TEST_CASE("pack_keys lays packed sequences' keys after the prefix's as the gather over [prefix; rows] does, exactly",
+          "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  const comb::detail::CudaLayerOps& ops = layer_ops();
+  REQUIRE(ops.pack_keys);
+  auto gen = at::detail::createCPUGenerator(41);
+  const int64_t n_head = 4, n_kv = 2, hd = 64, heads = n_head + 2 * n_kv, capacity = 9;
+  // Sequences of 5, 1 and 12 rows (a one-row one between), packed one after another.
+  const std::vector<int64_t> first{0, 5, 6, 18};
+  const int64_t rows = first.back();
+  int checked = 0;
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    // Keys and values as views of a layer's qkv product [rows, heads, head_dim] (rows heads * hd
+    // apart), the prefix as a cache holds it [1, n_head_kv, capacity, head_dim].
+    const at::Tensor qkv = at::randn({rows, heads, hd}, gen).to(at::kCUDA, dtype);
+    const at::Tensor own_k = qkv.narrow(1, n_head, n_kv), own_v = qkv.narrow(1, n_head + n_kv, n_kv);
+    const at::Tensor prefix_k = at::randn({1, n_kv, capacity, hd}, gen).to(at::kCUDA, dtype);
+    const at::Tensor prefix_v = at::randn({1, n_kv, capacity, hd}, gen).to(at::kCUDA, dtype);
+    for (int64_t pre : {0, 6}) {
+      INFO(c10::toString(dtype) << ", " << pre << " prefix positions");
+      // Decoder::layer_packed's gather: sequence s's keys the prefix's pre, then its own rows.
+      std::vector<int64_t> gather;
+      for (size_t s = 0; s + 1 < first.size(); ++s) {
+        for (int64_t p = 0; p < pre; ++p) gather.push_back(p);
+        for (int64_t r = first[s]; r < first[s + 1]; ++r) gather.push_back(pre + r);
+      }
+      const at::Tensor index = at::tensor(gather, at::kLong).to(at::kCUDA);
+      auto want = [&](const at::Tensor& own, const at::Tensor& prefix) {
+        at::Tensor all = own;
+        if (pre > 0) all = at::cat({prefix[0].narrow(1, 0, pre).transpose(0, 1), all}, 0);
+        return all.index_select(0, index);
+      };
+      const auto got = ops.pack_keys(own_k, own_v, pre > 0 ? prefix_k : at::Tensor(),
+                                     pre > 0 ? prefix_v : at::Tensor(), first, pre);
+      for (int part = 0; part < 2; ++part) {
+        const at::Tensor w = part == 0 ? want(own_k, prefix_k) : want(own_v, prefix_v);
+        REQUIRE(got[part].sizes() == w.sizes());
+        CHECK(got[part].sizes() == at::IntArrayRef{3 * pre + rows, n_kv, hd});
+        CHECK(got[part].is_contiguous());
+        CHECK(at::equal(got[part], w));  // a copy: exactly, every element written
+        ++checked;
+      }
+    }
+    // Bad input says what was expected, what was found and where.
+    CHECK_THROWS_WITH(ops.pack_keys(own_k, own_v, prefix_k, prefix_v, {0, 5, 17}, 6),
+                      Catch::Contains("row offsets from 0 to the 18 rows"));
+    CHECK_THROWS_WITH(ops.pack_keys(own_k, own_v, prefix_k, prefix_v, {0, 5, 5, 18}, 6),
+                      Catch::Contains("sequence 1 has rows [5, 5)"));
+    CHECK_THROWS_WITH(ops.pack_keys(own_k, own_v, prefix_k, prefix_v, first, capacity + 1),
+                      Catch::Contains("prefix keys and values [1, 2, >= 10, 64]"));
+    CHECK_THROWS_WITH(ops.pack_keys(own_k, own_v, at::Tensor(), at::Tensor(), first, 2),
+                      Catch::Contains("found undefined"));
+    const at::Tensor other = prefix_v.to(dtype == at::kFloat ? at::kBFloat16 : at::kFloat);
+    CHECK_THROWS_WITH(ops.pack_keys(own_k, own_v, prefix_k, other, first, 6), Catch::Contains("prefix keys and values"));
+    CHECK_THROWS_WITH(ops.pack_keys(own_k, own_v.to(other.scalar_type()), prefix_k, prefix_v, first, 6),
+                      Catch::Contains("values as the keys"));
+  }
+  CHECK(checked == 3 * 2 * 2);
+}
+
 TEST_CASE("rope_rows turns each packed row's queries and keys in place, exactly as apply_rope", "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;
@@ -824,6 +885,29 @@ TEST_CASE("encode_packed on CUDA: one FlashAttention launch over variable length
   const std::vector<DocumentKV> padded = plugin.encode_padded(dec, ptrs, states);
   const std::vector<DocumentKV> varlen = plugin.encode_packed(dec, ptrs, states, /*varlen=*/true);
   const std::vector<DocumentKV> apart = plugin.encode_packed(dec, ptrs, states, /*varlen=*/false);
+  {
+    // The packed keys laid out by pack_keys' one launch (the default) and by the gather it replaces
+    // (the ops table without it): the same keys, so the same K/V, bit for bit.
+    const comb::detail::CudaLayerOps* ops = comb::detail::cuda_layer_ops();
+    REQUIRE(ops);
+    comb::detail::CudaLayerOps without = *ops;
+    without.pack_keys = nullptr;
+    comb::detail::set_cuda_layer_ops(&without);
+    std::vector<DocumentKV> gathered;
+    try {
+      gathered = plugin.encode_packed(dec, ptrs, states, /*varlen=*/true);
+    } catch (...) {
+      comb::detail::set_cuda_layer_ops(ops);
+      throw;
+    }
+    comb::detail::set_cuda_layer_ops(ops);
+    for (size_t d = 0; d < docs.size(); ++d)
+      for (size_t k = 0; k < varlen[d].keys.size(); ++k) {
+        INFO("document " << d << ", block " << k << ": pack_keys against the gather");
+        CHECK(at::equal(varlen[d].keys[k], gathered[d].keys[k]));
+        CHECK(at::equal(varlen[d].values[k], gathered[d].values[k]));
+      }
+  }
   int checked = 0;
   for (size_t d = 0; d < docs.size(); ++d)
     for (size_t k = 0; k < padded[d].keys.size(); ++k) {

@@ -20,6 +20,11 @@ namespace comb {
 namespace detail {
 class DecodeStep;       // detail/decode_step.hpp
 struct DecodeStepSpec;  // detail/decode_step.hpp
+// Host integers as a tensor of `type` (int64 or int32) on `device`. On a CUDA device they are copied
+// from page-locked memory without the host waiting for the device's queue (LibTorch's host allocator
+// keeps that memory until the copy has run): a plain copy from pageable memory would wait for every
+// launch queued before it. Elsewhere at::tensor's tensor.
+at::Tensor upload_ints(const std::vector<int64_t>& values, c10::ScalarType type, c10::Device device);
 }  // namespace detail
 
 // Which positions get logits.

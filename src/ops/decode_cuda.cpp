@@ -602,21 +602,23 @@ void rope_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
                op);
 }
 
+// A tensor as an error message names it: "BFloat16 [2, 3] on cuda:0", or "undefined".
+std::string described(const at::Tensor& t) {
+  return t.defined() ? fmt::format("{} [{}] on {}", c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", "),
+                                   t.device().str())
+                     : std::string("undefined");
+}
+
 void split_documents(const at::Tensor& keys, const at::Tensor& values, const std::vector<std::array<int64_t, 3>>& rows,
                      const std::vector<at::Tensor>& outs, int64_t block) {
   const char* op = "comb::split_documents";
-  auto shape = [](const at::Tensor& t) {
-    return t.defined() ? fmt::format("{} [{}] on {}", c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", "),
-                                     t.device().str())
-                       : std::string("undefined");
-  };
   COMB_CHECK(keys.defined() && keys.is_cuda() && keys.dim() == 4 && keys.stride(3) == 1 &&
                  (keys.element_size() == 2 || keys.element_size() == 4),
              "{}: keys [batch, n_head_kv, n, head_dim] of 2- or 4-byte elements on a CUDA device, the last dimension "
-             "contiguous, found {}", op, shape(keys));
+             "contiguous, found {}", op, described(keys));
   COMB_CHECK(values.defined() && values.device() == keys.device() && values.scalar_type() == keys.scalar_type() &&
                  values.sizes() == keys.sizes() && values.stride(3) == 1,
-             "{}: values as the keys ({}), found {}", op, shape(keys), shape(values));
+             "{}: values as the keys ({}), found {}", op, described(keys), described(values));
   COMB_CHECK(outs.size() == rows.size(), "{}: {} outputs for {} documents", op, outs.size(), rows.size());
   const int64_t batch = keys.size(0), n_kv = keys.size(1), n = keys.size(2), hd = keys.size(3);
   std::vector<k::SplitPiece> pieces;
@@ -631,7 +633,7 @@ void split_documents(const at::Tensor& keys, const at::Tensor& values, const std
                    o.is_contiguous() && o.dim() == 5 && 0 <= block && block < o.size(0) && o.size(1) == 2 &&
                    o.size(2) == n_kv && o.size(3) == len && o.size(4) == hd,
                "{}: document {}: output [blocks > {}, 2, {}, {}, {}] {} on {}, contiguous, found {}", op, d, block, n_kv,
-               len, hd, c10::toString(keys.scalar_type()), keys.device().str(), shape(o));
+               len, hd, c10::toString(keys.scalar_type()), keys.device().str(), described(o));
     const int64_t es = keys.element_size(), each = n_kv * len * hd;
     k::SplitPiece p;
     p.keys = static_cast<const char*>(keys.data_ptr()) + (row * keys.stride(0) + first * keys.stride(2)) * es;
@@ -640,7 +642,7 @@ void split_documents(const at::Tensor& keys, const at::Tensor& values, const std
     p.value_head_stride = values.stride(1), p.value_row_stride = values.stride(2);
     p.out_keys = static_cast<char*>(o.data_ptr()) + 2 * block * each * es;
     p.out_values = static_cast<char*>(o.data_ptr()) + (2 * block + 1) * each * es;
-    p.len = len;
+    p.len = len, p.out_head_stride = len * hd, p.out_row_stride = hd;  // [n_head_kv, len, head_dim]
     pieces.push_back(p);
     longest = std::max(longest, len);
   }
@@ -648,6 +650,67 @@ void split_documents(const at::Tensor& keys, const at::Tensor& values, const std
     return k::split_documents(static_cast<int>(keys.element_size()), from, count, longest, n_kv, hd,
                               at::cuda::getCurrentCUDAStream());
   });
+}
+
+// Packed sequences' keys and values as the variable-length attention reads them (split_documents'
+// kernel, out [keys, n_head_kv, head_dim]): sequence s's pre prefix rows, then its own rows [first[s],
+// first[s + 1]) of keys [rows, n_head_kv, head_dim]; one launch (each 65,535 pieces).
+std::array<at::Tensor, 2> pack_keys(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& prefix_keys,
+                                    const at::Tensor& prefix_values, const std::vector<int64_t>& first, int64_t pre) {
+  const char* op = "comb::pack_keys";
+  COMB_CHECK(keys.defined() && keys.is_cuda() && keys.dim() == 3 && keys.stride(2) == 1 &&
+                 (keys.element_size() == 2 || keys.element_size() == 4),
+             "{}: keys [rows, n_head_kv, head_dim] of 2- or 4-byte elements on a CUDA device, the last dimension "
+             "contiguous, found {}", op, described(keys));
+  COMB_CHECK(values.defined() && values.device() == keys.device() && values.scalar_type() == keys.scalar_type() &&
+                 values.sizes() == keys.sizes() && values.stride(2) == 1,
+             "{}: values as the keys ({}), found {}", op, described(keys), described(values));
+  const int64_t rows = keys.size(0), n_kv = keys.size(1), hd = keys.size(2);
+  COMB_CHECK(first.size() >= 2 && first.front() == 0 && first.back() == rows,
+             "{}: row offsets from 0 to the {} rows, one more than the sequences, found {} offsets ({} to {})", op,
+             rows, first.size(), first.empty() ? 0 : first.front(), first.empty() ? 0 : first.back());
+  for (size_t s = 0; s + 1 < first.size(); ++s)
+    COMB_CHECK(first[s] < first[s + 1], "{}: sequence {} has rows [{}, {})", op, s, first[s], first[s + 1]);
+  COMB_CHECK(pre >= 0, "{}: {} prefix positions", op, pre);
+  if (pre > 0)
+    for (const at::Tensor* t : {&prefix_keys, &prefix_values})
+      COMB_CHECK(t->defined() && t->device() == keys.device() && t->scalar_type() == keys.scalar_type() &&
+                     t->dim() == 4 && t->size(0) == 1 && t->size(1) == n_kv && t->size(2) >= pre &&
+                     t->size(3) == hd && t->stride(3) == 1,
+                 "{}: prefix keys and values [1, {}, >= {}, {}] {} on {}, the last dimension contiguous, found {}", op,
+                 n_kv, pre, hd, c10::toString(keys.scalar_type()), keys.device().str(), described(*t));
+  const int64_t n_seq = static_cast<int64_t>(first.size()) - 1, total = n_seq * pre + rows;
+  const int64_t es = keys.element_size(), row_bytes = n_kv * hd * es;
+  at::Tensor out = at::empty({2, total, n_kv, hd}, keys.options());
+  char* out_k = static_cast<char*>(out.data_ptr());
+  char* out_v = out_k + total * row_bytes;
+  std::vector<k::SplitPiece> pieces;
+  int64_t longest = pre;
+  for (int64_t s = 0; s < n_seq; ++s) {
+    const int64_t at_row = s * pre + first[s], len = first[s + 1] - first[s];
+    k::SplitPiece p;
+    p.out_head_stride = hd, p.out_row_stride = n_kv * hd;  // [keys, n_head_kv, head_dim]
+    if (pre > 0) {
+      p.keys = prefix_keys.data_ptr(), p.values = prefix_values.data_ptr();
+      p.key_head_stride = prefix_keys.stride(1), p.key_row_stride = prefix_keys.stride(2);
+      p.value_head_stride = prefix_values.stride(1), p.value_row_stride = prefix_values.stride(2);
+      p.out_keys = out_k + at_row * row_bytes, p.out_values = out_v + at_row * row_bytes;
+      p.len = pre;
+      pieces.push_back(p);
+    }
+    p.keys = static_cast<const char*>(keys.data_ptr()) + first[s] * keys.stride(0) * es;
+    p.values = static_cast<const char*>(values.data_ptr()) + first[s] * values.stride(0) * es;
+    p.key_head_stride = keys.stride(1), p.key_row_stride = keys.stride(0);
+    p.value_head_stride = values.stride(1), p.value_row_stride = values.stride(0);
+    p.out_keys = out_k + (at_row + pre) * row_bytes, p.out_values = out_v + (at_row + pre) * row_bytes;
+    p.len = len;
+    pieces.push_back(p);
+    longest = std::max(longest, len);
+  }
+  launch_pieces(pieces, keys, op, [&](const k::SplitPiece* from, int64_t count) {
+    return k::split_documents(static_cast<int>(es), from, count, longest, n_kv, hd, at::cuda::getCurrentCUDAStream());
+  });
+  return {out[0], out[1]};
 }
 
 int gemv_blocks(const at::Tensor& on) {
@@ -1001,7 +1064,7 @@ const comb::detail::CudaLayerOps kLayerOps{&add_rms_norm,   &rope_append,   &pla
                                            &rows_attention, &join_documents, &quantize_int8, &paged_rope_store,
                                            &paged_attention, &free_memory,  &make_paged_graphs, &pin_host,
                                            &to_device_async, &paged_attention_joined, &split_documents,
-                                           &rope_rows,      &profiler_range};
+                                           &rope_rows,      &profiler_range,  &pack_keys};
 
 // Registered when the module loads (comb::load_cuda_backend).
 [[maybe_unused]] const bool registered = (comb::detail::set_decode_step_factory(&make_decode_step),

@@ -486,15 +486,16 @@ __global__ void quantize_channels_kernel(const QuantPiece* pieces, int64_t n_hea
 }
 
 // Block (range of a piece's (head, token, channel) elements, piece): one key and one value element
-// copied per thread.
+// copied per thread (consecutive threads: consecutive channels, read and written contiguously).
 template <typename E>
 __global__ void split_documents_kernel(const SplitPiece* pieces, int64_t n_head_kv, int64_t head_dim) {
   const SplitPiece p = pieces[blockIdx.y];
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= n_head_kv * p.len * head_dim) return;
   const int64_t j = idx % head_dim, t = (idx / head_dim) % p.len, h = idx / (head_dim * p.len);
-  static_cast<E*>(p.out_keys)[idx] = static_cast<const E*>(p.keys)[h * p.key_head_stride + t * p.key_row_stride + j];
-  static_cast<E*>(p.out_values)[idx] =
+  const int64_t to = h * p.out_head_stride + t * p.out_row_stride + j;
+  static_cast<E*>(p.out_keys)[to] = static_cast<const E*>(p.keys)[h * p.key_head_stride + t * p.key_row_stride + j];
+  static_cast<E*>(p.out_values)[to] =
       static_cast<const E*>(p.values)[h * p.value_head_stride + t * p.value_row_stride + j];
 }
 

@@ -156,16 +156,20 @@ struct QuantPiece {
 cudaError_t quantize_int8(Half type, const QuantPiece* pieces, int64_t n_pieces, int64_t longest, int64_t n_head_kv,
                           int64_t head_dim, cudaStream_t stream);
 
-// One document's rows of one block's K/V copied out of a batch's: element (h, t, j) of the
-// document's keys at keys[h * key_head_stride + t * key_row_stride + j] (values likewise), copied
-// to out_keys and out_values [n_head_kv, len, head_dim], contiguous. Elements of elem_bytes, 2 or 4
-// (a copy: any dtype of that size); strides in elements.
+// Rows of K/V copied: element (h, t, j), t < len, of the keys at keys[h * key_head_stride + t *
+// key_row_stride + j] (values likewise) to out_keys[h * out_head_stride + t * out_row_stride + j]
+// (and out_values). One document's rows of one block cut out of a batch's (out [n_head_kv, len,
+// head_dim] contiguous: out_head_stride len * head_dim, out_row_stride head_dim), or a packed
+// sequence's keys laid out for the variable-length attention (out [keys, n_head_kv, head_dim]:
+// out_head_stride head_dim, out_row_stride n_head_kv * head_dim). Elements of elem_bytes, 2 or 4 (a
+// copy: any dtype of that size); strides in elements.
 struct SplitPiece {
   const void* keys = nullptr;
   const void* values = nullptr;
   void* out_keys = nullptr;
   void* out_values = nullptr;
   int64_t len = 0, key_head_stride = 0, key_row_stride = 0, value_head_stride = 0, value_row_stride = 0;
+  int64_t out_head_stride = 0, out_row_stride = 0;
 };
 // `pieces` (at most 65535) in device memory; longest: the longest piece's len.
 cudaError_t split_documents(int elem_bytes, const SplitPiece* pieces, int64_t n_pieces, int64_t longest,

@@ -211,6 +211,16 @@ struct CudaLayerOps {
   // opens it around the profiled decoding steps. Without a profiler attached it does nothing.
   // False where the runtime refused (its error cleared).
   bool (*profiler_range)(bool start) = nullptr;
+  // Packed sequences' keys and values as the variable-length FlashAttention reads them, in one
+  // launch: returns {keys, values} [n_seq * pre + rows, n_head_kv, head_dim] (contiguous), sequence
+  // s's rows the first `pre` positions of prefix_keys, prefix_values [1, n_head_kv, >= pre,
+  // head_dim] (undefined when pre is 0), then its own rows [first[s], first[s + 1]) of keys, values
+  // [rows, n_head_kv, head_dim] (the last dimension contiguous, other strides any; one dtype of 2
+  // or 4 bytes, the prefix's too; one CUDA device). The same as Decoder::PackedRows::gather's
+  // index_select over [prefix; rows] (Decoder::layer_packed).
+  std::array<at::Tensor, 2> (*pack_keys)(const at::Tensor& keys, const at::Tensor& values,
+                                         const at::Tensor& prefix_keys, const at::Tensor& prefix_values,
+                                         const std::vector<int64_t>& first, int64_t pre) = nullptr;
 };
 
 // graph: capture the step as a CUDA graph on its first run and replay it after (else: launch the

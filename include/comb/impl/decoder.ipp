@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <optional>
 
 #include "comb/detail/cpu_kernels.hpp"
@@ -27,6 +28,27 @@ __attribute__((weak)) void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor
 }
 
 namespace comb {
+
+COMB_INLINE at::Tensor detail::upload_ints(const std::vector<int64_t>& values, c10::ScalarType type,
+                                           c10::Device device) {
+  COMB_CHECK(type == at::kLong || type == at::kInt, "upload_ints: int64 or int32 asked, found {}",
+             c10::toString(type));
+  if (type == at::kInt)
+    for (int64_t v : values)
+      COMB_CHECK(v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max(), "upload_ints: {} does not fit int32", v);
+  if (!device.is_cuda()) {
+    if (type == at::kLong) return at::tensor(values, at::kLong).to(device);
+    return at::tensor(std::vector<int32_t>(values.begin(), values.end()), at::kInt).to(device);
+  }
+  const auto n = static_cast<int64_t>(values.size());
+  at::Tensor host = at::empty({n}, at::TensorOptions().dtype(type).pinned_memory(true));
+  if (type == at::kLong)
+    std::copy(values.begin(), values.end(), host.data_ptr<int64_t>());
+  else
+    std::transform(values.begin(), values.end(), host.data_ptr<int32_t>(),
+                   [](int64_t v) { return static_cast<int32_t>(v); });
+  return host.to(host.options().device(device).pinned_memory(false), /*non_blocking=*/true);
+}
 
 COMB_INLINE Decoder::Decoder(ModelConfig config, LlamaWeights weights, c10::ScalarType dtype, c10::Device device)
     : config_(std::move(config)), weights_(std::move(weights)), dtype_(dtype), device_(device) {
@@ -817,8 +839,7 @@ COMB_INLINE Decoder::PackedRows Decoder::packed_rows(const std::vector<int64_t>&
   PackedRows r;
   r.pre = pre;
   r.first.push_back(0);
-  std::vector<int64_t> positions, gather;
-  std::vector<int32_t> cu_rows{0}, cu_keys{0};
+  std::vector<int64_t> positions, gather, cu{0};  // cu: the first rows', then the first keys' offsets
   for (int64_t len : lengths) {
     COMB_CHECK(len > 0 && pre + len <= config_.n_ctx, "packed_rows: a sequence of {} tokens after {} (context {})", len,
                pre, config_.n_ctx);
@@ -830,15 +851,22 @@ COMB_INLINE Decoder::PackedRows Decoder::packed_rows(const std::vector<int64_t>&
     }
     r.first.push_back(f + len);
     r.longest = std::max(r.longest, len);
-    cu_rows.push_back(static_cast<int32_t>(f + len));
-    cu_keys.push_back(static_cast<int32_t>(cu_keys.back() + pre + len));
+    cu.push_back(f + len);
   }
-  const at::Tensor pos = at::tensor(positions, at::kLong).to(rope_cos_.device());
+  const auto n_seq = static_cast<int64_t>(lengths.size()), n = static_cast<int64_t>(positions.size());
+  cu.push_back(0);
+  for (int64_t s = 0; s < n_seq; ++s) cu.push_back(cu.back() + pre + lengths[s]);
+  // Two uploads (int64 and int32), the tensors views of them; on a CUDA device without the host
+  // waiting for the device's queue.
+  positions.insert(positions.end(), gather.begin(), gather.end());
+  const at::Tensor longs = detail::upload_ints(positions, at::kLong, device_);
+  const at::Tensor ints = detail::upload_ints(cu, at::kInt, device_);
+  const at::Tensor pos = longs.narrow(0, 0, n).to(rope_cos_.device());
   r.cos = rope_cos_.index_select(0, pos);
   r.sin = rope_sin_.index_select(0, pos);
-  r.gather = at::tensor(gather, at::kLong).to(device_);
-  r.cu_rows = at::tensor(cu_rows, at::kInt).to(device_);
-  r.cu_keys = at::tensor(cu_keys, at::kInt).to(device_);
+  r.gather = longs.narrow(0, n, longs.size(0) - n);
+  r.cu_rows = ints.narrow(0, 0, n_seq + 1);
+  r.cu_keys = ints.narrow(0, n_seq + 1, n_seq + 1);
   return r;
 }
 
@@ -872,15 +900,25 @@ COMB_INLINE at::Tensor Decoder::layer_packed(int64_t i, const at::Tensor& x, con
       if (kv)
         *kv = {heads.narrow(1, c.n_head, c.n_head_kv).transpose(0, 1).unsqueeze(0),
                heads.narrow(1, c.n_head + c.n_head_kv, c.n_head_kv).transpose(0, 1).unsqueeze(0)};
-      auto keys_of = [&](const at::Tensor& own, const at::Tensor& prefix) {  // as below, from [rows, n_head_kv, head_dim]
-        at::Tensor all = own;
-        if (pre > 0) all = at::cat({prefix[0].narrow(1, 0, pre).transpose(0, 1).to(all.scalar_type()), all}, 0);
-        return all.index_select(0, rows.gather);
-      };
+      const at::Tensor own_k = heads.narrow(1, c.n_head, c.n_head_kv);
+      const at::Tensor own_v = heads.narrow(1, c.n_head + c.n_head_kv, c.n_head_kv);
+      at::Tensor keys, values;
+      if (ops->pack_keys && (pre == 0 || (prefix_keys.scalar_type() == qkv.scalar_type() &&
+                                          prefix_values.scalar_type() == qkv.scalar_type()))) {
+        // Every sequence's keys, the prefix's then its own, in one launch (as the gather below).
+        const auto packed = ops->pack_keys(own_k, own_v, prefix_keys, prefix_values, rows.first, pre);
+        keys = packed[0], values = packed[1];
+      } else {
+        auto keys_of = [&](const at::Tensor& own, const at::Tensor& prefix) {  // as below, from [rows, n_head_kv, head_dim]
+          at::Tensor all = own;
+          if (pre > 0) all = at::cat({prefix[0].narrow(1, 0, pre).transpose(0, 1).to(all.scalar_type()), all}, 0);
+          return all.index_select(0, rows.gather);
+        };
+        keys = keys_of(own_k, prefix_keys), values = keys_of(own_v, prefix_values);
+      }
       at::Tensor out = std::get<0>(at::_flash_attention_forward(
-          heads.narrow(1, 0, c.n_head).contiguous(), keys_of(heads.narrow(1, c.n_head, c.n_head_kv), prefix_keys),
-          keys_of(heads.narrow(1, c.n_head + c.n_head_kv, c.n_head_kv), prefix_values), rows.cu_rows, rows.cu_keys,
-          rows.longest, rows.longest + pre, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false));
+          heads.narrow(1, 0, c.n_head).contiguous(), keys, values, rows.cu_rows, rows.cu_keys, rows.longest,
+          rows.longest + pre, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false));
       return out.reshape({1, n, c.q_dim()});
     }
     auto [q, k, v] = split_qkv(qkv, c);  // [1, heads, n, head_dim]

@@ -266,7 +266,8 @@ COMB_INLINE std::vector<std::shared_ptr<const DocumentKV>> Documents::decoder_kv
     std::vector<std::array<int64_t, 3>> at_rows;
     for (size_t d = 0; d < lens.size(); ++d) at_rows.push_back({0, rows.first[d], lens[d]});
     detail::DocumentSplit split(std::move(at_rows), dec.config().n_layer);
-    at::Tensor h = dec.embed(at::tensor(flat, at::kLong).view({1, static_cast<int64_t>(flat.size())}).to(dec.device()));
+    at::Tensor h = dec.embed(
+        detail::upload_ints(flat, at::kLong, dec.device()).view({1, static_cast<int64_t>(flat.size())}));
     for (int64_t l = 0; l < dec.config().n_layer; ++l) {
       std::pair<at::Tensor, at::Tensor> kv;
       h = dec.layer_packed(l, h, rows, at::Tensor(), at::Tensor(), varlen, &kv);

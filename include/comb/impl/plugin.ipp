@@ -980,13 +980,13 @@ COMB_INLINE std::vector<DocumentKV> Plugin::encode_packed(const Decoder& base,
   const Decoder::PackedRows rows = base.packed_rows(lens, pre);
   const auto n_docs = static_cast<int64_t>(documents.size());
   const int64_t n = rows.first.back();
-  at::Tensor h = base.embed(at::tensor(flat, at::kLong).view({1, n}).to(base.device()));
+  at::Tensor h = base.embed(detail::upload_ints(flat, at::kLong, base.device()).view({1, n}));
   at::Tensor back_cos, back_sin;
   if (config_.relative_positions) {  // token j of document d turned back by len_d - j, as back_rope
     std::vector<int64_t> back;
     for (int64_t len : lens)
       for (int64_t j = 0; j < len; ++j) back.push_back(len - j);
-    const at::Tensor b = at::tensor(back, at::kLong).to(rope_cos_.device());
+    const at::Tensor b = detail::upload_ints(back, at::kLong, rope_cos_.device());
     back_cos = rope_cos_.index_select(0, b).view({1, 1, n, -1});
     back_sin = -rope_sin_.index_select(0, b).view({1, 1, n, -1});  // sin(-a) = -sin(a)
   }
