@@ -3,7 +3,8 @@
 # but neither this project's build nor its Debian libraries, from a build made here:
 #   bench/gpu_pack.sh DIR        (after scripts/build.sh and `ctest -R oracle`; DIR: e.g. .gpu)
 # then, on the GPU machine, from a copy of the repository with DIR beside it:
-#   bash DIR/run.sh OUT_DIR [STEPS]     (STEPS: gpu_check.sh's, default "1 2 3 4 5 6 7 8 9 10 11 12")
+#   bash DIR/run.sh OUT_DIR [STEPS]     (STEPS: gpu_check.sh's, in the order to run, default "1 2 ... 12";
+#                                        COMB_GPU_DEADLINE_S: gpu_check.sh's; the results: OUT_DIR/gpu-check.tgz)
 # DIR gets bin/ (comb, comb_tests), lib/ (libcomb*, and the libraries they link that a bare machine
 # may lack; run.sh puts only those it does not find there on the library path), tokenizer/ (the
 # default model's), greedy/ (bench/greedy_answers.sh's inputs: the tests' tiny random Llama stored
@@ -77,7 +78,10 @@ EOF
 cat > "$dir/run.sh" <<'EOF'
 #!/usr/bin/env bash
 # bench/gpu_pack.sh's folder run on a GPU machine, from the repository root:
-#   bash DIR/run.sh OUT_DIR [STEPS]
+#   [COMB_GPU_DEADLINE_S=N] bash DIR/run.sh OUT_DIR [STEPS]
+# Every file the steps write (and this summary, summary.txt) lands in one archive,
+# OUT_DIR/gpu-check.tgz, remade after every step: what finished steps wrote survives a kill. The
+# files themselves are in /tmp/comb-gpu/out (made anew at each call), the models beside them.
 set -uo pipefail
 pack=$(cd "$(dirname "$0")" && pwd)
 out=${1:?usage: DIR/run.sh OUT_DIR [STEPS]}
@@ -85,8 +89,14 @@ out=${1:?usage: DIR/run.sh OUT_DIR [STEPS]}
 source "$pack/gpu_env.sh"
 gpu_env "$pack" || exit 1
 mkdir -p "$out"
-COMB_BIN=$pack/bin/comb COMB_TESTS=$pack/bin/comb_tests COMB_GPU_CHECK_STEPS=${2:-1 2 3 4 5 6 7 8 9 10 11 12} \
-  bash bench/gpu_check.sh "$pack/tokenizer" "$pack/greedy" "$pack/items.jsonl" "$out"
+out=$(cd "$out" && pwd)
+files=/tmp/comb-gpu/out
+rm -rf "$files" && mkdir -p "$files"
+COMB_GPU_TAR=$out/gpu-check.tgz COMB_BIN=$pack/bin/comb COMB_TESTS=$pack/bin/comb_tests \
+  COMB_GPU_CHECK_STEPS=${2:-1 2 3 4 5 6 7 8 9 10 11 12} \
+  bash bench/gpu_check.sh "$pack/tokenizer" "$pack/greedy" "$pack/items.jsonl" "$files" /tmp/comb-gpu 2>&1 |
+  tee "$files/summary.txt"
+tar -czf "$out/gpu-check.tgz" -C "$files" .
 EOF
 chmod +x "$dir/run.sh"
 say "$dir: $(du -sh "$dir" | cut -f1)"

@@ -34,10 +34,13 @@ def main():
     rows = {}
     pic = {}  # (shape, side, method) -> the caching bench's medians
     for line in sys.stdin:
-        shape, side, rest = line.split(" ", 2)
-        if not rest.startswith("{"):
+        try:  # a line cut short (a run killed while writing it) or not a measurement: left out
+            shape, side, rest = line.split(" ", 2)
+            r = json.loads(rest) if rest.startswith("{") else None
+        except ValueError:
+            r = None
+        if not isinstance(r, dict):
             continue
-        r = json.loads(rest)
         if r.get("bench") in ("prefill", "decode"):
             rows[(shape, side, r["bench"], r["tokens"])] = r["tokens_per_s"]
         elif r.get("bench") == "pic" and "method" in r:

@@ -51,11 +51,17 @@ def main():
     with torch.device(device):
         model = LlamaForCausalLM(config)
     model.eval()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    # Written beside OUT and renamed when whole: a run killed while saving leaves no OUT that a later
+    # run would take as made (save_pretrained writes config.json before the weights).
+    part = out.parent / (out.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    part.mkdir(parents=True)
+    model.save_pretrained(part)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (tok / name).exists():
-            shutil.copy(tok / name, out / name)
+            shutil.copy(tok / name, part / name)
+    shutil.rmtree(out, ignore_errors=True)
+    part.rename(out)
     n = sum(p.numel() for p in model.parameters())
     print(f"{out}: {args.shape}, {n / 1e9:.2f}B parameters, made in {time.time() - t0:.0f} s")
 
