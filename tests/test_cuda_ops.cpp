@@ -832,6 +832,52 @@ TEST_CASE("pack_keys lays packed sequences' keys after the prefix's as the gathe
   CHECK(checked == 3 * 2 * 2);
 }
 
+TEST_CASE("sample_rows on CUDA: the rows' highest tokens read back draw what the host draws from whole rows",
+          "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  auto gen = at::detail::createCPUGenerator(61);
+  // Rows as a model's logits, a small-temperature one, a flat one (its draws fall past the 64
+  // tokens read back: the whole row is read), and greedy rows with a tie at the maximum.
+  at::Tensor logits = at::randn({6, 49152}, gen) * 3;
+  logits[3] = at::randn({49152}, gen) * 0.01;
+  logits[5][11] = 40.0f, logits[5][20] = 40.0f;
+  const std::vector<SamplingOptions> options{{0.7f, 0, 1.0f, 1}, {1.0f, 0, 0.9f, 2}, {1.0f, 50, 1.0f, 3},
+                                             {2.0f, 0, 1.0f, 4}, {0.0f, 0, 1.0f, 5}, {0.0f, 0, 1.0f, 6}};
+  std::vector<std::unique_ptr<Sampler>> on_device, on_host;
+  std::vector<Sampler*> ptrs;
+  for (const auto& o : options) {
+    on_device.push_back(std::make_unique<Sampler>(o));
+    on_host.push_back(std::make_unique<Sampler>(o));
+    ptrs.push_back(on_device.back().get());
+  }
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    INFO(c10::toString(dtype));
+    const at::Tensor device = logits.to(at::kCUDA, dtype);
+    const at::Tensor host = device.to(at::kCPU, at::kFloat);  // the same values, as the host reads them
+    int draws = 0, differ = 0;
+    for (int step = 0; step < 30; ++step) {
+      const std::vector<int32_t> got = Sampler::sample_rows(ptrs, device);
+      REQUIRE(got.size() == options.size());
+      for (size_t r = 0; r < options.size(); ++r) {
+        const int32_t want = on_host[r]->sample(host[static_cast<int64_t>(r)]);
+        if (options[r].temperature == 0) {
+          CHECK(got[r] == want);  // the argmax: the lowest index among equal maxima on both
+        } else {
+          differ += got[r] != want;
+          ++draws;
+        }
+      }
+    }
+    CHECK(on_device[5]->sample(host[5]) == 11);
+    // The device's and the host's exponentials and sums round differently (float32 exp, a float64
+    // sum of a different order): a draw can differ only where it lands within ~1e-6 of a boundary
+    // between two tokens' cumulative masses.
+    INFO(differ << " of " << draws << " sampled draws differ");
+    CHECK(differ <= 1);
+  }
+}
+
 TEST_CASE("rope_rows turns each packed row's queries and keys in place, exactly as apply_rope", "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;

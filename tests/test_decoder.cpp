@@ -2,6 +2,9 @@
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
+#include <random>
+#include <set>
 
 #include "helpers.hpp"
 
@@ -478,6 +481,96 @@ TEST_CASE("sampling is repeatable and its limits behave", "[decoder][sampling]")
   auto top50 = std::get<1>(logits.topk(50));
   for (int32_t t : a) CHECK((top50 == t).any().item<bool>());
   CHECK(std::set<int32_t>(a.begin(), a.end()).size() > 1);
+}
+
+namespace {
+// Sampler's rule over the whole vocabulary sorted (stable: ties the lower id first), in float64,
+// for one uniform draw u01: the reference its partial ordering must agree with.
+int32_t sorted_draw(const at::Tensor& logits, const SamplingOptions& o, double u01) {
+  const at::Tensor s = logits.to(at::kFloat).contiguous() / o.temperature;
+  auto [sorted, order] = s.sort(/*stable=*/true, 0, /*descending=*/true);
+  int64_t keep = sorted.size(0);
+  if (o.top_k > 0) keep = std::min(keep, o.top_k);
+  const at::Tensor p = at::softmax(sorted.narrow(0, 0, keep).to(at::kDouble), 0).contiguous();
+  const double* pp = p.data_ptr<double>();
+  if (o.top_p < 1) {
+    double mass = 0;
+    int64_t i = 0;
+    while (i < keep && mass < o.top_p) mass += pp[i++];
+    keep = std::max<int64_t>(i, 1);
+  }
+  const double u = u01 * std::accumulate(pp, pp + keep, 0.0);
+  int64_t pick = 0;
+  for (double acc = pp[0]; acc < u && pick + 1 < keep; acc += pp[++pick]) {
+  }
+  return static_cast<int32_t>(order[pick].item<int64_t>());
+}
+}  // namespace
+
+TEST_CASE("sampling orders only the highest tokens and draws the token the whole sort would", "[decoder][sampling]") {
+  auto gen = at::detail::createCPUGenerator(53);
+  // A vocabulary's logits as a model's (spread), a small one, and a flat one whose draws fall far
+  // down the order (past 64, 512 and 4,096 ordered tokens: each widening of the order is met).
+  const std::vector<at::Tensor> rows{at::randn({49152}, gen) * 3, at::randn({1000}, gen),
+                                     at::randn({49152}, gen) * 0.01};
+  const std::vector<SamplingOptions> options{{0.7f, 0, 1.0f, 0},  {1.0f, 0, 0.9f, 0},   {1.3f, 50, 1.0f, 0},
+                                             {1.0f, 40, 0.8f, 0}, {2.0f, 0, 1.0f, 0},   {1.0f, 0, 0.999f, 0},
+                                             {0.5f, 5000, 0.95f, 0}};
+  int draws = 0, differ = 0;
+  for (size_t r = 0; r < rows.size(); ++r)
+    for (size_t k = 0; k < options.size(); ++k) {
+      SamplingOptions o = options[k];
+      o.seed = 100 * r + k;
+      Sampler sampler(o);
+      std::mt19937_64 same(o.seed);  // the generator's draws, one a token, as the sampler takes them
+      for (int i = 0; i < 60; ++i) {
+        const double u01 = std::uniform_real_distribution<double>(0.0, 1.0)(same);
+        const int32_t want = sorted_draw(rows[r], o, u01), got = sampler.sample(rows[r]);
+        differ += want != got;
+        ++draws;
+      }
+    }
+  // The two sum the same probabilities in another order and precision (a float64 softmax against
+  // float exponentials): a draw can differ only where it lands within ~1e-6 of a boundary between
+  // two tokens' cumulative masses, about one draw in a million.
+  INFO(differ << " of " << draws << " draws differ");
+  CHECK(draws == 3 * 7 * 60);
+  CHECK(differ <= 1);
+  // Ties: the lower id first, as the stable sort orders them.
+  at::Tensor tied = at::full({100}, -5.0f);
+  tied[7] = 3.0f, tied[3] = 3.0f, tied[50] = 2.9f;
+  Sampler first(SamplingOptions{1.0f, 1, 1.0f, 9});
+  for (int i = 0; i < 5; ++i) CHECK(first.sample(tied) == 3);
+  Sampler two(SamplingOptions{1.0f, 2, 1.0f, 9});
+  std::mt19937_64 same(9);
+  std::set<int32_t> seen;
+  for (int i = 0; i < 40; ++i) {
+    const int32_t t = two.sample(tied);
+    CHECK(t == sorted_draw(tied, SamplingOptions{1.0f, 2, 1.0f, 9}, std::uniform_real_distribution<double>(0.0, 1.0)(same)));
+    seen.insert(t);
+  }
+  CHECK(seen == std::set<int32_t>{3, 7});
+}
+
+TEST_CASE("sample_rows draws each row as its sampler's sample() would", "[decoder][sampling]") {
+  auto gen = at::detail::createCPUGenerator(59);
+  const at::Tensor logits = at::randn({5, 3000}, gen) * 2;
+  const std::vector<SamplingOptions> options{{0.0f, 0, 1.0f, 1}, {0.8f, 0, 0.95f, 2}, {1.0f, 20, 1.0f, 3},
+                                             {0.0f, 0, 1.0f, 4}, {1.5f, 0, 1.0f, 5}};
+  std::vector<std::unique_ptr<Sampler>> rows, alone;
+  std::vector<Sampler*> ptrs;
+  for (const auto& o : options) {
+    rows.push_back(std::make_unique<Sampler>(o));
+    alone.push_back(std::make_unique<Sampler>(o));
+    ptrs.push_back(rows.back().get());
+  }
+  for (int step = 0; step < 20; ++step) {
+    const std::vector<int32_t> got = Sampler::sample_rows(ptrs, logits);
+    REQUIRE(got.size() == options.size());
+    for (size_t r = 0; r < options.size(); ++r) CHECK(got[r] == alone[r]->sample(logits[static_cast<int64_t>(r)]));
+  }
+  CHECK_THROWS_WITH(Sampler::sample_rows(ptrs, logits.narrow(0, 0, 4)),
+                    Catch::Contains("logits [rows, n_vocab] for 5 samplers, found [4, 3000]"));
 }
 
 TEST_CASE("golden: greedy answer of a fixed chat prompt", "[decoder][golden]") {

@@ -16,6 +16,11 @@ struct SamplingOptions {
   uint64_t seed = 0;
 };
 
+// Temperature sampling: the tokens ordered by logit (highest first, ties: the lower id first), the
+// first top_k kept (0: all), then the shortest prefix of them whose probability reaches top_p, and
+// one of those drawn in proportion to exp(logit / temperature) by one uniform draw of the
+// generator (the inverse of their cumulative mass). Only the highest tokens are ordered: as many as
+// top_k, else 64, more only when a draw falls past them.
 class Sampler {
  public:
   explicit Sampler(SamplingOptions options);
@@ -23,6 +28,11 @@ class Sampler {
   int32_t sample(const at::Tensor& logits);
   // Whether sample() is the argmax (temperature 0): the lowest index among equal maxima.
   bool greedy() const { return options_.temperature == 0; }
+  // One token a row of logits [rows, n_vocab] (any device, any float type), row r by samplers[r]
+  // as its sample() would draw it (each sampler's generator advanced as there). On a CUDA device
+  // the rows' highest tokens, maxima and masses are computed there and read back in one copy; a
+  // row whose draw falls past them copies its whole row (rare). Elsewhere each row's sample().
+  static std::vector<int32_t> sample_rows(const std::vector<Sampler*>& samplers, const at::Tensor& logits);
 
  private:
   SamplingOptions options_;

@@ -2,6 +2,8 @@
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
 #include <limits>
+#include <numeric>
+#include <random>
 
 #include "comb/detail/decode_step.hpp"
 #include "commands.hpp"
@@ -400,7 +402,8 @@ void bench_decode(Bench& b, int64_t n_decode, bool profile) {
 // The serving engine's batched decoding step with B sequences running: B requests of 128 prompt
 // tokens each, decoding `n_decode` past end-of-sequence; the steps that ran all B. The batch sizes
 // take turns, --repeat rounds, and each figure is the median of its rounds.
-void bench_batch_decode(Bench& bench, const std::vector<int64_t>& sizes, int64_t n_decode) {
+void bench_batch_decode(Bench& bench, const std::vector<int64_t>& sizes, int64_t n_decode,
+                        const comb::SamplingOptions& sampling) {
   const comb::Model& model = bench.model;
   auto prompt = [&](int64_t n) { return bench.prompt(n); };
   const int repeat = bench.repeat;
@@ -425,6 +428,8 @@ void bench_batch_decode(Bench& bench, const std::vector<int64_t>& sizes, int64_t
         req.prompt.suffix.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
         req.max_tokens = n_decode;
         req.ignore_eos = true;
+        req.sampling = sampling;
+        req.sampling.seed = static_cast<uint64_t>(i);
         req.on_done = [&done, i](const comb::ServeResult&) { done[static_cast<size_t>(i)].set_value(); };
         engine.submit(std::move(req));
       }
@@ -444,13 +449,73 @@ void bench_batch_decode(Bench& bench, const std::vector<int64_t>& sizes, int64_t
     const double tps = median(rates[b]), ms = median(step_ms[b]);
     if (json)
       std::cout << nlohmann::json{{"bench", "batch_decode"}, {"batch", b}, {"rounds", rates[b].size()},
-                                  {"step_ms", ms}, {"tokens_per_s", tps}, {"vs_batch_1", one > 0 ? tps / one : 0.0}}
+                                  {"step_ms", ms}, {"tokens_per_s", tps}, {"vs_batch_1", one > 0 ? tps / one : 0.0},
+                                  {"temperature", sampling.temperature}, {"top_p", sampling.top_p}}
                        .dump()
                 << std::endl;
     else
-      fmt::print("batch {:>3}  {:>8.2f} ms/step  {:>9.1f} tokens/s  (median of {}){}\n", b, ms, tps, rates[b].size(),
-                 one > 0 && b != 1 ? fmt::format("  {:.2f}x batch 1", tps / one) : "");
+      fmt::print("batch {:>3}  {:>8.2f} ms/step  {:>9.1f} tokens/s  (median of {}){}{}\n", b, ms, tps, rates[b].size(),
+                 one > 0 && b != 1 ? fmt::format("  {:.2f}x batch 1", tps / one) : "",
+                 sampling.temperature > 0
+                     ? fmt::format("  sampled (temperature {}, top-p {})", sampling.temperature, sampling.top_p)
+                     : "");
   }
+}
+
+// Drawing a token from the model's logits (the last row of a 128-token prompt's forward): `n`
+// draws by Sampler::sample (its highest tokens ordered) against as many by the rule's whole
+// ordering (a stable sort of the vocabulary, its softmax, the same walk: how the sampler drew
+// before), in the same run on the same logits, --repeat rounds; the medians per draw and their ratio.
+void bench_sample(Bench& b, int64_t n, const comb::SamplingOptions& options) {
+  comb::KVCache cache = b.dec.make_cache(1, 128);
+  const at::Tensor logits = b.dec.forward(b.prompt(128), cache)[0][-1].to(at::kCPU, at::kFloat).contiguous();
+  auto whole_sort = [&](double u01) {  // the previous sampler's rule, over every token
+    auto [sorted, order] = (logits / options.temperature).sort(/*stable=*/true, 0, /*descending=*/true);
+    int64_t keep = sorted.size(0);
+    if (options.top_k > 0) keep = std::min(keep, options.top_k);
+    const at::Tensor p = at::softmax(sorted.narrow(0, 0, keep), 0);
+    const float* pp = p.data_ptr<float>();
+    if (options.top_p < 1) {
+      double mass = 0;
+      int64_t i = 0;
+      while (i < keep && mass < options.top_p) mass += pp[i++];
+      keep = std::max<int64_t>(i, 1);
+    }
+    const double u = u01 * std::accumulate(pp, pp + keep, 0.0);
+    int64_t pick = 0;
+    for (double acc = pp[0]; acc < u && pick + 1 < keep; acc += pp[++pick]) {
+    }
+    return order[pick].item<int64_t>();
+  };
+  std::vector<double> fast, sorted;
+  int64_t agree = 0;
+  for (int r = 0; r < b.repeat; ++r) {
+    comb::SamplingOptions o = options;
+    o.seed = static_cast<uint64_t>(r);
+    comb::Sampler sampler(o);
+    std::vector<int32_t> got(static_cast<size_t>(n));
+    auto t0 = Bench::now();
+    for (auto& t : got) t = sampler.sample(logits);
+    fast.push_back(std::chrono::duration<double>(Bench::now() - t0).count() / double(n));
+    std::mt19937_64 same(o.seed);
+    t0 = Bench::now();
+    for (int64_t i = 0; i < n; ++i)
+      agree += whole_sort(std::uniform_real_distribution<double>(0.0, 1.0)(same)) == got[static_cast<size_t>(i)];
+    sorted.push_back(std::chrono::duration<double>(Bench::now() - t0).count() / double(n));
+  }
+  const double f = median(fast) * 1e6, w = median(sorted) * 1e6;
+  const int64_t total = n * b.repeat;
+  if (b.json)
+    std::cout << nlohmann::json{{"bench", "sample"}, {"vocab", logits.numel()}, {"draws", n},
+                                {"temperature", options.temperature}, {"top_p", options.top_p},
+                                {"us_per_draw", f}, {"whole_sort_us_per_draw", w}, {"speedup", w / f},
+                                {"same_token", double(agree) / double(total)}}
+                     .dump()
+              << std::endl;
+  else
+    fmt::print("sample   {:>6} tokens  {:>8.1f} us a draw, {:.1f} us ordering them all ({:.1f}x); the same token "
+               "in {} of {} draws (temperature {}, top-p {})\n",
+               logits.numel(), f, w, w / f, agree, total, options.temperature, options.top_p);
 }
 
 // Placing `n_place` cached tokens, in documents of 64 moved to where they land (keys rotated).
@@ -557,10 +622,17 @@ int cmd_bench(Args& args) {
   if (n_place < 0 || n_place > model.config().n_ctx)
     throw Error(fmt::format("--place: expected a number of tokens in [0, {}] (the model's context), found {}",
                             model.config().n_ctx, n_place));
+  const int64_t n_sample = args.num<int64_t>("sample", 0);
+  if (n_sample < 0) throw Error("--sample: expected a number of draws >= 0, found " + std::to_string(n_sample));
   int64_t n_tokenize = args.num<int64_t>("tokenize", 0);
   if (n_tokenize < 0) throw Error("--tokenize: expected a number of characters >= 0, found " + std::to_string(n_tokenize));
   int repeat = std::max(1, args.num<int>("repeat", 3));
   const bool profile = args.num<int>("profile", 0) != 0;
+  comb::SamplingOptions sampling;  // --batch-decode's rows: greedy, or sampled
+  sampling.temperature = args.num<float>("temperature", 0.0f);
+  sampling.top_p = args.num<float>("top-p", 1.0f);
+  comb::Sampler check(sampling);  // its limits, before any run
+  (void)check;
   bool json = args.has("json");
   args.str("json");
   args.check_all_used();
@@ -569,9 +641,14 @@ int cmd_bench(Args& args) {
   bench_weights(b);
   bench_prefill(b, lengths, cached);
   if (n_decode > 0) bench_decode(b, n_decode, profile);
-  if (!batch_sizes.empty()) bench_batch_decode(b, batch_sizes, n_decode);
+  if (!batch_sizes.empty()) bench_batch_decode(b, batch_sizes, n_decode, sampling);
   if (n_place > 0) bench_place(b, n_place);
   if (n_tokenize > 0) bench_tokenize(b, n_tokenize);
+  if (n_sample > 0) {
+    comb::SamplingOptions o = sampling;
+    if (o.temperature == 0) o.temperature = 1.0f;  // a draw, not the argmax
+    bench_sample(b, n_sample, o);
+  }
   bench_memory(b);
   return 0;
 }

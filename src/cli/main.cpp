@@ -248,6 +248,13 @@ bench options:
                          to where it lands (keys rotated), as naive, CacheBlend and EPIC do (default 0: off)
   --tokenize N           also time the tokenizer on one word of N random letters, a new one
                          each run (BPE merges inside one pre-tokenized piece) (default 0: off)
+  --batch-decode LIST    also the serving engine's batched decoding step with each number of
+                         sequences running (128-token prompts, --decode-tokens each)
+  --temperature T, --top-p P  with --batch-decode: every row samples (temperature T, top-p P, a seed a
+                         row) instead of taking the argmax (default 0: greedy)
+  --sample N             also time N draws of a token from the model's logits (--temperature, default
+                         1, and --top-p) against the same draws ordering the whole vocabulary
+                         (default 0: off)
   --repeat N             runs per figure; the median is reported (default 3)
   --profile 0|1          also profile --decode-tokens decode steps: time per step by operation (its own
                          time, without the operations it calls), and the time outside every operation

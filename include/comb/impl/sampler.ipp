@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <utility>
+#include <vector>
 
 #include "comb/error.hpp"
 #include "comb/sampler.hpp"
@@ -20,27 +22,224 @@ COMB_INLINE Sampler::Sampler(SamplingOptions options) : options_(options), rng_(
   COMB_CHECK(options.top_p > 0 && options.top_p <= 1, "top-p must be in (0, 1], found {}", options.top_p);
 }
 
+namespace detail::sampling {
+
+// A row's highest tokens by scaled logit s = logit / temperature: descending, ties the lower id
+// first (NaN never among them).
+struct Candidates {
+  std::vector<float> values;
+  std::vector<int32_t> ids;
+  float max = 0;    // the row's largest s (values[0])
+  double mass = 0;  // the sum over the whole row of exp(s - max)
+  int64_t n = 0;    // the row's tokens
+};
+
+using Scored = std::pair<float, int32_t>;
+// a is ordered before b: a higher s, or the same and a lower id.
+inline bool before(const Scored& a, const Scored& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); }
+
+// The candidates in order from (value, id) pairs in any order.
+COMB_INLINE void set_candidates(std::vector<Scored>& top, Candidates& c) {
+  std::sort(top.begin(), top.end(), before);
+  c.values.resize(top.size());
+  c.ids.resize(top.size());
+  for (size_t i = 0; i < top.size(); ++i) c.values[i] = top[i].first, c.ids[i] = top[i].second;
+  c.max = top.empty() ? 0.0f : top[0].first;
+}
+
+// The `want` highest of s_i = logits[i] / t (every one when want >= n).
+COMB_INLINE void highest(const float* logits, int64_t n, float t, int64_t want, Candidates& c) {
+  std::vector<Scored> top;
+  top.reserve(static_cast<size_t>(std::min(want, n)));
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = logits[i] / t;
+    if (std::isnan(v)) continue;
+    if (static_cast<int64_t>(top.size()) < want) {
+      top.emplace_back(v, static_cast<int32_t>(i));
+      std::push_heap(top.begin(), top.end(), before);  // front: the last in order kept
+    } else if (v > top.front().first) {  // a later id enters only above the last kept
+      std::pop_heap(top.begin(), top.end(), before);
+      top.back() = {v, static_cast<int32_t>(i)};
+      std::push_heap(top.begin(), top.end(), before);
+    }
+  }
+  set_candidates(top, c);
+  c.n = n;
+}
+
+// The token drawn by `u01` (in [0, 1)) from the candidates (Sampler's rule), or -1 where they are
+// too few to decide it.
+COMB_INLINE int64_t pick(const Candidates& c, const SamplingOptions& o, double u01) {
+  const auto have = static_cast<int64_t>(c.ids.size());
+  if (have == 0) return -1;
+  if (!std::isfinite(c.max) || !std::isfinite(c.mass)) return c.ids[0];  // an infinite or NaN row: its first
+  std::vector<double> e(static_cast<size_t>(have));
+  for (int64_t j = 0; j < have; ++j) e[j] = std::exp(static_cast<double>(c.values[j]) - c.max);
+  auto sum = [&](int64_t k) { return std::accumulate(e.begin(), e.begin() + k, 0.0); };
+  int64_t keep = o.top_k > 0 ? std::min(c.n, o.top_k) : c.n;
+  if (keep < c.n && keep > have) return -1;
+  if (o.top_p < 1) {  // the shortest prefix whose mass reaches top_p of the kept tokens'
+    const double goal = o.top_p * (keep == c.n ? c.mass : sum(keep));
+    double mass = 0;
+    int64_t i = 0;
+    while (i < keep && mass < goal) {
+      if (i >= have) return -1;
+      mass += e[static_cast<size_t>(i++)];
+    }
+    keep = std::max<int64_t>(i, 1);
+  }
+  const double u = u01 * (keep == c.n ? c.mass : sum(keep));
+  int64_t j = 0;
+  for (double acc = e[0]; acc < u && j + 1 < keep; acc += e[static_cast<size_t>(++j)])
+    if (j + 1 >= have) return -1;
+  return c.ids[static_cast<size_t>(j)];
+}
+
+// A token of a whole row: its scaled logit, id and weight exp(s - max).
+struct Item {
+  float value;
+  int32_t id;
+  double weight;
+};
+inline bool item_before(const Item& a, const Item& b) {
+  return a.value > b.value || (a.value == b.value && a.id < b.id);
+}
+
+// Of `items`, the one at which the cumulative weight in the order (value descending, ties the lower
+// id first) first reaches `target` (the last one where none does): a selection by weight, each
+// round splitting the items in place at a pivot value and keeping the side the target falls in
+// (linear in the items where pivots split them; a full sort after 64 rounds that did not).
+COMB_INLINE Item first_reaching(std::vector<Item>& items, double target) {
+  double before = 0;
+  auto lo = items.begin(), hi = items.end();
+  for (int round = 0;; ++round) {
+    if (hi - lo <= 32 || round == 64) {
+      std::sort(lo, hi, item_before);
+      for (auto it = lo; it != hi; ++it)
+        if ((before += it->weight) >= target) return *it;
+      return *(hi - 1);
+    }
+    const float a = lo->value, b = (lo + (hi - lo) / 2)->value, c = (hi - 1)->value;
+    const float pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));  // the median of three
+    const auto greater = std::partition(lo, hi, [pivot](const Item& it) { return it.value > pivot; });
+    const auto equal = std::partition(greater, hi, [pivot](const Item& it) { return it.value == pivot; });
+    double above = 0;
+    for (auto it = lo; it != greater; ++it) above += it->weight;
+    if (greater != lo && before + above >= target) {
+      hi = greater;
+      continue;
+    }
+    before += above;
+    std::sort(greater, equal, item_before);  // one value: by id
+    for (auto it = greater; it != equal; ++it)
+      if ((before += it->weight) >= target) return *it;
+    if (equal == hi) return *(equal - 1);
+    lo = equal;
+  }
+}
+
+// The token of draw u01 from a row of float logits [n] on the host: its highest tokens ordered
+// (top_k of them, else 64); where the draw falls past them, a selection by weight over every token.
+COMB_INLINE int32_t draw(const float* logits, int64_t n, const SamplingOptions& o, double u01) {
+  Candidates c;
+  highest(logits, n, o.temperature, std::min(n, o.top_k > 0 ? o.top_k : 64), c);
+  if (c.ids.empty()) return 0;  // every logit NaN
+  const at::Tensor l = at::from_blob(const_cast<float*>(logits), {n}, at::kFloat);
+  const at::Tensor e = at::exp(l.div(o.temperature).sub_(c.max)).contiguous();  // every token's weight
+  c.mass = e.sum(at::kDouble).item<double>();  // read where every token is kept (no top_k, or one >= n)
+  const int64_t j = pick(c, o, u01);
+  if (j >= 0) return static_cast<int32_t>(j);
+  // Past the highest 64 (no top_k below n here: with one, the candidates are every kept token).
+  std::vector<Item> items;
+  items.reserve(static_cast<size_t>(n));
+  const float* w = e.data_ptr<float>();
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = logits[i] / o.temperature;
+    if (std::isnan(v)) continue;
+    items.push_back({v, static_cast<int32_t>(i), static_cast<double>(w[i])});
+    total += w[i];
+  }
+  if (o.top_p < 1) {  // the kept: every token ordered up to the one where the mass reaches top_p
+    const Item last = first_reaching(items, o.top_p * total);
+    std::vector<Item> kept;
+    total = 0;
+    for (const Item& it : items)
+      if (!item_before(last, it)) {
+        kept.push_back(it);
+        total += it.weight;
+      }
+    items = std::move(kept);
+  }
+  return first_reaching(items, u01 * total).id;
+}
+
+}  // namespace detail::sampling
+
 COMB_INLINE int32_t Sampler::sample(const at::Tensor& logits) {
   at::Tensor l = logits.to(at::kCPU, at::kFloat).contiguous();
   if (options_.temperature == 0) return static_cast<int32_t>(l.argmax().item<int64_t>());
-  at::Tensor sorted, order;
-  std::tie(sorted, order) = (l / options_.temperature).sort(/*dim=*/-1, /*descending=*/true);
-  int64_t keep = sorted.size(0);
-  if (options_.top_k > 0) keep = std::min(keep, options_.top_k);
-  at::Tensor probs = at::softmax(sorted.narrow(0, 0, keep), 0);
-  const float* p = probs.data_ptr<float>();
-  if (options_.top_p < 1) {  // smallest prefix whose mass reaches top_p
-    double mass = 0;
-    int64_t i = 0;
-    while (i < keep && mass < options_.top_p) mass += p[i++];
-    keep = std::max<int64_t>(i, 1);
+  const double u01 = std::uniform_real_distribution<double>(0.0, 1.0)(rng_);
+  return detail::sampling::draw(l.data_ptr<float>(), l.numel(), options_, u01);
+}
+
+COMB_INLINE std::vector<int32_t> Sampler::sample_rows(const std::vector<Sampler*>& samplers, const at::Tensor& logits) {
+  COMB_CHECK(logits.dim() == 2 && logits.size(0) == static_cast<int64_t>(samplers.size()),
+             "sample_rows: logits [rows, n_vocab] for {} samplers, found [{}]", samplers.size(),
+             fmt::join(logits.sizes(), ", "));
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  std::vector<int32_t> out(static_cast<size_t>(rows));
+  if (!logits.is_cuda()) {
+    const at::Tensor host = logits.to(at::kCPU, at::kFloat).contiguous();
+    for (int64_t r = 0; r < rows; ++r) out[r] = samplers[r]->sample(host[r]);
+    return out;
   }
-  double total = std::accumulate(p, p + keep, 0.0);
-  double u = std::uniform_real_distribution<double>(0.0, total)(rng_);
-  int64_t pick = 0;
-  for (double acc = p[0]; acc < u && pick + 1 < keep; acc += p[++pick]) {
+  // On the device: each row's argmax, and for the sampling rows their scaled logits' highest
+  // `want` (ids and values), maximum and whole mass, read back in one copy of doubles (ids exact).
+  std::vector<float> temperature(static_cast<size_t>(rows), 1.0f);
+  int64_t want = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const SamplingOptions& o = samplers[r]->options_;
+    if (o.temperature == 0) continue;
+    temperature[r] = o.temperature;
+    want = std::max(want, std::min(n, o.top_k > 0 ? o.top_k : 64));
   }
-  return static_cast<int32_t>(order[pick].item<int64_t>());
+  const at::Tensor f = logits.to(at::kFloat);
+  std::vector<at::Tensor> parts{f.argmax(1).to(at::kDouble).unsqueeze(1)};
+  if (want > 0) {
+    const at::Tensor t = at::tensor(temperature, at::kFloat).to(f.device()).unsqueeze(1);
+    const at::Tensor scaled = f / t;  // as the host divides each logit
+    auto [values, ids] = scaled.topk(want, 1, /*largest=*/true, /*sorted=*/true);
+    const at::Tensor max = values.narrow(1, 0, 1);
+    const at::Tensor mass = at::exp(scaled - max).sum(1, /*keepdim=*/true, at::kDouble);
+    parts.insert(parts.end(), {max.to(at::kDouble), mass, values.to(at::kDouble), ids.to(at::kDouble)});
+  }
+  const at::Tensor host = at::cat(parts, 1).to(at::kCPU).contiguous();  // [rows, 1 (+ 2 + 2 want)]
+  const double* a = host.data_ptr<double>();
+  const int64_t width = host.size(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const double* row = a + r * width;
+    Sampler& s = *samplers[r];
+    if (s.options_.temperature == 0) {
+      out[r] = static_cast<int32_t>(row[0]);
+      continue;
+    }
+    const double u01 = std::uniform_real_distribution<double>(0.0, 1.0)(s.rng_);
+    detail::sampling::Candidates c;
+    std::vector<detail::sampling::Scored> top;
+    for (int64_t j = 0; j < want; ++j)
+      if (!std::isnan(row[3 + j])) top.emplace_back(static_cast<float>(row[3 + j]), static_cast<int32_t>(row[3 + want + j]));
+    detail::sampling::set_candidates(top, c);  // ties: the lower id first, as on the host
+    c.mass = row[2];
+    c.n = n;
+    int64_t j = detail::sampling::pick(c, s.options_, u01);
+    if (j < 0) {  // the draw past the highest `want`: the whole row, on the host
+      const at::Tensor whole = f[r].to(at::kCPU).contiguous();
+      j = detail::sampling::draw(whole.data_ptr<float>(), n, s.options_, u01);
+    }
+    out[r] = static_cast<int32_t>(j);
+  }
+  return out;
 }
 
 COMB_INLINE TokenLogprob token_logprob(const at::Tensor& logits, int32_t token, int64_t top) {

@@ -769,11 +769,25 @@ COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
     }
   }
   if (!logits.defined()) logits = batched_forward(rows);
-  at::Tensor picked;  // [rows] int64, argmax_only
-  if (argmax_only)
-    picked = logits.argmax(-1).to(at::kCPU);
-  else
-    logits = logits.to(at::kCPU);
+  // Each row's token where no row asks for log-probabilities: the argmax of every row (8 bytes a
+  // row read back), or on a GPU the sampling rows' highest tokens read back with it
+  // (Sampler::sample_rows); else every row's logits on the host (from a GPU through page-locked
+  // memory, one copy).
+  std::vector<int32_t> picked(rows.size(), -1);
+  const bool sample_on_device = !argmax_only && logits.is_cuda() &&
+                                std::none_of(rows.begin(), rows.end(), [](const Sequence* s) { return s->request.logprobs; });
+  if (argmax_only) {
+    const at::Tensor top = logits.argmax(-1).to(at::kCPU);
+    for (size_t b = 0; b < rows.size(); ++b) picked[b] = static_cast<int32_t>(top.data_ptr<int64_t>()[b]);
+  } else if (sample_on_device) {
+    std::vector<Sampler*> samplers;
+    for (Sequence* s : rows) samplers.push_back(s->sampler.get());
+    picked = Sampler::sample_rows(samplers, logits);
+  } else if (logits.is_cuda()) {
+    at::Tensor host = at::empty(logits.sizes(), logits.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(logits);
+    logits = host;
+  }
   double piece_ms = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -812,8 +826,7 @@ COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
   for (size_t b = 0; b < rows.size(); ++b) {
     Sequence& s = *rows[b];
     ++s.length;
-    emit(s, logits[static_cast<int64_t>(b)],
-         picked.defined() ? static_cast<int32_t>(picked.data_ptr<int64_t>()[b]) : -1);
+    emit(s, logits[static_cast<int64_t>(b)], picked[b]);
   }
   return piece_ms;
 }
