@@ -18,14 +18,16 @@
 #    rows (the default) or 128 as graphs (COMB_CUDA_STEP_ROWS=64, 128; 1b);
 # 6. the serving engine's batched decoding step on the 8b shape (comb bench --batch-decode 1,16,64:
 #    tokens/s with 1, 16 and 64 sequences running, bf16, 128-token prompts), its kernels launched
-#    one by one and then replayed as CUDA graphs (COMB_CUDA_PAGED_GRAPHS=0, 1);
+#    one by one and then replayed as CUDA graphs (COMB_CUDA_PAGED_GRAPHS=0, 1), then every row
+#    sampling (temperature 0.8, top-p 0.95; batch-decode-8b-sampled.txt);
 # 7. comb serve on the 8b shape (bf16) under comb loadgen: DATA's first 20 items as the document
 #    pool, 16 tokens out, prefix caching then COMB at a few Poisson rates (COMB_GPU_SERVE_S seconds
 #    each, default 15), then full and naive reuse at 2 requests/s (warm TTFT against full's at
 #    COMB's lowest rate), the decoding steps taking prompts' pieces (the mixed step);
 # 8. step 7's server with --mixed-step 0 at its higher rates;
 # 9. comb serve on the 8b shape under a plain load: 16 and 64 closed-loop clients (comb loadgen
-#    --concurrency), prompts of 48 words (about 128 tokens), 128 tokens out;
+#    --concurrency), prompts of 48 words (about 128 tokens), 128 tokens out; then 16 sampling
+#    (--temperature 0.8);
 # 10. the document store's host tier (1b): warm requests with a device tier of 8 MiB (comb bench
 #    --device-cache-mb), most documents promoted from the host tier at each, its entries in
 #    pageable then page-locked memory (COMB_CUDA_PINNED_HOST=0, 1);
@@ -44,7 +46,7 @@
 # packed into FILE (gzip'ed tar) after every step, so that a killed run keeps what its finished steps
 # wrote. Each step's output goes to OUT_DIR (tests.txt, bf16-reference.txt, greedy-cuda-float32.txt,
 # gpu.txt, gpu.err.txt, gpu-raw.txt, pic-profile-1b.txt, varlen-1b.txt, graphs-1b.txt,
-# step-rows-1b.txt, pic-ab.err.txt, batch-decode-8b-graphs{0,1}.txt, serve-8b.txt, serve-8b.log,
+# step-rows-1b.txt, pic-ab.err.txt, batch-decode-8b-graphs{0,1}.txt, batch-decode-8b-sampled.txt, serve-8b.txt, serve-8b.log,
 # serve-8b-unmixed.txt, serve-8b-unmixed.log, serve-8b-plain.txt, serve-8b-plain.log,
 # host-tier-1b.txt, same-tokens-cuda.txt, decode-kernels-{1b,8b}.txt and their ncu tables
 # decode-kernels-{1b,8b}-{node,graph}.csv, models.log); a summary to stdout. COMB_BIN and
@@ -180,6 +182,12 @@ step6() {  # the serving engine's batched decoding step (8b, bf16)
     echo "COMB_CUDA_PAGED_GRAPHS=$g rc $?"
     grep -E "^batch|decode" "$out/batch-decode-8b-graphs$g.txt"
   done
+  # Every row sampling (the graphs on): the rows' highest tokens read back instead of their argmax.
+  timeout "$(limit 150)" "$comb" bench --model "$work/8b" --device cuda --dtype bfloat16 --prompt-tokens 128 \
+    --decode-tokens 256 --batch-decode 1,16,64 --temperature 0.8 --top-p 0.95 --repeat 1 \
+    > "$out/batch-decode-8b-sampled.txt" 2>&1
+  echo "sampled (temperature 0.8, top-p 0.95) rc $?"
+  grep -E "^batch" "$out/batch-decode-8b-sampled.txt"
 }
 
 serve_s=${COMB_GPU_SERVE_S:-15}
@@ -201,6 +209,9 @@ plain_load() {
   local port=$1 clients=$2
   timeout "$(limit 100)" "$comb" loadgen --port "$port" --data "$data" --items 20 --concurrency "$clients" \
     --prompt-words 48 --max-tokens 128 --warm 0 --duration "$serve_s"
+  echo "16 clients sampling (temperature 0.8):"
+  timeout "$(limit 60)" "$comb" loadgen --port "$port" --data "$data" --items 20 --concurrency 16 \
+    --prompt-words 48 --max-tokens 128 --warm 0 --duration "$serve_s" --temperature 0.8 | tail -n +2
 }
 # comb serve on the 8b shape under comb loadgen: serve_8b NAME "SERVE OPTIONS" LOAD [LOAD ARGS...]
 serve_8b() {
@@ -316,7 +327,7 @@ title=([1]='comb_tests [cuda]' [2]='greedy answers, cuda float32 against the CPU
   [10]='the document store'"'"'s host tier: a device tier of 8 MiB, pageable then page-locked (1b)'
   [11]='greedy answers of comb eval, comb serve (alone and batched) and comb generate on cuda, float32 (135m)'
   [12]='a decoding step'"'"'s kernels under Nsight Compute (1b, 8b; bf16)')
-need=([1]=90 [2]=45 [3]=180 [4]=45 [5]=90 [6]=90 [7]=120 [8]=70 [9]=60 [10]=45 [11]=90 [12]=150)
+need=([1]=90 [2]=45 [3]=180 [4]=45 [5]=90 [6]=120 [7]=120 [8]=70 [9]=80 [10]=45 [11]=90 [12]=150)
 for n in ${COMB_GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8 9 10 11 12}; do
   if [ -z "${title[$n]:-}" ]; then
     echo "no step $n (1 to 12)"

@@ -116,6 +116,8 @@ int cmd_loadgen(Args& args) {
   const double duration = args.num<double>("duration", 30);
   const int64_t max_tokens = args.num<int64_t>("max-tokens", 16);
   const uint64_t seed = args.num<uint64_t>("seed", 0);
+  const double temperature = args.num<double>("temperature", 0);  // 0: greedy
+  COMB_CHECK(temperature >= 0 && temperature <= 2, "--temperature: expected 0 (greedy) to 2, found {}", temperature);
   std::string model = args.str("served-model-name");
   const bool warm = args.num<int>("warm", 1) != 0;
   const bool json_out = args.has("json");
@@ -176,7 +178,7 @@ int cmd_loadgen(Args& args) {
   auto body_for = [&](const QaItem& item, const std::string& method, std::mt19937_64& rng) {
     std::vector<QaDocument> docs = item.documents;
     std::shuffle(docs.begin(), docs.end(), rng);
-    json j = {{"model", model}, {"max_tokens", max_tokens}, {"temperature", 0}, {"stream", true},
+    json j = {{"model", model}, {"max_tokens", max_tokens}, {"temperature", temperature}, {"stream", true},
               {"stream_options", {{"include_usage", true}}}};
     if (prompt_words > 0) {  // N words from a random place, wrapping around
       const size_t at = std::uniform_int_distribution<size_t>(0, words.size() - 1)(rng);

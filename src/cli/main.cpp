@@ -337,7 +337,8 @@ loadgen options (no model loaded; docs/benchmarks.md):
   --prompt-words N       each request a user message of N words taken from the items' documents, with
                          no documents (a plain serving load; --methods default full)
   --duration S           seconds of arrivals per run (default 30); the run then waits for them
-  --max-tokens N         per request (default 16), greedy
+  --max-tokens N         per request (default 16)
+  --temperature T        each request's sampling temperature (default 0: greedy; at most 2)
   --warm 0|1             before a method's runs, every item once (default 1)
   --served-model-name S  the model name to ask for (default: the one GET /v1/models lists)
   --seed N               arrivals, items and document orders (default 0)
