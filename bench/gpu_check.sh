@@ -87,7 +87,8 @@ checkpoint() {
 # model SHAPE: WORK_DIR/SHAPE, made unless there (its log in models.log); 1 where it failed.
 model() {
   [ -f "$work/$1/config.json" ] && return 0
-  python3 "$here/make_random_llama.py" --shape "$1" --tokenizer "$tok" --out "$work/$1" >> "$out/models.log" 2>&1 && return 0
+  timeout "$(limit 240)" python3 "$here/make_random_llama.py" --shape "$1" --tokenizer "$tok" --out "$work/$1" \
+    >> "$out/models.log" 2>&1 && return 0
   echo "making the $1 shape failed (models.log):"
   tail -3 "$out/models.log"
   return 1
@@ -95,7 +96,7 @@ model() {
 # plugin SHAPE: the shape and its fresh joint plug-in (WORK_DIR/SHAPE.plugin.safetensors).
 plugin() {
   model "$1" || return 1
-  gpu_plugin "$comb" "$work/$1" 2>> "$out/models.log" && return 0
+  gpu_plugin "$comb" "$work/$1" "$(limit 120)" 2>> "$out/models.log" && return 0
   echo "the $1 shape's plug-in failed (models.log):"
   tail -3 "$out/models.log"
   return 1
@@ -222,10 +223,10 @@ serve_8b() {
   # shellcheck disable=SC2086
   "$comb" serve --model "$work/8b" --plugin "$work/8b.plugin.safetensors" --device cuda --dtype bfloat16 --port 0 \
     --port-file "$work/serve.port" --max-running 64 --max-queued 1024 --kv-mb 16384 --cache-mb 8192 \
-    --log-requests 0 $options 2> "$out/$name.log" &
+    --log-requests 0 --drain-timeout 2 $options 2> "$out/$name.log" &
   local server=$! waited=0
-  # Until it listens, or it has stopped, or two minutes.
-  while [ ! -f "$work/serve.port" ] && kill -0 "$server" 2>/dev/null && ((waited < 600)); do
+  # Until it listens, or it has stopped, or two minutes (or the deadline is near).
+  while [ ! -f "$work/serve.port" ] && kill -0 "$server" 2>/dev/null && ((waited < 600 && $(left) > 30)); do
     sleep 0.2
     waited=$((waited + 1))
   done
@@ -235,13 +236,18 @@ serve_8b() {
     head -n 2 "$out/$name.log"
     {
       "$load" "$port" "$@"
-      curl -s "http://127.0.0.1:$port/metrics" | grep -E '^comb_(mixed|decode)_' || true
+      curl -s --max-time 5 "http://127.0.0.1:$port/metrics" | grep -E '^comb_(mixed|decode)_' || true
     } 2>&1 | tee "$out/$name.txt"
   else
     echo "the server did not start:"
     tail -5 "$out/$name.log"
   fi
   kill -TERM "$server" 2>/dev/null
+  for _ in $(seq 1 50); do  # its drain (--drain-timeout 2), then no longer
+    kill -0 "$server" 2>/dev/null || break
+    sleep 0.2
+  done
+  kill -KILL "$server" 2>/dev/null
   wait "$server" 2>/dev/null
 }
 
@@ -329,7 +335,7 @@ title=([1]='comb_tests [cuda]' [2]='greedy answers, cuda float32 against the CPU
   [12]='a decoding step'"'"'s kernels under Nsight Compute (1b, 8b; bf16)')
 need=([1]=90 [2]=45 [3]=180 [4]=45 [5]=90 [6]=120 [7]=120 [8]=70 [9]=80 [10]=45 [11]=90 [12]=150)
 for n in ${COMB_GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8 9 10 11 12}; do
-  if [ -z "${title[$n]:-}" ]; then
+  if ! [[ $n =~ ^[1-9][0-9]*$ ]] || [ -z "${title[$n]:-}" ]; then
     echo "no step $n (1 to 12)"
     continue
   fi

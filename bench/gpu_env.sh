@@ -60,15 +60,17 @@ gpu_env() {
   [ -z "$missing" ] || { echo "libraries not found: $missing"; return 1; }
 }
 
-# gpu_plugin COMB MODEL_DIR: a fresh joint plug-in of MODEL_DIR at MODEL_DIR.plugin.safetensors unless
-# there (blocks before layers 0 .. L-2 and an encoder of the first L-2 layers, the shipped plug-in's
-# layout; untrained: the GPU runs measure speed with it), made on the GPU in bfloat16.
+# gpu_plugin COMB MODEL_DIR [SECONDS]: a fresh joint plug-in of MODEL_DIR at
+# MODEL_DIR.plugin.safetensors unless there (blocks before layers 0 .. L-2 and an encoder of the first
+# L-2 layers, the shipped plug-in's layout; untrained: the GPU runs measure speed with it), made on the
+# GPU in bfloat16, within SECONDS when given (the file is written whole or not at all).
 gpu_plugin() {
-  local comb=$1 m=$2 layers last
+  local comb=$1 m=$2 seconds=${3:-} layers last
   [ -s "$m.plugin.safetensors" ] && return 0
   layers=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["num_hidden_layers"])' "$m/config.json") ||
     return 1
   last=$((layers - 2))
-  "$comb" plugin init --model "$m" --device cuda --dtype bfloat16 --out "$m.plugin.safetensors" --init joint \
+  ${seconds:+timeout "$seconds"} "$comb" plugin init --model "$m" --device cuda --dtype bfloat16 \
+    --out "$m.plugin.safetensors" --init joint \
     --documents-after-prefix 1 --encoder-layers "$last" --cross-layers "$(seq -s, 0 "$last")" >&2
 }

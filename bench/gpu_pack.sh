@@ -96,7 +96,7 @@ COMB_GPU_TAR=$out/gpu-check.tgz COMB_BIN=$pack/bin/comb COMB_TESTS=$pack/bin/com
   COMB_GPU_CHECK_STEPS=${2:-1 2 3 4 5 6 7 8 9 10 11 12} \
   bash bench/gpu_check.sh "$pack/tokenizer" "$pack/greedy" "$pack/items.jsonl" "$files" /tmp/comb-gpu 2>&1 |
   tee "$files/summary.txt"
-tar -czf "$out/gpu-check.tgz" -C "$files" .
+tar -czf "$out/gpu-check.tgz.part" -C "$files" . && mv -f "$out/gpu-check.tgz.part" "$out/gpu-check.tgz"
 EOF
 chmod +x "$dir/run.sh"
 say "$dir: $(du -sh "$dir" | cut -f1)"

@@ -876,6 +876,26 @@ TEST_CASE("sample_rows on CUDA: the rows' highest tokens read back draw what the
     INFO(differ << " of " << draws << " sampled draws differ");
     CHECK(differ <= 1);
   }
+  // A tie that the 64th place cuts (ranks 63 to 65 equal, ids out of order): the host orders it by
+  // id; the device's draws that reach it read the whole row, with or without a top_k of 64.
+  at::Tensor cut = at::full({1, 8000}, -20.0f);
+  for (int64_t j = 0; j < 62; ++j) cut[0][100 + j] = 2.0f - 0.01f * static_cast<float>(j);
+  for (int64_t id : {7000, 5, 900}) cut[0][id] = 1.0f;
+  for (int64_t top_k : {0, 64}) {
+    INFO("top_k " << top_k);
+    Sampler a(SamplingOptions{1.0f, top_k, 1.0f, 17}), b(SamplingOptions{1.0f, top_k, 1.0f, 17});
+    std::vector<Sampler*> one{&a};
+    const at::Tensor device = cut.to(at::kCUDA);
+    int in_tie = 0, differ = 0;
+    for (int i = 0; i < 400; ++i) {
+      const int32_t got = Sampler::sample_rows(one, device)[0], want = b.sample(cut[0]);
+      differ += got != want;
+      in_tie += want == 5 || want == 900 || want == 7000;
+    }
+    INFO(in_tie << " draws in the tie, " << differ << " differ");
+    CHECK(in_tie > 0);
+    CHECK(differ <= 1);
+  }
 }
 
 TEST_CASE("rope_rows turns each packed row's queries and keys in place, exactly as apply_rope", "[ops][cuda]") {

@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <set>
@@ -550,6 +551,16 @@ TEST_CASE("sampling orders only the highest tokens and draws the token the whole
     seen.insert(t);
   }
   CHECK(seen == std::set<int32_t>{3, 7});
+  // A temperature so small that the scaled logits overflow: the argmax, not the first infinite one.
+  Sampler cold(SamplingOptions{1e-38f, 0, 1.0f, 9});
+  at::Tensor two_peaks = at::full({10}, -1.0f);
+  two_peaks[2] = 5.0f, two_peaks[6] = 6.0f;  // over 1e-38: both past float's largest
+  CHECK(cold.sample(two_peaks) == 6);
+  // Every logit -inf but one; every one NaN.
+  at::Tensor lone = at::full({100}, -std::numeric_limits<float>::infinity());
+  lone[42] = 0.0f;
+  CHECK(Sampler(SamplingOptions{1.0f, 0, 0.9f, 9}).sample(lone) == 42);
+  CHECK(Sampler(SamplingOptions{1.0f, 0, 1.0f, 9}).sample(at::full({100}, std::nanf(""))) == 0);
 }
 
 TEST_CASE("sample_rows draws each row as its sampler's sample() would", "[decoder][sampling]") {

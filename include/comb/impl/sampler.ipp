@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -75,11 +76,13 @@ COMB_INLINE int64_t pick(const Candidates& c, const SamplingOptions& o, double u
   if (!std::isfinite(c.max) || !std::isfinite(c.mass)) return c.ids[0];  // an infinite or NaN row: its first
   std::vector<double> e(static_cast<size_t>(have));
   for (int64_t j = 0; j < have; ++j) e[j] = std::exp(static_cast<double>(c.values[j]) - c.max);
-  auto sum = [&](int64_t k) { return std::accumulate(e.begin(), e.begin() + k, 0.0); };
+  // The kept tokens' mass: the candidates' own sum where they hold them all (the walk below adds
+  // the same numbers in the same order, so it ends on a token of weight above 0), else the row's.
+  auto kept_mass = [&](int64_t k) { return k <= have ? std::accumulate(e.begin(), e.begin() + k, 0.0) : c.mass; };
   int64_t keep = o.top_k > 0 ? std::min(c.n, o.top_k) : c.n;
   if (keep < c.n && keep > have) return -1;
   if (o.top_p < 1) {  // the shortest prefix whose mass reaches top_p of the kept tokens'
-    const double goal = o.top_p * (keep == c.n ? c.mass : sum(keep));
+    const double goal = o.top_p * kept_mass(keep);
     double mass = 0;
     int64_t i = 0;
     while (i < keep && mass < goal) {
@@ -88,7 +91,7 @@ COMB_INLINE int64_t pick(const Candidates& c, const SamplingOptions& o, double u
     }
     keep = std::max<int64_t>(i, 1);
   }
-  const double u = u01 * (keep == c.n ? c.mass : sum(keep));
+  const double u = u01 * kept_mass(keep);
   int64_t j = 0;
   for (double acc = e[0]; acc < u && j + 1 < keep; acc += e[static_cast<size_t>(++j)])
     if (j + 1 >= have) return -1;
@@ -145,6 +148,8 @@ COMB_INLINE int32_t draw(const float* logits, int64_t n, const SamplingOptions& 
   highest(logits, n, o.temperature, std::min(n, o.top_k > 0 ? o.top_k : 64), c);
   if (c.ids.empty()) return 0;  // every logit NaN
   const at::Tensor l = at::from_blob(const_cast<float*>(logits), {n}, at::kFloat);
+  // A temperature so small that scaled logits overflow: its limit, the argmax.
+  if (c.max == std::numeric_limits<float>::infinity()) return static_cast<int32_t>(l.argmax().item<int64_t>());
   const at::Tensor e = at::exp(l.div(o.temperature).sub_(c.max)).contiguous();  // every token's weight
   c.mass = e.sum(at::kDouble).item<double>();  // read where every token is kept (no top_k, or one >= n)
   const int64_t j = pick(c, o, u01);
@@ -156,7 +161,7 @@ COMB_INLINE int32_t draw(const float* logits, int64_t n, const SamplingOptions& 
   double total = 0;
   for (int64_t i = 0; i < n; ++i) {
     const float v = logits[i] / o.temperature;
-    if (std::isnan(v)) continue;
+    if (std::isnan(v) || w[i] == 0) continue;  // a token of no weight is never drawn
     items.push_back({v, static_cast<int32_t>(i), static_cast<double>(w[i])});
     total += w[i];
   }
@@ -209,12 +214,14 @@ COMB_INLINE std::vector<int32_t> Sampler::sample_rows(const std::vector<Sampler*
   if (want > 0) {
     const at::Tensor t = at::tensor(temperature, at::kFloat).to(f.device()).unsqueeze(1);
     const at::Tensor scaled = f / t;  // as the host divides each logit
-    auto [values, ids] = scaled.topk(want, 1, /*largest=*/true, /*sorted=*/true);
+    // One more than wanted: where it equals the last wanted, the tie the boundary cuts is known.
+    auto [values, ids] = scaled.topk(std::min(n, want + 1), 1, /*largest=*/true, /*sorted=*/true);
     const at::Tensor max = values.narrow(1, 0, 1);
     const at::Tensor mass = at::exp(scaled - max).sum(1, /*keepdim=*/true, at::kDouble);
     parts.insert(parts.end(), {max.to(at::kDouble), mass, values.to(at::kDouble), ids.to(at::kDouble)});
   }
-  const at::Tensor host = at::cat(parts, 1).to(at::kCPU).contiguous();  // [rows, 1 (+ 2 + 2 want)]
+  const int64_t take = want > 0 ? std::min(n, want + 1) : 0;
+  const at::Tensor host = at::cat(parts, 1).to(at::kCPU).contiguous();  // [rows, 1 (+ 2 + 2 take)]
   const double* a = host.data_ptr<double>();
   const int64_t width = host.size(1);
   for (int64_t r = 0; r < rows; ++r) {
@@ -225,10 +232,18 @@ COMB_INLINE std::vector<int32_t> Sampler::sample_rows(const std::vector<Sampler*
       continue;
     }
     const double u01 = std::uniform_real_distribution<double>(0.0, 1.0)(s.rng_);
+    if (row[1] == std::numeric_limits<double>::infinity()) {  // scaled logits overflow: the argmax, as draw()
+      out[r] = static_cast<int32_t>(row[0]);
+      continue;
+    }
     detail::sampling::Candidates c;
     std::vector<detail::sampling::Scored> top;
+    const double *v = row + 3, *id = row + 3 + take;
+    // topk's order among equal values is not the host's (the lower id first): a group of equal
+    // values that the last wanted place cuts is left out (a draw reaching it reads the whole row).
+    const bool cut = take > want && v[want - 1] == v[want];
     for (int64_t j = 0; j < want; ++j)
-      if (!std::isnan(row[3 + j])) top.emplace_back(static_cast<float>(row[3 + j]), static_cast<int32_t>(row[3 + want + j]));
+      if (!std::isnan(v[j]) && !(cut && v[j] == v[want])) top.emplace_back(static_cast<float>(v[j]), static_cast<int32_t>(id[j]));
     detail::sampling::set_candidates(top, c);  // ties: the lower id first, as on the host
     c.mass = row[2];
     c.n = n;
