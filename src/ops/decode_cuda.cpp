@@ -427,6 +427,15 @@ std::vector<at::Tensor> to_device_async(const std::vector<at::Tensor>& from, c10
   return out;
 }
 
+// Host values into `dst` (a contiguous device tensor, as many elements of its dtype) without the
+// host waiting for the device's queue: staged in pinned memory, which the caching host allocator
+// keeps until the copy has run (a copy from pageable memory would wait for every launch before it).
+void stage_into(const at::Tensor& dst, const void* values) {
+  at::Tensor host = at::empty(dst.sizes(), dst.options().device(at::kCPU).pinned_memory(true));
+  std::memcpy(host.data_ptr(), values, static_cast<size_t>(dst.numel() * dst.element_size()));
+  const_cast<at::Tensor&>(dst).copy_(host, /*non_blocking=*/true);
+}
+
 // A descriptor table in device memory, copied from pinned memory without waiting (the caching host
 // allocator keeps the buffer until the copy has run).
 template <typename Piece>
@@ -874,8 +883,7 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
     p[T + rows] = n - 1;
     c10::cuda::CUDAGuard guard(device_);
     Bucket& b = bucket(rows);
-    // From pageable memory: the copy has read `p` when it returns.
-    b.params.copy_(at::from_blob(p.data(), {static_cast<int64_t>(p.size())}, at::kLong));
+    stage_into(b.params, p.data());  // queued behind what the stream runs, the host not waiting
     if (!graph_wanted_) {
       body(b);
     } else {
@@ -1021,11 +1029,11 @@ class CudaPagedGraphs final : public comb::detail::PagedGraphs {
     COMB_CHECK(b.joined.defined() ? b.joined.numel() == n_joined : n_joined == 0,
                "paged graphs: {} joined parameters for a bucket captured with {}", n_joined,
                b.joined.defined() ? b.joined.numel() : 0);
-    // From pageable memory: each copy has read its vector when it returns.
-    b.ids.copy_(at::from_blob(const_cast<int64_t*>(ids.data()), {bucket}, at::kLong));
-    b.positions.copy_(at::from_blob(const_cast<int64_t*>(positions.data()), {bucket}, at::kLong));
-    b.table.copy_(at::from_blob(const_cast<int32_t*>(table.data()), {bucket, max_blocks}, at::kInt));
-    if (n_joined > 0) b.joined.copy_(at::from_blob(const_cast<int64_t*>(joined.data()), {n_joined}, at::kLong));
+    // Queued on the stream the replay runs on, the host not waiting (stage_into).
+    stage_into(b.ids, ids.data());
+    stage_into(b.positions, positions.data());
+    stage_into(b.table, table.data());
+    if (n_joined > 0) stage_into(b.joined, joined.data());
     if (!b.graph) {
       // Every bucket's graph in one memory pool: they replay one after another on one stream, and
       // each output is copied out, so a new bucket mid-serve takes little memory of its own.
