@@ -1261,9 +1261,13 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
         });
     return out.narrow(0, 0, B);
   }
-  auto on_device = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device_); };
+  // Host integers on the device; on a GPU queued without the host waiting (detail::upload_ints).
+  auto on_device = [&](const std::vector<int64_t>& v) { return detail::upload_ints(v, at::kLong, device_); };
   // The block tables, int32 as the kernels take them (index_select takes them too).
-  const at::Tensor pos_t = on_device(pos), table_t = at::tensor(table, at::kInt).to(device_);
+  const at::Tensor pos_t = on_device(pos);
+  const at::Tensor table_t =
+      device_.is_cpu() ? at::tensor(table, at::kInt)
+                       : detail::upload_ints(std::vector<int64_t>(table.begin(), table.end()), at::kInt, device_);
   const at::Tensor table32 = table_t.view({B, n_blocks_max});
   at::Tensor block_t, offset_t, cos, sin, visible;
   if (!paged_kernels) {
@@ -1279,7 +1283,7 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
   }
   if (paged_kernels && all_plain) return paged_kernels_step(pool, on_device(ids), pos_t, table32, longest);
   std::vector<int64_t> plain;  // rows without joined keys at a layer: attended together
-  at::Tensor x = embed(at::tensor(ids, at::kLong).view({B, 1})).to(dtype_);  // [B, 1, n_embd]
+  at::Tensor x = embed(on_device(ids).view({B, 1})).to(dtype_);  // [B, 1, n_embd]
   // A prompt's piece: its n rows after the B decoding rows, [B + n, 1, n_embd], through every
   // matrix together; its attention is forward()'s over its own cache.
   const int64_t n_piece = piece ? piece->tokens.size(1) : 0, piece_start = piece ? piece->cache->length() : 0;
