@@ -15,7 +15,8 @@
 # 5. COMB's requests with the packed encoder (the default) against the padded batch (COMB_CUDA_VARLEN=0; 1b),
 #    then full's, naive's and COMB's with short forwards as CUDA graphs (the default) against the
 #    fused layers launched one by one (COMB_CUDA_GRAPHS=0; 1b), then with forwards of up to 64
-#    rows (the default) or 128 as graphs (COMB_CUDA_STEP_ROWS=64, 128; 1b);
+#    rows (the default) or 128 as graphs (COMB_CUDA_STEP_ROWS=64, 128; 1b); each A/B's table by
+#    bench/pic_ab.py;
 # 6. the serving engine's batched decoding step on the 8b shape (comb bench --batch-decode 1,16,64:
 #    tokens/s with 1, 16 and 64 sequences running, bf16, 128-token prompts), its kernels launched
 #    one by one and then replayed as CUDA graphs (COMB_CUDA_PAGED_GRAPHS=0, 1), then every row
@@ -160,18 +161,21 @@ step5() {  # A/B runs of the caching methods (1b)
   for v in 0 1; do
     COMB_CUDA_VARLEN=$v timeout "$(limit 60)" "$comb" "${pic[@]}" --pic-methods full,comb --repeat 3 --json \
       2>> "$out/pic-ab.err.txt" | grep -v '"item"' | sed "s/^/varlen=$v /"
-  done | tee "$out/varlen-1b.txt"
+  done > "$out/varlen-1b.txt"
+  python3 "$here/pic_ab.py" < "$out/varlen-1b.txt"
   for g in 0 1; do  # a warm request's question and a decoding step: launched, then one graph
     COMB_CUDA_GRAPHS=$g timeout "$(limit 60)" "$comb" "${pic[@]}" --pic-methods full,naive,comb --repeat 3 --json \
       2>> "$out/pic-ab.err.txt" | grep -v '"item"' | sed "s/^/graphs=$g /"
-  done | tee "$out/graphs-1b.txt"
+  done > "$out/graphs-1b.txt"
+  python3 "$here/pic_ab.py" < "$out/graphs-1b.txt"
   # A cold COMB request's prompt (~65 rows) on the fused layers (the graph takes up to 64) or on the
   # graph bucket of 128 (COMB_CUDA_STEP_ROWS=128): its host's launches against the rows kernel's
   # attention over more rows.
   for r in 64 128; do
     COMB_CUDA_STEP_ROWS=$r timeout "$(limit 60)" "$comb" "${pic[@]}" --pic-methods full,naive,comb --repeat 3 --json \
       2>> "$out/pic-ab.err.txt" | grep -v '"item"' | sed "s/^/step_rows=$r /"
-  done | tee "$out/step-rows-1b.txt"
+  done > "$out/step-rows-1b.txt"
+  python3 "$here/pic_ab.py" < "$out/step-rows-1b.txt"
 }
 
 step6() {  # the serving engine's batched decoding step (8b, bf16)
