@@ -484,30 +484,7 @@ TEST_CASE("sampling is repeatable and its limits behave", "[decoder][sampling]")
   CHECK(std::set<int32_t>(a.begin(), a.end()).size() > 1);
 }
 
-namespace {
-// Sampler's rule over the whole vocabulary sorted (stable: ties the lower id first), in float64,
-// for one uniform draw u01: the reference its partial ordering must agree with.
-int32_t sorted_draw(const at::Tensor& logits, const SamplingOptions& o, double u01) {
-  const at::Tensor s = logits.to(at::kFloat).contiguous() / o.temperature;
-  auto [sorted, order] = s.sort(/*stable=*/true, 0, /*descending=*/true);
-  int64_t keep = sorted.size(0);
-  if (o.top_k > 0) keep = std::min(keep, o.top_k);
-  const at::Tensor p = at::softmax(sorted.narrow(0, 0, keep).to(at::kDouble), 0).contiguous();
-  const double* pp = p.data_ptr<double>();
-  if (o.top_p < 1) {
-    double mass = 0;
-    int64_t i = 0;
-    while (i < keep && mass < o.top_p) mass += pp[i++];
-    keep = std::max<int64_t>(i, 1);
-  }
-  const double u = u01 * std::accumulate(pp, pp + keep, 0.0);
-  int64_t pick = 0;
-  for (double acc = pp[0]; acc < u && pick + 1 < keep; acc += pp[++pick]) {
-  }
-  return static_cast<int32_t>(order[pick].item<int64_t>());
-}
-}  // namespace
-
+// comb::detail::sorted_draw is Sampler's rule over the whole vocabulary sorted: the reference.
 TEST_CASE("sampling orders only the highest tokens and draws the token the whole sort would", "[decoder][sampling]") {
   auto gen = at::detail::createCPUGenerator(53);
   // A vocabulary's logits as a model's (spread), a small one, and a flat one whose draws fall far
@@ -526,14 +503,14 @@ TEST_CASE("sampling orders only the highest tokens and draws the token the whole
       std::mt19937_64 same(o.seed);  // the generator's draws, one a token, as the sampler takes them
       for (int i = 0; i < 60; ++i) {
         const double u01 = std::uniform_real_distribution<double>(0.0, 1.0)(same);
-        const int32_t want = sorted_draw(rows[r], o, u01), got = sampler.sample(rows[r]);
+        const int32_t want = comb::detail::sorted_draw(rows[r], o, u01), got = sampler.sample(rows[r]);
         differ += want != got;
         ++draws;
       }
     }
-  // The two sum the same probabilities in another order and precision (a float64 softmax against
-  // float exponentials): a draw can differ only where it lands within ~1e-6 of a boundary between
-  // two tokens' cumulative masses, about one draw in a million.
+  // The two sum the same probabilities in another order and precision (the reference's float32
+  // softmax against float64 sums of exponentials): a draw can differ only where it lands within
+  // ~1e-6 of a boundary between two tokens' cumulative masses, about one draw in a million.
   INFO(differ << " of " << draws << " draws differ");
   CHECK(draws == 3 * 7 * 60);
   CHECK(differ <= 1);
@@ -547,7 +524,8 @@ TEST_CASE("sampling orders only the highest tokens and draws the token the whole
   std::set<int32_t> seen;
   for (int i = 0; i < 40; ++i) {
     const int32_t t = two.sample(tied);
-    CHECK(t == sorted_draw(tied, SamplingOptions{1.0f, 2, 1.0f, 9}, std::uniform_real_distribution<double>(0.0, 1.0)(same)));
+    const double u01 = std::uniform_real_distribution<double>(0.0, 1.0)(same);
+    CHECK(t == comb::detail::sorted_draw(tied, SamplingOptions{1.0f, 2, 1.0f, 9}, u01));
     seen.insert(t);
   }
   CHECK(seen == std::set<int32_t>{3, 7});

@@ -39,6 +39,13 @@ class Sampler {
   std::mt19937_64 rng_;
 };
 
+namespace detail {
+// Sampler's rule over the whole vocabulary sorted (a stable sort: ties the lower id first; a float32
+// softmax of the kept logits), for one uniform draw u01 in [0, 1): how the sampler drew before it
+// ordered only the highest tokens, the reference its tests and `comb bench --sample` hold it to.
+int32_t sorted_draw(const at::Tensor& logits, const SamplingOptions& options, double u01);
+}  // namespace detail
+
 // A generated token's log-probability under the model (the log-softmax of the raw logits, before
 // temperature and top-p, as OpenAI and vLLM report it) and the `top` most likely tokens with
 // theirs, most likely first (ties: the lower id first).

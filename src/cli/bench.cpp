@@ -469,24 +469,6 @@ void bench_batch_decode(Bench& bench, const std::vector<int64_t>& sizes, int64_t
 void bench_sample(Bench& b, int64_t n, const comb::SamplingOptions& options) {
   comb::KVCache cache = b.dec.make_cache(1, 128);
   const at::Tensor logits = b.dec.forward(b.prompt(128), cache)[0][-1].to(at::kCPU, at::kFloat).contiguous();
-  auto whole_sort = [&](double u01) {  // the previous sampler's rule, over every token
-    auto [sorted, order] = (logits / options.temperature).sort(/*stable=*/true, 0, /*descending=*/true);
-    int64_t keep = sorted.size(0);
-    if (options.top_k > 0) keep = std::min(keep, options.top_k);
-    const at::Tensor p = at::softmax(sorted.narrow(0, 0, keep), 0);
-    const float* pp = p.data_ptr<float>();
-    if (options.top_p < 1) {
-      double mass = 0;
-      int64_t i = 0;
-      while (i < keep && mass < options.top_p) mass += pp[i++];
-      keep = std::max<int64_t>(i, 1);
-    }
-    const double u = u01 * std::accumulate(pp, pp + keep, 0.0);
-    int64_t pick = 0;
-    for (double acc = pp[0]; acc < u && pick + 1 < keep; acc += pp[++pick]) {
-    }
-    return order[pick].item<int64_t>();
-  };
   std::vector<double> fast, sorted;
   int64_t agree = 0;
   for (int r = 0; r < b.repeat; ++r) {
@@ -500,7 +482,8 @@ void bench_sample(Bench& b, int64_t n, const comb::SamplingOptions& options) {
     std::mt19937_64 same(o.seed);
     t0 = Bench::now();
     for (int64_t i = 0; i < n; ++i)
-      agree += whole_sort(std::uniform_real_distribution<double>(0.0, 1.0)(same)) == got[static_cast<size_t>(i)];
+      agree += comb::detail::sorted_draw(logits, o, std::uniform_real_distribution<double>(0.0, 1.0)(same)) ==
+               got[static_cast<size_t>(i)];
     sorted.push_back(std::chrono::duration<double>(Bench::now() - t0).count() / double(n));
   }
   const double f = median(fast) * 1e6, w = median(sorted) * 1e6;

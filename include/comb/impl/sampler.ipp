@@ -181,6 +181,26 @@ COMB_INLINE int32_t draw(const float* logits, int64_t n, const SamplingOptions& 
 
 }  // namespace detail::sampling
 
+COMB_INLINE int32_t detail::sorted_draw(const at::Tensor& logits, const SamplingOptions& o, double u01) {
+  const at::Tensor s = logits.to(at::kCPU, at::kFloat).contiguous().reshape({-1}) / o.temperature;
+  auto [sorted, order] = s.sort(/*stable=*/true, 0, /*descending=*/true);
+  int64_t keep = sorted.size(0);
+  if (o.top_k > 0) keep = std::min(keep, o.top_k);
+  const at::Tensor p = at::softmax(sorted.narrow(0, 0, keep), 0).contiguous();
+  const float* pp = p.data_ptr<float>();
+  if (o.top_p < 1) {
+    double mass = 0;
+    int64_t i = 0;
+    while (i < keep && mass < o.top_p) mass += pp[i++];
+    keep = std::max<int64_t>(i, 1);
+  }
+  const double u = u01 * std::accumulate(pp, pp + keep, 0.0);
+  int64_t pick = 0;
+  for (double acc = pp[0]; acc < u && pick + 1 < keep; acc += pp[++pick]) {
+  }
+  return static_cast<int32_t>(order[pick].item<int64_t>());
+}
+
 COMB_INLINE int32_t Sampler::sample(const at::Tensor& logits) {
   at::Tensor l = logits.to(at::kCPU, at::kFloat).contiguous();
   if (options_.temperature == 0) return static_cast<int32_t>(l.argmax().item<int64_t>());
