@@ -35,33 +35,40 @@ struct Candidates {
   int64_t n = 0;    // the row's tokens
 };
 
-using Scored = std::pair<float, int32_t>;
+// A token: its scaled logit, id and (where a selection by weight needs it) weight exp(s - max).
+struct Item {
+  float value;
+  int32_t id;
+  double weight;
+};
 // a is ordered before b: a higher s, or the same and a lower id.
-inline bool before(const Scored& a, const Scored& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); }
+inline bool item_before(const Item& a, const Item& b) {
+  return a.value > b.value || (a.value == b.value && a.id < b.id);
+}
 
-// The candidates in order from (value, id) pairs in any order.
-COMB_INLINE void set_candidates(std::vector<Scored>& top, Candidates& c) {
-  std::sort(top.begin(), top.end(), before);
+// The candidates in order from tokens in any order.
+COMB_INLINE void set_candidates(std::vector<Item>& top, Candidates& c) {
+  std::sort(top.begin(), top.end(), item_before);
   c.values.resize(top.size());
   c.ids.resize(top.size());
-  for (size_t i = 0; i < top.size(); ++i) c.values[i] = top[i].first, c.ids[i] = top[i].second;
-  c.max = top.empty() ? 0.0f : top[0].first;
+  for (size_t i = 0; i < top.size(); ++i) c.values[i] = top[i].value, c.ids[i] = top[i].id;
+  c.max = top.empty() ? 0.0f : top[0].value;
 }
 
 // The `want` highest of s_i = logits[i] / t (every one when want >= n).
 COMB_INLINE void highest(const float* logits, int64_t n, float t, int64_t want, Candidates& c) {
-  std::vector<Scored> top;
+  std::vector<Item> top;
   top.reserve(static_cast<size_t>(std::min(want, n)));
   for (int64_t i = 0; i < n; ++i) {
     const float v = logits[i] / t;
     if (std::isnan(v)) continue;
     if (static_cast<int64_t>(top.size()) < want) {
-      top.emplace_back(v, static_cast<int32_t>(i));
-      std::push_heap(top.begin(), top.end(), before);  // front: the last in order kept
-    } else if (v > top.front().first) {  // a later id enters only above the last kept
-      std::pop_heap(top.begin(), top.end(), before);
-      top.back() = {v, static_cast<int32_t>(i)};
-      std::push_heap(top.begin(), top.end(), before);
+      top.push_back({v, static_cast<int32_t>(i), 0.0});
+      std::push_heap(top.begin(), top.end(), item_before);  // front: the last in order kept
+    } else if (v > top.front().value) {  // a later id enters only above the last kept
+      std::pop_heap(top.begin(), top.end(), item_before);
+      top.back() = {v, static_cast<int32_t>(i), 0.0};
+      std::push_heap(top.begin(), top.end(), item_before);
     }
   }
   set_candidates(top, c);
@@ -96,16 +103,6 @@ COMB_INLINE int64_t pick(const Candidates& c, const SamplingOptions& o, double u
   for (double acc = e[0]; acc < u && j + 1 < keep; acc += e[static_cast<size_t>(++j)])
     if (j + 1 >= have) return -1;
   return c.ids[static_cast<size_t>(j)];
-}
-
-// A token of a whole row: its scaled logit, id and weight exp(s - max).
-struct Item {
-  float value;
-  int32_t id;
-  double weight;
-};
-inline bool item_before(const Item& a, const Item& b) {
-  return a.value > b.value || (a.value == b.value && a.id < b.id);
 }
 
 // Of `items`, the one at which the cumulative weight in the order (value descending, ties the lower
@@ -257,13 +254,14 @@ COMB_INLINE std::vector<int32_t> Sampler::sample_rows(const std::vector<Sampler*
       continue;
     }
     detail::sampling::Candidates c;
-    std::vector<detail::sampling::Scored> top;
+    std::vector<detail::sampling::Item> top;
     const double *v = row + 3, *id = row + 3 + take;
     // topk's order among equal values is not the host's (the lower id first): a group of equal
     // values that the last wanted place cuts is left out (a draw reaching it reads the whole row).
     const bool cut = take > want && v[want - 1] == v[want];
     for (int64_t j = 0; j < want; ++j)
-      if (!std::isnan(v[j]) && !(cut && v[j] == v[want])) top.emplace_back(static_cast<float>(v[j]), static_cast<int32_t>(id[j]));
+      if (!std::isnan(v[j]) && !(cut && v[j] == v[want]))
+        top.push_back({static_cast<float>(v[j]), static_cast<int32_t>(id[j]), 0.0});
     detail::sampling::set_candidates(top, c);  // ties: the lower id first, as on the host
     c.mass = row[2];
     c.n = n;
