@@ -25,6 +25,7 @@ struct DecodeStepSpec;  // detail/decode_step.hpp
 // keeps that memory until the copy has run): a plain copy from pageable memory would wait for every
 // launch queued before it. Elsewhere at::tensor's tensor.
 at::Tensor upload_ints(const std::vector<int64_t>& values, c10::ScalarType type, c10::Device device);
+at::Tensor upload_ints(const std::vector<int32_t>& values, c10::ScalarType type, c10::Device device);
 }  // namespace detail
 
 // Which positions get logits.

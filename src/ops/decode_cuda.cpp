@@ -440,11 +440,8 @@ void stage_into(const at::Tensor& dst, const void* values) {
 // allocator keeps the buffer until the copy has run).
 template <typename Piece>
 at::Tensor upload(const std::vector<Piece>& pieces, const at::Tensor& like) {
-  const int64_t bytes = static_cast<int64_t>(pieces.size() * sizeof(Piece));
-  at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), pieces.data(), static_cast<size_t>(bytes));
-  at::Tensor device = at::empty({bytes}, like.options().dtype(at::kByte));
-  device.copy_(host, /*non_blocking=*/true);
+  at::Tensor device = at::empty({static_cast<int64_t>(pieces.size() * sizeof(Piece))}, like.options().dtype(at::kByte));
+  stage_into(device, pieces.data());
   return device;
 }
 
@@ -618,16 +615,23 @@ std::string described(const at::Tensor& t) {
                      : std::string("undefined");
 }
 
+// The keys and values split_documents' kernel copies from: `dim` dimensions (`layout`), the last
+// contiguous, other strides any, 2- or 4-byte elements on a CUDA device; values as the keys.
+void check_copy_sources(const at::Tensor& keys, const at::Tensor& values, int64_t dim, const char* layout,
+                        const char* op) {
+  COMB_CHECK(keys.defined() && keys.is_cuda() && keys.dim() == dim && keys.stride(dim - 1) == 1 &&
+                 (keys.element_size() == 2 || keys.element_size() == 4),
+             "{}: keys {} of 2- or 4-byte elements on a CUDA device, the last dimension contiguous, found {}", op,
+             layout, described(keys));
+  COMB_CHECK(values.defined() && values.device() == keys.device() && values.scalar_type() == keys.scalar_type() &&
+                 values.sizes() == keys.sizes() && values.stride(dim - 1) == 1,
+             "{}: values as the keys ({}), found {}", op, described(keys), described(values));
+}
+
 void split_documents(const at::Tensor& keys, const at::Tensor& values, const std::vector<std::array<int64_t, 3>>& rows,
                      const std::vector<at::Tensor>& outs, int64_t block) {
   const char* op = "comb::split_documents";
-  COMB_CHECK(keys.defined() && keys.is_cuda() && keys.dim() == 4 && keys.stride(3) == 1 &&
-                 (keys.element_size() == 2 || keys.element_size() == 4),
-             "{}: keys [batch, n_head_kv, n, head_dim] of 2- or 4-byte elements on a CUDA device, the last dimension "
-             "contiguous, found {}", op, described(keys));
-  COMB_CHECK(values.defined() && values.device() == keys.device() && values.scalar_type() == keys.scalar_type() &&
-                 values.sizes() == keys.sizes() && values.stride(3) == 1,
-             "{}: values as the keys ({}), found {}", op, described(keys), described(values));
+  check_copy_sources(keys, values, 4, "[batch, n_head_kv, n, head_dim]", op);
   COMB_CHECK(outs.size() == rows.size(), "{}: {} outputs for {} documents", op, outs.size(), rows.size());
   const int64_t batch = keys.size(0), n_kv = keys.size(1), n = keys.size(2), hd = keys.size(3);
   std::vector<k::SplitPiece> pieces;
@@ -667,13 +671,7 @@ void split_documents(const at::Tensor& keys, const at::Tensor& values, const std
 std::array<at::Tensor, 2> pack_keys(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& prefix_keys,
                                     const at::Tensor& prefix_values, const std::vector<int64_t>& first, int64_t pre) {
   const char* op = "comb::pack_keys";
-  COMB_CHECK(keys.defined() && keys.is_cuda() && keys.dim() == 3 && keys.stride(2) == 1 &&
-                 (keys.element_size() == 2 || keys.element_size() == 4),
-             "{}: keys [rows, n_head_kv, head_dim] of 2- or 4-byte elements on a CUDA device, the last dimension "
-             "contiguous, found {}", op, described(keys));
-  COMB_CHECK(values.defined() && values.device() == keys.device() && values.scalar_type() == keys.scalar_type() &&
-                 values.sizes() == keys.sizes() && values.stride(2) == 1,
-             "{}: values as the keys ({}), found {}", op, described(keys), described(values));
+  check_copy_sources(keys, values, 3, "[rows, n_head_kv, head_dim]", op);
   const int64_t rows = keys.size(0), n_kv = keys.size(1), hd = keys.size(2);
   COMB_CHECK(first.size() >= 2 && first.front() == 0 && first.back() == rows,
              "{}: row offsets from 0 to the {} rows, one more than the sequences, found {} offsets ({} to {})", op,

@@ -29,25 +29,33 @@ __attribute__((weak)) void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor
 
 namespace comb {
 
-COMB_INLINE at::Tensor detail::upload_ints(const std::vector<int64_t>& values, c10::ScalarType type,
-                                           c10::Device device) {
+namespace detail::decoder {
+template <typename I>
+at::Tensor upload_ints(const std::vector<I>& values, c10::ScalarType type, c10::Device device) {
   COMB_CHECK(type == at::kLong || type == at::kInt, "upload_ints: int64 or int32 asked, found {}",
              c10::toString(type));
-  if (type == at::kInt)
-    for (int64_t v : values)
-      COMB_CHECK(v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max(), "upload_ints: {} does not fit int32", v);
-  if (!device.is_cuda()) {
-    if (type == at::kLong) return at::tensor(values, at::kLong).to(device);
-    return at::tensor(std::vector<int32_t>(values.begin(), values.end()), at::kInt).to(device);
-  }
-  const auto n = static_cast<int64_t>(values.size());
-  at::Tensor host = at::empty({n}, at::TensorOptions().dtype(type).pinned_memory(true));
+  if constexpr (sizeof(I) > sizeof(int32_t))
+    if (type == at::kInt)
+      for (I v : values)
+        COMB_CHECK(v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max(),
+                   "upload_ints: {} does not fit int32", v);
+  if (!device.is_cuda()) return at::tensor(values, c10::CppTypeToScalarType<I>::value).to(device, type);
+  at::Tensor host = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(type).pinned_memory(true));
   if (type == at::kLong)
     std::copy(values.begin(), values.end(), host.data_ptr<int64_t>());
   else
-    std::transform(values.begin(), values.end(), host.data_ptr<int32_t>(),
-                   [](int64_t v) { return static_cast<int32_t>(v); });
+    std::copy(values.begin(), values.end(), host.data_ptr<int32_t>());
   return host.to(host.options().device(device).pinned_memory(false), /*non_blocking=*/true);
+}
+}  // namespace detail::decoder
+
+COMB_INLINE at::Tensor detail::upload_ints(const std::vector<int64_t>& values, c10::ScalarType type,
+                                           c10::Device device) {
+  return decoder::upload_ints(values, type, device);
+}
+COMB_INLINE at::Tensor detail::upload_ints(const std::vector<int32_t>& values, c10::ScalarType type,
+                                           c10::Device device) {
+  return decoder::upload_ints(values, type, device);
 }
 
 COMB_INLINE Decoder::Decoder(ModelConfig config, LlamaWeights weights, c10::ScalarType dtype, c10::Device device)
@@ -1265,9 +1273,7 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
   auto on_device = [&](const std::vector<int64_t>& v) { return detail::upload_ints(v, at::kLong, device_); };
   // The block tables, int32 as the kernels take them (index_select takes them too).
   const at::Tensor pos_t = on_device(pos);
-  const at::Tensor table_t =
-      device_.is_cpu() ? at::tensor(table, at::kInt)
-                       : detail::upload_ints(std::vector<int64_t>(table.begin(), table.end()), at::kInt, device_);
+  const at::Tensor table_t = detail::upload_ints(table, at::kInt, device_);
   const at::Tensor table32 = table_t.view({B, n_blocks_max});
   at::Tensor block_t, offset_t, cos, sin, visible;
   if (!paged_kernels) {
