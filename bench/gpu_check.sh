@@ -34,10 +34,11 @@
 #    pageable then page-locked memory (COMB_CUDA_PINNED_HOST=0, 1);
 # 11. tests/greedy/same_tokens.py on cuda in float32 (the random 135m model, a fresh plug-in):
 #    comb serve's greedy answers, alone and batched, equal comb eval's on the same device;
-# 12. where a decoding step's GPU time goes (1b and 8b, bf16): the step timed (comb bench), then 4
+# 12. where a decoding step's GPU time goes (1b and 8b, bf16): the step timed (comb bench; and with
+#    the attention fused, COMB_CUDA_FUSED_ATTENTION=1), then 4
 #    steps under Nsight Compute (ncu), the graph's nodes one by one and then each replay as one
 #    result; bench/decode_kernels.py prints each kernel's time, bytes and share of the bandwidth
-#    limit, and what lies outside the kernels. Skipped where ncu is missing.
+#    limit, and what lies outside the kernels. The profile skipped where ncu is missing.
 # COMB_GPU_CHECK_STEPS (default "1 2 3 4 5 6 7 8 9 10 11 12") names the steps, run in the order
 # given. Each step makes the random models and plug-ins it needs where an earlier call on the same
 # machine did not (in WORK_DIR; bench/make_random_llama.py, gpu_env.sh's gpu_plugin), so any subset
@@ -284,20 +285,11 @@ step11() {  # greedy answers of comb eval, comb serve and comb generate on cuda 
   grep -E "^FAIL|passed|failed" "$out/same-tokens-cuda.txt" | head -20
 }
 
-step12() {  # a decoding step's kernels under Nsight Compute (1b, 8b; bf16)
-  # On the PATH, else where Nsight Compute installs itself (the newest version), else the toolkit's.
-  local ncu shape mode tps step_us
-  ncu=$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | sort -V | tail -1)
-  [ -n "$ncu" ] || { [ -x /usr/local/cuda/bin/ncu ] && ncu=/usr/local/cuda/bin/ncu; }
-  if [ -z "$ncu" ]; then
-    echo "no ncu (on the PATH or under /opt/nvidia/nsight-compute): step 12 skipped"
-    return
-  fi
-  for shape in 1b 8b; do
-    model "$shape" || continue
-    # The step as users meet it (a token read back each step), without the profiler.
-    tps=$(timeout "$(limit 120)" "$comb" bench --model "$work/$shape" --device cuda --dtype bfloat16 --prompt-tokens 16 \
-      --decode-tokens 64 --repeat 3 --json 2>/dev/null | python3 -c '
+# Tokens a second of 64 decoding steps after 16 prompt tokens (comb bench, median of 3): decode_tps
+# SHAPE FUSED (COMB_CUDA_FUSED_ATTENTION's value).
+decode_tps() {
+  COMB_CUDA_FUSED_ATTENTION=$2 timeout "$(limit 120)" "$comb" bench --model "$work/$1" --device cuda --dtype bfloat16 \
+    --prompt-tokens 16 --decode-tokens 64 --repeat 3 --json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
     try:
@@ -305,7 +297,24 @@ for line in sys.stdin:
     except ValueError:
         continue
     if r.get("bench") == "decode":
-        print(r["tokens_per_s"])')
+        print(r["tokens_per_s"])'
+}
+
+step12() {  # a decoding step's kernels under Nsight Compute (1b, 8b; bf16)
+  # On the PATH, else where Nsight Compute installs itself (the newest version), else the toolkit's.
+  local ncu shape mode tps step_us
+  ncu=$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | sort -V | tail -1)
+  [ -n "$ncu" ] || { [ -x /usr/local/cuda/bin/ncu ] && ncu=/usr/local/cuda/bin/ncu; }
+  for shape in 1b 8b; do
+    model "$shape" || continue
+    # The step as users meet it (a token read back each step), without the profiler; then with
+    # RoPE, the cache append, attention and its merge in one launch (COMB_CUDA_FUSED_ATTENTION=1).
+    tps=$(decode_tps "$shape" 0)
+    echo "$shape decode: $tps tokens/s; with COMB_CUDA_FUSED_ATTENTION=1: $(decode_tps "$shape" 1) tokens/s"
+    if [ -z "$ncu" ]; then
+      echo "no ncu (on the PATH or under /opt/nvidia/nsight-compute): the profile skipped"
+      continue
+    fi
     # --profile 1 opens the profiler's range around its 4 profiled steps alone.
     for mode in node graph; do
       timeout "$(limit 240)" "$ncu" --profile-from-start off --clock-control none --graph-profiling "$mode" \
@@ -337,7 +346,7 @@ title=([1]='comb_tests [cuda]' [2]='greedy answers, cuda float32 against the CPU
   [10]='the document store'"'"'s host tier: a device tier of 8 MiB, pageable then page-locked (1b)'
   [11]='greedy answers of comb eval, comb serve (alone and batched) and comb generate on cuda, float32 (135m)'
   [12]='a decoding step'"'"'s kernels under Nsight Compute (1b, 8b; bf16)')
-need=([1]=90 [2]=45 [3]=180 [4]=45 [5]=90 [6]=120 [7]=120 [8]=70 [9]=80 [10]=45 [11]=90 [12]=150)
+need=([1]=90 [2]=45 [3]=180 [4]=45 [5]=90 [6]=120 [7]=120 [8]=70 [9]=80 [10]=45 [11]=90 [12]=180)
 for n in ${COMB_GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8 9 10 11 12}; do
   if ! [[ $n =~ ^[1-9][0-9]*$ ]] || [ -z "${title[$n]:-}" ]; then
     echo "no step $n (1 to 12)"

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <future>
+#include <optional>
+#include <string>
 
 #include "comb/comb.hpp"
 #include "comb/detail/decode_step.hpp"
@@ -43,6 +45,21 @@ at::Tensor call(const char* name, std::vector<c10::IValue> args) {
 // One unit in the last place, relative, of each half type: 2^-7 (bfloat16: 8 significant bits) and
 // 2^-10 (float16: 11).
 double ulp(at::ScalarType t) { return t == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024; }
+
+// A decoding step made with its attention fused or not (COMB_CUDA_FUSED_ATTENTION=1 or 0, read when
+// it is made; the variable set back as it was after), whatever the caller's environment says.
+std::unique_ptr<comb::detail::DecodeStep> decode_step(const comb::detail::DecodeStepSpec& spec, bool graph,
+                                                      bool fused_attention) {
+  const char* was = std::getenv("COMB_CUDA_FUSED_ATTENTION");
+  const std::optional<std::string> old = was ? std::optional<std::string>(was) : std::nullopt;
+  ::setenv("COMB_CUDA_FUSED_ATTENTION", fused_attention ? "1" : "0", 1);
+  auto step = comb::detail::decode_step_factory()(spec, graph);
+  if (old)
+    ::setenv("COMB_CUDA_FUSED_ATTENTION", old->c_str(), 1);
+  else
+    ::unsetenv("COMB_CUDA_FUSED_ATTENTION");
+  return step;
+}
 
 const std::vector<at::ScalarType> kHalfTypes{at::kBFloat16, at::kHalf};
 
@@ -317,24 +334,32 @@ TEST_CASE("the fused CUDA layers and the one-launch decoding step match the gene
   CHECK(rms_dk / rms <= 2 * rms_generic / want.pow(2).mean().sqrt().item<double>());
 
   // Replayed graph against the same kernels launched one by one: equal, step after step.
+  // And the graph with RoPE, the cache append, attention and the merge in one launch
+  // (COMB_CUDA_FUSED_ATTENTION=1): the same values rounded at the same steps, equal too.
   auto spec = graph.decode_step_spec();
-  auto launched = comb::detail::decode_step_factory()(spec, /*graph=*/false);
-  auto replayed = comb::detail::decode_step_factory()(spec, /*graph=*/true);
-  KVCache a = graph.make_cache(1, 32), b = graph.make_cache(1, 32);
-  std::vector<at::Tensor> ak, av, bk, bv;
+  auto launched = decode_step(spec, /*graph=*/false, /*fused_attention=*/false);
+  auto replayed = decode_step(spec, /*graph=*/true, /*fused_attention=*/false);
+  auto fused = decode_step(spec, /*graph=*/true, /*fused_attention=*/true);
+  KVCache a = graph.make_cache(1, 32), b = graph.make_cache(1, 32), f = graph.make_cache(1, 32);
+  std::vector<at::Tensor> ak, av, bk, bv, fk, fv;
   for (int64_t l = 0; l < c.n_layer; ++l) {
     ak.push_back(a.keys(l)), av.push_back(a.values(l)), bk.push_back(b.keys(l)), bv.push_back(b.values(l));
+    fk.push_back(f.keys(l)), fv.push_back(f.values(l));
   }
   for (int64_t pos = 0; pos < 20; ++pos) {
     const int64_t token = fed[pos % fed.size(0)].item<int64_t>();
     at::Tensor x = launched->run({token}, pos, ak, av, {});
     at::Tensor y = replayed->run({token}, pos, bk, bv, {});
+    at::Tensor z = fused->run({token}, pos, fk, fv, {});
     INFO("position " << pos);
     REQUIRE(at::equal(x, y));
+    REQUIRE(at::equal(x, z));
   }
   for (int64_t l = 0; l < c.n_layer; ++l) {  // the 20 positions written (the rest was never set)
     CHECK(at::equal(a.keys(l).narrow(2, 0, 20), b.keys(l).narrow(2, 0, 20)));
     CHECK(at::equal(a.values(l).narrow(2, 0, 20), b.values(l).narrow(2, 0, 20)));
+    CHECK(at::equal(a.keys(l).narrow(2, 0, 20), f.keys(l).narrow(2, 0, 20)));
+    CHECK(at::equal(a.values(l).narrow(2, 0, 20), f.values(l).narrow(2, 0, 20)));
   }
   // Past the cache: an error naming it, nothing launched.
   CHECK_THROWS_WITH(replayed->run({1}, 32, bk, bv, {}), Catch::Contains("past the cache's capacity 32"));
@@ -495,15 +520,19 @@ TEST_CASE("the graph step runs short forwards in buckets of rows, with joint blo
   }
 
   // Replayed against launched, in every bucket, with the joined keys: equal, and the same caches.
+  // The fused attention's graph (COMB_CUDA_FUSED_ATTENTION=1) as well: rows reading the keys of the
+  // rows before them from the same launch, padding rows, the joined keys; equal too.
   auto spec = bf16.decode_step_spec();
-  auto launched = comb::detail::decode_step_factory()(spec, /*graph=*/false);
-  auto replayed = comb::detail::decode_step_factory()(spec, /*graph=*/true);
-  KVCache a = bf16.make_cache(1, 260), b = bf16.make_cache(1, 260);
-  std::vector<at::Tensor> ak, av, bk, bv;
+  auto launched = decode_step(spec, /*graph=*/false, /*fused_attention=*/false);
+  auto replayed = decode_step(spec, /*graph=*/true, /*fused_attention=*/false);
+  auto fused = decode_step(spec, /*graph=*/true, /*fused_attention=*/true);
+  KVCache a = bf16.make_cache(1, 260), b = bf16.make_cache(1, 260), f = bf16.make_cache(1, 260);
+  std::vector<at::Tensor> ak, av, bk, bv, fk, fv;
   std::vector<comb::detail::StepJoined> joined(c.n_layer);
   for (int64_t l = 0; l < c.n_layer; ++l) {
-    for (const KVCache* kv : {&a, &b}) kv->keys(l).fill_(7.0), kv->values(l).fill_(7.0);  // a sentinel past the rows
+    for (const KVCache* kv : {&a, &b, &f}) kv->keys(l).fill_(7.0), kv->values(l).fill_(7.0);  // a sentinel past the rows
     ak.push_back(a.keys(l)), av.push_back(a.values(l)), bk.push_back(b.keys(l)), bv.push_back(b.values(l));
+    fk.push_back(f.keys(l)), fv.push_back(f.values(l));
     if (joint_bf16[l].keys.defined())
       joined[l] = {joint_bf16[l].keys[0].contiguous(), joint_bf16[l].values[0].contiguous(), joint_bf16[l].bias, anchor};
   }
@@ -515,13 +544,17 @@ TEST_CASE("the graph step runs short forwards in buckets of rows, with joint blo
     const std::vector<int64_t> ids(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
     at::Tensor x = launched->run(ids, at, ak, av, joined);
     at::Tensor y = replayed->run(ids, at, bk, bv, joined);
+    at::Tensor z = fused->run(ids, at, fk, fv, joined);
     INFO(n << " rows at position " << at);
     REQUIRE(at::equal(x, y));
+    REQUIRE(at::equal(x, z));
     at += n;
   }
   for (int64_t l = 0; l < c.n_layer; ++l) {  // the real rows' positions; past them, untouched
     CHECK(at::equal(a.keys(l), b.keys(l)));
     CHECK(at::equal(a.values(l), b.values(l)));
+    CHECK(at::equal(a.keys(l), f.keys(l)));
+    CHECK(at::equal(a.values(l), f.values(l)));
     CHECK(at::all(b.keys(l).narrow(2, at, 260 - at) == 7.0).item<bool>());
     CHECK(at::all(b.values(l).narrow(2, at, 260 - at) == 7.0).item<bool>());
   }

@@ -820,6 +820,11 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
     const char* gemv_env = std::getenv("COMB_CUDA_GEMV");
     gemv_ = gemv_env != nullptr && std::string(gemv_env) == "1";
     gemv_blocks_ = gemv_blocks(e);
+    // RoPE, the cache append, attention and the splits' merge in one launch a layer instead of three
+    // (k::rope_attention, the same values bit for bit): with COMB_CUDA_FUSED_ATTENTION=1, until a
+    // GPU run has timed it against the three (bench/gpu_check.sh step 12).
+    const char* fused_env = std::getenv("COMB_CUDA_FUSED_ATTENTION");
+    fused_attention_ = fused_env != nullptr && std::string(fused_env) == "1";
   }
 
   at::Tensor run(const std::vector<int64_t>& tokens, int64_t position, const std::vector<at::Tensor>& keys,
@@ -900,6 +905,7 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
     at::Tensor params;                   // int64, the layout above
     at::Tensor x, normed, o, down;       // [rows, n_embd]
     at::Tensor qkv, q, attn, gate_up, act, partial;
+    at::Tensor counters;                 // int32 [rows, n_head_kv], zeros (k::rope_attention)
     at::Tensor last;                     // [1, n_embd]: the last real row's normed state
     at::Tensor logits, logits_f32;       // [1, n_vocab]
     std::unique_ptr<at::cuda::CUDAGraph> graph;
@@ -919,7 +925,7 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
     for (at::Tensor* t : {&b.x, &b.normed, &b.o, &b.down}) *t = at::empty({rows, s_.n_embd}, opts);
     b.qkv = at::empty({rows, qkv_dim}, opts);
     b.q = at::empty({rows, q_dim}, opts);
-    b.attn = at::empty({rows, q_dim}, opts);
+    b.attn = at::zeros({rows, q_dim}, opts);  // finite where rope_attention writes no padding row
     b.gate_up = at::empty({rows, 2 * s_.n_ff}, opts);
     b.act = at::empty({rows, s_.n_ff}, opts);
     b.last = at::empty({1, s_.n_embd}, opts);
@@ -930,6 +936,7 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
     b.n_split = split_count(s_.tok_embd, s_.n_head_kv, rows, int64_t(1) << 20);
     // Zeros: padding rows merge what is there (finite) and are never read.
     b.partial = at::zeros({rows, s_.n_head, b.n_split, hd + 2}, opts.dtype(at::kFloat));
+    b.counters = at::zeros({rows, s_.n_head_kv}, opts.dtype(at::kInt));
     return buckets_.emplace(rows, std::move(b)).first->second;
   }
 
@@ -960,14 +967,21 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
       const auto& w = s_.layers[l];
       linear(b.qkv, b.normed, w[1], stream);
       at.layer = l;
-      check_launch(k::rope_store(type_, b.qkv.data_ptr(), s_.rope_cos.data_ptr(), s_.rope_sin.data_ptr(), at,
-                                 b.q.data_ptr(), R, s_.n_head, s_.n_head_kv, s_.head_dim, stream),
-                   "the decoding step");
       k::RowsAttention a;
       a.q = b.q.data_ptr(), a.cache = at, a.out = b.attn.data_ptr(), a.joined_params = params + P + k::kJoinedParams * l;
       a.partial = b.partial.data_ptr<float>(), a.n_rows = R, a.n_split = b.n_split, a.n_head = s_.n_head;
       a.n_head_kv = s_.n_head_kv, a.head_dim = s_.head_dim;
-      check_launch(k::rows_attention(type_, a, stream), "the decoding step");
+      if (fused_attention_) {
+        a.q = b.qkv.data_ptr();
+        k::FusedRope rope;
+        rope.cos = s_.rope_cos.data_ptr(), rope.sin = s_.rope_sin.data_ptr(), rope.counters = b.counters.data_ptr<int>();
+        check_launch(k::rope_attention(type_, a, rope, stream), "the decoding step");
+      } else {
+        check_launch(k::rope_store(type_, b.qkv.data_ptr(), s_.rope_cos.data_ptr(), s_.rope_sin.data_ptr(), at,
+                                   b.q.data_ptr(), R, s_.n_head, s_.n_head_kv, s_.head_dim, stream),
+                     "the decoding step");
+        check_launch(k::rows_attention(type_, a, stream), "the decoding step");
+      }
       linear(b.o, b.attn, w[2], stream);
       check_launch(k::add_rms_norm(type_, b.x.data_ptr(), b.o.data_ptr(), w[3].data_ptr(), b.normed.data_ptr(), R,
                                    s_.n_embd, eps, stream),
@@ -993,6 +1007,7 @@ class GraphDecodeStep final : public comb::detail::DecodeStep {
   c10::Device device_{c10::kCUDA};
   bool gemv_ = false;
   int gemv_blocks_ = 1;
+  bool fused_attention_ = false;
   std::map<int64_t, Bucket> buckets_;  // by rows
   std::optional<c10::MempoolId_t> pool_;  // every bucket's graph: they replay one after another on one stream
 };

@@ -269,13 +269,57 @@ __device__ inline Joined<T> resolve_joined(const Joined<T>& j, int64_t row) {
   return r;
 }
 
+// What the fused form of the rows kernel (rope_attention) reads and writes besides: the RoPE tables,
+// one counter per (row, KV head) and the merged output.
+template <typename T>
+struct Fusion {
+  const T* cos = nullptr;
+  const T* sin = nullptr;
+  int* counters = nullptr;
+  T* out = nullptr;
+};
+
+// Element d = lane * E + e of a head of head_dim 32 E, x, turned as rope_store_kernel turns it
+// (each product and the sum rounded to T): its partner d -+ head_dim / 2 lies in lane ^ 16. c, s:
+// the position's rows of the tables. Every lane of the warp calls it (a shuffle).
+template <typename T, int E>
+__device__ inline float rotate_element(float x, int lane, int e, const T* c, const T* s) {
+  const float partner = __shfl_xor_sync(0xffffffffu, x, 16);
+  const int d = lane * E + e;
+  const float sine = to_float(s[d]);
+  return round_to<T>(round_to<T>(x * to_float(c[d])) + round_to<T>(lane < 16 ? -partner * sine : partner * sine));
+}
+
+// Splits (n_split of them, each (head_dim + 2) floats: output, log-sum-exp) merged into element d by
+// their log-sum-exp. Read past the L1 cache: in the fused kernel other blocks wrote them.
+__device__ inline float merge_splits(const float* p, int n_split, int head_dim, int d) {
+  float top = -INFINITY;
+  for (int s = 0; s < n_split; ++s) top = fmaxf(top, __ldcg(p + s * (head_dim + 2) + head_dim));
+  float total = 0.0f, sum = 0.0f;
+  for (int s = 0; s < n_split; ++s) {
+    const float lse = __ldcg(p + s * (head_dim + 2) + head_dim);
+    if (lse == -INFINITY) continue;
+    const float f = expf(lse - top);
+    total += f;
+    sum += f * __ldcg(p + s * (head_dim + 2) + d);
+  }
+  return sum / total;
+}
+
 // Block (KV head, split, row): row r (at position at.position + r) reads the joined keys (when its
 // position is past the anchor) followed by its context [0, position], as one sequence split into
 // n_split ranges. The range's keys are shared by the block's warps, every query head of the group
 // scored against each key once it is loaded; the warps' partial softmaxes are merged in shared
 // memory and written as (output, log-sum-exp) per query head.
-template <typename T, int E>
-__global__ void rows_attention_kernel(const T* q, CacheAt at, Joined<T> joined_at, float* partial, int n_split, int n_head, int n_head_kv) {
+// kFused (rope_attention): q is the rows' qkv product, not yet turned. The block turns its queries
+// itself; the keys of positions this launch computes (the first row's onward; in a pool the row's
+// own) come from qkv, turned, instead of the cache, and split 0's block writes its row's key and
+// value there. The last block of a (row, KV head) to finish merges the splits into fused.out. Every
+// value is rounded where rope_store and the merge kernel round it, so the output equals theirs bit
+// for bit.
+template <typename T, int E, bool kFused>
+__global__ void rows_attention_kernel(const T* q, CacheAt at, Joined<T> joined_at, Fusion<T> fused, float* partial,
+                                      int n_split, int n_head, int n_head_kv) {
   constexpr int HD = 32 * E;
   __shared__ float merge[kAttnWarps][kMaxGroup][HD + 2];
   const int kvh = blockIdx.x, split = blockIdx.y, row = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -291,6 +335,23 @@ __global__ void rows_attention_kernel(const T* q, CacheAt at, Joined<T> joined_a
   const int64_t begin = split * chunk, end = begin + chunk < len ? begin + chunk : len;
   const int group = n_head / n_head_kv;
   const float scale = rsqrtf(static_cast<float>(HD));
+  // kFused: the qkv rows' width and the first position whose key this launch computes.
+  const int64_t heads = n_head + 2 * n_head_kv;
+  const int64_t first_new = at.paged.table ? position : cache.position;
+  if constexpr (kFused) {
+    if (split == 0 && warp == 0) {  // the row's key (turned) and value into the cache
+      const T* src = q + (row * heads + n_head + kvh) * HD;
+      const int64_t off = kv_offset(at, capacity, row, kvh, position, n_head_kv, HD);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const int d = lane * E + e;
+        const float k = rotate_element<T, E>(to_float(src[d]), lane, e, fused.cos + position * HD,
+                                             fused.sin + position * HD);
+        cache.keys[off + d] = from_float<T>(k);
+        cache.values[off + d] = src[n_head_kv * HD + d];
+      }
+    }
+  }
   for (int g0 = 0; g0 < group; g0 += kMaxGroup) {
     const int gn = group - g0 < kMaxGroup ? group - g0 : kMaxGroup;
     float qr[kMaxGroup][E], acc[kMaxGroup][E], mx[kMaxGroup], l[kMaxGroup], bias[kMaxGroup];
@@ -298,23 +359,39 @@ __global__ void rows_attention_kernel(const T* q, CacheAt at, Joined<T> joined_a
     for (int g = 0; g < kMaxGroup; ++g) {
       mx[g] = -INFINITY, l[g] = 0.0f;
       bias[g] = g < gn && joined.bias ? joined.bias[kvh * group + g0 + g] : 0.0f;
+      const int64_t head = kvh * group + g0 + g;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         acc[g][e] = 0.0f;
-        qr[g][e] = g < gn ? to_float(q[(static_cast<int64_t>(row) * n_head + kvh * group + g0 + g) * HD + lane * E + e]) * scale
-                          : 0.0f;
+        if constexpr (kFused) {  // every lane shuffles, the heads past the group's with zeros
+          const float x = g < gn ? to_float(q[(row * heads + head) * HD + lane * E + e]) : 0.0f;
+          qr[g][e] = rotate_element<T, E>(x, lane, e, fused.cos + position * HD, fused.sin + position * HD) * scale;
+        } else {
+          qr[g][e] = g < gn ? to_float(q[(static_cast<int64_t>(row) * n_head + head) * HD + lane * E + e]) * scale
+                            : 0.0f;
+        }
       }
     }
     for (int64_t j = begin + warp; j < end; j += kAttnWarps) {
       const bool from_joined = j < m;
-      const int64_t at_j = from_joined ? 0 : kv_offset(at, capacity, row, kvh, j - m, n_head_kv, HD);
-      const T* kp = from_joined ? joined_keys + j * HD : cache.keys + at_j;
-      const T* vp = from_joined ? joined_values + j * HD : cache.values + at_j;
       float k[E], v[E];
+      if (kFused && !from_joined && j - m >= first_new) {  // computed by this launch: from qkv (the warp alike)
+        const int64_t p = j - m;
+        const T* src = q + ((at.paged.table ? row : p - cache.position) * heads + n_head + kvh) * HD;
 #pragma unroll
-      for (int e = 0; e < E; ++e) {
-        k[e] = to_float(kp[lane * E + e]);
-        v[e] = to_float(vp[lane * E + e]);
+        for (int e = 0; e < E; ++e) {
+          k[e] = rotate_element<T, E>(to_float(src[lane * E + e]), lane, e, fused.cos + p * HD, fused.sin + p * HD);
+          v[e] = to_float(src[n_head_kv * HD + lane * E + e]);
+        }
+      } else {
+        const int64_t at_j = from_joined ? 0 : kv_offset(at, capacity, row, kvh, j - m, n_head_kv, HD);
+        const T* kp = from_joined ? joined_keys + j * HD : cache.keys + at_j;
+        const T* vp = from_joined ? joined_values + j * HD : cache.values + at_j;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          k[e] = to_float(kp[lane * E + e]);
+          v[e] = to_float(vp[lane * E + e]);
+        }
       }
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) {
@@ -358,6 +435,27 @@ __global__ void rows_attention_kernel(const T* q, CacheAt at, Joined<T> joined_a
     }
     __syncthreads();
   }
+  if constexpr (kFused) {
+    // The last of the (row, KV head)'s n_split blocks to get here merges them (each block's
+    // partials made visible before it counts itself), then sets the counter back to 0.
+    __shared__ bool last;
+    __syncthreads();  // every thread's partials written
+    if (threadIdx.x == 0) {
+      int* counter = fused.counters + static_cast<int64_t>(row) * n_head_kv + kvh;
+      __threadfence();  // the block's partials visible before it counts itself
+      last = atomicAdd(counter, 1) == n_split - 1;
+      if (last) {
+        *counter = 0;
+        __threadfence();  // the other blocks' partials seen before the merge reads them
+      }
+    }
+    __syncthreads();
+    if (!last) return;
+    for (int t = threadIdx.x; t < group * HD; t += blockDim.x) {
+      const int64_t rh = static_cast<int64_t>(row) * n_head + kvh * group + t / HD;
+      fused.out[rh * HD + t % HD] = from_float<T>(merge_splits(partial + rh * n_split * (HD + 2), n_split, HD, t % HD));
+    }
+  }
 }
 
 // Block (row, head): its splits merged by their log-sum-exp, one thread per output element.
@@ -366,22 +464,11 @@ __global__ void merge_splits_kernel(const float* partial, T* out, int n_split, i
   const int64_t rh = blockIdx.x;
   const int d = threadIdx.x;
   if (d >= head_dim) return;
-  const float* p = partial + rh * n_split * (head_dim + 2);
-  float top = -INFINITY;
-  for (int s = 0; s < n_split; ++s) top = fmaxf(top, p[s * (head_dim + 2) + head_dim]);
-  float total = 0.0f, sum = 0.0f;
-  for (int s = 0; s < n_split; ++s) {
-    const float lse = p[s * (head_dim + 2) + head_dim];
-    if (lse == -INFINITY) continue;
-    const float f = expf(lse - top);
-    total += f;
-    sum += f * p[s * (head_dim + 2) + d];
-  }
-  out[rh * head_dim + d] = from_float<T>(sum / total);
+  out[rh * head_dim + d] = from_float<T>(merge_splits(partial + rh * n_split * (head_dim + 2), n_split, head_dim, d));
 }
 
 template <typename T, int E>
-cudaError_t launch_attention(const RowsAttention& a, cudaStream_t stream) {
+cudaError_t launch_attention(const RowsAttention& a, const FusedRope* rope, cudaStream_t stream) {
   Joined<T> joined;
   joined.keys = static_cast<const T*>(a.joined_keys);
   joined.values = static_cast<const T*>(a.joined_values);
@@ -390,8 +477,18 @@ cudaError_t launch_attention(const RowsAttention& a, cudaStream_t stream) {
   joined.anchor = a.anchor;
   joined.params = a.joined_params;
   joined.row_stride = a.joined_row_stride;
-  rows_attention_kernel<T, E><<<dim3(a.n_head_kv, a.n_split, a.n_rows), kAttnWarps * 32, 0, stream>>>(
-      static_cast<const T*>(a.q), a.cache, joined, a.partial, static_cast<int>(a.n_split),
+  const dim3 grid(a.n_head_kv, a.n_split, a.n_rows);
+  if (rope) {
+    Fusion<T> fused;
+    fused.cos = static_cast<const T*>(rope->cos), fused.sin = static_cast<const T*>(rope->sin);
+    fused.counters = rope->counters, fused.out = static_cast<T*>(a.out);
+    rows_attention_kernel<T, E, true><<<grid, kAttnWarps * 32, 0, stream>>>(
+        static_cast<const T*>(a.q), a.cache, joined, fused, a.partial, static_cast<int>(a.n_split),
+        static_cast<int>(a.n_head), static_cast<int>(a.n_head_kv));
+    return cudaGetLastError();
+  }
+  rows_attention_kernel<T, E, false><<<grid, kAttnWarps * 32, 0, stream>>>(
+      static_cast<const T*>(a.q), a.cache, joined, Fusion<T>{}, a.partial, static_cast<int>(a.n_split),
       static_cast<int>(a.n_head), static_cast<int>(a.n_head_kv));
   merge_splits_kernel<T><<<a.n_rows * a.n_head, 32 * E, 0, stream>>>(a.partial, static_cast<T*>(a.out),
                                                                     static_cast<int>(a.n_split), 32 * E);
@@ -399,12 +496,12 @@ cudaError_t launch_attention(const RowsAttention& a, cudaStream_t stream) {
 }
 
 template <typename T>
-cudaError_t attention_by_width(const RowsAttention& a, cudaStream_t stream) {
+cudaError_t attention_by_width(const RowsAttention& a, const FusedRope* rope, cudaStream_t stream) {
   switch (a.head_dim) {
-    case 32: return launch_attention<T, 1>(a, stream);
-    case 64: return launch_attention<T, 2>(a, stream);
-    case 128: return launch_attention<T, 4>(a, stream);
-    case 256: return launch_attention<T, 8>(a, stream);
+    case 32: return launch_attention<T, 1>(a, rope, stream);
+    case 64: return launch_attention<T, 2>(a, rope, stream);
+    case 128: return launch_attention<T, 4>(a, rope, stream);
+    case 256: return launch_attention<T, 8>(a, rope, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -677,11 +774,24 @@ cudaError_t silu_mul(Half type, const void* gate_up, void* out, int64_t rows, in
   return cudaGetLastError();
 }
 
+namespace {
+bool attention_shape_ok(const RowsAttention& a) {
+  return a.n_split >= 1 && a.n_rows >= 1 && a.n_head_kv >= 1 && a.n_head % a.n_head_kv == 0 && a.n_split <= 65535 &&
+         a.n_rows <= 65535;
+}
+}  // namespace
+
 cudaError_t rows_attention(Half type, const RowsAttention& a, cudaStream_t stream) {
-  if (a.n_split < 1 || a.n_rows < 1 || a.n_head_kv < 1 || a.n_head % a.n_head_kv != 0 || a.n_split > 65535 ||
-      a.n_rows > 65535)
+  if (!attention_shape_ok(a)) return cudaErrorInvalidValue;
+  return type == Half::bf16 ? attention_by_width<__nv_bfloat16>(a, nullptr, stream)
+                            : attention_by_width<__half>(a, nullptr, stream);
+}
+
+cudaError_t rope_attention(Half type, const RowsAttention& a, const FusedRope& rope, cudaStream_t stream) {
+  if (!attention_shape_ok(a) || !a.q || !a.out || !rope.cos || !rope.sin || !rope.counters || a.cache.paged.table)
     return cudaErrorInvalidValue;
-  return type == Half::bf16 ? attention_by_width<__nv_bfloat16>(a, stream) : attention_by_width<__half>(a, stream);
+  return type == Half::bf16 ? attention_by_width<__nv_bfloat16>(a, &rope, stream)
+                            : attention_by_width<__half>(a, &rope, stream);
 }
 
 }  // namespace comb::detail::cuda

@@ -110,6 +110,22 @@ struct RowsAttention {
 };
 cudaError_t rows_attention(Half type, const RowsAttention& args, cudaStream_t stream);
 
+// rope_store and rows_attention in one launch: args.q names the rows' qkv product [n_rows, (n_head +
+// 2 n_head_kv) * head_dim], not yet turned (cos, sin: rope_store's tables). Each block turns its
+// queries; the rows' keys (turned) and values are written into the cache, and a row reads the keys
+// of this launch's rows (its own and the rows before it; in a pool its own) from qkv instead; the
+// splits are merged by the last block of each (row, KV head) to finish, through counters (int32
+// [n_rows, n_head_kv] in device memory, all 0 before the launch and after it). args.out and the
+// cache equal rope_store's then rows_attention's bit for bit. One sequence's cache only (a pool's
+// rows may be one sequence's consecutive positions, whose keys this form would read from the cache
+// while another block writes them): with args.cache.paged.table set, cudaErrorInvalidValue.
+struct FusedRope {
+  const void* cos = nullptr;
+  const void* sin = nullptr;
+  int* counters = nullptr;
+};
+cudaError_t rope_attention(Half type, const RowsAttention& args, const FusedRope& rope, cudaStream_t stream);
+
 // One document's K/V of one cross block placed in the joined tensors a joint-attention layer reads
 // (Plugin::joint_kv on a GPU): keys rotated by `angle` (a RoPE turn; negative turns back), values
 // copied, both rounded once to Half. Sources [n_head_kv, len, head_dim], contiguous: int8 codes

@@ -770,19 +770,24 @@ COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
   }
   if (!logits.defined()) logits = batched_forward(rows);
   // Each row's token where no row asks for log-probabilities: the argmax of every row (8 bytes a
-  // row read back), or on a GPU the sampling rows' highest tokens read back with it
-  // (Sampler::sample_rows); else every row's logits on the host (from a GPU through page-locked
-  // memory, one copy).
+  // row read back); on a GPU the sampling rows' highest tokens read back with it
+  // (Sampler::sample_rows); on the CPU every row drawn on the step's workers, each by its own
+  // sampler. Else every row's logits on the host (from a GPU through page-locked memory, one copy),
+  // each drawn as its row is emitted.
   std::vector<int32_t> picked(rows.size(), -1);
-  const bool sample_on_device = !argmax_only && logits.is_cuda() &&
-                                std::none_of(rows.begin(), rows.end(), [](const Sequence* s) { return s->request.logprobs; });
+  const bool sample_together =
+      !argmax_only && std::none_of(rows.begin(), rows.end(), [](const Sequence* s) { return s->request.logprobs; });
   if (argmax_only) {
     const at::Tensor top = logits.argmax(-1).to(at::kCPU);
     for (size_t b = 0; b < rows.size(); ++b) picked[b] = static_cast<int32_t>(top.data_ptr<int64_t>()[b]);
-  } else if (sample_on_device) {
+  } else if (sample_together && logits.is_cuda()) {
     std::vector<Sampler*> samplers;
     for (Sequence* s : rows) samplers.push_back(s->sampler.get());
     picked = Sampler::sample_rows(samplers, logits);
+  } else if (sample_together) {  // the same draws as one after another: each row's generator is its own
+    const at::Tensor host = logits.to(at::kFloat).contiguous();
+    workers_->run(static_cast<int64_t>(rows.size()),
+                  [&](int64_t b) { picked[b] = rows[b]->sampler->sample(host[b]); });
   } else if (logits.is_cuda()) {
     at::Tensor host = at::empty(logits.sizes(), logits.options().device(at::kCPU).pinned_memory(true));
     host.copy_(logits);
