@@ -104,6 +104,34 @@ CudaModels cuda_models() {
 }
 }  // namespace
 
+TEST_CASE("detail::upload and upload_ints put host values on the device queued behind its work", "[ops][cuda]") {
+  if (!cuda_available()) return;
+  c10::InferenceMode guard;
+  auto gen = at::detail::createCPUGenerator(5);
+  // Queued behind a long product: copies the host did not wait for land in order on the stream,
+  // before the reads below (which wait).
+  const at::Tensor big = at::randn({2048, 2048}, at::TensorOptions().device(at::kCUDA));
+  const at::Tensor busy = at::mm(big, big);
+  const at::Tensor ids = at::randint(0, 49152, {3, 7}, gen, at::kLong);
+  const at::Tensor strided = ids.t();  // not contiguous: copied as its values
+  const at::Tensor floats = at::randn({5, 4}, gen);
+  const at::Tensor on_ids = comb::detail::upload(ids, at::kCUDA), on_strided = comb::detail::upload(strided, at::kCUDA);
+  const at::Tensor on_floats = comb::detail::upload(floats, at::kCUDA);
+  const at::Tensor ints = comb::detail::upload_ints(std::vector<int64_t>{4, -3, 1LL << 40}, at::kLong, at::kCUDA);
+  const at::Tensor ints32 = comb::detail::upload_ints(std::vector<int32_t>{7, -9}, at::kInt, at::kCUDA);
+  CHECK(on_ids.is_cuda());
+  CHECK(on_ids.sizes() == ids.sizes());
+  CHECK(at::equal(on_ids.cpu(), ids));
+  CHECK(at::equal(on_strided.cpu(), strided));
+  CHECK(at::equal(on_floats.cpu(), floats));
+  CHECK(at::equal(ints.cpu(), at::tensor(std::vector<int64_t>{4, -3, 1LL << 40}, at::kLong)));
+  CHECK(at::equal(ints32.cpu(), at::tensor(std::vector<int32_t>{7, -9}, at::kInt)));
+  CHECK(at::isfinite(busy).all().item<bool>());
+  // On the host or already on the device: the tensor itself.
+  CHECK(comb::detail::upload(ids, at::kCPU).is_same(ids));
+  CHECK(comb::detail::upload(on_ids, at::kCUDA).is_same(on_ids));
+}
+
 TEST_CASE("comb::add_rms_norm equals the residual add and RMSNorm in ATen", "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;

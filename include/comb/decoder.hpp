@@ -26,6 +26,9 @@ struct DecodeStepSpec;  // detail/decode_step.hpp
 // launch queued before it. Elsewhere at::tensor's tensor.
 at::Tensor upload_ints(const std::vector<int64_t>& values, c10::ScalarType type, c10::Device device);
 at::Tensor upload_ints(const std::vector<int32_t>& values, c10::ScalarType type, c10::Device device);
+// `t` on `device`: from the host to a CUDA device the same way (through page-locked memory, the host
+// not waiting); elsewhere t.to(device).
+at::Tensor upload(const at::Tensor& t, c10::Device device);
 }  // namespace detail
 
 // Which positions get logits.

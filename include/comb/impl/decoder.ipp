@@ -47,7 +47,21 @@ at::Tensor upload_ints(const std::vector<I>& values, c10::ScalarType type, c10::
     std::copy(values.begin(), values.end(), host.data_ptr<int32_t>());
   return host.to(host.options().device(device).pinned_memory(false), /*non_blocking=*/true);
 }
+
+// A tensor of integers (tokens, positions) as int64 on `device`, through detail::upload: a copy
+// from pageable memory would wait for every launch queued before it (a cold request's prompt for
+// its documents' encoder).
+COMB_INLINE at::Tensor ints_on(const at::Tensor& t, c10::Device device) {
+  return detail::upload(t.to(at::kLong), device);
+}
 }  // namespace detail::decoder
+
+COMB_INLINE at::Tensor detail::upload(const at::Tensor& t, c10::Device device) {
+  if (!device.is_cuda() || !t.device().is_cpu()) return t.to(device);
+  at::Tensor host = at::empty(t.sizes(), t.options().pinned_memory(true));
+  host.copy_(t);
+  return host.to(device, /*non_blocking=*/true);
+}
 
 COMB_INLINE at::Tensor detail::upload_ints(const std::vector<int64_t>& values, c10::ScalarType type,
                                            c10::Device device) {
@@ -493,7 +507,7 @@ COMB_INLINE at::Tensor Decoder::attention(int64_t i, const at::Tensor& qkv, KVCa
 COMB_INLINE at::Tensor Decoder::keys_at(int64_t i, const at::Tensor& x, const at::Tensor& positions) const {
   const auto& c = config_;
   at::Tensor k = split_qkv(project(weights_.layers[i], Proj::qkv, rms_norm(x, weights_.layers[i].attn_norm)), c)[1];
-  at::Tensor pos = positions.to(device_, at::kLong);
+  at::Tensor pos = detail::decoder::ints_on(positions, device_);
   return apply_rope(k, rope_cos_.index_select(0, pos), rope_sin_.index_select(0, pos));
 }
 
@@ -505,7 +519,7 @@ COMB_INLINE at::Tensor Decoder::layer_at(int64_t i, const at::Tensor& x, const a
   COMB_CHECK(x.size(0) == 1 && positions.numel() == m, "layer_at takes one sequence: x [1, {}], {} positions", m,
              positions.numel());
   COMB_CHECK(n_keys <= cache.capacity(), "layer_at: {} keys past the cache capacity {}", n_keys, cache.capacity());
-  at::Tensor pos = positions.to(device_, at::kLong);
+  at::Tensor pos = detail::decoder::ints_on(positions, device_);
   return detail::decoder::layer_body(x, w, detail::decoder::generic_math(w, c), [&](const at::Tensor& qkv) {
     auto [q, k, v] = split_qkv(qkv, c);
     at::Tensor cos = rope_cos_.index_select(0, pos), sin = rope_sin_.index_select(0, pos);
@@ -527,8 +541,9 @@ COMB_INLINE at::Tensor Decoder::layer_at(int64_t i, const at::Tensor& x, const a
 
 COMB_INLINE at::Tensor Decoder::embed(const at::Tensor& tokens) const {
   RECORD_FUNCTION("comb::embed", std::vector<c10::IValue>());
-  if (weights_.tok_embd_q) return weights_.tok_embd_q->gather_rows(tokens.to(device_, at::kLong));
-  return at::embedding(weights_.tok_embd, tokens.to(device_, at::kLong));
+  const at::Tensor ids = detail::decoder::ints_on(tokens, device_);
+  if (weights_.tok_embd_q) return weights_.tok_embd_q->gather_rows(ids);
+  return at::embedding(weights_.tok_embd, ids);
 }
 
 // ---- The fused fp32 CPU path ------------------------------------------------------------------
@@ -1293,7 +1308,7 @@ COMB_INLINE at::Tensor Decoder::step_paged_generic(BlockPool& pool, const std::v
   // A prompt's piece: its n rows after the B decoding rows, [B + n, 1, n_embd], through every
   // matrix together; its attention is forward()'s over its own cache.
   const int64_t n_piece = piece ? piece->tokens.size(1) : 0, piece_start = piece ? piece->cache->length() : 0;
-  if (piece) x = at::cat({x, embed(piece->tokens.to(device_)).to(dtype_).view({n_piece, 1, c.n_embd})});
+  if (piece) x = at::cat({x, embed(piece->tokens).to(dtype_).view({n_piece, 1, c.n_embd})});
   for (int64_t i = 0; i < c.n_layer; ++i) {
     const auto& w = weights_.layers[i];
     for (int64_t b = 0; b < B; ++b)  // a residual cross block before the layer, row by row

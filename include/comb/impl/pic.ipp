@@ -565,7 +565,7 @@ COMB_INLINE void PicEngine::prefill_cacheblend(const PicRequest& r, const std::v
   at::Tensor hidden = dec.embed(token_ids(tokens, 0, n));
   for (int64_t i = 0; i < options_.check_layer; ++i) hidden = dec.layer_at(i, hidden, pos, out.cache, n);
   std::vector<int64_t> chosen = cacheblend_selection(hidden, pos, spans, n_context, n, out);
-  at::Tensor chosen_pos = at::tensor(chosen, at::kLong).to(dec.device());
+  at::Tensor chosen_pos = detail::upload(at::tensor(chosen, at::kLong), dec.device());
   out.logits = recompute(tokens, chosen, options_.check_layer, hidden.index_select(1, chosen_pos), out);
   out.computed += static_cast<int64_t>(chosen.size());
 }

@@ -632,7 +632,7 @@ COMB_INLINE KVCache Plugin::encoder_prefix_states(const Decoder& base, int64_t l
   const int64_t pre = static_cast<int64_t>(config_.encoder_prefix.size());
   KVCache cache = base.make_cache(1, std::max<int64_t>(pre, 1));
   if (pre == 0) return cache;
-  at::Tensor h = base.embed(at::tensor(config_.encoder_prefix, at::kLong).to(base.device()).unsqueeze(0));
+  at::Tensor h = base.embed(at::tensor(config_.encoder_prefix, at::kLong).unsqueeze(0));
   for (int64_t j = 0; j < layers; ++j) h = base.layer(j, h, cache);
   cache.advance(pre);
   return cache;
@@ -656,7 +656,7 @@ COMB_INLINE DocumentKV Plugin::encode(const Decoder& base, const std::vector<int
     if (!prefix_states) prefix_states = &own.emplace(encoder_prefix_states(base));
     return std::move(encode_padded(base, {&tokens}, *prefix_states)[0]);
   }
-  at::Tensor ids = at::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), at::kLong).to(base.device());
+  at::Tensor ids = detail::upload(at::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), at::kLong), base.device());
   auto [keys, values] = encode_batch(base, weights_, ids.unsqueeze(0), {});
   return std::move(split_documents(keys, values, {static_cast<int64_t>(tokens.size())})[0]);
 }
@@ -744,7 +744,7 @@ COMB_INLINE Plugin::PaddedBatch Plugin::padded_batch(const Decoder& base,
   // Padding (token 0) after each document's tokens: causally, no real token reads it.
   std::vector<int64_t> flat(n_docs * m, 0);
   for (int64_t d = 0; d < n_docs; ++d) std::copy(documents[d]->begin(), documents[d]->end(), flat.begin() + d * m);
-  at::Tensor ids = at::tensor(flat, at::kLong).view({n_docs, m}).to(base.device());
+  at::Tensor ids = detail::upload(at::tensor(flat, at::kLong).view({n_docs, m}), base.device());
   // The base's cached forward over the documents, after the prefix's states: the same causal
   // computation as encode_batch's, on the decoder's own (fused) path.
   KVCache cache = base.make_cache(n_docs, pre + m);
@@ -757,7 +757,7 @@ COMB_INLINE Plugin::PaddedBatch Plugin::padded_batch(const Decoder& base,
   }
   at::Tensor back_cos, back_sin;
   if (config_.relative_positions)
-    std::tie(back_cos, back_sin) = back_rope(at::tensor(lens, at::kLong).to(rope_cos_.device()), m);
+    std::tie(back_cos, back_sin) = back_rope(detail::upload(at::tensor(lens, at::kLong), rope_cos_.device()), m);
   at::Tensor h = base.embed(ids);
   return PaddedBatch{std::move(lens), h, back_cos, back_sin, std::move(cache)};
 }
@@ -926,12 +926,13 @@ COMB_INLINE void Plugin::encode_piece(const Decoder& base, const std::vector<int
   values.resize(config_.n_blocks());
   at::Tensor back_cos, back_sin;
   if (config_.relative_positions) {
-    std::tie(back_cos, back_sin) = back_rope(at::tensor(std::vector<int64_t>{n}, at::kLong).to(rope_cos_.device()), n);
+    std::tie(back_cos, back_sin) = back_rope(detail::upload(at::tensor(std::vector<int64_t>{n}, at::kLong), rope_cos_.device()), n);
     back_cos = back_cos.narrow(2, begin, end - begin);
     back_sin = back_sin.narrow(2, begin, end - begin);
   }
   at::Tensor ids =
-      at::tensor(std::vector<int64_t>(tokens.begin() + begin, tokens.begin() + end), at::kLong).to(base.device());
+      detail::upload(at::tensor(std::vector<int64_t>(tokens.begin() + begin, tokens.begin() + end), at::kLong),
+                     base.device());
   at::Tensor h = base.embed(ids.unsqueeze(0));
   auto project = [&](int64_t depth) {
     for (int64_t k = 0; k < config_.n_blocks(); ++k)
@@ -1156,7 +1157,8 @@ COMB_INLINE std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Plugin::
              p.max_document_tokens);
   at::Tensor ids = tokens, real = mask;
   if (pre > 0) {
-    at::Tensor head = at::tensor(p.encoder_prefix, at::kLong).to(tokens.device()).unsqueeze(0).expand({n_docs, pre});
+    at::Tensor head =
+        detail::upload(at::tensor(p.encoder_prefix, at::kLong), tokens.device()).unsqueeze(0).expand({n_docs, pre});
     ids = at::cat({head, tokens}, 1);
     if (mask.defined()) real = at::cat({at::ones({n_docs, pre}, mask.options()), mask}, 1);
   }
@@ -1264,7 +1266,7 @@ COMB_INLINE std::vector<JointKV> Plugin::joint_kv(const PluginWeights& w, const 
     j.values = at::stack(row_values);
     if (std::any_of(lens.begin(), lens.end(), [&](int64_t l) { return l != m; }))
       j.valid = at::arange(m, ks[0].options().dtype(at::kLong)).unsqueeze(0) <
-                at::tensor(lens, at::kLong).to(ks[0].device()).unsqueeze(1);
+                detail::upload(at::tensor(lens, at::kLong), ks[0].device()).unsqueeze(1);
     j.bias = w.cross.at(k).doc_bias;
     out.push_back(std::move(j));
   }
@@ -1348,16 +1350,28 @@ COMB_INLINE std::optional<std::vector<JointKV>> Plugin::joint_kv_cuda(
   const at::TensorOptions opts = at::TensorOptions().dtype(out_type).device(device);
   std::vector<JointKV> out(keys.size());
   std::vector<at::Tensor> out_keys, out_values;
+  // Every block's bias as float32 in two launches (a stack, one conversion), rows of one tensor,
+  // where one conversion a block would be one launch and one allocation each.
+  std::vector<at::Tensor> biases;
+  for (size_t k = 0; k < keys.size(); ++k)
+    if (w.cross.at(k).doc_bias.defined()) biases.push_back(w.cross.at(k).doc_bias.reshape({-1}));
+  const bool same_bias_shape = !biases.empty() && std::all_of(biases.begin(), biases.end(), [&](const at::Tensor& b) {
+    return b.sizes() == biases[0].sizes() && b.device() == device;
+  });
+  const at::Tensor biases_f32 = same_bias_shape ? at::stack(biases).to(at::kFloat) : at::Tensor();
+  int64_t next_bias = 0;
   for (size_t k = 0; k < keys.size(); ++k) {
     // Joined once in the decoder's dtype, the bias once as float32: what a CUDA layer reads as it is.
     out[k].keys = padded ? at::zeros({rows, n_kv, m, hd}, opts) : at::empty({rows, n_kv, m, hd}, opts);
     out[k].values = padded ? at::zeros({rows, n_kv, m, hd}, opts) : at::empty({rows, n_kv, m, hd}, opts);
     if (padded)
       out[k].valid = at::arange(m, opts.dtype(at::kLong)).unsqueeze(0) <
-                     at::tensor(lens, at::kLong).to(device).unsqueeze(1);
+                     detail::upload(at::tensor(lens, at::kLong), device).unsqueeze(1);
     out[k].anchor = anchor;
     const at::Tensor& bias = w.cross.at(k).doc_bias;
-    if (bias.defined()) out[k].bias = bias.to(device, at::kFloat).contiguous();
+    if (bias.defined())
+      out[k].bias = biases_f32.defined() ? biases_f32[next_bias++].view(bias.sizes())
+                                         : bias.to(device, at::kFloat).contiguous();
     out_keys.push_back(out[k].keys);
     out_values.push_back(out[k].values);
   }
