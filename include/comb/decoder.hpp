@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "comb/config.hpp"
+#include "comb/detail/upload.hpp"
 #include "comb/kv_cache.hpp"
 #include "comb/weights.hpp"
 
@@ -20,15 +21,6 @@ namespace comb {
 namespace detail {
 class DecodeStep;       // detail/decode_step.hpp
 struct DecodeStepSpec;  // detail/decode_step.hpp
-// Host integers as a tensor of `type` (int64 or int32) on `device`. On a CUDA device they are copied
-// from page-locked memory without the host waiting for the device's queue (LibTorch's host allocator
-// keeps that memory until the copy has run): a plain copy from pageable memory would wait for every
-// launch queued before it. Elsewhere at::tensor's tensor.
-at::Tensor upload_ints(const std::vector<int64_t>& values, c10::ScalarType type, c10::Device device);
-at::Tensor upload_ints(const std::vector<int32_t>& values, c10::ScalarType type, c10::Device device);
-// `t` on `device`: from the host to a CUDA device the same way (through page-locked memory, the host
-// not waiting); elsewhere t.to(device).
-at::Tensor upload(const at::Tensor& t, c10::Device device);
 }  // namespace detail
 
 // Which positions get logits.

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "comb/detail/upload.hpp"
 #include "comb/error.hpp"
 #include "comb/kv_cache.hpp"
 
@@ -138,7 +139,8 @@ COMB_INLINE void BlockPool::load(const KVCache& cache, int64_t n, const std::vec
   const int64_t whole = n / block_tokens_, tail = n - whole * block_tokens_;
   at::Tensor index;
   if (whole > 0)
-    index = at::tensor(std::vector<int64_t>(blocks.begin(), blocks.begin() + whole), at::kLong).to(k_[0].device());
+    index = detail::upload(at::tensor(std::vector<int64_t>(blocks.begin(), blocks.begin() + whole), at::kLong),
+                           k_[0].device());
   for (int64_t l = 0; l < cache.n_layers(); ++l) {
     at::Tensor k = cache.keys(l)[0], v = cache.values(l)[0];
     const int64_t h = k.size(0), hd = k.size(2);

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "comb/detail/upload.hpp"
 #include "comb/error.hpp"
 #include "comb/sampler.hpp"
 
@@ -233,7 +234,7 @@ COMB_INLINE std::vector<int32_t> Sampler::sample_rows(const std::vector<Sampler*
   const at::Tensor f = logits.to(at::kFloat);
   std::vector<at::Tensor> parts{f.argmax(1).to(at::kDouble).unsqueeze(1)};
   if (want > 0) {
-    const at::Tensor t = at::tensor(temperature, at::kFloat).to(f.device()).unsqueeze(1);
+    const at::Tensor t = detail::upload(at::tensor(temperature, at::kFloat), f.device()).unsqueeze(1);
     const at::Tensor scaled = f / t;  // as the host divides each logit
     // One more than wanted: where it equals the last wanted, the tie the boundary cuts is known.
     auto [values, ids] = scaled.topk(std::min(n, want + 1), 1, /*largest=*/true, /*sorted=*/true);
