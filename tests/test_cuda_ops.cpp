@@ -132,6 +132,37 @@ TEST_CASE("detail::upload and upload_ints put host values on the device queued b
   CHECK(comb::detail::upload(on_ids, at::kCUDA).is_same(on_ids));
 }
 
+// Model::decode on a GPU reads a greedy token back as its id, logit and the row's log-sum-exp (not
+// the row): the same tokens and log-probabilities as the logits of one forward over the prompt and
+// those tokens, log-softmaxed on the host.
+TEST_CASE("Model::generate on CUDA reads a greedy token and its log-probability, not the row", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  const Model m = Model::load(cuda_model_path(), Options{"cuda"});
+  const std::vector<int32_t> prompt = m.chat_prompt("Name three colours.");
+  GenerateOptions o;
+  o.max_tokens = 12;
+  const GenerationResult r = m.generate(prompt, o);
+  REQUIRE(!r.tokens.empty());
+  REQUIRE(r.logprobs.size() == r.tokens.size());
+  std::vector<int64_t> all(prompt.begin(), prompt.end());
+  all.insert(all.end(), r.tokens.begin(), r.tokens.end());
+  KVCache cache = m.decoder().make_cache(1, static_cast<int64_t>(all.size()));
+  const at::Tensor logits =
+      m.decoder().forward(at::tensor(all, at::kLong).view({1, -1}), cache, LogitsMode::all)[0].to(at::kCPU, at::kFloat);
+  const int64_t p = static_cast<int64_t>(prompt.size());
+  for (size_t i = 0; i < r.tokens.size(); ++i) {
+    const at::Tensor row = logits[p - 1 + static_cast<int64_t>(i)];
+    const float want = at::log_softmax(row, 0)[r.tokens[i]].item<float>();
+    INFO("token " << i);
+    // float32 throughout: one forward against steps after a cache differ by float32 sums' order.
+    CHECK(std::abs(r.logprobs[i] - want) <= 1e-3f * std::max(1.0f, std::abs(want)));
+    const auto top = row.topk(2);
+    const float gap = std::get<0>(top)[0].item<float>() - std::get<0>(top)[1].item<float>();
+    if (gap > 1e-3f) CHECK(r.tokens[i] == std::get<1>(top)[0].item<int64_t>());
+  }
+}
+
 TEST_CASE("comb::add_rms_norm equals the residual add and RMSNorm in ATen", "[ops][cuda]") {
   if (!cuda_ops_here()) return;
   c10::InferenceMode guard;

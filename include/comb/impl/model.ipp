@@ -306,10 +306,26 @@ COMB_INLINE GenerationResult Model::decode(KVCache& cache, at::Tensor logits, co
   r.stop_reason = "max_tokens";
   const int64_t limit = std::min(c.n_ctx, cache.capacity());
   for (int64_t step = 0; step < options.max_tokens; ++step) {
-    // The logits on the host once (from a GPU: one copy, one wait): the token and its
-    // log-probability both read there.
-    const at::Tensor host = logits.to(at::kCPU, at::kFloat).contiguous();
-    int32_t token = sampler.sample(host);
+    int32_t token = 0;
+    float logprob = 0;  // read here on a GPU's greedy path; else from `host` once the token is kept
+    at::Tensor host;
+    if (logits.is_cuda() && sampler.greedy()) {
+      // A greedy token on a GPU: its id, its logit and the row's log-sum-exp read back in one copy
+      // of three numbers, where the whole row and a log-softmax on the host took a copy of the
+      // vocabulary and a pass over it.
+      const at::Tensor f = logits.to(at::kFloat).reshape({-1});
+      const at::Tensor three =
+          at::stack({f.argmax().to(at::kDouble), f.max().to(at::kDouble), at::logsumexp(f, 0).to(at::kDouble)})
+              .to(at::kCPU);
+      const double* v = three.data_ptr<double>();
+      token = static_cast<int32_t>(v[0]);
+      logprob = static_cast<float>(v[1] - v[2]);
+    } else {
+      // The logits on the host once (from a GPU: one copy, one wait): the token and its
+      // log-probability both read there.
+      host = logits.to(at::kCPU, at::kFloat).contiguous();
+      token = sampler.sample(host);
+    }
     if (step == 0) {
       auto now = clock::now();
       r.ttft_ms = std::chrono::duration<double, std::milli>(now - started).count();
@@ -321,7 +337,7 @@ COMB_INLINE GenerationResult Model::decode(KVCache& cache, at::Tensor logits, co
       break;
     }
     r.tokens.push_back(token);
-    r.logprobs.push_back(at::log_softmax(host, 0)[token].item<float>());
+    r.logprobs.push_back(host.defined() ? at::log_softmax(host, 0)[token].item<float>() : logprob);
     std::string piece = stream.push(token);
     r.text += piece;
     if (options.on_token && !options.on_token(token, piece)) {

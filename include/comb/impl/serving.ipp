@@ -451,8 +451,12 @@ COMB_INLINE void ServeEngine::loop() {
           }
           const auto t1 = Sequence::clock::now();
           tokens = prefill_step(*first);
-          wait_for_device();  // a piece's time is the device's
-          if (tokens > 0) first->started = true;
+          // A piece's time is the device's; a step that computed no tokens (a document found in
+          // the store, linked by a launch or two) records none, and its work goes on queued.
+          if (tokens > 0) {
+            wait_for_device();
+            first->started = true;
+          }
           first->rate.record(first->piece_asked, tokens, detail::serving::seconds_since(t1) * 1e3);
         }
       } catch (const std::exception& e) {
