@@ -622,6 +622,10 @@ COMB_INLINE void ServeEngine::prefill_done(Sequence& s) {
 // Samples the next token from `logits` and hands out what it completes; false (and the request
 // finished) when it is the last.
 COMB_INLINE bool ServeEngine::emit(Sequence& s, const at::Tensor& logits, int32_t picked) {
+  // A prompt's first token on a GPU without log-probabilities: its argmax (or its sampling
+  // candidates) read back, not the row (Sampler::sample_rows, the same token as sample()).
+  if (picked < 0 && logits.is_cuda() && !s.request.logprobs)
+    picked = Sampler::sample_rows({s.sampler.get()}, logits.reshape({1, -1}))[0];
   const int32_t token = picked >= 0 ? picked : s.sampler->sample(logits);
   const auto now = Sequence::clock::now();
   {
