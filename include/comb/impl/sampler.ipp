@@ -4,7 +4,6 @@
 #pragma once
 #include "comb/detail/inline.hpp"
 #include <ATen/ATen.h>
-#include <c10/util/ParallelGuard.h>
 
 #include <algorithm>
 #include <cmath>
@@ -147,9 +146,6 @@ COMB_INLINE int32_t draw(const float* logits, int64_t n, const SamplingOptions& 
   highest(logits, n, o.temperature, std::min(n, o.top_k > 0 ? o.top_k : 64), c);
   if (c.ids.empty()) return 0;  // every logit NaN
   const at::Tensor l = at::from_blob(const_cast<float*>(logits), {n}, at::kFloat);
-  // On this thread alone: the row's mass summed in one order whichever thread draws it (a serving
-  // step draws its rows on its workers, a lone request on its caller).
-  const c10::ParallelGuard serial(true);
   // A temperature so small that scaled logits overflow: its limit, the argmax.
   if (c.max == std::numeric_limits<float>::infinity()) return static_cast<int32_t>(l.argmax().item<int64_t>());
   const at::Tensor e = at::exp(l.div(o.temperature).sub_(c.max)).contiguous();  // every token's weight

@@ -450,13 +450,17 @@ COMB_INLINE void ServeEngine::loop() {
             break;
           }
           const auto t1 = Sequence::clock::now();
+          // Whether this step takes one of the request's documents (found in the store, or a piece
+          // of it computed), not the method's start() or a piece of the prompt.
+          const bool document_step = !first->prefill && first->method != Method::full &&
+                                     first->method != Method::prefix &&
+                                     first->docs_warmed < first->request.prompt.documents.size();
           tokens = prefill_step(*first);
-          // A piece's time is the device's; a step that computed no tokens (a document found in
-          // the store, linked by a launch or two) records none, and its work goes on queued.
-          if (tokens > 0) {
-            wait_for_device();
-            first->started = true;
-          }
+          // A piece's time is the device's, and so is start()'s (EPIC's and CacheBlend's whole
+          // recomputation); a document found in the store (linked by a launch or two) is not
+          // waited for: its work goes on queued.
+          if (tokens > 0 || !document_step) wait_for_device();
+          if (tokens > 0) first->started = true;
           first->rate.record(first->piece_asked, tokens, detail::serving::seconds_since(t1) * 1e3);
         }
       } catch (const std::exception& e) {
@@ -778,24 +782,19 @@ COMB_INLINE double ServeEngine::decode_step(Sequence* rider) {
   }
   if (!logits.defined()) logits = batched_forward(rows);
   // Each row's token where no row asks for log-probabilities: the argmax of every row (8 bytes a
-  // row read back); on a GPU the sampling rows' highest tokens read back with it
-  // (Sampler::sample_rows); on the CPU every row drawn on the step's workers, each by its own
-  // sampler. Else every row's logits on the host (from a GPU through page-locked memory, one copy),
-  // each drawn as its row is emitted.
+  // row read back), or on a GPU the sampling rows' highest tokens read back with it
+  // (Sampler::sample_rows); else every row's logits on the host (from a GPU through page-locked
+  // memory, one copy).
   std::vector<int32_t> picked(rows.size(), -1);
-  const bool sample_together =
-      !argmax_only && std::none_of(rows.begin(), rows.end(), [](const Sequence* s) { return s->request.logprobs; });
+  const bool sample_on_device = !argmax_only && logits.is_cuda() &&
+                                std::none_of(rows.begin(), rows.end(), [](const Sequence* s) { return s->request.logprobs; });
   if (argmax_only) {
     const at::Tensor top = logits.argmax(-1).to(at::kCPU);
     for (size_t b = 0; b < rows.size(); ++b) picked[b] = static_cast<int32_t>(top.data_ptr<int64_t>()[b]);
-  } else if (sample_together && logits.is_cuda()) {
+  } else if (sample_on_device) {
     std::vector<Sampler*> samplers;
     for (Sequence* s : rows) samplers.push_back(s->sampler.get());
     picked = Sampler::sample_rows(samplers, logits);
-  } else if (sample_together) {  // the same draws as one after another: each row's generator is its own
-    const at::Tensor host = logits.to(at::kFloat).contiguous();
-    workers_->run(static_cast<int64_t>(rows.size()),
-                  [&](int64_t b) { picked[b] = rows[b]->sampler->sample(host[b]); });
   } else if (logits.is_cuda()) {
     at::Tensor host = at::empty(logits.sizes(), logits.options().device(at::kCPU).pinned_memory(true));
     host.copy_(logits);
