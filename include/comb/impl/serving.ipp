@@ -52,6 +52,12 @@ struct ServeEngine::Sequence {
   bool mix = true;             // its pieces may ride on the decoding steps (not after one failed there)
   std::unique_ptr<PicPrefill> prefill;
   std::vector<CacheKey> pinned;
+  // Whether its next prefill step takes one of its documents (found in the store, or a piece of it
+  // computed): a method that caches documents one by one, before its start().
+  bool document_turn() const {
+    return !prefill && method != Method::full && method != Method::prefix &&
+           docs_warmed < request.prompt.documents.size();
+  }
   // Decoding
   int64_t length = 0;          // positions held in `blocks`
   int32_t next = -1;           // the token to feed at position `length`
@@ -450,11 +456,7 @@ COMB_INLINE void ServeEngine::loop() {
             break;
           }
           const auto t1 = Sequence::clock::now();
-          // Whether this step takes one of the request's documents (found in the store, or a piece
-          // of it computed), not the method's start() or a piece of the prompt.
-          const bool document_step = !first->prefill && first->method != Method::full &&
-                                     first->method != Method::prefix &&
-                                     first->docs_warmed < first->request.prompt.documents.size();
+          const bool document_step = first->document_turn();  // not start() nor a piece of the prompt
           tokens = prefill_step(*first);
           // A piece's time is the device's, and so is start()'s (EPIC's and CacheBlend's whole
           // recomputation); a document found in the store (linked by a launch or two) is not
@@ -540,10 +542,9 @@ COMB_INLINE int64_t ServeEngine::prefill_step(Sequence& s) {
   const PicRequest& p = s.request.prompt;
   PicEngine& e = engine(s.method);
   const std::string& tenant = p.tenant.empty() ? options_.pic.tenant : p.tenant;
-  const bool per_document = s.method != Method::full && s.method != Method::prefix;
   int64_t computed = 0;
   if (!s.prefill) {
-    if (per_document && s.docs_warmed < p.documents.size()) {
+    if (s.document_turn()) {
       // One document's cache, pinned in memory so that start() finds it (and, for comb, every
       // decoding step after it).
       const auto& d = p.documents[s.docs_warmed];
