@@ -142,6 +142,12 @@ TEST_CASE("a Redis URL is parsed or refused with what was expected", "[redis][er
   StoreOptions o;
   o.remote_url = "rediss://h";
   CHECK_THROWS_WITH(PICacheStore(o), Catch::Contains("cache URL 'rediss://h'"));
+  // With a disk tier too: the refusal is an exception, with no disk writer left running.
+  const std::string dir = test::temp_dir("redis-bad-url");
+  o.disk_dir = dir;
+  o.disk_bytes = 1 << 20;
+  CHECK_THROWS_WITH(PICacheStore(o), Catch::Contains("cache URL 'rediss://h'"));
+  test::remove_dir(dir);
 }
 
 TEST_CASE("stores share entries through Redis; a hit is promoted into the local tiers", "[redis]") {
@@ -168,6 +174,7 @@ TEST_CASE("stores share entries through Redis; a hit is promoted into the local 
     CHECK(reader.get(key_of(2)) == nullptr);
     auto again = reader.get(key_of(1));  // now from the host tier
     REQUIRE(again);
+    reader.flush();  // the disk tier's copy written
     auto s = reader.stats();
     CHECK(s.remote.hits == 1);
     CHECK(s.remote.misses == 1);

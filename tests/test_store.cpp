@@ -113,6 +113,8 @@ TEST_CASE("budgets are never exceeded", "[store]") {
     REQUIRE(s.host.bytes <= options.host_bytes);
     REQUIRE(s.disk.bytes <= options.disk_bytes);
   }
+  store.flush();  // every queued disk write made
+  CHECK(store.stats().disk_queued == 0);
   int64_t on_disk = 0;
   for (const auto& e : fs::directory_iterator(dir)) on_disk += e.file_size();
   CHECK(on_disk <= options.disk_bytes);
@@ -155,6 +157,80 @@ TEST_CASE("the disk tier persists across stores and drops corrupt entries", "[st
   CHECK(store.get(key_of(3)) == nullptr);
   CHECK(store.stats().corrupt == 3);
   CHECK(holds(store.get(key_of(0)), 0));  // the rest is still fine
+}
+
+TEST_CASE("the disk tier is written in the background: queued entries are found, the queue is bounded, "
+          "flush and the destructor write every one", "[store]") {
+  StoreOptions options;
+  options.host_bytes = 0;  // disk only: an entry not yet written is found in the queue or nowhere
+  options.disk_bytes = 1 << 20;
+  const int64_t file_bytes = 72 + kEntryBytes;
+  auto path = [&](int i) { return options.disk_dir + "/" + key_of(i).hex() + ".kv"; };
+  SECTION("put() returns before the write; get() finds every entry, queued or written") {
+    options.disk_dir = temp_dir("queued");
+    PICacheStore store(options);
+    for (int i = 0; i < 6; ++i) store.put(key_of(i), entry(i));
+    for (int i = 0; i < 6; ++i) CHECK(holds(store.get(key_of(i)), i));
+    StoreStats s = store.stats();
+    CHECK(s.disk.hits == 6);
+    CHECK(s.disk.misses == 0);
+    CHECK(s.disk.bytes <= options.disk_bytes);
+    store.flush();
+    s = store.stats();
+    CHECK(s.disk_queued == 0);
+    CHECK(s.disk.entries == 6);
+    CHECK(s.disk.bytes == 6 * file_bytes);
+    CHECK(s.write_errors == 0);
+    for (int i = 0; i < 6; ++i) CHECK(int64_t(fs::file_size(path(i))) == file_bytes);
+  }
+  SECTION("the destructor writes what is queued") {
+    options.disk_dir = temp_dir("drained");
+    {
+      PICacheStore store(options);
+      for (int i = 0; i < 5; ++i) store.put(key_of(i), entry(i, 64));
+    }
+    PICacheStore reopened(options);
+    CHECK(reopened.stats().disk.entries == 5);
+    for (int i = 0; i < 5; ++i) CHECK(holds(reopened.get(key_of(i)), i));
+  }
+  SECTION("a queue of 0 bytes: put() returns once its entry is on disk") {
+    options.disk_dir = temp_dir("queue0");
+    options.disk_queue_bytes = 0;
+    PICacheStore store(options);
+    for (int i = 0; i < 4; ++i) {
+      store.put(key_of(i), entry(i));
+      CHECK(int64_t(fs::file_size(path(i))) == file_bytes);
+      CHECK(store.stats().disk_queued == 0);
+      CHECK(store.stats().disk.entries == i + 1);
+    }
+  }
+  SECTION("a queue of one entry's bytes holds at most one entry after put() returns") {
+    options.disk_dir = temp_dir("queue1");
+    options.disk_queue_bytes = file_bytes;
+    PICacheStore store(options);
+    for (int i = 0; i < 12; ++i) {
+      store.put(key_of(i), entry(i));
+      CHECK(store.stats().disk_queued <= 1);
+    }
+    store.flush();
+    CHECK(store.stats().disk.entries == 12);
+  }
+  SECTION("an entry larger than the disk budget is not queued") {
+    options.disk_dir = temp_dir("too-big");
+    options.disk_bytes = file_bytes - 1;
+    PICacheStore store(options);
+    store.put(key_of(1), entry(1));
+    CHECK(store.stats().disk_queued == 0);
+    CHECK(store.get(key_of(1)) == nullptr);
+    store.flush();
+    CHECK(store.stats().disk.entries == 0);
+    CHECK(store.stats().write_errors == 0);
+  }
+  SECTION("a negative queue is refused") {
+    options.disk_dir = temp_dir("queue-negative");
+    options.disk_queue_bytes = -1;
+    CHECK_THROWS_WITH(PICacheStore(options), Catch::Contains("queue must be >= 0 bytes, found -1"));
+  }
 }
 
 TEST_CASE("pins hold through replacements and full tiers; entries come in the storage dtype", "[store]") {
@@ -228,6 +304,7 @@ TEST_CASE("pins hold through replacements and full tiers; entries come in the st
     options.disk_dir = temp_dir("wrap");
     PICacheStore store(options);
     store.put(key_of(1), entry(1));
+    store.flush();
     const std::string path = options.disk_dir + "/" + key_of(1).hex() + ".kv";
     // The documented header (docs/formats.md): 1 block of 1 head x (2^62 + 1) tokens x 1 float,
     // whose byte count wraps to 4 per tensor, with a matching 8-byte payload and checksum.
@@ -470,6 +547,7 @@ TEST_CASE("int8 entries: keys scaled per channel (per row when short), values pe
       REQUIRE(stored->quantized());
       CHECK(stored->keys[0].equal(q.keys[0]));
       CHECK(writer.stats().host.bytes == expected);
+      writer.flush();
       // The disk file: the 72-byte header and exactly the entry's bytes.
       CHECK(int64_t(fs::file_size(options.disk_dir + "/" + key_of(1).hex() + ".kv")) == 72 + expected);
     }
@@ -537,6 +615,7 @@ TEST_CASE("int8 entries: keys scaled per channel (per row when short), values pe
     options.disk_dir = temp_dir("int8-bad");
     PICacheStore store(options);
     store.put(key_of(2), kv);
+    store.flush();
     const std::string path = options.disk_dir + "/" + key_of(2).hex() + ".kv";
     std::string bytes = read_bytes(path);
     // Block 0's first key scale, after its K and V codes, made -1 (and the checksum made right).
@@ -699,6 +778,7 @@ TEST_CASE("int4 forms (int4, int8-int4): int8's scales for codes in [-7, 7], two
         CHECK(stored->keys[0].equal(q.keys[0]));
         CHECK(writer.stats().host.bytes == q.bytes());
         writer.put(key_of(2), short_kv);
+        writer.flush();
         CHECK(int64_t(fs::file_size(options.disk_dir + "/" + key_of(1).hex() + ".kv")) == 72 + q.bytes());
         CHECK(int64_t(fs::file_size(options.disk_dir + "/" + key_of(2).hex() + ".kv")) == 72 + short_q.bytes());
       }
@@ -1253,6 +1333,7 @@ TEST_CASE("a cache directory that cannot be written is a clear error; the store 
   fs::remove_all(dir + "/gone");
   write_bytes(dir + "/gone", "now a file");
   store.put(key_of(1), entry(1));
+  store.flush();
   CHECK(store.stats().write_errors == 1);
   CHECK(holds(store.get(key_of(1)), 1));
   options.dtype = at::kDouble;

@@ -33,6 +33,7 @@ struct ServeOptions {
   PicOptions pic;                // the methods' options; cache_bytes: the document store's memory
   std::string cache_dir;         // the document store's disk tier ("" : none); it survives restarts
   int64_t cache_disk_bytes = int64_t(4) << 30;
+  int64_t cache_queue_bytes = int64_t(256) << 20;  // its writes waiting (StoreOptions::disk_queue_bytes)
   // The block pool of running sequences, in bytes. 0: sized at start, 1 GiB on the CPU; on a GPU
   // 90% of its free memory once the model is loaded, less the store's device tier and the prefix
   // cache (pic.cache_bytes each) and 2 GiB left for prompts' own caches and the forwards'

@@ -26,6 +26,13 @@ struct StoreOptions {
   int64_t host_bytes = int64_t(1) << 30;  // host-memory tier budget (0: no host tier)
   int64_t disk_bytes = 0;              // disk tier budget (0: no disk tier)
   std::string disk_dir;                // the disk tier's directory; entries survive restarts
+  // The disk tier is written by a thread of the store's own: put() queues an entry and returns
+  // (an entry on a device is copied to the host there, after the work queued on the device's
+  // current stream at put(); until then it holds its device memory, even if evicted). When more
+  // than this many bytes wait, put() waits for the writer (0: put() returns once its own entry is
+  // written). A queued entry is found by get() as a disk hit; flush() and the destructor wait for
+  // every queued write.
+  int64_t disk_queue_bytes = int64_t(256) << 20;
   // Storage dtype of K/V: float32, bfloat16, float16, int8 (kChar: float16 scales, keys per
   // channel or, on documents under head_dim / 2 tokens, per row; values per row), int8 keys with
   // int4 values (kCacheInt8Int4) or int4 (kCacheInt4: keys coded rotated, scaled per channel;
@@ -69,11 +76,13 @@ struct StoreStats {
   bool remote_online = false;   // a remote tier is set and not in a back-off period
   int64_t corrupt = 0;      // disk entries that failed their checks (dropped, to be recomputed)
   int64_t write_errors = 0; // disk writes that failed (the entry stays in memory)
+  int64_t disk_queued = 0;  // entries queued for the disk tier, not yet written
 };
 
 // Thread-safe. get() returns shared ownership, so an evicted entry stays valid for the requests
 // still reading it. Memory tiers hold an entry in one place (LRU, demoted device -> host on
-// eviction); the disk tier is written through on put() and checked (checksum) on every read; the
+// eviction); the disk tier is written on put() in the background (StoreOptions::disk_queue_bytes)
+// and checked (checksum) on every read; the
 // remote tier (Redis) is written in the background on put() and checked like the disk tier. A
 // failing remote tier never fails a call: it is a miss, and the store goes on with its local tiers.
 class PICacheStore {
@@ -91,7 +100,9 @@ class PICacheStore {
   // Redis comes in the storage dtype, whatever store wrote it.
   std::shared_ptr<const DocumentKV> get(const CacheKey& key);
   // Stores `kv` (converted to the storage dtype) and returns the stored entry. Replacing an entry
-  // keeps its pin.
+  // keeps its pin. The store may keep `kv`'s own tensors (already where and in the dtype it
+  // stores) and copy them to disk or Redis later, after the work queued on their device's current
+  // stream at this call: they must not be written in place after it.
   std::shared_ptr<const DocumentKV> put(const CacheKey& key, const DocumentKV& kv);
   // Pinned entries are never evicted from memory, and an entry that cannot fit beside a tier's
   // pinned ones evicts nothing there. pin() is false when no memory tier holds the key.
@@ -99,7 +110,8 @@ class PICacheStore {
   void unpin(const CacheKey& key);
   StoreStats stats() const;
   const StoreOptions& options() const;
-  // Waits until the remote tier has tried every queued write (the destructor does too).
+  // Waits until the disk tier has made and the remote tier has tried every queued write (the
+  // destructor does too).
   void flush();
 
  private:

@@ -60,6 +60,9 @@ Model load_model(Args& args, bool shipped_plugin = false, bool as_stored = false
 // The caching methods' options (--epic-k, --blend-ratio, --check-layer, --prefix-block) over `o`:
 // eval, bench --pic-data and serve read them alike.
 PicOptions pic_method_options(Args& args, PicOptions o = {});
+// --cache-queue-mb N in bytes (default 256 MiB): the document store's disk writes that may wait for
+// its writer thread (StoreOptions::disk_queue_bytes).
+int64_t cache_queue_bytes(Args& args);
 // "1m05s", "2h03m".
 std::string clock_text(double seconds);
 // "nq-multidoc-10.dev" for ".../nq-multidoc-10.dev.jsonl.gz".

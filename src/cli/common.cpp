@@ -1,6 +1,8 @@
 // What the commands share: the default model and plug-in, option checks made before a model loads, loading it, and the cold/warm timing of eval and qa.
 #include "commands.hpp"
 
+#include <limits>
+
 namespace comb::cli {
 
 std::string default_model() {
@@ -53,6 +55,7 @@ void check_numbers(const Args& args) {
   probe.num<float>("temperature", 0), probe.num<float>("top-p", 0);
   probe.num<uint64_t>("seed", 0);
   if (probe.has("cache-dtype")) parse_cache_dtype(probe.str("cache-dtype"));
+  cache_queue_bytes(probe);  // a number, and in range
 }
 
 comb::Model load_model(Args& args, bool shipped_plugin, bool as_stored) {
@@ -86,6 +89,13 @@ comb::Model load_model(Args& args, bool shipped_plugin, bool as_stored) {
   return model;
 }
 
+
+int64_t cache_queue_bytes(Args& args) {
+  const int64_t mb = args.num<int64_t>("cache-queue-mb", 256);
+  if (mb < 0 || mb > (std::numeric_limits<int64_t>::max() >> 20))
+    throw Error("--cache-queue-mb: expected MiB >= 0 (and below 2^43), found " + std::to_string(mb));
+  return mb << 20;
+}
 
 PicOptions pic_method_options(Args& args, PicOptions o) {
   o.blend_ratio = args.num<double>("blend-ratio", o.blend_ratio);

@@ -15,6 +15,7 @@ int cmd_generate(Args& args) {
   std::string cache_url = args.str("cache-url");
   int64_t cache_ttl = args.num<int64_t>("cache-ttl", 0);
   const c10::ScalarType cache_dtype = parse_cache_dtype(args.str("cache-dtype", "auto"));
+  const int64_t cache_queue = cache_queue_bytes(args);
   comb::GenerateOptions options;
   options.max_tokens = args.num<int64_t>("max-tokens", 128);
   options.sampling.temperature = args.num<float>("temperature", 0.0f);
@@ -45,6 +46,7 @@ int cmd_generate(Args& args) {
     if (!cache_dir.empty()) {
       store_options.disk_dir = cache_dir;
       store_options.disk_bytes = cache_mb << 20;
+      store_options.disk_queue_bytes = cache_queue;
     }
     store_options.remote_url = cache_url;
     store_options.dtype = cache_dtype;

@@ -66,7 +66,10 @@ generate options:
   --document FILE     a document for the encoder; repeat for several, in any order (with a plug-in
                       that reads documents after the instruction prefix, as the shipped one does,
                       the prompt is asked as a question about them, as comb qa asks it)
-  --cache-dir DIR     keep document caches on disk in DIR (survives restarts)
+  --cache-dir DIR     keep document caches on disk in DIR (survives restarts), written by a
+                      thread of their own
+  --cache-queue-mb N  most MiB of document caches waiting to be written to DIR (default 256; more
+                      and the request waits; 0: each written before the request goes on)
   --cache-mb N        cache budget per tier in MiB (default 1024)
   --cache-url URL     share document caches through Redis (redis://HOST[:PORT][/DB]): looked up after
                       the local tiers, written in the background; also for qa and eval
@@ -315,7 +318,7 @@ serve options (with the model options above; docs/serving.md):
   --allowed-origins LIST origins (scheme://host:port, comma separated; * any) whose web pages may call
                          the server; a request with another Origin header gets 403 (default: none)
   --default-max-tokens N when a request gives no max_tokens (default 256, within the context)
-  --cache-mb N, --cache-dir DIR, --cache-url URL, --cache-ttl S, --cache-dtype T
+  --cache-mb N, --cache-dir DIR, --cache-queue-mb N, --cache-url URL, --cache-ttl S, --cache-dtype T
                          the document store shared by all requests and methods (as for generate)
   --epic-k N, --blend-ratio R, --prefix-block N   the methods' options (as for eval)
   --drain-timeout S      after SIGTERM, how long requests in flight may take before being

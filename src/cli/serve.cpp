@@ -379,6 +379,7 @@ int cmd_serve(Args& args) {
              "links every document");
   o.cache_dir = args.str("cache-dir");
   o.cache_disk_bytes = o.pic.cache_bytes;  // --cache-mb bounds every tier, the disk's included
+  o.cache_queue_bytes = cache_queue_bytes(args);
   const int64_t kv_mb = args.num<int64_t>("kv-mb", 0);
   COMB_CHECK(!args.has("kv-mb") || (kv_mb >= 1 && kv_mb <= (int64_t(1) << 30)),
              "--kv-mb should be 1 to 1073741824 (MiB), found {}", kv_mb);

@@ -772,8 +772,9 @@ std::unique_ptr<at::cuda::CUDAGraph> capture_on_side(c10::Device device, const s
   body();
   side.synchronize();
   auto graph = std::make_unique<at::cuda::CUDAGraph>();
-  if (pool) graph->capture_begin(*pool);
-  else graph->capture_begin();
+  // Thread-local capture: other threads may go on with their own device work meanwhile (the
+  // document store's writers copy entries to the host), which the global mode would refuse them.
+  graph->capture_begin(pool.value_or(c10::MempoolId_t{0, 0}), cudaStreamCaptureModeThreadLocal);
   try {
     body();
   } catch (...) {

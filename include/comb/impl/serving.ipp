@@ -111,6 +111,7 @@ COMB_INLINE ServeEngine::ServeEngine(const Model& model, ServeOptions options)
   StoreOptions so = options_.pic.store_options(dec.device());  // on a GPU: a device tier first
   so.disk_dir = options_.cache_dir;
   so.disk_bytes = options_.cache_dir.empty() ? 0 : options_.cache_disk_bytes;
+  so.disk_queue_bytes = options_.cache_queue_bytes;
   store_ = std::make_shared<PICacheStore>(so);
   documents_ = std::make_shared<Documents>(model, store_);
   prefix_ = std::make_shared<PrefixCache>(options_.pic.prefix_block, options_.pic.cache_bytes);

@@ -5,14 +5,20 @@
 #include "comb/detail/inline.hpp"
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <xxhash.h>
 
 #include <array>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <list>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 
 #include "comb/cuda_backend.hpp"
@@ -299,6 +305,32 @@ COMB_INLINE std::shared_ptr<const DocumentKV> pinned(std::shared_ptr<const Docum
   return same ? kv : std::make_shared<const DocumentKV>(with_parts(*kv, std::move(out)));
 }
 
+// For an entry on a device: an event recorded on the device's current stream, after the work
+// queued there that makes the entry, for another thread to wait on before it reads the entry
+// (serialize() copies it to the host on that thread's own stream). Null for a host entry.
+COMB_INLINE std::shared_ptr<const c10::Event> readiness_of(const DocumentKV& kv) {
+  const c10::Device device = kv.keys.at(0).device();
+  if (device.is_cpu()) return nullptr;
+  c10::impl::VirtualGuardImpl impl(device.type());
+  auto event = std::make_shared<c10::Event>(device.type());
+  event->record(impl.getStream(device));
+  return event;
+}
+
+// serialize(key, kv) on another thread than the one that made `kv`: after the work `ready` marks
+// (readiness_of), and for an entry on a device with its copies to the host on a stream of the
+// device's high-priority pool (its copies then overlap the work on the device's other streams,
+// where the default stream would wait for that work and hold it up; CUDA graphs are captured on
+// the low-priority pool's streams, never on these).
+COMB_INLINE std::string serialize_when_ready(const CacheKey& key, const DocumentKV& kv, const c10::Event* ready) {
+  if (!ready) return serialize(key, kv);
+  ready->synchronize();
+  const c10::Device device = kv.keys.at(0).device();
+  c10::impl::VirtualGuardImpl impl(device.type());
+  const c10::StreamGuard on_side(impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true));
+  return serialize(key, kv);
+}
+
 }  // namespace detail::store
 
 struct PICacheStore::Impl {
@@ -310,6 +342,22 @@ struct PICacheStore::Impl {
   std::list<CacheKey> disk_lru;
   std::unordered_map<CacheKey, std::pair<std::list<CacheKey>::iterator, int64_t>, detail::store::KeyHash> disk_files;
   int64_t corrupt = 0, write_errors = 0;
+  // The disk tier's writes, made by `writer` in the order put() queued them: `disk_queue` holds
+  // the keys not yet taken, `disk_pending` every entry not yet written (taken or not), whose bytes
+  // `disk_queued_bytes` counts. Guarded by `mutex`; `disk_progress` is notified when a write ends.
+  struct PendingWrite {
+    std::shared_ptr<const DocumentKV> kv;
+    std::shared_ptr<const c10::Event> ready;  // an entry on a device: recorded after the work making it
+    uint64_t seq = 0;                         // its place in the queue (1, 2, ...)
+  };
+  std::deque<CacheKey> disk_queue;
+  std::unordered_map<CacheKey, PendingWrite, detail::store::KeyHash> disk_pending;
+  int64_t disk_queued_bytes = 0;
+  // Writes queued so far, and how many of the first ones have ended (written or failed).
+  uint64_t disk_queued_seq = 0, disk_done_seq = 0;
+  bool writer_stop = false;
+  std::condition_variable disk_work, disk_progress;
+  std::thread writer;
   // Remote tier (Redis): its own locking; the store's mutex is never held across a network call.
   std::unique_ptr<detail::RedisTier> remote;
   TierStats remote_stats;
@@ -407,22 +455,130 @@ struct PICacheStore::Impl {
     return bytes <= tier.budget - pinned;
   }
 
-  void disk_write(const CacheKey& key, const DocumentKV& kv) {
-    if (!disk_enabled() || disk_files.count(key)) return;
-    std::string bytes = detail::store::serialize(key, kv);
-    const int64_t size = static_cast<int64_t>(bytes.size());
-    if (size > options.disk_bytes) return;
+  // Queues `kv` for the disk tier (the caller holds `lock` on `mutex`): the writer thread
+  // serializes and writes it, so put() waits neither for the file nor for its fsync, nor, for an
+  // entry on a device, for the device to finish the work that makes it (readiness_of()). The
+  // queue's memory is bounded and no write is dropped: while the entries waiting and this one
+  // would take more than StoreOptions::disk_queue_bytes, this waits for the writer (an entry over
+  // the bound alone waits for an empty queue, then for its own write). Never throws: an entry that
+  // cannot be queued is a failed write (logged, counted), kept in memory.
+  void disk_write(std::unique_lock<std::mutex>& lock, const CacheKey& key, std::shared_ptr<const DocumentKV> kv) {
+    auto known = [&] { return disk_files.count(key) || disk_pending.count(key); };
+    if (!disk_enabled() || known()) return;
+    const int64_t bytes = static_cast<int64_t>(sizeof(detail::store::DiskHeader)) + kv->bytes();
+    if (bytes > options.disk_bytes) return;  // could never be written (serialize() makes exactly these bytes)
     try {
-      while (disk.bytes + size > options.disk_bytes) disk_remove(disk_lru.back(), /*evicted=*/true);
-      detail::write_file_atomic(path_of(key), bytes, 0600);  // documents' K/V: the owner's only
-    } catch (const Error& e) {
+      disk_progress.wait(lock, [&] { return disk_queued_bytes + bytes <= options.disk_queue_bytes || disk_pending.empty(); });
+      if (known()) return;  // queued or written by another caller meanwhile
+      std::shared_ptr<const c10::Event> ready = detail::store::readiness_of(*kv);
+      disk_queue.push_back(key);
+      try {
+        disk_pending.emplace(key, PendingWrite{std::move(kv), std::move(ready), ++disk_queued_seq});
+      } catch (...) {
+        disk_queue.pop_back();
+        throw;
+      }
+      disk_queued_bytes += bytes;
+    } catch (const std::exception& e) {
       ++write_errors;
-      log(LogLevel::warning, "cache store: disk write failed, the entry stays in memory only: {}", e.what());
+      log(LogLevel::warning, "cache store: an entry could not be queued for the disk, it stays in memory only: {}",
+          e.what());
       return;
     }
-    disk_lru.push_front(key);
-    disk_files[key] = {disk_lru.begin(), size};
-    disk.bytes += size;
+    disk_work.notify_one();
+    disk_progress.wait(lock, [&] { return disk_queued_bytes <= options.disk_queue_bytes || !disk_pending.count(key); });
+  }
+
+  // The writer thread: takes queued entries in order, serializes and writes each outside the
+  // lock. The bytes of the file being written are counted in `disk.bytes` from the moment room is
+  // made for them (older files evicted), so the budget holds throughout. Ends when stopped and
+  // every queued entry is written. Nothing escapes it: a write that fails in any way is counted.
+  void write_loop() {
+    std::unique_lock<std::mutex> lock(mutex);
+    for (;;) {
+      disk_work.wait(lock, [&] { return writer_stop || !disk_queue.empty(); });
+      if (disk_queue.empty()) return;  // stopped, nothing left
+      const CacheKey key = disk_queue.front();
+      disk_queue.pop_front();
+      auto found = disk_pending.find(key);
+      if (found == disk_pending.end()) continue;
+      const PendingWrite job = found->second;
+      const int64_t queued = static_cast<int64_t>(sizeof(detail::store::DiskHeader)) + job.kv->bytes();
+      std::string failure;
+      try {
+        write_one(lock, key, job, failure);
+      } catch (const std::exception& e) {
+        failure = e.what();
+      } catch (...) {
+        failure = "unknown error";
+      }
+      if (!lock.owns_lock()) lock.lock();
+      if (!failure.empty()) {
+        ++write_errors;
+        log(LogLevel::warning, "cache store: disk write failed, the entry stays in memory only: {}", failure);
+      }
+      disk_pending.erase(key);
+      disk_queued_bytes -= queued;
+      disk_done_seq = job.seq;
+      disk_progress.notify_all();
+    }
+  }
+
+  // One queued entry serialized and written (the caller holds `lock`; it is released around the
+  // work, and held again on a normal return). Sets `failure` when the entry is not written.
+  void write_one(std::unique_lock<std::mutex>& lock, const CacheKey& key, const PendingWrite& job, std::string& failure) {
+    lock.unlock();
+    std::string bytes;
+    try {
+      bytes = detail::store::serialize_when_ready(key, *job.kv, job.ready.get());
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    const auto size = static_cast<int64_t>(bytes.size());
+    lock.lock();
+    if (!failure.empty() || size > options.disk_bytes) return;
+    while (disk.bytes + size > options.disk_bytes && !disk_lru.empty()) disk_remove(disk_lru.back(), /*evicted=*/true);
+    disk.bytes += size;  // room held for the file while it is written
+    lock.unlock();
+    bool written = false;
+    try {
+      detail::write_file_atomic(path_of(key), bytes, 0600);  // documents' K/V: the owner's only
+      written = true;
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    lock.lock();
+    if (!written) {
+      disk.bytes -= size;
+      return;
+    }
+    try {
+      disk_lru.push_front(key);
+      disk_files[key] = {disk_lru.begin(), size};
+    } catch (...) {  // out of memory: the file stays uncounted until a restart finds it
+      if (!disk_lru.empty() && disk_lru.front() == key && !disk_files.count(key)) disk_lru.pop_front();
+      disk.bytes -= size;
+      throw;
+    }
+  }
+
+  // Waits until every disk write queued before the call has been made or has failed (the caller
+  // holds `lock`); writes queued meanwhile by other callers are not waited for.
+  void wait_for_disk(std::unique_lock<std::mutex>& lock) {
+    const uint64_t until = disk_queued_seq;
+    disk_progress.wait(lock, [&] { return disk_done_seq >= until; });
+  }
+
+  ~Impl() { stop_writer(); }  // every queued disk write made before the tiers go
+
+  void stop_writer() {
+    if (!writer.joinable()) return;
+    {
+      std::lock_guard<std::mutex> guard(mutex);
+      writer_stop = true;
+    }
+    disk_work.notify_all();
+    writer.join();
   }
 
   void disk_remove(const CacheKey& key, bool evicted) {
@@ -477,6 +633,8 @@ COMB_INLINE PICacheStore::PICacheStore(StoreOptions options) : impl_(std::make_u
              "cache budgets must be >= 0 (device {}, host {}, disk {})", options.device_bytes, options.host_bytes,
              options.disk_bytes);
   COMB_CHECK(options.disk_bytes == 0 || !options.disk_dir.empty(), "a disk budget needs a cache directory");
+  COMB_CHECK(options.disk_queue_bytes >= 0, "the disk tier's queue must be >= 0 bytes, found {}",
+             options.disk_queue_bytes);
   impl_->options = options;
   if (options.device.is_cuda()) {
     load_cuda_backend();  // before anything asks LibTorch about CUDA
@@ -497,11 +655,17 @@ COMB_INLINE PICacheStore::PICacheStore(StoreOptions options) : impl_(std::make_u
     remote.backoff_ms = options.remote_backoff_ms;
     impl_->remote = std::make_unique<detail::RedisTier>(remote);
   }
+  // Last: nothing after it throws (and ~Impl stops it when a later member's destructor runs).
+  if (impl_->disk_enabled()) impl_->writer = std::thread([impl = impl_.get()] { impl->write_loop(); });
 }
 
-COMB_INLINE PICacheStore::~PICacheStore() = default;
+COMB_INLINE PICacheStore::~PICacheStore() = default;  // ~Impl: every queued disk write made first
 
 COMB_INLINE void PICacheStore::flush() {
+  {
+    std::unique_lock<std::mutex> lock(impl_->mutex);
+    impl_->wait_for_disk(lock);
+  }
   if (impl_->remote) impl_->remote->flush();
 }
 
@@ -525,7 +689,7 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& 
     }
     return kv.has_value();
   });
-  std::lock_guard<std::mutex> lock(impl_->mutex);
+  std::unique_lock<std::mutex> lock(impl_->mutex);
   if (!kv) {
     ++impl_->remote_stats.misses;
     if (found) {  // there, but not an entry of this key: dropped, to be computed and written again
@@ -541,8 +705,9 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& 
     if (auto it = tier.slots.find(key); it != tier.slots.end()) return it->second.kv;
   if (kv->dtype() != impl_->dtype_for(*kv)) *kv = kv->to(at::kCPU, impl_->dtype_for(*kv));
   auto entry = std::make_shared<const DocumentKV>(std::move(*kv));
-  impl_->disk_write(key, *entry);
-  return impl_->insert(0, key, entry);
+  auto stored = impl_->insert(0, key, entry);
+  impl_->disk_write(lock, key, entry);  // last: it may wait, letting other calls change the tiers
+  return stored;
 }
 
 COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::Impl::get_local(const CacheKey& key) {
@@ -564,6 +729,11 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::Impl::get_local(cons
     return kv;
   }
   if (disk_enabled()) {
+    // An entry queued for the disk tier and not yet written is there already.
+    if (auto p = disk_pending.find(key); p != disk_pending.end()) {
+      ++disk.hits;
+      return insert(0, key, p->second.kv);
+    }
     auto it = disk_files.find(key);
     if (it != disk_files.end()) {
       std::string why;
@@ -610,16 +780,18 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& 
   auto entry = top != impl_->memory.end() && impl_->pinning(tier)  // page-locked: one copy
                    ? impl_->converted(tier, std::make_shared<const DocumentKV>(kv))
                    : std::make_shared<const DocumentKV>(kv.to(where, impl_->dtype_for(kv)));
-  impl_->disk_write(key, *entry);
   auto stored = impl_->insert(0, key, entry);
   if (pinned)
     for (auto& tier : impl_->memory)
       if (auto it = tier.slots.find(key); it != tier.slots.end()) it->second.pinned = true;
+  impl_->disk_write(lock, key, entry);  // last: it may wait, letting other calls change the tiers
   lock.unlock();
   if (impl_->remote)  // serialized and written by the tier's thread: put() waits for neither
     impl_->remote->put_lazy(detail::store::remote_key(key),
                             static_cast<int64_t>(sizeof(detail::store::DiskHeader)) + entry->bytes(),
-                            [key, entry] { return detail::store::serialize(key, *entry); });
+                            [key, entry, ready = detail::store::readiness_of(*entry)] {
+                              return detail::store::serialize_when_ready(key, *entry, ready.get());
+                            });
   return stored;
 }
 
@@ -651,6 +823,7 @@ COMB_INLINE StoreStats PICacheStore::stats() const {
   s.disk = impl_->disk;
   s.disk.entries = static_cast<int64_t>(impl_->disk_files.size());
   s.disk.budget = impl_->options.disk_bytes;
+  s.disk_queued = static_cast<int64_t>(impl_->disk_pending.size());
   s.corrupt = impl_->corrupt;
   s.write_errors = impl_->write_errors;
   if (impl_->remote) {
