@@ -166,7 +166,7 @@ TEST_CASE("the disk tier is written in the background: queued entries are found,
   options.disk_bytes = 1 << 20;
   const int64_t file_bytes = 72 + kEntryBytes;
   auto path = [&](int i) { return options.disk_dir + "/" + key_of(i).hex() + ".kv"; };
-  SECTION("put() returns before the write; get() finds every entry, queued or written") {
+  SECTION("get() finds every entry at once, queued or written; flush() writes them all") {
     options.disk_dir = temp_dir("queued");
     PICacheStore store(options);
     for (int i = 0; i < 6; ++i) store.put(key_of(i), entry(i));

@@ -287,6 +287,9 @@ COMB_INLINE PicEngine::PicEngine(const Model& model, Method method, PicOptions o
 COMB_INLINE PicEngine::~PicEngine() = default;
 
 COMB_INLINE void PicEngine::clear() {
+  // The old store's queued disk writes made first: the new one, over the same directory, then
+  // counts every file in its budget.
+  documents_->store()->flush();
   documents_ = std::make_shared<Documents>(model_, std::make_shared<PICacheStore>(documents_->store()->options()));
   prefix_->clear();
 }

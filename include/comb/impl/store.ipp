@@ -340,7 +340,13 @@ struct PICacheStore::Impl {
   // Disk tier: files "<key hex>.kv"; LRU order and sizes kept here.
   TierStats disk;
   std::list<CacheKey> disk_lru;
-  std::unordered_map<CacheKey, std::pair<std::list<CacheKey>::iterator, int64_t>, detail::store::KeyHash> disk_files;
+  struct DiskFile {
+    std::list<CacheKey>::iterator lru;
+    int64_t bytes = 0;
+    uint64_t generation = 0;  // which file of this key (a key's file may be evicted and written again)
+  };
+  std::unordered_map<CacheKey, DiskFile, detail::store::KeyHash> disk_files;
+  uint64_t disk_generation = 0;
   int64_t corrupt = 0, write_errors = 0;
   // The disk tier's writes, made by `writer` in the order put() queued them: `disk_queue` holds
   // the keys not yet taken, `disk_pending` every entry not yet written (taken or not), whose bytes
@@ -554,7 +560,7 @@ struct PICacheStore::Impl {
     }
     try {
       disk_lru.push_front(key);
-      disk_files[key] = {disk_lru.begin(), size};
+      disk_files[key] = {disk_lru.begin(), size, ++disk_generation};
     } catch (...) {  // out of memory: the file stays uncounted until a restart finds it
       if (!disk_lru.empty() && disk_lru.front() == key && !disk_files.count(key)) disk_lru.pop_front();
       disk.bytes -= size;
@@ -586,14 +592,20 @@ struct PICacheStore::Impl {
     if (it == disk_files.end()) return;
     std::error_code ec;
     fs::remove(path_of(key), ec);
-    disk.bytes -= it->second.second;
-    disk_lru.erase(it->second.first);
+    disk.bytes -= it->second.bytes;
+    disk_lru.erase(it->second.lru);
     disk_files.erase(it);
     if (evicted) ++disk.evictions;
   }
 
-  // The entry from the memory or disk tiers (the caller holds `mutex`), or nullptr.
-  std::shared_ptr<const DocumentKV> get_local(const CacheKey& key);
+  // The entry from the memory tiers or the disk tier's queue (the caller holds `mutex`), or
+  // nullptr; `disk_path` is then the entry's file when the disk tier has one (and `generation`
+  // which), to be read without the lock (read_disk()).
+  std::shared_ptr<const DocumentKV> get_local(const CacheKey& key, std::string& disk_path, uint64_t& generation);
+  // The disk tier's file of `key` read (the caller does not hold `mutex`: other calls go on
+  // meanwhile), checked and promoted, or nullptr. A file that fails its checks is dropped unless
+  // it was evicted (or evicted and written again) while it was read.
+  std::shared_ptr<const DocumentKV> read_disk(const CacheKey& key, const std::string& path, uint64_t generation);
 
   void scan_disk() {
     std::error_code ec;
@@ -619,7 +631,7 @@ struct PICacheStore::Impl {
     std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
     for (const auto& [time, entry] : found) {
       disk_lru.push_back(entry.first);
-      disk_files[entry.first] = {std::prev(disk_lru.end()), entry.second};
+      disk_files[entry.first] = {std::prev(disk_lru.end()), entry.second, ++disk_generation};
       disk.bytes += entry.second;
     }
     while (disk.bytes > options.disk_bytes && !disk_lru.empty()) disk_remove(disk_lru.back(), true);
@@ -672,10 +684,14 @@ COMB_INLINE void PICacheStore::flush() {
 COMB_INLINE const StoreOptions& PICacheStore::options() const { return impl_->options; }
 
 COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& key) {
+  std::string disk_path;
+  uint64_t generation = 0;
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
-    if (auto hit = impl_->get_local(key)) return hit;
+    if (auto hit = impl_->get_local(key, disk_path, generation)) return hit;
   }
+  if (!disk_path.empty())
+    if (auto hit = impl_->read_disk(key, disk_path, generation)) return hit;
   if (!impl_->remote) return nullptr;
   std::string why;
   std::optional<DocumentKV> kv;
@@ -710,7 +726,8 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::get(const CacheKey& 
   return stored;
 }
 
-COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::Impl::get_local(const CacheKey& key) {
+COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::Impl::get_local(const CacheKey& key, std::string& disk_path,
+                                                                          uint64_t& generation) {
   for (size_t t = 0; t < memory.size(); ++t) {
     auto it = memory[t].slots.find(key);
     if (it == memory[t].slots.end()) {
@@ -734,31 +751,49 @@ COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::Impl::get_local(cons
       ++disk.hits;
       return insert(0, key, p->second.kv);
     }
-    auto it = disk_files.find(key);
-    if (it != disk_files.end()) {
-      std::string why;
-      std::optional<DocumentKV> kv;
-      try {
-        kv = detail::store::deserialize(path_of(key), key, why);
-      } catch (const std::exception& e) {  // comb::Error, c10::Error, std::bad_alloc: a bad file, not a crash
-        why = e.what();
-      }
-      if (kv) {
-        ++disk.hits;
-        disk_lru.erase(it->second.first);
-        disk_lru.push_front(key);
-        it->second.first = disk_lru.begin();
-        // A file written by a store of another storage dtype is converted, like every entry.
-        if (kv->dtype() != dtype_for(*kv)) *kv = kv->to(at::kCPU, dtype_for(*kv));
-        return insert(0, key, std::make_shared<const DocumentKV>(std::move(*kv)));
-      }
+    if (auto f = disk_files.find(key); f != disk_files.end()) {
+      disk_path = path_of(key);
+      generation = f->second.generation;
+    } else {
+      ++disk.misses;
+    }
+  }
+  return nullptr;
+}
+
+COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::Impl::read_disk(const CacheKey& key, const std::string& path,
+                                                                          uint64_t generation) {
+  std::string why;
+  std::optional<DocumentKV> kv;
+  try {
+    kv = detail::store::deserialize(path, key, why);
+  } catch (const std::exception& e) {  // comb::Error, c10::Error, std::bad_alloc: a bad file, not a crash
+    why = e.what();
+  }
+  // A file written by a store of another storage dtype is converted, like every entry.
+  if (kv && kv->dtype() != dtype_for(*kv)) *kv = kv->to(at::kCPU, dtype_for(*kv));
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = disk_files.find(key);
+  if (!kv) {
+    ++disk.misses;
+    // Evicted while it was read: a miss. Still the file that was read: bad, dropped to be recomputed.
+    if (it != disk_files.end() && it->second.generation == generation) {
       ++corrupt;
       log(LogLevel::warning, "cache store: dropped corrupt entry {} ({})", key.hex(), why);
       disk_remove(key, /*evicted=*/false);
     }
-    ++disk.misses;
+    return nullptr;
   }
-  return nullptr;
+  ++disk.hits;
+  if (it != disk_files.end()) {
+    disk_lru.erase(it->second.lru);
+    disk_lru.push_front(key);
+    it->second.lru = disk_lru.begin();
+  }
+  // Another caller may have stored it while this one read: theirs stands.
+  for (auto& tier : memory)
+    if (auto m = tier.slots.find(key); m != tier.slots.end()) return m->second.kv;
+  return insert(0, key, std::make_shared<const DocumentKV>(std::move(*kv)));
 }
 
 COMB_INLINE std::shared_ptr<const DocumentKV> PICacheStore::put(const CacheKey& key, const DocumentKV& kv) {
