@@ -1,6 +1,9 @@
 // comb bench: prefill and decode throughput, placing cached tokens, the tokenizer, a decode profile, memory.
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
+#include <stdlib.h>
+
+#include <filesystem>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -549,6 +552,73 @@ void bench_tokenize(Bench& b, int64_t n_tokenize) {
     fmt::print("{:<8} {:>6} chars   {:>10.1f} chars/s  ({} tokens)\n", "tokenize", n_tokenize, cps, n_ids);
 }
 
+// put() of `n` documents' caches (the decoder's K/V of 128 tokens, on its device and in its dtype:
+// what naive reuse stores) into a store with a memory tier and a disk tier in a new folder under
+// `parent`, the disk writes queued for the store's writer (the default) or waited for one by one
+// (disk_queue_bytes 0: as every put() did before the writer), the two alternated round by round;
+// and the time flush() then takes to write what is queued.
+void bench_store_put(Bench& b, int64_t n, const std::string& parent) {
+  namespace fs = std::filesystem;
+  const comb::ModelConfig& c = b.model.config();
+  const int64_t tokens = 128;
+  comb::DocumentKV kv;
+  kv.n_tokens = tokens;
+  const auto options = at::TensorOptions().device(b.dec.device()).dtype(b.dec.dtype());
+  for (int64_t l = 0; l < c.n_layer; ++l) {
+    kv.keys.push_back(at::randn({c.n_head_kv, tokens, c.head_dim}, options));
+    kv.values.push_back(at::randn({c.n_head_kv, tokens, c.head_dim}, options));
+  }
+  std::string pattern = (fs::path(parent.empty() ? fs::temp_directory_path().string() : parent) / "comb-bench-store-XXXXXX").string();
+  COMB_CHECK(::mkdtemp(pattern.data()) != nullptr, "--store-put: cannot make a folder under '{}'", fs::path(pattern).parent_path().string());
+  const std::string root = pattern;
+  const int64_t queue_default = comb::StoreOptions{}.disk_queue_bytes;
+  std::map<int64_t, std::vector<double>> put_us, flush_ms;  // by queue bytes: medians of each round
+  try {
+    for (int r = 0; r < b.repeat; ++r)
+      for (int64_t queue : {queue_default, int64_t(0)}) {
+        comb::StoreOptions o;
+        o.host_bytes = int64_t(4) << 30;
+        o.disk_bytes = int64_t(4) << 30;
+        o.disk_dir = fmt::format("{}/r{}-q{}", root, r, queue);
+        o.disk_queue_bytes = queue;
+        comb::PICacheStore store(o);
+        std::vector<double> us;
+        for (int64_t i = 0; i < n; ++i) {
+          const comb::CacheKey key = comb::PICacheStore::key({static_cast<int32_t>(i), r}, "bench");
+          auto t0 = Bench::now();
+          store.put(key, kv);
+          us.push_back(std::chrono::duration<double, std::micro>(Bench::now() - t0).count());
+        }
+        auto t0 = Bench::now();
+        store.flush();
+        flush_ms[queue].push_back(std::chrono::duration<double, std::milli>(Bench::now() - t0).count());
+        put_us[queue].push_back(median(us));
+        const comb::StoreStats s = store.stats();
+        COMB_CHECK(s.disk.entries == n && s.write_errors == 0, "--store-put: {} of {} entries written, {} failed",
+                   s.disk.entries, n, s.write_errors);
+      }
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(root, ec);
+    throw;
+  }
+  std::error_code ec;
+  fs::remove_all(root, ec);
+  const double queued = median(put_us[queue_default]), waited = median(put_us[0]);
+  const double drain = median(flush_ms[queue_default]);
+  const double mib = double(kv.bytes()) / double(1 << 20);
+  if (b.json)
+    std::cout << nlohmann::json{{"bench", "store_put"}, {"entries", n}, {"entry_mib", mib},
+                                {"queued_put_us", queued}, {"waited_put_us", waited}, {"ratio", waited / queued},
+                                {"queued_flush_ms", drain}}
+                     .dump()
+              << std::endl;
+  else
+    fmt::print("store    {:>6} puts    {:>10.1f} us a put, disk writes queued; {:.1f} us waiting for each write "
+               "({:.1f}x); entries of {:.2f} MiB, {:.1f} ms to write the queue\n",
+               n, queued, waited, waited / queued, mib, drain);
+}
+
 // Resident memory now and at its peak (the whole process: LibTorch, the model, the runs above).
 void bench_memory(const Bench& b) {
   const bool json = b.json;
@@ -607,6 +677,10 @@ int cmd_bench(Args& args) {
                             model.config().n_ctx, n_place));
   const int64_t n_sample = args.num<int64_t>("sample", 0);
   if (n_sample < 0) throw Error("--sample: expected a number of draws >= 0, found " + std::to_string(n_sample));
+  const int64_t n_store = args.num<int64_t>("store-put", 0);
+  if (n_store < 0 || n_store > 100000)
+    throw Error("--store-put: expected a number of puts in [0, 100000], found " + std::to_string(n_store));
+  const std::string store_parent = args.str("cache-dir");
   int64_t n_tokenize = args.num<int64_t>("tokenize", 0);
   if (n_tokenize < 0) throw Error("--tokenize: expected a number of characters >= 0, found " + std::to_string(n_tokenize));
   int repeat = std::max(1, args.num<int>("repeat", 3));
@@ -632,6 +706,7 @@ int cmd_bench(Args& args) {
     if (o.temperature == 0) o.temperature = 1.0f;  // a draw, not the argmax
     bench_sample(b, n_sample, o);
   }
+  if (n_store > 0) bench_store_put(b, n_store, store_parent);
   bench_memory(b);
   return 0;
 }

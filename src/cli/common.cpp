@@ -42,7 +42,7 @@ void check_numbers(const Args& args) {
                         "items", "kv-mb", "limit", "log-every", "max-docs", "max-document-tokens", "max-documents",
                         "max-new-tokens", "max-queued", "max-request-document-tokens", "max-connections", "max-connections-per-client", "max-running", "max-tokens", "max-tokens-in-flight", "min-docs",
                         "min-documents", "offset", "pairs-per-document", "place", "port", "prefill-chunk",
-                        "prefix-block", "sample", "save-every", "steps", "teacher-tokens", "teacher-top-k", "tokenize", "top-k",
+                        "prefix-block", "sample", "save-every", "steps", "store-put", "teacher-tokens", "teacher-top-k", "tokenize", "top-k",
                         "warm", "warmup"})
     probe.num<int64_t>(o, 0);
   for (const char* o : {"comb-recompute-linked", "consecutive-documents", "cpu-kernels", "documents-after-prefix", "encoder-prefix", "mixed-step", "profile", "reading-check",

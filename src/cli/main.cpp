@@ -258,6 +258,10 @@ bench options:
   --sample N             also time N draws of a token from the model's logits (--temperature, default
                          1, and --top-p) against the same draws ordering the whole vocabulary
                          (default 0: off)
+  --store-put N          also time N put() calls of a document's cache (the decoder's K/V of 128
+                         tokens) into a store with a disk tier in a new folder under --cache-dir
+                         (default: the temporary folder), its writes queued (the default) against
+                         waited for one by one (--cache-queue-mb 0), alternated (default 0: off)
   --repeat N             runs per figure; the median is reported (default 3)
   --profile 0|1          also profile --decode-tokens decode steps: time per step by operation (its own
                          time, without the operations it calls), and the time outside every operation
