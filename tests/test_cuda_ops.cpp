@@ -6,9 +6,11 @@
 #include <ATen/record_function.h>
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <future>
+#include <thread>
 #include <optional>
 #include <string>
 
@@ -423,6 +425,68 @@ TEST_CASE("the fused CUDA layers and the one-launch decoding step match the gene
   // Past the cache: an error naming it, nothing launched.
   CHECK_THROWS_WITH(replayed->run({1}, 32, bk, bv, {}), Catch::Contains("past the cache's capacity 32"));
   CHECK_THROWS_WITH(replayed->run({1, 2, 3}, 30, bk, bv, {}), Catch::Contains("3 rows at position 30 past"));
+}
+
+TEST_CASE("CUDA graphs are captured while the store's writer copies device entries to the host", "[ops][cuda]") {
+  if (!cuda_ops_here()) return;
+  c10::InferenceMode guard;
+  Model bf16 = cuda_bf16_model();
+  const Decoder& d = bf16.decoder();
+  const c10::Device cuda = d.device();
+  StoreOptions options;
+  options.device = cuda;
+  options.device_bytes = int64_t(64) << 20;
+  options.host_bytes = 0;
+  options.disk_bytes = int64_t(1) << 30;
+  options.disk_dir = temp_dir("capture-disk");
+  options.disk_queue_bytes = int64_t(8) << 20;  // the writer busy throughout
+  PICacheStore store(options);
+  std::atomic<bool> stop{false}, failed{false};
+  std::atomic<int> put{0};
+  // Another thread puts entries of 4 MiB made on the device; the store's writer copies each to the
+  // host (on a stream of its own) while this thread captures graphs. A capture in the global mode
+  // refuses the writer's copies (a failed write) or is broken by them.
+  std::thread producer([&] {
+    try {
+      c10::InferenceMode inner;
+      for (int i = 0; !stop && i < 100000; ++i) {
+        DocumentKV kv;
+        kv.n_tokens = 512;
+        for (int b = 0; b < 4; ++b) {
+          kv.keys.push_back(at::rand({4, 512, 64}, at::TensorOptions().device(cuda)));
+          kv.values.push_back(at::rand({4, 512, 64}, at::TensorOptions().device(cuda)));
+        }
+        store.put(PICacheStore::key({i}, "capture"), kv);
+        ++put;
+      }
+    } catch (...) {
+      failed = true;
+    }
+  });
+  while (put < 2 && !failed) std::this_thread::yield();
+  const auto spec = d.decode_step_spec();
+  const auto& c = d.config();
+  for (int k = 0; k < 6 && !failed; ++k) {
+    auto launched = decode_step(spec, /*graph=*/false, /*fused_attention=*/false);
+    auto replayed = decode_step(spec, /*graph=*/true, /*fused_attention=*/false);  // captured at its first run
+    KVCache a = d.make_cache(1, 8), b = d.make_cache(1, 8);
+    std::vector<at::Tensor> ak, av, bk, bv;
+    for (int64_t l = 0; l < c.n_layer; ++l)
+      ak.push_back(a.keys(l)), av.push_back(a.values(l)), bk.push_back(b.keys(l)), bv.push_back(b.values(l));
+    for (int64_t pos = 0; pos < 3; ++pos) {
+      const int64_t token = 1000 + 37 * k + pos;
+      INFO("graph " << k << ", position " << pos);
+      REQUIRE(at::equal(launched->run({token}, pos, ak, av, {}), replayed->run({token}, pos, bk, bv, {})));
+    }
+  }
+  stop = true;
+  producer.join();
+  REQUIRE_FALSE(failed);
+  store.flush();
+  const StoreStats s = store.stats();
+  CHECK(s.write_errors == 0);
+  CHECK(s.disk.entries + s.disk.evictions == put.load());  // every entry written (the oldest evicted past 1 GiB)
+  remove_dir(options.disk_dir);
 }
 
 TEST_CASE("bf16 on CUDA is as close to float32 as transformers' bf16 on the same weights", "[ops][cuda]") {

@@ -1392,6 +1392,53 @@ TEST_CASE("the device tier demotes to host memory and promotes back (CUDA)", "[s
   CHECK(holds(std::make_shared<const DocumentKV>(kv->to(c10::kCPU, at::kFloat)), 0));
 }
 
+TEST_CASE("the disk tier writes a device entry after the work that makes it (CUDA)", "[store][cuda]") {
+  if (!comb::cuda_available()) {
+    WARN("no CUDA device: the disk tier's writes of device entries are not checked here");
+    return;
+  }
+  const c10::Device cuda(c10::kCUDA, 0);
+  StoreOptions options;
+  options.device = cuda;
+  options.device_bytes = int64_t(1) << 30;
+  options.disk_bytes = int64_t(1) << 30;
+  options.disk_dir = temp_dir("cuda-disk");
+  std::vector<at::Tensor> made;
+  {
+    PICacheStore store(options);
+    for (int i = 0; i < 4; ++i) {
+      // The entry is the end of a chain of products queued on the current stream (milliseconds of
+      // work), put at once: a write that did not wait for it would read other numbers.
+      at::Tensor x = at::rand({2048, 2048}, at::TensorOptions().device(cuda));
+      for (int j = 0; j < 20; ++j) x = at::sin(at::mm(x, x));
+      DocumentKV kv;
+      kv.n_tokens = 64;
+      for (int64_t b = 0; b < 2; ++b) {
+        kv.keys.push_back(x.narrow(0, 64 * b, 64).view({1, 64, 2048}));
+        kv.values.push_back(x.narrow(0, 128 + 64 * b, 64).view({1, 64, 2048}));
+      }
+      store.put(key_of(i), kv);
+      made.push_back(x);
+    }
+    store.flush();
+    CHECK(store.stats().disk.entries == 4);
+    CHECK(store.stats().write_errors == 0);
+  }
+  StoreOptions reader = options;  // the files alone, read on the host
+  reader.device = c10::kCPU;
+  reader.host_bytes = 0;
+  PICacheStore files(reader);
+  for (int i = 0; i < 4; ++i) {
+    auto kv = files.get(key_of(i));
+    REQUIRE(kv);
+    const at::Tensor want = made[static_cast<size_t>(i)].cpu();
+    for (int64_t b = 0; b < 2; ++b) {
+      CHECK(at::equal(kv->keys[b].view({64, 2048}), want.narrow(0, 64 * b, 64)));
+      CHECK(at::equal(kv->values[b].view({64, 2048}), want.narrow(0, 128 + 64 * b, 64)));
+    }
+  }
+}
+
 TEST_CASE("the host tier beside a CUDA device tier is page-locked and promotes on a side stream", "[store][cuda]") {
   if (!comb::cuda_available()) {
     WARN("no CUDA device: the page-locked host tier is not checked here");
