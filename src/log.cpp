@@ -16,7 +16,11 @@ void set_log_callback(LogCallback callback) { log_callback() = std::move(callbac
 namespace detail {
 bool log_enabled() { return static_cast<bool>(log_callback()); }
 void log_message(LogLevel level, const std::string& message) {
-  if (log_callback()) log_callback()(level, message);
+  if (!log_callback()) return;
+  try {  // a message that cannot be written (a full disk under stderr) is lost, and the caller goes on
+    log_callback()(level, message);
+  } catch (...) {
+  }
 }
 }  // namespace detail
 

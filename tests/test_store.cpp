@@ -215,6 +215,24 @@ TEST_CASE("the disk tier is written in the background: queued entries are found,
     store.flush();
     CHECK(store.stats().disk.entries == 12);
   }
+  SECTION("callers take turns: threads putting into a one-entry queue, one entry over the bound, all written") {
+    options.disk_dir = temp_dir("queue-turns");
+    options.disk_queue_bytes = file_bytes;
+    PICacheStore store(options);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t)
+      threads.emplace_back([&, t] {
+        for (int i = 0; i < 10; ++i) store.put(key_of(100 * t + i), entry(t + i));
+        if (t == 0) store.put(key_of(1000), entry(7, 64));  // 8x the bound: waits for an empty queue, in turn
+      });
+    for (auto& th : threads) th.join();
+    store.flush();
+    const StoreStats s = store.stats();
+    CHECK(s.disk.entries == 41);
+    CHECK(s.disk_queued == 0);
+    CHECK(s.write_errors == 0);
+    CHECK(holds(store.get(key_of(1000)), 7));
+  }
   SECTION("an entry larger than the disk budget is not queued") {
     options.disk_dir = temp_dir("too-big");
     options.disk_bytes = file_bytes - 1;

@@ -29,8 +29,8 @@ struct StoreOptions {
   // The disk tier is written by a thread of the store's own: put() queues an entry and returns
   // (an entry on a device is copied to the host there, after the work queued on the device's
   // current stream at put(); until then it holds its device memory, even if evicted). When more
-  // than this many bytes wait, put() waits for the writer (0: put() returns once its own entry is
-  // written). A queued entry is found by get() as a disk hit; flush() and the destructor wait for
+  // than this many bytes would wait, put() waits for the writer, callers in the order they came (0:
+  // put() returns once its own entry is written; an entry over the bound waits for an empty queue). A queued entry is found by get() as a disk hit; flush() and the destructor wait for
   // every queued write.
   int64_t disk_queue_bytes = int64_t(256) << 20;
   // Storage dtype of K/V: float32, bfloat16, float16, int8 (kChar: float16 scales, keys per
@@ -75,7 +75,7 @@ struct StoreStats {
   int64_t remote_dropped = 0;   // writes not made: the tier was off, or too much was queued
   bool remote_online = false;   // a remote tier is set and not in a back-off period
   int64_t corrupt = 0;      // disk entries that failed their checks (dropped, to be recomputed)
-  int64_t write_errors = 0; // disk writes that failed (the entry stays in memory)
+  int64_t write_errors = 0; // disk writes that failed (the entry is not on disk; in memory while a tier keeps it)
   int64_t disk_queued = 0;  // entries queued for the disk tier, not yet written
 };
 

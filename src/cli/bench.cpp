@@ -553,10 +553,11 @@ void bench_tokenize(Bench& b, int64_t n_tokenize) {
 }
 
 // put() of `n` documents' caches (the decoder's K/V of 128 tokens, on its device and in its dtype:
-// what naive reuse stores) into a store with a memory tier and a disk tier in a new folder under
-// `parent`, the disk writes queued for the store's writer (the default) or waited for one by one
-// (disk_queue_bytes 0: as every put() did before the writer), the two alternated round by round;
-// and the time flush() then takes to write what is queued.
+// what naive reuse stores) into a store with memory tiers (on a GPU a device tier first, as a
+// server's) and a disk tier in a new folder under `parent`, the disk writes queued for the store's
+// writer (the default) or waited for one by one (disk_queue_bytes 0: as every put() did before the
+// writer), the two alternated round by round; and the time flush() then takes to write what is
+// queued. Each round's folder is removed once it is checked.
 void bench_store_put(Bench& b, int64_t n, const std::string& parent) {
   namespace fs = std::filesystem;
   const comb::ModelConfig& c = b.model.config();
@@ -573,21 +574,27 @@ void bench_store_put(Bench& b, int64_t n, const std::string& parent) {
   const std::string root = pattern;
   const int64_t queue_default = comb::StoreOptions{}.disk_queue_bytes;
   std::map<int64_t, std::vector<double>> put_us, flush_ms;  // by queue bytes: medians of each round
+  const int64_t file_bytes = 72 + kv.bytes();  // the disk format's header (docs/formats.md) and the entry
   try {
     for (int r = 0; r < b.repeat; ++r)
       for (int64_t queue : {queue_default, int64_t(0)}) {
         comb::StoreOptions o;
-        o.host_bytes = int64_t(4) << 30;
-        o.disk_bytes = int64_t(4) << 30;
+        o.host_bytes = n * kv.bytes();
+        if (b.dec.device().is_cuda()) {
+          o.device = b.dec.device();
+          o.device_bytes = n * kv.bytes();
+        }
+        o.disk_bytes = n * file_bytes;  // every entry kept
         o.disk_dir = fmt::format("{}/r{}-q{}", root, r, queue);
         o.disk_queue_bytes = queue;
-        comb::PICacheStore store(o);
-        std::vector<double> us;
-        for (int64_t i = 0; i < n; ++i) {
-          const comb::CacheKey key = comb::PICacheStore::key({static_cast<int32_t>(i), r}, "bench");
-          auto t0 = Bench::now();
-          store.put(key, kv);
-          us.push_back(std::chrono::duration<double, std::micro>(Bench::now() - t0).count());
+        {
+          comb::PICacheStore store(o);
+          std::vector<double> us;
+          for (int64_t i = 0; i < n; ++i) {
+            const comb::CacheKey key = comb::PICacheStore::key({static_cast<int32_t>(i), r}, "bench");
+            auto t0 = Bench::now();
+            store.put(key, kv);
+            us.push_back(std::chrono::duration<double, std::micro>(Bench::now() - t0).count());
         }
         auto t0 = Bench::now();
         store.flush();
@@ -596,6 +603,9 @@ void bench_store_put(Bench& b, int64_t n, const std::string& parent) {
         const comb::StoreStats s = store.stats();
         COMB_CHECK(s.disk.entries == n && s.write_errors == 0, "--store-put: {} of {} entries written, {} failed",
                    s.disk.entries, n, s.write_errors);
+        }
+        std::error_code ec;
+        fs::remove_all(o.disk_dir, ec);
       }
   } catch (...) {
     std::error_code ec;

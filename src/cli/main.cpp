@@ -260,8 +260,8 @@ bench options:
                          (default 0: off)
   --store-put N          also time N put() calls of a document's cache (the decoder's K/V of 128
                          tokens) into a store with a disk tier in a new folder under --cache-dir
-                         (default: the temporary folder), its writes queued (the default) against
-                         waited for one by one (--cache-queue-mb 0), alternated (default 0: off)
+                         (default: the temporary folder), its writes queued (256 MiB) against
+                         waited for one by one (as with --cache-queue-mb 0), alternated (default 0: off)
   --repeat N             runs per figure; the median is reported (default 3)
   --profile 0|1          also profile --decode-tokens decode steps: time per step by operation (its own
                          time, without the operations it calls), and the time outside every operation

@@ -92,7 +92,7 @@ std::string Metrics::text(const ServeStats& s, const std::optional<GuardedServer
   for (auto& [t, st] : tiers) out += fmt::format("comb_cache_evictions_total{{tier=\"{}\"}} {}\n", t, st->evictions);
   counter("comb_cache_corrupt_total", "Disk or Redis entries that failed their checks (dropped, recomputed)",
           s.store.corrupt);
-  counter("comb_cache_write_errors_total", "Disk writes that failed (the entry kept in memory only)",
+  counter("comb_cache_write_errors_total", "Disk writes that failed (the entry not on disk)",
           s.store.write_errors);
   gauge("comb_cache_disk_queued", "Documents waiting to be written to the disk tier", s.store.disk_queued);
   gauge("comb_prefix_cache_bytes", "Bytes of the prefix cache", s.prefix_bytes);

@@ -361,6 +361,9 @@ struct PICacheStore::Impl {
   int64_t disk_queued_bytes = 0;
   // Writes queued so far, and how many of the first ones have ended (written or failed).
   uint64_t disk_queued_seq = 0, disk_done_seq = 0;
+  // Callers of disk_write() take a ticket and are let into the queue in that order, so that a large
+  // entry waiting for room is not overtaken for ever by smaller ones.
+  uint64_t disk_tickets = 0, disk_admitting = 0;
   bool writer_stop = false;
   std::condition_variable disk_work, disk_progress;
   std::thread writer;
@@ -473,21 +476,35 @@ struct PICacheStore::Impl {
     if (!disk_enabled() || known()) return;
     const int64_t bytes = static_cast<int64_t>(sizeof(detail::store::DiskHeader)) + kv->bytes();
     if (bytes > options.disk_bytes) return;  // could never be written (serialize() makes exactly these bytes)
+    const uint64_t ticket = disk_tickets++;
+    struct Turn {  // the next caller's turn, however this one leaves
+      Impl& impl;
+      ~Turn() {
+        ++impl.disk_admitting;
+        impl.disk_progress.notify_all();
+      }
+    };
     try {
-      disk_progress.wait(lock, [&] { return disk_queued_bytes + bytes <= options.disk_queue_bytes || disk_pending.empty(); });
+      disk_progress.wait(lock, [&] {
+        return disk_admitting == ticket &&
+               (disk_queued_bytes + bytes <= options.disk_queue_bytes || disk_pending.empty());
+      });
+      const Turn turn{*this};
       if (known()) return;  // queued or written by another caller meanwhile
       std::shared_ptr<const c10::Event> ready = detail::store::readiness_of(*kv);
+      const uint64_t seq = disk_queued_seq + 1;
       disk_queue.push_back(key);
       try {
-        disk_pending.emplace(key, PendingWrite{std::move(kv), std::move(ready), ++disk_queued_seq});
+        disk_pending.emplace(key, PendingWrite{std::move(kv), std::move(ready), seq});
       } catch (...) {
         disk_queue.pop_back();
         throw;
       }
+      disk_queued_seq = seq;
       disk_queued_bytes += bytes;
     } catch (const std::exception& e) {
       ++write_errors;
-      log(LogLevel::warning, "cache store: an entry could not be queued for the disk, it stays in memory only: {}",
+      log(LogLevel::warning, "cache store: an entry could not be queued for the disk, it is not written there: {}",
           e.what());
       return;
     }
@@ -521,7 +538,7 @@ struct PICacheStore::Impl {
       if (!lock.owns_lock()) lock.lock();
       if (!failure.empty()) {
         ++write_errors;
-        log(LogLevel::warning, "cache store: disk write failed, the entry stays in memory only: {}", failure);
+        log(LogLevel::warning, "cache store: disk write failed, the entry is not on disk: {}", failure);
       }
       disk_pending.erase(key);
       disk_queued_bytes -= queued;
