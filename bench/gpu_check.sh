@@ -31,7 +31,8 @@
 #    (--temperature 0.8);
 # 10. the document store's host tier (1b): warm requests with a device tier of 8 MiB (comb bench
 #    --device-cache-mb), most documents promoted from the host tier at each, its entries in
-#    pageable then page-locked memory (COMB_CUDA_PINNED_HOST=0, 1);
+#    pageable then page-locked memory (COMB_CUDA_PINNED_HOST=0, 1); then put() of device entries
+#    with a disk tier, its writes queued against waited for (comb bench --store-put; store-put-1b.txt);
 # 11. tests/greedy/same_tokens.py on cuda in float32 (the random 135m model, a fresh plug-in):
 #    comb serve's greedy answers, alone and batched, equal comb eval's on the same device;
 # 12. where a decoding step's GPU time goes (1b and 8b, bf16): the step timed (comb bench; and with
@@ -50,7 +51,7 @@
 # gpu.txt, gpu.err.txt, gpu-raw.txt, pic-profile-1b.txt, varlen-1b.txt, graphs-1b.txt,
 # step-rows-1b.txt, pic-ab.err.txt, batch-decode-8b-graphs{0,1}.txt, batch-decode-8b-sampled.txt, serve-8b.txt, serve-8b.log,
 # serve-8b-unmixed.txt, serve-8b-unmixed.log, serve-8b-plain.txt, serve-8b-plain.log,
-# host-tier-1b.txt, same-tokens-cuda.txt, decode-kernels-{1b,8b}.txt and their ncu tables
+# host-tier-1b.txt, store-put-1b.txt, same-tokens-cuda.txt, decode-kernels-{1b,8b}.txt and their ncu tables
 # decode-kernels-{1b,8b}-{node,graph}.csv, models.log); a summary to stdout. COMB_BIN and
 # COMB_TESTS name the binaries (default build/comb, build/tests/comb_tests); python3 with torch and
 # transformers is needed.
@@ -267,6 +268,11 @@ step10() {  # the document store's host tier (1b)
     COMB_CUDA_PINNED_HOST=$p timeout "$(limit 60)" "$comb" "${pic[@]}" --pic-methods full,naive,comb --repeat 3 \
       --device-cache-mb 8 2>> "$out/pic-ab.err.txt" | sed "s/^/pinned=$p /"
   done | tee "$out/host-tier-1b.txt"
+  # put() of device entries into a store with a disk tier: the writes queued (an event recorded, the
+  # copy on the writer's stream) against waited for one by one.
+  timeout "$(limit 60)" "$comb" bench --model "$work/1b" --device cuda --dtype bfloat16 --prompt-tokens 8 \
+    --decode-tokens 0 --store-put 10 --repeat 3 --cache-dir "$work" 2>> "$out/pic-ab.err.txt" | grep -E "^store" \
+    | tee "$out/store-put-1b.txt"
 }
 
 step11() {  # greedy answers of comb eval, comb serve and comb generate on cuda float32 (135m)
@@ -343,10 +349,10 @@ title=([1]='comb_tests [cuda]' [2]='greedy answers, cuda float32 against the CPU
   [7]='comb serve on the 8b shape (bf16) under comb loadgen'
   [8]='the same without the mixed step (prompts'"'"' pieces between the decoding steps)'
   [9]='comb serve on the 8b shape under a plain decoding load (16 and 64 clients)'
-  [10]='the document store'"'"'s host tier: a device tier of 8 MiB, pageable then page-locked (1b)'
+  [10]='the document store'"'"'s host tier: a device tier of 8 MiB, pageable then page-locked; disk writes queued (1b)'
   [11]='greedy answers of comb eval, comb serve (alone and batched) and comb generate on cuda, float32 (135m)'
   [12]='a decoding step'"'"'s kernels under Nsight Compute (1b, 8b; bf16)')
-need=([1]=90 [2]=45 [3]=180 [4]=45 [5]=90 [6]=120 [7]=120 [8]=70 [9]=80 [10]=45 [11]=90 [12]=180)
+need=([1]=90 [2]=45 [3]=180 [4]=45 [5]=90 [6]=120 [7]=120 [8]=70 [9]=80 [10]=70 [11]=90 [12]=180)
 for n in ${COMB_GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8 9 10 11 12}; do
   if ! [[ $n =~ ^[1-9][0-9]*$ ]] || [ -z "${title[$n]:-}" ]; then
     echo "no step $n (1 to 12)"
