@@ -469,8 +469,9 @@ struct PICacheStore::Impl {
   // entry on a device, for the device to finish the work that makes it (readiness_of()). The
   // queue's memory is bounded and no write is dropped: while the entries waiting and this one
   // would take more than StoreOptions::disk_queue_bytes, this waits for the writer (an entry over
-  // the bound alone waits for an empty queue, then for its own write). Never throws: an entry that
-  // cannot be queued is a failed write (logged, counted), kept in memory.
+  // the bound alone waits for an empty queue, then for its own write; callers are let in in the
+  // order they came). Throws nothing: an entry that cannot be queued is a failed write (logged,
+  // counted), not on disk.
   void disk_write(std::unique_lock<std::mutex>& lock, const CacheKey& key, std::shared_ptr<const DocumentKV> kv) {
     auto known = [&] { return disk_files.count(key) || disk_pending.count(key); };
     if (!disk_enabled() || known()) return;
