@@ -56,13 +56,6 @@ COMB_INLINE at::Tensor ints_on(const at::Tensor& t, c10::Device device) {
 }
 }  // namespace detail::decoder
 
-COMB_INLINE at::Tensor detail::upload(const at::Tensor& t, c10::Device device) {
-  if (!device.is_cuda() || !t.device().is_cpu()) return t.to(device);
-  at::Tensor host = at::empty(t.sizes(), t.options().pinned_memory(true));
-  host.copy_(t);
-  return host.to(device, /*non_blocking=*/true);
-}
-
 COMB_INLINE at::Tensor detail::upload_ints(const std::vector<int64_t>& values, c10::ScalarType type,
                                            c10::Device device) {
   return decoder::upload_ints(values, type, device);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "comb/detail/decode_step.hpp"
+#include "comb/detail/upload.hpp"
 #include "comb/document_kv.hpp"
 #include "comb/error.hpp"
 #include "comb/store.hpp"  // cache_dtype_name
@@ -773,6 +774,19 @@ COMB_INLINE void dequantize_linked(std::vector<std::vector<at::Tensor>>& keys,
   }
 }
 
+// (Declared in comb/detail/upload.hpp; defined here, where documents' caches move to a device.)
+COMB_INLINE at::Tensor detail::upload(const at::Tensor& t, c10::Device device) {
+  if (!device.is_cuda() || !t.device().is_cpu()) return t.to(device);
+  at::Tensor host;
+  try {
+    host = at::empty(t.sizes(), t.options().pinned_memory(true));
+  } catch (const c10::Error&) {  // no page-locked memory left: the plain copy, which waits
+    return t.to(device);
+  }
+  host.copy_(t);
+  return host.to(device, /*non_blocking=*/true);
+}
+
 COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype) const {
   const c10::ScalarType from = keys.empty() || values.empty() ? c10::ScalarType::Undefined : this->dtype();
   // Already on `device` in `dtype`, every part contiguous: the same tensors, which is what the
@@ -796,18 +810,21 @@ COMB_INLINE DocumentKV DocumentKV::to(c10::Device device, c10::ScalarType dtype)
   const bool from_int8 = quantized();
   const bool to_codes = is_quantized_form(dtype);
   const float key_levels = dtype == kCacheInt4 ? 7.0f : 127.0f, value_levels = packs_int4(dtype) ? 7.0f : 127.0f;
+  // From the host to a CUDA device each part goes through page-locked memory, the host not waiting
+  // for the device's queue (detail::upload): a store's entry promoted from pageable host memory, or
+  // read from disk or Redis, no longer holds up the launches after it.
   for (size_t b = 0; b < keys.size(); ++b) {
-    at::Tensor k = keys[b].to(device), v = values[b].to(device);
+    at::Tensor k = detail::upload(keys[b], device), v = detail::upload(values[b], device);
     if (from_int8 && dtype == from) {  // already in this form: the same codes and scales, moved
       out.keys.push_back(k.contiguous());
       out.values.push_back(v.contiguous());
-      out.key_scales.push_back(key_scales.at(b).to(device).contiguous());
-      out.value_scales.push_back(value_scales.at(b).to(device).contiguous());
+      out.key_scales.push_back(detail::upload(key_scales.at(b), device).contiguous());
+      out.value_scales.push_back(detail::upload(value_scales.at(b), device).contiguous());
       continue;
     }
     if (from_int8) {  // back to float32 first
-      k = k.to(at::kFloat) * key_scales.at(b).to(device);
-      v = v.to(at::kFloat) * value_scales.at(b).to(device);
+      k = k.to(at::kFloat) * detail::upload(key_scales.at(b), device);
+      v = v.to(at::kFloat) * detail::upload(value_scales.at(b), device);
     }
     if (to_codes) {
       COMB_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && (!packs_int4(dtype) || k.size(2) % 2 == 0),
